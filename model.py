@@ -1,0 +1,389 @@
+"""Backbones: the real checkpoints, their tiny offline twins, and the plug that puts an adapter into attention.
+
+A backbone is a frozen Hugging Face vision-language model. The adapters of `adapters.py` act inside the
+*text decoder's self-attention* only (not the vision tower, the perceiver, or Idefics' gated cross-attention).
+They reach it through transformers' attention-function registry: we register one attention function,
+`calibrated_attention`, under the name "icl" (with the stock SDPA mask builder, without which transformers would
+silently pass no padding mask), switch the decoder's config to it, and hang one adapter on each self-attention
+module. The function hands the module's (rotary-embedded) queries, keys and values to the module's adapter; every
+other module falls through to the stock SDPA forward. No transformers forward is copied.
+
+Tiny twins (`tiny-idefics2`, ...) are the real model and processor classes built from small configs with seeded
+random weights and a byte-level BPE tokenizer trained locally, so every code path of the real model runs offline.
+"""
+import contextlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessorPil,
+                          Idefics2Processor, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
+                          IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
+                          LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
+                          LlavaOnevisionProcessor, LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil)
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from adapters import HiFICL, HyperICL
+
+ATTN_NAME = "icl"  # the attention implementation name our adapters run under
+METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL}
+
+
+@dataclass(frozen=True)
+class Family:
+    hub_id: str          # the checkpoint the paper uses
+    model_cls: type      # the transformers class that loads it
+
+
+FAMILIES = {
+    "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
+    "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
+    "llava-interleave": Family("llava-hf/llava-interleave-qwen-7b-hf", LlavaForConditionalGeneration),
+    "llava-onevision": Family("llava-hf/llava-onevision-qwen2-7b-ov-hf", LlavaOnevisionForConditionalGeneration),
+}
+CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-interleave",
+                "llava_onevision": "llava-onevision"}
+
+
+@dataclass
+class Backbone:
+    """A loaded backbone: the model (frozen, eval mode), its processor, its family and the name it was loaded by."""
+    model: torch.nn.Module
+    processor: object
+    family: str
+    name: str
+
+
+# ----------------------------------------------------------------------------------------------- attention plug
+
+def calibrated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention for one layer (Eq 3-8): the module's adapter if it has one, else transformers' SDPA forward.
+
+    query: [B, H, T, d_h]; key, value: [B, H_kv, S, d_h] (after rotary embedding and the KV cache);
+    attention_mask: bool [B, 1, T, S] (True = attend) or None for plain causal. Returns ([B, T, H, d_h], None).
+    """
+    adapter = getattr(module, "icl_adapter", None)
+    if adapter is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    groups = query.shape[1] // key.shape[1]  # grouped-query attention: adapters are per query head
+    out = adapter(query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_NAME, calibrated_attention)
+AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def decoder_self_attentions(model):
+    """The text decoder's self-attention modules, in layer order (the only places adapters go)."""
+    return [layer.self_attn for layer in model.get_decoder().layers]
+
+
+def attach(model, method="hyper-icl", **sizes):
+    """Hang a fresh `method` adapter on every decoder self-attention and route attention through it.
+
+    sizes: the adapter's sizes (rank=..., and n=... for HiFICL). Returns the adapters as a ModuleList.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    attns = decoder_self_attentions(model)
+    cfg = attns[0].config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    param = next(model.parameters())
+    for attn in attns:
+        attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(param.device)
+        cfg._attn_implementation = ATTN_NAME
+    model.icl_settings = {"method": method, **sizes}
+    return adapters(model)
+
+
+def adapters(model):
+    """The attached adapters, one per decoder layer."""
+    return torch.nn.ModuleList(attn.icl_adapter for attn in decoder_self_attentions(model))
+
+
+@contextlib.contextmanager
+def without_adapter(model):
+    """Run the backbone as it was, adapters bypassed (the teacher's forward)."""
+    cfg = decoder_self_attentions(model)[0].config
+    before = cfg._attn_implementation
+    cfg._attn_implementation = "sdpa"
+    try:
+        yield model
+    finally:
+        cfg._attn_implementation = before
+
+
+# ------------------------------------------------------------------------------------------------ save and load
+
+def _describe(backbone_name, model):
+    """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
+    attns = decoder_self_attentions(model)
+    cfg = attns[0].config
+    return {**model.icl_settings, "backbone": backbone_name, "layers": len(attns),
+            "heads": cfg.num_attention_heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+
+
+def atomic_save(tensors, path, metadata):
+    """Write safetensors to `path` atomically: a temporary file in the same folder, then a rename."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_adapter(path, backbone):
+    """Save only the adapter's parameters, with its settings as JSON in the safetensors metadata."""
+    settings = _describe(backbone.name, backbone.model)
+    atomic_save(adapters(backbone.model).state_dict(), path, {"settings": json.dumps(settings)})
+
+
+def read_settings(path):
+    """The settings stored with an adapter checkpoint."""
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        return json.loads(f.metadata()["settings"])
+
+
+def load_adapter(path, backbone):
+    """Attach the adapter saved at `path` to `backbone`; a checkpoint from another backbone shape fails clearly."""
+    saved = read_settings(path)
+    sizes = {k: v for k, v in saved.items() if k not in ("method", "backbone", "layers", "heads", "head_dim")}
+    attach(backbone.model, saved["method"], **sizes)
+    here = _describe(backbone.name, backbone.model)
+    diff = {k: (saved[k], here[k]) for k in ("layers", "heads", "head_dim") if saved[k] != here[k]}
+    if diff:
+        detach(backbone.model)
+        raise ValueError(f"adapter {path} was trained on {saved['backbone']!r}, which differs from "
+                         f"{backbone.name!r} in " + ", ".join(f"{k} (saved {a}, here {b})" for k, (a, b) in
+                                                              diff.items()))
+    adapters(backbone.model).load_state_dict(load_file(path))
+    return saved
+
+
+def detach(model):
+    """Remove the adapters and restore the stock SDPA attention."""
+    attns = decoder_self_attentions(model)
+    for attn in attns:
+        del attn.icl_adapter
+    attns[0].config._attn_implementation = "sdpa"
+    del model.icl_settings
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+
+def family_of(name):
+    """The family of a backbone name: a short name, `tiny-<family>`, or a hub id / local path of a family."""
+    short = name.removeprefix("tiny-")
+    if short in FAMILIES:
+        return short
+    config_file = os.path.join(name, "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            model_type = json.load(f).get("model_type")
+        if model_type in CONFIG_TYPES:
+            return CONFIG_TYPES[model_type]
+    for family, spec in FAMILIES.items():
+        if spec.hub_id == name:
+            return family
+    raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, "
+                     f"{sorted('tiny-' + f for f in FAMILIES)}, or a local path of one of those families")
+
+
+def freeze(model):
+    """No backbone parameter trains; eval mode (no dropout)."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_backbone(name, device=None, dtype=None, seed=0):
+    """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), or a tiny offline twin."""
+    family = family_of(name)
+    if name.startswith("tiny-"):
+        model, processor = TINY_BUILDERS[family](seed)
+        device = device or "cpu"
+        return Backbone(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
+    from transformers import AutoProcessor
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    path = FAMILIES[family].hub_id if name == family else name
+    model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    processor = AutoProcessor.from_pretrained(path)
+    return Backbone(freeze(model), processor, family, name)
+
+
+# --------------------------------------------------------------------------------------------------- tiny twins
+
+TINY_CORPUS = ("Answer the question about the image in a few words. Describe the image in one sentence. "
+               "Question: What colour is the shape? Short answer: red green blue yellow purple orange white black "
+               "Question: How many shapes are there? Short answer: one two three four five 0 1 2 3 4 5 6 7 8 9 "
+               "Question: Which shape is it? Short answer: circle square triangle star "
+               "Question: Is the shape on the left or the right? Short answer: left right top bottom yes no "
+               "Caption: a picture of a small big shape on a plain background with the of and in is are there.")
+
+
+def tiny_tokenizer(special, vocab_size=384, **named):
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens.
+
+    special: every special token, in id order after the 256 byte symbols' merges; named: bos_token=..., etc.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TINY_CORPUS] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+
+
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=4096)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   image_size=28, patch_size=14)
+
+
+def _seeded(model_cls, config, seed):
+    torch.manual_seed(seed)
+    return model_cls(config)
+
+
+def tiny_idefics2(seed=0):
+    """Idefics2 (Mistral text model with grouped-query attention, perceiver resampler) at toy size."""
+    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
+                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                          "<end_of_utterance>"]})
+    n_latents = 4
+    processor = Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 28,
+                                  "shortest_edge": 28}), tok, image_seq_len=n_latents)
+    config = Idefics2Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tok), num_key_value_heads=2, **TINY_TEXT,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id),
+        vision_config=TINY_VISION,
+        perceiver_config=dict(hidden_size=64, resampler_n_latents=n_latents, resampler_depth=1, resampler_n_heads=2,
+                              resampler_head_dim=16, num_key_value_heads=1),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)
+    return _seeded(Idefics2ForConditionalGeneration, config, seed), processor
+
+
+def tiny_idefics(seed=0):
+    """Idefics (LLaMA text model with gated cross-attention to a perceiver over CLIP features) at toy size."""
+    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
+                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                          "<end_of_utterance>"]})
+    processor = IdeficsProcessor(IdeficsImageProcessorPil(image_size=28), tok, image_size=28)
+    config = IdeficsConfig(
+        vocab_size=len(tok), additional_vocab_size=0, **{k: v for k, v in TINY_TEXT.items()}, cross_layer_interval=1,
+        pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        use_resampler=True, vision_config=dict(embed_dim=32, image_size=28, patch_size=14, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2),
+        perceiver_config=dict(use_resampler=True, resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                              resampler_head_dim=16))
+    return _seeded(IdeficsForVisionText2Text, config, seed), processor
+
+
+def _qwen_tokenizer():
+    tok = tiny_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
+                         eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>", "<video>"]})
+    return tok
+
+
+def _qwen_text(tok):
+    return dict(model_type="qwen2", vocab_size=len(tok), num_key_value_heads=2, **TINY_TEXT,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+
+
+def tiny_llava_interleave(seed=0):
+    """LLaVA-Interleave (Qwen text model, SigLIP vision tower, one token per patch) at toy size."""
+    tok = _qwen_tokenizer()
+    processor = LlavaProcessor(SiglipImageProcessorPil(size={"height": 28, "width": 28}), tok, patch_size=14,
+                               vision_feature_select_strategy="full")
+    config = LlavaConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
+                         **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
+                         image_token_index=tok.convert_tokens_to_ids("<image>"))
+    return _seeded(LlavaForConditionalGeneration, config, seed), processor
+
+
+class ImageOnlyOnevisionProcessor(LlavaOnevisionProcessor):
+    """LlavaOnevisionProcessor without its video processor (which needs torchvision; images never use it)."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument_name != "video_processor" or argument is not None:
+            super().check_argument_for_proper_class(argument_name, argument)
+
+
+def tiny_llava_onevision(seed=0):
+    """LLaVA-OneVision (Qwen2 text model, SigLIP vision tower, any-resolution tiling) at toy size."""
+    tok = _qwen_tokenizer()
+    pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
+    processor = ImageOnlyOnevisionProcessor(
+        LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints), tok, None,
+        num_image_tokens=4, vision_feature_select_strategy="full")
+    config = LlavaOnevisionConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
+                                  **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                  image_grid_pinpoints=pinpoints, image_token_index=tok.convert_tokens_to_ids("<image>"))
+    return _seeded(LlavaOnevisionForConditionalGeneration, config, seed), processor
+
+
+TINY_BUILDERS = {"idefics2": tiny_idefics2, "idefics": tiny_idefics, "llava-interleave": tiny_llava_interleave,
+                 "llava-onevision": tiny_llava_onevision}
+
+
+# ------------------------------------------------------------------------------ published sizes (no download)
+
+PUBLISHED = {  # the real checkpoints' configs, written out, for parameter counts and latency (weights don't matter)
+    "idefics2": lambda: Idefics2Config(
+        text_config=dict(model_type="mistral", vocab_size=32003, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           image_size=980, patch_size=14),
+        perceiver_config=dict(hidden_size=4096, resampler_n_latents=64, resampler_depth=3, resampler_n_heads=16,
+                              resampler_head_dim=96, num_key_value_heads=4),
+        image_token_id=32001, tie_word_embeddings=False),
+    "idefics": lambda: IdeficsConfig(
+        vocab_size=32000, additional_vocab_size=2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, cross_layer_interval=4, use_resampler=True,
+        vision_config=dict(embed_dim=1280, image_size=224, patch_size=14, intermediate_size=5120,
+                           num_hidden_layers=32, num_attention_heads=16),
+        perceiver_config=dict(use_resampler=True, resampler_n_latents=64, resampler_depth=6, resampler_n_heads=16,
+                              resampler_head_dim=96)),
+    "llava-interleave": lambda: LlavaConfig(
+        text_config=dict(model_type="qwen2", vocab_size=152000, hidden_size=4096, intermediate_size=11008,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                           num_hidden_layers=26, num_attention_heads=16, image_size=384, patch_size=14),
+        vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646),
+    "llava-onevision": lambda: LlavaOnevisionConfig(
+        text_config=dict(model_type="qwen2", vocab_size=152128, hidden_size=3584, intermediate_size=18944,
+                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                           num_hidden_layers=26, num_attention_heads=16, image_size=384, patch_size=14),
+        vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646),
+}
+
+
+def published_model(family, device="meta", dtype=torch.bfloat16):
+    """A real-size backbone of `family` built from its published config with random weights (no download).
+
+    On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed.
+    """
+    with torch.device(device):
+        model = FAMILIES[family].model_cls(PUBLISHED[family]()).to(dtype)
+    return freeze(model)
