@@ -88,8 +88,9 @@ class HyperICL(nn.Module):
 
     def gate(self, q):
         """Eq 9: g = sigmoid(LN(Q) w + b), one value per query token and head: [B, H, T, 1]."""
-        u = F.layer_norm(q.float(), q.shape[-1:])
-        return torch.sigmoid(torch.einsum("bhtd,hd->bht", u, self.w.float()) + self.b.float()[:, None])[..., None]
+        dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 in float32
+        u = F.layer_norm(q.to(dtype), q.shape[-1:])
+        return torch.sigmoid(torch.einsum("bhtd,hd->bht", u, self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
 
     def low_rank(self, q, k):
         """Eq 6: A = Q U_q and B = K U_k, each [B, H, *, r]."""

@@ -1,0 +1,139 @@
+"""The attention math of adapters.py against independent float64 references (Eq 2, Eq 3-9, HiFICL)."""
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters import HiFICL, HyperICL, decompose, decompose_hificl, joint_attention
+
+
+def rand(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def padding_mask(batch, T, S, seed):
+    """Causal + random left padding, as transformers builds it: bool [B, 1, T, S] with >= 1 key per row."""
+    g = torch.Generator().manual_seed(seed)
+    pads = torch.randint(0, max(1, S // 2), (batch,), generator=g)
+    keys = torch.arange(S) >= pads[:, None]                                        # [B, S]
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    mask = causal[None] & keys[:, None, :]
+    return (mask | ~mask.any(-1, keepdim=True))[:, None]  # a fully padded query row attends everything
+
+
+def naive_softmax_attention(logits, v):
+    """softmax written out: exp(x - max) / sum, then the weighted sum of values."""
+    e = torch.exp(logits - logits.max(-1, keepdim=True).values)
+    return (e / e.sum(-1, keepdim=True)) @ v
+
+
+@settings(max_examples=60)
+@given(T=st.integers(1, 6), T_D=st.integers(1, 6), extra=st.integers(0, 4), d=st.integers(1, 5),
+       scale=st.floats(0.1, 20), seed=st.integers(0, 2**16), masked=st.booleans())
+def test_decomposition_eq2(T, T_D, extra, d, scale, seed, masked):
+    S = T + extra
+    logits_D, logits = rand(2, T, T_D, seed=seed) * scale, rand(2, T, S, seed=seed + 1) * scale
+    V_D, V = rand(2, T_D, d, seed=seed + 2), rand(2, S, d, seed=seed + 3)
+    mask = padding_mask(2, T, S, seed)[:, 0] if masked else None
+    full = joint_attention(logits_D, logits, V_D, V, mask)
+    sa, sa_D, mu = decompose(logits_D, logits, V_D, V, mask)
+    torch.testing.assert_close((1 - mu) * sa + mu * sa_D, full, rtol=1e-12, atol=1e-12)
+    alpha, beta = decompose_hificl(logits_D, logits, V, mask)
+    torch.testing.assert_close(alpha * sa + beta @ V_D, full, rtol=1e-12, atol=1e-12)
+    # mu = Z1 / (Z1 + Z2) written out with exponentials (moderate logits only)
+    if scale < 5:
+        Z1 = torch.exp(logits_D).sum(-1, keepdim=True)
+        Z2 = torch.exp(logits if mask is None else logits.masked_fill(~mask, -math.inf)).sum(-1, keepdim=True)
+        torch.testing.assert_close(mu, Z1 / (Z1 + Z2), rtol=1e-12, atol=1e-12)
+
+
+def random_hyper_icl(H, d_h, r, seed):
+    torch.manual_seed(seed)
+    adapter = HyperICL(H, d_h, r).double()
+    for p in adapter.parameters():
+        torch.nn.init.normal_(p, std=0.7)
+    return adapter
+
+
+def explicit_hyper_icl(adapter, q, k, v, mask):
+    """Eq 3-9 per head with plain loops and a hand-written LN (no code shared with adapters.py)."""
+    B, H, T, d_h = q.shape
+    out = torch.empty_like(q)
+    for b in range(B):
+        for h in range(H):
+            Q, K = q[b, h], k[b, h]
+            ln = (Q - Q.mean(-1, keepdim=True)) / torch.sqrt(Q.var(-1, unbiased=False, keepdim=True) + 1e-5)
+            g = 1 / (1 + torch.exp(-(ln @ adapter.w[h] + adapter.b[h])))             # Eq 9
+            Delta = (Q @ adapter.U_q[h]) @ (K @ adapter.U_k[h]).T / math.sqrt(adapter.rank)  # Eq 6-7
+            S_tilde = Q @ K.T / math.sqrt(d_h) + g[:, None] * Delta                 # Eq 3, 5
+            S_tilde = S_tilde.masked_fill(~mask[b, 0], -math.inf)
+            out[b, h] = naive_softmax_attention(S_tilde, v[b, h])                   # Eq 8
+    return out
+
+
+@settings(max_examples=25)
+@given(T=st.integers(1, 7), extra=st.integers(0, 5), H=st.integers(1, 3), d_h=st.sampled_from([4, 8, 12]),
+       r=st.integers(1, 5), seed=st.integers(0, 2**16), padded=st.booleans())
+def test_hyper_icl_reference_and_fast_path_match_eq_3_to_9(T, extra, H, d_h, r, seed, padded):
+    S = T + extra                              # S > T: decoding steps / a prefix in the KV cache
+    adapter = random_hyper_icl(H, d_h, r, seed)
+    q, k, v = rand(2, H, T, d_h, seed=seed), rand(2, H, S, d_h, seed=seed + 1), rand(2, H, S, d_h, seed=seed + 2)
+    mask = padding_mask(2, T, S, seed) if padded else None
+    explicit_mask = mask if padded else torch.ones(T, S, dtype=torch.bool).tril(S - T).expand(2, 1, T, S)
+    want = explicit_hyper_icl(adapter, q, k, v, explicit_mask)
+    scaling = d_h ** -0.5
+    torch.testing.assert_close(adapter.reference(q, k, v, mask, scaling), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(adapter(q, k, v, mask, scaling), want, rtol=1e-10, atol=1e-10)
+
+
+def test_hyper_icl_fast_path_float32_relative_error():
+    adapter = random_hyper_icl(4, 64, 4, seed=3).float()
+    q, k, v = (rand(2, 4, 33, 64, seed=s, dtype=torch.float32) for s in (1, 2, 3))
+    mask = padding_mask(2, 33, 33, seed=4)
+    ref, fast = adapter.reference(q, k, v, mask, 0.125), adapter(q, k, v, mask, 0.125)
+    assert ((fast - ref).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_hyper_icl_starts_as_identity_and_counts_parameters():
+    adapter = HyperICL(32, 128, 4)
+    assert sum(p.numel() for p in adapter.parameters()) == 32 * (2 * 128 * 4 + 128 + 1)
+    q, k, v = rand(1, 32, 5, 128, seed=1), rand(1, 32, 5, 128, seed=2), rand(1, 32, 5, 128, seed=3)
+    base = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(adapter.double()(q, k, v, None, 128 ** -0.5), base, rtol=1e-12, atol=1e-12)
+    assert adapter.U_q.abs().sum() > 0  # U_k's gradient is A^T (...), zero if U_q were zero too
+
+
+def explicit_hificl(adapter, q, k, v, mask):
+    """softmax([q K_learn^T, q K^T] / sqrt(d_h)) [V_learn; V] with the mask on K only (via Eq 2's left side)."""
+    K_learn, V_learn = adapter.K_A @ adapter.K_B, adapter.V_A @ adapter.V_B
+    scaling = q.shape[-1] ** -0.5
+    logits_D = q @ K_learn.transpose(-1, -2) * scaling
+    logits = q @ k.transpose(-1, -2) * scaling
+    return joint_attention(logits_D, logits, V_learn.expand(len(q), -1, -1, -1), v, mask), (logits_D, logits)
+
+
+@settings(max_examples=25)
+@given(T=st.integers(1, 6), extra=st.integers(0, 4), n=st.integers(1, 5), r=st.integers(1, 4),
+       seed=st.integers(0, 2**16), padded=st.booleans())
+def test_hificl_is_the_joint_softmax_under_the_models_mask(T, extra, n, r, seed, padded):
+    S, H, d_h = T + extra, 2, 8
+    torch.manual_seed(seed)
+    adapter = HiFICL(H, d_h, n, r).double()
+    q, k, v = rand(2, H, T, d_h, seed=seed), rand(2, H, S, d_h, seed=seed + 1), rand(2, H, S, d_h, seed=seed + 2)
+    mask = padding_mask(2, T, S, seed) if padded else torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    # at initialisation (V_B = 0): alpha(q) SA(q, K, V), not SA(q, K, V)
+    want, (logits_D, logits) = explicit_hificl(adapter, q, k, v, mask)
+    alpha, _ = decompose_hificl(logits_D, logits, v, mask)
+    sa = logits.masked_fill(~mask, -math.inf).softmax(-1) @ v
+    torch.testing.assert_close(adapter(q, k, v, mask if padded else None, d_h ** -0.5), alpha * sa)
+    assert (alpha < 1).all()
+    # trained (V_B != 0): the joint softmax
+    torch.nn.init.normal_(adapter.V_B)
+    want, _ = explicit_hificl(adapter, q, k, v, mask)
+    torch.testing.assert_close(adapter(q, k, v, mask if padded else None, d_h ** -0.5), want, rtol=1e-10,
+                               atol=1e-10)
+
+
+def test_hificl_parameter_count():
+    assert sum(p.numel() for p in HiFICL(32, 128, 8, 8).parameters()) == 32 * 2 * 8 * (8 + 128)

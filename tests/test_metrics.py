@@ -1,0 +1,216 @@
+"""Metrics in evaluate.py against hand-checked values and the rules of the official evaluation code."""
+import math
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from evaluate import cider_d, multiple_choice_accuracy, normalize_vqa_answer, tokenize_caption, vqa_accuracy
+
+# -----------------------------------------------------------------------------
+# VQA normalisation (vqaEval.py processPunctuation / processDigitArticle)
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("Yes.", "yes"),                    # period not followed by a digit is deleted, then lowercased
+    ("5.", "5"),
+    ("2.5", "2.5"),                     # period followed by a digit is kept
+    ("e.g.", "eg"),
+    ("1,000", "1000"),                  # digit,digit comma: every punctuation mark is deleted
+    ("1,2 and x,y", "12 and xy"),       # ... including commas elsewhere in the string
+    ("x,y", "x y"),                     # no digit,digit and no adjacent space: mark becomes a space
+    ("hot-dog", "hot dog"),
+    ("hot - dog", "hot dog"),           # mark touching a space is deleted (double space then collapses)
+    ("yes!", "yes"),                    # '!' at the end touches no space -> space, stripped by split
+    ("what?!", "what"),
+    ("(left)", "left"),
+    ("it's", "it's"),                   # the apostrophe is not in the official punctuation list
+    ("two", "2"),                       # number words -> digits
+    ("None", "0"),
+    ("Ten dogs", "10 dogs"),
+    ("eleven", "eleven"),               # manualMap stops at ten
+    ("the cat", "cat"),                 # articles a/an/the removed
+    ("A an The dog", "dog"),
+    ("dont", "don't"),                  # contractions restored
+    ("Isnt it", "isn't it"),
+    ("somebody'd", "somebodyd"),        # an official table entry that goes the "wrong" way, kept
+    ("\n Two\tdogs \n", "2 dogs"),      # newline/tab -> space and strip come first
+])
+def test_normalize_vqa_answer(raw, expected):
+    assert normalize_vqa_answer(raw) == expected
+
+
+def test_period_strip_count_quirk():
+    # vqaEval passes re.UNICODE (= 32) as re.sub's count: only the first 32 periods are removed
+    assert normalize_vqa_answer("." * 40) == "." * 8
+
+
+# -----------------------------------------------------------------------------
+# VQA accuracy
+
+
+@pytest.mark.parametrize("k, expected", [(0, 0.0), (1, 0.3), (2, 0.6), (3, 0.9), (4, 1.0), (10, 1.0)])
+def test_vqa_accuracy_leave_one_out(k, expected):
+    # k of the ten answers equal the prediction. Leaving out a matching answer leaves k-1 matches,
+    # leaving out a non-matching one leaves k, so acc = [k*min(1,(k-1)/3) + (10-k)*min(1,k/3)] / 10:
+    # k=1: (1*0 + 9*1/3)/10 = 0.3;  k=2: (2*1/3 + 8*2/3)/10 = 0.6;  k=3: (3*2/3 + 7*1)/10 = 0.9;
+    # k=4: (4*1 + 6*1)/10 = 1.0
+    answers = ["cat"] * k + [f"dog{i}" for i in range(10 - k)]
+    assert vqa_accuracy("cat", answers) == pytest.approx(expected, abs=1e-12)
+
+
+def test_vqa_accuracy_all_identical_quirk():
+    # ten identical answers: only whitespace cleanup, no punctuation/digit/article/case normalisation
+    assert vqa_accuracy("two", ["2"] * 10) == 0.0
+    assert vqa_accuracy("Two", ["two"] * 10) == 0.0
+    assert vqa_accuracy("the cat", ["cat"] * 10) == 0.0
+    assert vqa_accuracy(" 2\n", ["2"] * 10) == 1.0
+    assert vqa_accuracy("2", ["2 "] * 9 + ["2"]) == 1.0   # answers are whitespace-cleaned before the check
+    # one differing answer: normalisation applies to both sides; 9 answers match "2" -> 1.0
+    assert vqa_accuracy("two", ["2"] * 9 + ["3"]) == 1.0
+    assert vqa_accuracy("Two.", ["2"] * 2 + ["3"] * 8) == pytest.approx(0.6)
+
+
+def test_vqa_accuracy_normalises_answers_too():
+    answers = ["Two", "2", "two.", "3", "3", "3", "3", "3", "3", "3"]  # three answers normalise to "2"
+    assert vqa_accuracy("2", answers) == pytest.approx(0.9)
+
+
+@settings(max_examples=200)
+@given(st.lists(st.sampled_from(["yes", "no", "2", "two", "Yes."]), min_size=10, max_size=10),
+       st.sampled_from(["yes", "no", "2", "two", "maybe"]))
+def test_vqa_accuracy_takes_leave_one_out_values(answers, prediction):
+    # whatever the answers, the score is one of the five leave-one-out values
+    acc = vqa_accuracy(prediction, answers)
+    assert any(math.isclose(acc, v, abs_tol=1e-12) for v in (0.0, 0.3, 0.6, 0.9, 1.0))
+
+
+# -----------------------------------------------------------------------------
+# captions: tokenisation and CIDEr-D
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("A man, riding a horse.", ["a", "man", "riding", "a", "horse"]),
+    ("The dog's ball", ["the", "dog", "'s", "ball"]),
+    ("Don't", ["do", "n't"]),
+    ("black-and-white cat", ["black-and-white", "cat"]),
+    ('"Hi" (there) -- ok...', ["hi", "there", "ok"]),
+    ("1,000 people at 2.5 pm!", ["1,000", "people", "at", "2.5", "pm"]),
+])
+def test_tokenize_caption(raw, expected):
+    assert tokenize_caption(raw) == expected
+
+
+def test_cider_d_hand_computed():
+    refs = {"a": ["dog runs", "dog sits"], "b": ["cat sits"], "c": ["bird flies"]}
+    cands = {"a": "dog dog runs", "b": "cat sits", "c": "bird"}
+    # 3 images. df: sits -> 2 (images a, b), every other reference n-gram -> 1; unseen n-grams -> df 0,
+    # and log(max(1, 0)) = 0. So idf = ln3 for all n-grams except "sits": ln3 - ln2 = ln1.5.
+    w, w_sits = math.log(3), math.log(1.5)
+    pen1 = math.exp(-1 / (2 * 6.0 ** 2))  # length differs by one word
+    # image a, candidate "dog dog runs": unigrams dog 2w, runs w (norm w*sqrt5); bigrams "dog dog" w,
+    # "dog runs" w (norm w*sqrt2); trigram "dog dog runs" w; no 4-grams.
+    #  ref "dog runs" (norms: uni w*sqrt2, bi w; no trigrams -> 0):
+    #    uni: clipped min(2w, w)*w + w*w = 2w^2 -> 2w^2 / (w*sqrt5 * w*sqrt2) = 2/sqrt10
+    #    bi: w*w / (w*sqrt2 * w) = 1/sqrt2
+    #  ref "dog sits" (uni norm sqrt(w^2 + w_sits^2)): uni min(2w, w)*w = w^2; bigram "dog sits" unmatched
+    #    uni: w^2 / (w*sqrt5 * sqrt(w^2 + w_sits^2))
+    ref1 = (2 / math.sqrt(10) + 1 / math.sqrt(2)) * pen1
+    ref2 = w / (math.sqrt(5) * math.sqrt(w * w + w_sits * w_sits)) * pen1
+    score_a = 10 * (ref1 + ref2) / 4 / 2          # mean over n = 1..4, then over the two references
+    score_b = 10 * (1 + 1 + 0 + 0) / 4            # identical caption: cosine 1 for uni and bi = 5.0
+    score_c = 10 * (w * w / (w * w * math.sqrt(2))) * pen1 / 4  # "bird" vs "bird flies": 1/sqrt2, one word shorter
+    corpus, per_id = cider_d(cands, refs)
+    assert per_id["a"] == pytest.approx(score_a, rel=1e-12)
+    assert per_id["b"] == pytest.approx(5.0, rel=1e-12)
+    assert per_id["c"] == pytest.approx(score_c, rel=1e-12)
+    assert corpus == pytest.approx((score_a + score_b + score_c) / 3, rel=1e-12)
+    # numerically: a = 2.16856..., c = 1.74338...
+    assert per_id["a"] == pytest.approx(2.16856, abs=1e-5)
+    assert per_id["c"] == pytest.approx(1.74338, abs=1e-5)
+
+
+def test_cider_d_clipping():
+    # without the min() clipping, "dog dog runs" would get uni numerator 2w*w + w*w = 3w^2 against "dog runs"
+    # (cosine 3/sqrt10); with clipping it is 2/sqrt10. Every idf is ln2 here, so it cancels.
+    refs = {"a": ["dog runs"], "b": ["cat"]}
+    pen1 = math.exp(-1 / 72)
+    clipped = (2 / math.sqrt(10) + 1 / math.sqrt(2)) * pen1
+    assert cider_d({"a": "dog dog runs", "b": "cat"}, refs)[1]["a"] == pytest.approx(10 * clipped / 4)
+
+
+def test_cider_d_length_penalty():
+    # one reference: changing sigma only rescales by exp(-delta^2 / (2 sigma^2)); here delta = 8 - 2 = 6 words
+    refs = {"a": ["red dog"], "b": ["blue sky"]}
+    cands = {"a": "red dog runs on the green grass today", "b": "blue sky"}
+    with_penalty = cider_d(cands, refs)[1]["a"]
+    without = cider_d(cands, refs, sigma=1e9)[1]["a"]
+    assert without > 0
+    assert with_penalty == pytest.approx(without * math.exp(-36 / 72), rel=1e-9)
+
+
+def test_cider_d_edge_cases():
+    assert cider_d({"a": "dog"}, {"a": ["dog"]}) == (0.0, {"a": 0.0})  # one image: every idf is log(1) = 0
+    assert cider_d({"a": "", "b": "cat"}, {"a": ["dog"], "b": ["cat"]})[1]["a"] == 0.0
+    with pytest.raises(AssertionError):
+        cider_d({"a": "dog"}, {"b": ["dog"]})
+
+
+_WORDS = ["red", "dog", "cat", "runs", "big"]
+_caption = st.lists(st.sampled_from(_WORDS), min_size=1, max_size=5)
+
+
+@settings(max_examples=60)
+@given(st.lists(_caption, min_size=1, max_size=4), st.integers(0, 2**31))
+def test_cider_d_reference_order_invariant(ref_words, seed):
+    refs = {"a": [" ".join(r) for r in ref_words], "b": ["tree sky"], "c": ["dog sky"]}
+    cands = {"a": " ".join(ref_words[0][::-1]), "b": "sky", "c": "red dog"}
+    corpus, per_id = cider_d(cands, refs)
+    rng = random.Random(seed)
+    shuffled = {k: rng.sample(v, len(v)) for k, v in reversed(list(refs.items()))}
+    corpus2, per_id2 = cider_d(cands, shuffled)
+    assert corpus2 == pytest.approx(corpus, rel=1e-12, abs=1e-12)
+    assert all(per_id2[k] == pytest.approx(per_id[k], rel=1e-12, abs=1e-12) for k in per_id)
+
+
+@settings(max_examples=100)
+@given(_caption, _caption, st.integers(1, 4))
+def test_cider_d_consensus_caption_wins(best, other, num_refs):
+    # the candidate equal to every reference scores at least as high as any other candidate, strictly
+    # higher unless the other has the same words (other images use a disjoint vocabulary, so idf > 0)
+    refs = {"a": [" ".join(best)] * num_refs, "b": ["tree sky"], "c": ["sun"]}
+    score = lambda cand: cider_d({"a": cand, "b": "tree", "c": "sun"}, refs)[1]["a"]
+    top, rival = score(" ".join(best)), score(" ".join(other))
+    assert top == pytest.approx(10 * min(len(best), 4) / 4)
+    if sorted(best) == sorted(other):
+        assert rival <= top + 1e-9
+    else:
+        assert rival < top
+
+
+# -----------------------------------------------------------------------------
+# multiple choice (MME yes/no, SEED-Bench option letters)
+
+
+@pytest.mark.parametrize("pred, answer, correct", [
+    ("Yes", "yes", True),
+    ("yes, there is a dog", "Yes", True),
+    ("No.", "no", True),
+    ("Not really", "no", True),     # MME's rule: "no" within the first 4 characters
+    ("There is no dog", "no", False),  # ... and only there
+    ("maybe", "no", False),
+    ("B", "B", True),
+    ("b. a cat", "B", True),
+    ("(C) two", "c", True),
+    ("D) red", "D", True),
+    (" A", "a", True),
+    ("Bus", "B", False),            # a letter followed by a letter is a word, not an option
+    ("C", "B", False),
+    ("", "A", False),
+])
+def test_multiple_choice_single(pred, answer, correct):
+    assert multiple_choice_accuracy([pred], [answer]) == float(correct)
+
+
+def test_multiple_choice_accuracy_mean():
+    assert multiple_choice_accuracy(["A", "yes", "C", "no"], ["A", "no", "b", "no"]) == 0.5
