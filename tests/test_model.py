@@ -1,0 +1,170 @@
+"""Adapters inside the real transformers backbones (tiny twins, CPU): identity at init, masks, caching, saving."""
+import pytest
+import torch
+from PIL import Image
+
+import model as M
+
+FAMILIES = sorted(M.FAMILIES)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def backbone(request):
+    return M.load_backbone("tiny-" + request.param)
+
+
+def images(texts):
+    """One image per prompt, determined by the prompt (so a prompt alone and in a batch sees the same image)."""
+    return [Image.new("RGB", (28, 28), (7 * len(t) % 255, 200, 90)) for t in texts]
+
+
+def prompts(backbone, texts, positions=True):
+    """A left-padded batch, one image per prompt, through the family's own processor; positions skip padding."""
+    p, imgs = backbone.processor, images(texts)
+    p.tokenizer.padding_side = "left"
+    if backbone.family == "idefics":
+        batch = p(text=[[im, t] for im, t in zip(imgs, texts)], return_tensors="pt", padding=True)
+    else:
+        imgs = [[im] for im in imgs] if backbone.family == "idefics2" else imgs
+        batch = p(text=["<image>" + t for t in texts], images=imgs, return_tensors="pt", padding=True)
+    if positions:
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+TEXTS = ["Question: What colour is the shape? Short answer:", "Question: How many? Short answer:"]
+
+
+def randomise(model, seed=0):
+    torch.manual_seed(seed)
+    for p in M.adapters(model).parameters():
+        torch.nn.init.normal_(p, std=0.3)
+
+
+@pytest.fixture()
+def plain(backbone):
+    """The backbone with no adapter before and after the test."""
+    yield backbone
+    if hasattr(backbone.model, "icl_settings"):
+        M.detach(backbone.model)
+
+
+def test_hyper_icl_at_init_is_the_base_model(plain):
+    batch = prompts(plain, TEXTS)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        base = plain.model(**batch).logits
+        base_gen = plain.model.generate(**prompts(plain, TEXTS, positions=False), max_new_tokens=4, do_sample=False)
+        M.attach(plain.model, "hyper-icl", rank=4)
+        ours = plain.model(**batch).logits
+        ours_gen = plain.model.generate(**prompts(plain, TEXTS, positions=False), max_new_tokens=4, do_sample=False)
+    assert (ours - base)[real].abs().max() <= 1e-5
+    assert torch.equal(ours_gen, base_gen)
+
+
+def test_the_adapter_is_in_the_text_decoder_only(plain):
+    M.attach(plain.model, "hyper-icl", rank=2)
+    owners = [name for name, module in plain.model.named_modules() if hasattr(module, "icl_adapter")]
+    decoder_layers = plain.model.get_decoder().layers
+    assert len(owners) == len(decoder_layers)
+    assert all(".layers." in name and name.endswith("self_attn") for name in owners)
+    assert not any(k in name for name in owners for k in ("vision", "perceiver", "cross"))
+
+
+def test_adapter_changes_logits_and_without_adapter_restores_them(plain):
+    batch = prompts(plain, TEXTS)
+    with torch.no_grad():
+        base = plain.model(**batch).logits
+        M.attach(plain.model, "hyper-icl", rank=4)
+        randomise(plain.model)
+        ours = plain.model(**batch).logits
+        with M.without_adapter(plain.model):
+            teacher = plain.model(**batch).logits
+    assert (ours - base).abs().max() > 1e-3
+    torch.testing.assert_close(teacher, base)
+
+
+@pytest.mark.parametrize("method,sizes", [("hyper-icl", dict(rank=4)), ("hificl", dict(n=3, rank=2))])
+def test_padding_invariance_with_trained_adapter(plain, method, sizes):
+    M.attach(plain.model, method, **sizes)
+    randomise(plain.model)
+    batch = prompts(plain, TEXTS)
+    with torch.no_grad():
+        together = plain.model(**batch).logits
+        for i, text in enumerate(TEXTS):
+            alone = plain.model(**prompts(plain, [text])).logits[0]
+            length = alone.shape[0]
+            torch.testing.assert_close(together[i, -length:], alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,sizes", [("hyper-icl", dict(rank=4)), ("hificl", dict(n=3, rank=2))])
+def test_cached_decoding_equals_full_forward(plain, method, sizes):
+    """generate() runs the adapter on one new query token against the KV cache; it must match a full forward."""
+    M.attach(plain.model, method, **sizes)
+    randomise(plain.model, seed=1)
+    batch = prompts(plain, TEXTS, positions=False)
+    with torch.no_grad():
+        out = plain.model.generate(**batch, max_new_tokens=4, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+        steps = torch.stack(out.logits, 1)                                   # [B, 4, V]
+        full = dict(batch, input_ids=out.sequences,
+                    attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, -4:])], 1))
+        if "image_attention_mask" in batch:                                  # Idefics: new tokens see the image
+            last = batch["image_attention_mask"][:, -1:]
+            full["image_attention_mask"] = torch.cat([batch["image_attention_mask"]] + [last] * 4, 1)
+        full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        logits = plain.model(**full).logits[:, -5:-1]
+    torch.testing.assert_close(steps, logits, rtol=1e-4, atol=1e-4)
+
+
+def test_only_adapter_parameters_train(plain):
+    M.attach(plain.model, "hyper-icl", rank=4)
+    before = {k: v.clone() for k, v in plain.model.state_dict().items() if "icl_adapter" not in k}
+    trainable = [p for p in plain.model.parameters() if p.requires_grad]
+    assert {id(p) for p in trainable} == {id(p) for p in M.adapters(plain.model).parameters()}
+    batch = prompts(plain, TEXTS)
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    for _ in range(2):
+        logits = plain.model(**batch).logits
+        logits.logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(v, plain.model.state_dict()[k]) for k, v in before.items())
+    assert M.adapters(plain.model)[0].U_k.abs().sum() > 0          # the adapter did move
+
+
+def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
+    M.attach(plain.model, "hificl", n=2, rank=3)
+    randomise(plain.model)
+    batch = prompts(plain, TEXTS)
+    with torch.no_grad():
+        want = plain.model(**batch).logits
+    path = tmp_path / "adapter.safetensors"
+    M.save_adapter(path, plain)
+    saved = M.read_settings(path)
+    assert saved["method"] == "hificl" and saved["n"] == 2 and saved["rank"] == 3
+    from safetensors.torch import load_file
+    assert all("icl_adapter" not in k and "." in k for k in load_file(path))   # adapter tensors only
+    M.detach(plain.model)
+    M.load_adapter(path, plain)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.model(**batch).logits, want)
+    M.detach(plain.model)
+    other = M.Backbone(M.published_model("idefics2"), None, "idefics2", "idefics2")
+    with pytest.raises(ValueError, match="layers .saved 2, here 32."):
+        M.load_adapter(path, other)
+
+
+@pytest.mark.parametrize("family,method,sizes,count", [
+    ("idefics2", "hyper-icl", dict(rank=4), 1_180_672), ("idefics", "hyper-icl", dict(rank=4), 1_180_672),
+    ("idefics2", "hificl", dict(n=8, rank=8), 2_228_224), ("llava-interleave", "hificl", dict(n=8, rank=8), 2_228_224)])
+def test_parameter_counts_on_published_sizes(family, method, sizes, count):
+    model = M.published_model(family)                      # meta device: no memory, no download
+    M.attach(model, method, **sizes)
+    assert sum(p.numel() for p in M.adapters(model).parameters()) == count
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count
+
+
+def test_unknown_backbone_lists_the_valid_names():
+    with pytest.raises(ValueError, match="idefics2.*llava-onevision"):
+        M.load_backbone("gpt-5")
