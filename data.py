@@ -1,0 +1,499 @@
+"""Data: the benchmarks in their official on-disk formats, a toy task, demonstrations, prompts, batches.
+
+Layout of `data_root` (the --data-root flag); each task reads only its own files:
+
+    data_root/
+      coco/
+        train2014/COCO_train2014_{image_id:012d}.jpg     COCO images (VQAv2, OK-VQA and COCO Caption share them)
+        val2014/COCO_val2014_{image_id:012d}.jpg
+        dataset_coco.json                                 COCO Caption, Karpathy split; an image is
+                                                          coco/{filepath}/{filename}
+      vqav2/
+        v2_OpenEnded_mscoco_{train,val}2014_questions.json
+        v2_mscoco_{train,val}2014_annotations.json
+      ok-vqa/
+        OpenEnded_mscoco_{train,val}2014_questions.json
+        mscoco_{train,val}2014_annotations.json
+      flickr30k/
+        dataset_flickr30k.json                            Flickr30k, Karpathy split
+        flickr30k-images/{filename}
+      toy/                                                generated on first use (toy-vqa, toy-caption): itself a
+                                                          data_root with coco/ and vqav2/ in the formats above
+
+Splits: for VQA, "train" and "val" are the official 2014 splits. For captions "train" is the Karpathy
+"train" + "restval" images and "val" is the Karpathy "test" images (the split caption results are reported on).
+
+Items. Each question (VQA) or image (captions) is one `Item`. VQA: `answers` are the ten human answers and the
+training target is VQAv2's `multiple_choice_answer`, or for OK-VQA the most frequent of the ten answers (ties go
+to the one given first). Captions: `question` is None, `answers` are all reference captions and the target is
+the first reference. The toy tasks are read as VQAv2 and COCO Caption.
+
+Errors. A missing file names the path and the dataset it belongs to; malformed JSON, a question without an
+annotation or an image without captions names the file and item. Images are not opened when a task is read
+(that would read 100k+ files): an unreadable or missing image is an OSError naming the item and the path, raised
+by `load_image` when the item's image is first used.
+
+Prompts (one table, PROMPTS, below): an instruction line, then each in-context demonstration (ICD) as
+`<image>Question: {q} Short answer: {a}<end>` followed by a newline, then the query as
+`<image>Question: {q} Short answer:` (captions: `<image>Caption: {c}`). `<end>`, which closes every answer and is
+part of the training label, is Idefics2's `<end_of_utterance>`; Idefics (v1) base, pretrained on web documents
+rather than dialogues, ends an answer with its eos `</s>` (its processor also ends cross-attention to the last
+image there); the LLaVA models get plain interleaved text (no chat turns) and an answer ends with the tokenizer's
+eos, the token their generation stops on. All four processors
+expand the same `<image>` placeholder.
+
+Batches (Section 3, teacher and student). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the
+teacher's has m ICDs, the student's none. `start` is the tokenizer's BOS where it has one (Qwen2 has none).
+Each piece (instruction, one ICD, the query with its target) is tokenised once, with its image, by the family's
+own processor, and rows are concatenations of those token ids, so the query's ids are identical in teacher and
+student. Rows are left-padded, so the query + target (T tokens, `query_len`) are the last T positions of both.
+Idefics2, Idefics and LLaVA-Interleave expand `<image>` to a fixed number of tokens per image. LLaVA-OneVision
+encodes every image in its single-image any-resolution mode (the model's default when `batch_num_images` is not
+given), so the query image gets the same tokens with and without ICDs; its multi-image mode would encode the
+query image differently in the teacher.
+"""
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from PIL import Image, ImageDraw
+from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
+                                                            incremental_to_binary_attention_mask)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One query: a question about an image (VQA) or an image to caption (question None)."""
+    id: int                  # VQA question_id; COCO cocoid; Flickr30k Karpathy imgid
+    image_path: str
+    question: str | None
+    answers: tuple[str, ...]  # the ten human answers (VQA) or all reference captions
+    target: str              # the training target (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str            # "vqa" or "caption"
+    max_new_tokens: int  # generation length at evaluation
+
+
+TASKS = {
+    "vqav2": Task("vqa", 5), "ok-vqa": Task("vqa", 5), "coco": Task("caption", 20), "flickr30k": Task("caption", 20),
+    "toy-vqa": Task("vqa", 5), "toy-caption": Task("caption", 20),
+}
+SPLITS = ("train", "val")
+DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8}  # ICDs per query (paper)
+
+# ------------------------------------------------------------------------------------------------------ readers
+
+VQA_FILES = {  # dataset -> (folder, questions file, annotations file); {} is the split
+    "vqav2": ("vqav2", "v2_OpenEnded_mscoco_{}2014_questions.json", "v2_mscoco_{}2014_annotations.json"),
+    "ok-vqa": ("ok-vqa", "OpenEnded_mscoco_{}2014_questions.json", "mscoco_{}2014_annotations.json"),
+}
+KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("test",)}
+
+
+def read_json(path, dataset):
+    """Parse a JSON file; a missing or malformed file is an error naming the path and the dataset."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{dataset}: expected the file {path} (see the data_root layout in data.py)")
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{dataset}: {path} is not valid JSON ({e})") from e
+
+
+def coco_image(root, split, image_id):
+    """The path of a COCO 2014 image under data_root."""
+    return os.path.join(root, "coco", f"{split}2014", f"COCO_{split}2014_{image_id:012d}.jpg")
+
+
+def most_frequent(answers):
+    """The most frequent answer; ties go to the one that occurs first."""
+    return Counter(answers).most_common(1)[0][0]  # Counter keeps first-seen order among equal counts
+
+
+def read_vqa(root, split, dataset):
+    """VQAv2 or OK-VQA ("vqav2" / "ok-vqa") questions of one split, joined with their annotations."""
+    folder, qfile, afile = VQA_FILES[dataset]
+    qpath, apath = (os.path.join(root, folder, f.format(split)) for f in (qfile, afile))
+    questions = read_json(qpath, dataset)["questions"]
+    annotations = {a["question_id"]: a for a in read_json(apath, dataset)["annotations"]}
+    items = []
+    for q in questions:
+        a = annotations.get(q["question_id"])
+        if a is None:
+            raise ValueError(f"{dataset}: question {q['question_id']} in {qpath} has no annotation in {apath}")
+        answers = tuple(x["answer"] for x in a["answers"])
+        target = a["multiple_choice_answer"] if dataset == "vqav2" else most_frequent(answers)
+        items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), q["question"], answers, target))
+    return items
+
+
+def read_karpathy(root, split, dataset):
+    """COCO Caption or Flickr30k ("coco" / "flickr30k") images of one split from the Karpathy split file."""
+    path = os.path.join(root, dataset, f"dataset_{dataset}.json")
+    items = []
+    for im in read_json(path, dataset)["images"]:
+        if im["split"] not in KARPATHY_SPLITS[split]:
+            continue
+        if dataset == "coco":
+            image_id, image_path = im["cocoid"], os.path.join(root, "coco", im["filepath"], im["filename"])
+        else:
+            image_id, image_path = im["imgid"], os.path.join(root, "flickr30k", "flickr30k-images", im["filename"])
+        captions = tuple(s["raw"].strip() for s in im["sentences"])
+        if not captions:
+            raise ValueError(f"{dataset}: image {image_id} ({im['filename']}) in {path} has no captions")
+        items.append(Item(image_id, image_path, None, captions, captions[0]))
+    return items
+
+
+def load_task(task, split, data_root=None):
+    """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    if task.startswith("toy-"):
+        root = toy_root(data_root)
+        return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
+    if data_root is None:
+        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+    reader = read_vqa if TASKS[task].kind == "vqa" else read_karpathy
+    return reader(data_root, split, task)
+
+
+def load_image(item):
+    """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
+    try:
+        with Image.open(item.image_path) as im:
+            return im.convert("RGB")
+    except OSError as e:
+        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
+
+# -------------------------------------------------------------------------------------------------------- toy
+
+TOY_SIZES = {"train": 300, "val": 100}  # images per split; one question and five captions each
+TOY_SEED = 0
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30),
+           "purple": (140, 50, 170), "orange": (245, 140, 20)}
+NEAR_COLOUR = {"red": "orange", "green": "blue", "blue": "purple", "yellow": "orange", "purple": "blue",
+               "orange": "red"}
+SHAPES = {"circle": "oval", "square": "rectangle", "triangle": "pyramid"}  # shape -> what some annotators say
+WORDS = ["zero", "one", "two", "three", "four"]
+
+
+def toy_scene(rng):
+    """A random scene: `count` shapes of one kind and colour; a single shape sits on the left or the right."""
+    shape, colour, count = rng.choice(list(SHAPES)), rng.choice(list(COLOURS)), rng.randint(1, 4)
+    if count == 1:
+        side = rng.choice(["left", "right"])
+        cells = [(0 if side == "left" else 2, rng.randint(0, 2))]
+    else:
+        side = None
+        cells = rng.sample([(x, y) for x in range(3) for y in range(3)], count)
+    return dict(shape=shape, colour=colour, count=count, side=side, cells=cells)
+
+
+def draw_scene(scene, size=64):
+    """Draw a scene on a light background: one shape per cell of a 3 x 3 grid."""
+    im = Image.new("RGB", (size, size), (245, 245, 240))
+    draw, cell, fill = ImageDraw.Draw(im), size // 3, COLOURS[scene["colour"]]
+    for x, y in scene["cells"]:
+        x0, y0, x1, y1 = x * cell + 3, y * cell + 3, (x + 1) * cell - 3, (y + 1) * cell - 3
+        if scene["shape"] == "circle":
+            draw.ellipse((x0, y0, x1, y1), fill=fill)
+        elif scene["shape"] == "square":
+            draw.rectangle((x0, y0, x1, y1), fill=fill)
+        else:
+            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+    return im
+
+
+def toy_question(scene, rng):
+    """One question about a scene: (question, answer, a plausible wrong answer, VQA answer type)."""
+    s, c, n = scene["shape"], scene["colour"], scene["count"]
+    kinds = ["colour", "count", "shape", "yes/no"] + (["side"] if scene["side"] else [])
+    kind = rng.choice(kinds)
+    if kind == "colour":
+        return f"What colour is the {s}?" if n == 1 else f"What colour are the {s}s?", c, NEAR_COLOUR[c], "other"
+    if kind == "count":
+        return f"How many {s}s are there?", str(n), str(n + rng.choice([-1, 1]) if n > 1 else 2), "number"
+    if kind == "shape":
+        return "Which shape is in the picture?", s, SHAPES[s], "other"
+    if kind == "side":
+        return f"Is the {s} on the left or the right?", scene["side"], "middle", "other"
+    asked = rng.choice([c, NEAR_COLOUR[c]])
+    question = f"Is the {s} {asked}?" if n == 1 else f"Are the {s}s {asked}?"
+    return (question, "yes", "no", "yes/no") if asked == c else (question, "no", "yes", "yes/no")
+
+
+def toy_answers(answer, wrong, rng):
+    """Ten human answers: unanimous for most questions, with one to four dissenters for about a third."""
+    answers = [answer] * 10
+    if rng.random() < 0.35:
+        for i in rng.sample(range(10), rng.randint(1, 4)):
+            answers[i] = wrong
+    return answers
+
+
+def toy_captions(scene):
+    """Five reference captions of a scene."""
+    s, c, n = scene["shape"], scene["colour"], scene["count"]
+    if n == 1:
+        where = f" on the {scene['side']}"
+        return [f"A {c} {s}{where}.", f"A single {c} {s} on a plain background.",
+                f"One {c} {s}{where} of the image.", f"A small {c} {s}.", f"There is a {c} {s}{where}."]
+    w = WORDS[n]
+    return [f"{w.capitalize()} {c} {s}s.", f"{w.capitalize()} {c} {s}s on a plain background.",
+            f"A picture of {w} {c} {s}s.", f"There are {w} {s}s and they are {c}.", f"Some {c} {s}s."]
+
+
+def toy_vqa_record(scene, image_id, rng):
+    """A VQAv2 question and its annotation about one toy image."""
+    question, answer, wrong, answer_type = toy_question(scene, rng)
+    answers, qid = toy_answers(answer, wrong, rng), image_id * 1000
+    return ({"image_id": image_id, "question": question, "question_id": qid},
+            {"question_id": qid, "image_id": image_id, "question_type": " ".join(question.split()[:2]).lower(),
+             "answer_type": answer_type, "multiple_choice_answer": most_frequent(answers),
+             "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": k + 1} for k, a in enumerate(answers)]})
+
+
+def toy_karpathy_record(scene, path, split, image_id, imgid):
+    """A Karpathy-split entry (COCO style) for one toy image; toy "val" images form the Karpathy "test" split."""
+    sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
+                 for k, c in enumerate(toy_captions(scene))]
+    return {"filepath": f"{split}2014", "filename": os.path.basename(path), "imgid": imgid, "cocoid": image_id,
+            "split": "train" if split == "train" else "test", "sentences": sentences,
+            "sentids": [x["sentid"] for x in sentences]}
+
+
+def write_json(path, obj):
+    """Write obj as JSON to path, creating its folder."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def write_toy(root, seed=TOY_SEED):
+    """Write the toy dataset under `root` in the official formats: COCO images, VQAv2 files, Karpathy COCO file."""
+    rng = random.Random(seed)
+    _, qfile, afile = VQA_FILES["vqav2"]
+    karpathy = []
+    for split, n_images in TOY_SIZES.items():
+        os.makedirs(os.path.join(root, "coco", f"{split}2014"))
+        questions, annotations = [], []
+        for i in range(n_images):
+            image_id, scene = (i + 1 if split == "train" else 100_000 + i), toy_scene(rng)
+            path = coco_image(root, split, image_id)
+            draw_scene(scene).save(path, quality=90)
+            question, annotation = toy_vqa_record(scene, image_id, rng)
+            questions.append(question)
+            annotations.append(annotation)
+            karpathy.append(toy_karpathy_record(scene, path, split, image_id, len(karpathy)))
+        header = {"info": {"description": "hyper-icl toy VQA"}, "license": {}, "data_type": "mscoco",
+                  "data_subtype": f"{split}2014"}
+        write_json(os.path.join(root, "vqav2", qfile.format(split)),
+                   {**header, "task_type": "Open-Ended", "questions": questions})
+        write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
+    write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
+
+
+def toy_root(data_root=None):
+    """The toy data_root (data_root/toy, or ~/.cache/hyper-icl/toy), generated atomically if it is not there.
+
+    It is written to a temporary folder beside it and renamed into place, so an interrupted generation never
+    leaves a half-written dataset; if another process finished first, its copy is kept.
+    """
+    root = os.path.join(data_root, "toy") if data_root else os.path.expanduser("~/.cache/hyper-icl/toy")
+    if os.path.isdir(root):
+        return root
+    os.makedirs(os.path.dirname(root), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".toy-", dir=os.path.dirname(root))
+    try:
+        write_toy(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp made it private
+        os.rename(tmp, root)
+    except OSError:
+        if not os.path.isdir(root):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+# ----------------------------------------------------------------------------------------------- demonstrations
+
+
+def query_seed(seed, query_id):
+    """A stable 64-bit seed for one query (hashlib, so it does not change between Python processes)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{query_id}".encode()).digest()[:8], "little")
+
+
+def demonstrations(query_ids, support, m, seed):
+    """m ICDs per query, drawn at random from the support set, never the query itself (same id).
+
+    The draw for a query depends only on (seed, query id, support set), not on which other queries are drawn
+    for or in what order, so a teacher run for a query is reproducible.
+    """
+    if len(support) <= m:
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+    icds = []
+    for qid in query_ids:
+        picks = random.Random(query_seed(seed, qid)).sample(range(len(support)), m + 1)  # one spare for the query
+        icds.append([support[i] for i in picks if support[i].id != qid][:m])
+    return icds
+
+# ------------------------------------------------------------------------------------------------------ prompts
+
+
+PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its answer), the answer
+    "vqa": dict(instruction="Answer each question about its image with a short answer.\n",
+                query="<image>Question: {question} Short answer:", answer=" {answer}"),
+    "caption": dict(instruction="Describe each image in one sentence.\n", query="<image>Caption:", answer=" {answer}"),
+}
+SEPARATOR = "\n"  # after each ICD
+
+
+def end_token(processor, family):
+    """The token that closes an answer: Idefics2's <end_of_utterance>, else the tokenizer's eos."""
+    return "<end_of_utterance>" if family == "idefics2" else processor.tokenizer.eos_token
+
+
+def prompt_text(kind, item):
+    """The query text of an item, its image placeholder first."""
+    return PROMPTS[kind]["query"].format(question=item.question)
+
+
+def answer_text(processor, family, kind, answer):
+    """The answer text that follows a query: the answer, then the family's end token."""
+    return PROMPTS[kind]["answer"].format(answer=answer) + end_token(processor, family)
+
+# ------------------------------------------------------------------------------------------------------ batches
+
+
+def encode_piece(processor, family, text, image):
+    """Token ids and image tensors of one piece of a row (text starting with `<image>`), by the family's processor.
+
+    Returns {"input_ids": list[int], "images": {name: tensor}}, each tensor's first dimension over the piece's
+    images: Idefics2 pixel_values [n, 3, H, W] and pixel_attention_mask [n, H, W] (n = 5 with image splitting,
+    else 1); Idefics and LLaVA-Interleave pixel_values [1, 3, H, W]; LLaVA-OneVision pixel_values
+    [1, patches, 3, H, W] and image_sizes [1, 2].
+    """
+    if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
+        out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
+        return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
+    out = processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
+    names = {"idefics2": ("pixel_values", "pixel_attention_mask"), "llava-interleave": ("pixel_values",),
+             "llava-onevision": ("pixel_values", "image_sizes")}[family]
+    squeeze = family == "idefics2"  # its tensors carry a batch dimension over the images of a prompt
+    return {"input_ids": out["input_ids"][0].tolist(), "images": {k: out[k][0] if squeeze else out[k] for k in names}}
+
+
+def encode_query(processor, family, kind, query, with_target=True):
+    """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels.
+
+    Labels are -100 on the prompt and the token ids themselves on the answer + end token (the model shifts them).
+
+    Training target: VQAv2 multiple_choice_answer, OK-VQA the most frequent answer, captions the first reference
+    (`query.target`). The answer's ids are read off the tokenisation of the whole piece, so they are the tokens
+    the model would generate after the prompt.
+    """
+    image, prompt = load_image(query), prompt_text(kind, query)
+    piece = encode_piece(processor, family, prompt, image)
+    ids = piece["input_ids"]
+    if with_target:
+        piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image)
+        if piece["input_ids"][:len(ids)] != ids:
+            raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
+    return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):]}
+
+
+def encode_prefix(processor, family, kind, icds):
+    """The row before the query: BOS (if the tokenizer has one), the instruction line, then each ICD."""
+    tok = processor.tokenizer
+    ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + \
+        tok(PROMPTS[kind]["instruction"], add_special_tokens=False)["input_ids"]
+    pieces = [encode_piece(processor, family, prompt_text(kind, d) + answer_text(processor, family, kind, d.target)
+                           + SEPARATOR, load_image(d)) for d in icds]
+    return {"input_ids": ids + [i for p in pieces for i in p["input_ids"]], "images": [p["images"] for p in pieces]}
+
+
+def join(prefix, query):
+    """One row: the prefix, then the query piece. Labels only on the answer; query_len = the query's tokens."""
+    return {"input_ids": prefix["input_ids"] + query["input_ids"],
+            "labels": [-100] * len(prefix["input_ids"]) + query["labels"],
+            "images": prefix["images"] + [query["images"]], "query_len": len(query["input_ids"])}
+
+
+def encode(processor, family, kind, icds, query, with_target=True):
+    """One row [BOS, instruction, ICDs, query (+ target)] as lists: input_ids, labels, images, query_len."""
+    return join(encode_prefix(processor, family, kind, icds), encode_query(processor, family, kind, query, with_target))
+
+
+def pad_stack(tensors):
+    """Stack tensors of equal rank, zero-padding every dimension at its end to the largest size."""
+    shape = [max(sizes) for sizes in zip(*(t.shape for t in tensors))]
+    out = tensors[0].new_zeros(len(tensors), *shape)
+    for o, t in zip(out, tensors):
+        o[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+def image_inputs(rows, processor, family, input_ids):
+    """The image tensors of a batch, in the form the family's forward takes (images in row order)."""
+    per_image = {k: [[x for p in r["images"] for x in p[k]] for r in rows] for k in rows[0]["images"][0]}
+    if family == "idefics2":  # [B, images, 3, H, W]; padding images are all zero, which the model drops
+        return {k: pad_stack([pad_stack(v) for v in v_rows]) for k, v_rows in per_image.items()}
+    if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
+        pixel_values = pad_stack([pad_stack(v) for v in per_image["pixel_values"]])
+        latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
+        mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
+        return {"pixel_values": pixel_values, "image_attention_mask": mask}
+    return {k: pad_stack([x for v in v_rows for x in v]) for k, v_rows in per_image.items()}  # LLaVA: [all images, ...]
+
+
+def left_pad(seq, width, fill):
+    """seq preceded by `fill` up to `width`."""
+    return [fill] * (width - len(seq)) + list(seq)
+
+
+def collate(rows, processor, family):
+    """Left-pad rows into a batch: input_ids, attention_mask, position_ids, labels, align, and the image tensors.
+
+    position_ids count real tokens only (0 on padding); align marks each row's last query_len positions (the
+    query + target, the tokens teacher and student share); labels are -100 except on the answer + end token.
+    """
+    width, pad = max(len(r["input_ids"]) for r in rows), processor.tokenizer.pad_token_id
+    input_ids = torch.tensor([left_pad(r["input_ids"], width, pad) for r in rows])
+    attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), width, 0) for r in rows])
+    align = torch.tensor([left_pad([True] * r["query_len"], width, False) for r in rows])
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "align": align,
+            **image_inputs(rows, processor, family, input_ids)}
+
+
+def teacher_student_batch(processor, family, kind, queries, icds):
+    """The teacher batch ([ICDs; query + target], no adapter) and the student batch ([query + target]).
+
+    icds[i] are the ICDs of queries[i] (from `demonstrations`). Each query is tokenised once and its ids are
+    reused in both rows, so teacher and student agree on the `align` positions token for token.
+    """
+    pieces = [encode_query(processor, family, kind, q) for q in queries]
+    teacher = [join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)]
+    student = [join(encode_prefix(processor, family, kind, []), p) for p in pieces]
+    return collate(teacher, processor, family), collate(student, processor, family)
+
+
+def prompt_batch(processor, family, kind, queries, icds=None):
+    """Prompts for generation, left-padded, without targets: zero-shot / adapter (icds None) or n-shot ICL."""
+    icds = icds or [[] for _ in queries]
+    return collate([encode(processor, family, kind, d, q, with_target=False) for d, q in zip(icds, queries)],
+                   processor, family)

@@ -1,0 +1,313 @@
+"""data.py: readers on files in the official formats, the toy task, demonstrations, teacher/student batches."""
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+import data
+from data import Item
+from model import load_backbone
+
+FAMILIES = ["idefics2", "idefics", "llava-interleave", "llava-onevision"]
+
+# ------------------------------------------------------------------------------------------- fixtures on disk
+
+
+def write_image(path, size=(40, 30)):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.new("RGB", size, (10, 200, 30)).save(path)
+
+
+def write_vqa(root, dataset, split="val", answers=None, drop_annotation=False):
+    """Two questions about COCO image 42 in the official VQAv2 / OK-VQA layout."""
+    folder, qfile, afile = data.VQA_FILES[dataset]
+    answers = answers or ["two", "2", "2", "two", "2", "2", "2", "3", "2", "2"]
+    questions = [{"image_id": 42, "question": "How many cats?", "question_id": 42000},
+                 {"image_id": 42, "question": "Is it sunny?", "question_id": 42001}]
+    annotations = [{"question_id": 42000, "image_id": 42, "question_type": "how many", "answer_type": "number",
+                    "multiple_choice_answer": "2",
+                    "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": i + 1}
+                                for i, a in enumerate(answers)]},
+                   {"question_id": 42001, "image_id": 42, "question_type": "is it", "answer_type": "yes/no",
+                    "multiple_choice_answer": "yes",
+                    "answers": [{"answer": "yes", "answer_confidence": "yes", "answer_id": i + 1} for i in range(10)]}]
+    data.write_json(os.path.join(root, folder, qfile.format(split)), {"questions": questions})
+    data.write_json(os.path.join(root, folder, afile.format(split)),
+               {"annotations": annotations[:1] if drop_annotation else annotations})
+    write_image(data.coco_image(root, split, 42))
+
+
+def karpathy_image(imgid, split, filename, captions, **extra):
+    return {"imgid": imgid, "split": split, "filename": filename, **extra,
+            "sentences": [{"raw": c, "tokens": c.lower().split(), "imgid": imgid, "sentid": 10 * imgid + k}
+                          for k, c in enumerate(captions)]}
+
+
+def write_karpathy(root):
+    """A COCO and a Flickr30k Karpathy file with one image in each of train, restval, val and test."""
+    coco = [karpathy_image(i, s, f"COCO_val2014_{i:012d}.jpg", [f"A dog {i}. ", f"Some dog {i}."],
+                           filepath="val2014", cocoid=1000 + i)
+            for i, s in enumerate(["train", "restval", "val", "test"])]
+    flickr = [karpathy_image(i, s, f"{100 + i}.jpg", [f"A man {i}.", f"Men {i}."])
+              for i, s in enumerate(["train", "restval", "val", "test"])]
+    data.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": coco, "dataset": "coco"})
+    data.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"), {"images": flickr, "dataset": "flickr30k"})
+
+# ------------------------------------------------------------------------------------------------------ readers
+
+
+def test_vqav2_reader(tmp_path):
+    write_vqa(tmp_path, "vqav2")
+    items = data.load_task("vqav2", "val", tmp_path)
+    assert [i.id for i in items] == [42000, 42001]
+    assert items[0].question == "How many cats?" and items[0].target == "2" and len(items[0].answers) == 10
+    assert items[0].image_path == str(tmp_path / "coco" / "val2014" / "COCO_val2014_000000000042.jpg")
+    assert data.load_image(items[0]).mode == "RGB"
+
+
+def test_okvqa_target_is_most_frequent_answer_ties_to_first(tmp_path):
+    write_vqa(tmp_path, "ok-vqa", split="train", answers=["cat"] * 4 + ["dog"] * 4 + ["cow"] * 2)
+    items = data.load_task("ok-vqa", "train", tmp_path)
+    assert items[0].target == "cat" and items[1].target == "yes"
+    assert data.most_frequent(["b", "a", "a", "b", "c"]) == "b"
+
+
+def test_karpathy_readers(tmp_path):
+    write_karpathy(tmp_path)
+    train, val = data.load_task("coco", "train", tmp_path), data.load_task("coco", "val", tmp_path)
+    assert [i.id for i in train] == [1000, 1001] and [i.id for i in val] == [1003]
+    assert val[0].question is None and val[0].answers == ("A dog 3.", "Some dog 3.") and val[0].target == "A dog 3."
+    assert val[0].image_path == str(tmp_path / "coco" / "val2014" / "COCO_val2014_000000000003.jpg")
+    flickr = data.load_task("flickr30k", "val", tmp_path)
+    assert [i.id for i in flickr] == [3] and flickr[0].target == "A man 3."
+    assert flickr[0].image_path == str(tmp_path / "flickr30k" / "flickr30k-images" / "103.jpg")
+
+
+@pytest.mark.parametrize("task, missing", [
+    ("vqav2", "vqav2/v2_OpenEnded_mscoco_val2014_questions.json"),
+    ("ok-vqa", "ok-vqa/OpenEnded_mscoco_val2014_questions.json"),
+    ("coco", "coco/dataset_coco.json"), ("flickr30k", "flickr30k/dataset_flickr30k.json")])
+def test_missing_file_names_path_and_dataset(tmp_path, task, missing):
+    with pytest.raises(FileNotFoundError) as e:
+        data.load_task(task, "val", tmp_path)
+    assert str(tmp_path / missing) in str(e.value) and task in str(e.value)
+
+
+def test_missing_annotations_file(tmp_path):
+    write_vqa(tmp_path, "vqav2")
+    os.remove(tmp_path / "vqav2" / "v2_mscoco_val2014_annotations.json")
+    with pytest.raises(FileNotFoundError, match="v2_mscoco_val2014_annotations.json"):
+        data.load_task("vqav2", "val", tmp_path)
+
+
+def test_malformed_json(tmp_path):
+    write_karpathy(tmp_path)
+    (tmp_path / "coco" / "dataset_coco.json").write_text('{"images": [')
+    with pytest.raises(ValueError, match="coco: .*dataset_coco.json is not valid JSON"):
+        data.load_task("coco", "val", tmp_path)
+
+
+def test_question_without_annotation(tmp_path):
+    write_vqa(tmp_path, "vqav2", drop_annotation=True)
+    with pytest.raises(ValueError, match="question 42001 .* has no annotation"):
+        data.load_task("vqav2", "val", tmp_path)
+
+
+def test_unreadable_or_missing_image_names_item_and_path(tmp_path):
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"not a jpeg")
+    for path in (bad, tmp_path / "gone.jpg"):
+        with pytest.raises(OSError, match=f"item 7: cannot read its image {path}"):
+            data.load_image(Item(7, str(path), "q?", ("a",) * 10, "a"))
+
+
+def test_unknown_task_and_split_list_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="toy-vqa.*toy-caption"):
+        data.load_task("gqa", "val", tmp_path)
+    with pytest.raises(ValueError, match="train, val"):
+        data.load_task("toy-vqa", "test", tmp_path)
+    with pytest.raises(ValueError, match="--data-root"):
+        data.load_task("vqav2", "val")
+
+# ---------------------------------------------------------------------------------------------------------- toy
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return root, {(t, s): data.load_task(t, s, root) for t in ("toy-vqa", "toy-caption") for s in data.SPLITS}
+
+
+def test_toy_is_written_in_the_official_formats_and_read_back(toy):
+    root, tasks = toy
+    assert {k: len(v) for k, v in tasks.items()} == {("toy-vqa", "train"): 300, ("toy-vqa", "val"): 100,
+                                                      ("toy-caption", "train"): 300, ("toy-caption", "val"): 100}
+    assert os.path.isfile(root / "toy" / "vqav2" / "v2_OpenEnded_mscoco_train2014_questions.json")
+    vqa = tasks["toy-vqa", "train"]
+    assert all(len(i.answers) == 10 and i.target == data.most_frequent(list(i.answers)) for i in vqa)
+    assert 0.2 < sum(len(set(i.answers)) > 1 for i in vqa) / len(vqa) < 0.5  # some annotators disagree
+    assert {"yes", "no", "left", "red", "circle", "3"} <= {i.target for i in vqa}
+    assert data.load_image(vqa[0]).size == (64, 64)
+    caption = tasks["toy-caption", "val"][0]
+    assert caption.question is None and len(caption.answers) == 5 and caption.target == caption.answers[0]
+    assert not {i.id for i in vqa} & {i.id for i in tasks["toy-vqa", "val"]}
+
+
+def test_toy_is_seeded(toy, tmp_path):
+    root, _ = toy
+    data.write_toy(tmp_path / "again")
+    for f in ("vqav2/v2_mscoco_val2014_annotations.json", "coco/dataset_coco.json"):
+        assert (tmp_path / "again" / f).read_text() == (root / "toy" / f).read_text()
+
+
+def test_toy_generation_is_atomic(tmp_path, monkeypatch):
+    def interrupted(root, seed=0):
+        os.makedirs(os.path.join(root, "vqav2"))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "write_toy", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.load_task("toy-vqa", "train", tmp_path)
+    assert os.listdir(tmp_path) == []  # neither a half-written toy/ nor a temporary folder
+    monkeypatch.undo()
+    assert len(data.load_task("toy-vqa", "train", tmp_path)) == 300
+    monkeypatch.setattr(data, "write_toy", interrupted)  # generated once, then only read
+    assert len(data.load_task("toy-vqa", "val", tmp_path)) == 100
+
+# ----------------------------------------------------------------------------------------------- demonstrations
+
+
+def fake_items(ids):
+    return [Item(i, f"{i}.jpg", "q?", ("a",) * 10, "a") for i in ids]
+
+
+@given(st.lists(st.integers(0, 10**9), min_size=2, max_size=60, unique=True), st.integers(0, 2**32),
+       st.data())
+def test_demonstrations_exclude_the_query_and_do_not_depend_on_order(ids, seed, draw):
+    support = fake_items(ids)
+    m = draw.draw(st.integers(0, len(ids) - 1))
+    queries = draw.draw(st.lists(st.sampled_from(ids) | st.integers(0, 10**9), min_size=1, max_size=8))
+    icds = data.demonstrations(queries, support, m, seed)
+    for q, d in zip(queries, icds):
+        assert len(d) == m and q not in [x.id for x in d] and len({x.id for x in d}) == m
+    assert data.demonstrations(queries[::-1], support, m, seed) == icds[::-1]
+    assert data.demonstrations(queries, support, m, seed) == icds
+
+
+def test_demonstrations_depend_on_the_seed_and_need_enough_support():
+    support = fake_items(range(100))
+    assert data.demonstrations([5], support, 8, 0) != data.demonstrations([5], support, 8, 1)
+    with pytest.raises(ValueError, match="too small"):
+        data.demonstrations([5], support[:8], 8, 0)
+
+# ------------------------------------------------------------------------------------- batches, every family
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def backbone(request):
+    return load_backbone("tiny-" + request.param)
+
+
+def image_tokens_per_image(processor, family, image):
+    """How many <image> tokens one image becomes: what each family's processor documents."""
+    if family == "idefics2":
+        return processor.image_seq_len * (5 if processor.image_processor.do_image_splitting else 1)
+    if family == "idefics":
+        return 1  # its images enter through cross-attention; the text holds one placeholder
+    if family == "llava-interleave":  # one token per patch of the resized image (less CLS under "default")
+        size = processor.image_processor.size
+        return ((size["height"] // processor.patch_size) * (size["width"] // processor.patch_size)
+                + processor.num_additional_image_tokens - (processor.vision_feature_select_strategy == "default"))
+    return processor._get_num_multimodal_tokens(image_sizes=[image.size[::-1]])["num_image_tokens"][0]  # anyres
+
+
+def n_images(batch, family):
+    """Images per row in a collated batch."""
+    if family in ("idefics2", "idefics"):
+        return [int((pv.flatten(1).abs().sum(1) > 0).sum()) for pv in batch["pixel_values"]]
+    return batch["pixel_values"].shape[0]
+
+
+@pytest.mark.parametrize("kind", ["vqa", "caption"])
+def test_teacher_and_student_rows_line_up(backbone, toy, kind):
+    _, tasks = toy
+    p, family = backbone.processor, backbone.family
+    items = tasks["toy-vqa" if kind == "vqa" else "toy-caption", "train"]
+    queries, m = items[:3], 2
+    teacher, student = data.teacher_student_batch(p, family, kind, queries, data.demonstrations(
+        [q.id for q in queries], items, m, seed=0))
+    end = p.tokenizer.convert_tokens_to_ids(data.end_token(p, family))
+    assert end != p.tokenizer.unk_token_id
+    for b in range(len(queries)):
+        T = int(student["align"][b].sum())
+        assert T == int(teacher["align"][b].sum())
+        for batch in (teacher, student):  # align = exactly the last T positions
+            assert batch["align"][b, -T:].all() and not batch["align"][b, :-T].any()
+        assert torch.equal(teacher["input_ids"][b, -T:], student["input_ids"][b, -T:])
+        assert torch.equal(teacher["labels"][b, -T:], student["labels"][b, -T:])
+        assert (teacher["labels"][b, :-T] == -100).all()
+        labelled = student["labels"][b][student["labels"][b] != -100]
+        assert labelled[-1] == end and p.tokenizer.decode(labelled[:-1]) == " " + queries[b].target
+        tokens = student["input_ids"][b][student["labels"][b] != -100]
+        assert torch.equal(tokens, labelled)  # labels are the answer's own ids (the model shifts them)
+    for batch, per_row in ((teacher, m + 1), (student, 1)):
+        image = data.load_image(queries[0])
+        expected = per_row * image_tokens_per_image(p, family, image)
+        assert ((batch["input_ids"] == p.image_token_id).sum(1) == expected).all()
+        assert n_images(batch, family) == ([per_row] * 3 if family in ("idefics2", "idefics") else 3 * per_row)
+
+
+def test_position_ids_ignore_padding(backbone, toy):
+    _, tasks = toy
+    p, family = backbone.processor, backbone.family
+    items = tasks["toy-vqa", "train"]
+    batch = data.prompt_batch(p, family, "vqa", items[:2], [[], items[2:5]])  # zero-shot and 3-shot rows
+    mask = batch["attention_mask"]
+    assert mask[0, 0] == 0 and mask[1].all()  # the short row is left-padded
+    for b in range(2):
+        n = int(mask[b].sum())
+        assert batch["position_ids"][b, -n:].tolist() == list(range(n))
+        assert (batch["position_ids"][b, :-n] == 0).all()
+        assert (batch["input_ids"][b, :-n] == p.tokenizer.pad_token_id).all()
+    assert (batch["labels"] == -100).all()
+
+
+def test_prompt_is_the_student_row_without_its_answer(backbone, toy):
+    _, tasks = toy
+    p, family = backbone.processor, backbone.family
+    q = tasks["toy-vqa", "val"][0]
+    _, student = data.teacher_student_batch(p, family, "vqa", [q], [[]])
+    prompt = data.prompt_batch(p, family, "vqa", [q])
+    n_answer = int((student["labels"] != -100).sum())
+    assert torch.equal(prompt["input_ids"][0], student["input_ids"][0, :-n_answer])
+
+
+def test_idefics_query_cross_attends_as_in_the_student(toy):
+    """Idefics' image_attention_mask, rebuilt for the joined row: query tokens see only the query image, as alone."""
+    _, tasks = toy
+    bb = load_backbone("tiny-idefics")
+    items = tasks["toy-vqa", "train"]
+    teacher, student = data.teacher_student_batch(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
+    t_mask = teacher["image_attention_mask"][0][teacher["align"][0]]  # [query tokens, 4 images]
+    s_mask = student["image_attention_mask"][0][student["align"][0]]  # [query tokens, 1 image]
+    assert (t_mask[:, :3] == 0).all() and torch.equal(t_mask[:, 3:], s_mask) and s_mask.sum() == len(s_mask) - 1
+
+
+def test_forward_pass_on_collated_batches(backbone, toy):
+    _, tasks = toy
+    p, family = backbone.processor, backbone.family
+    items = tasks["toy-vqa", "train"]
+    rng = random.Random(0)
+    queries = rng.sample(items, 2)
+    teacher, student = data.teacher_student_batch(p, family, "vqa", queries, data.demonstrations(
+        [q.id for q in queries], items, 2, seed=1))
+    for batch in (teacher, student, data.prompt_batch(p, family, "vqa", queries)):
+        inputs = {k: v for k, v in batch.items() if k != "align"}
+        out = backbone.model(**inputs)
+        assert out.logits.shape == (*batch["input_ids"].shape, backbone.model.config.get_text_config().vocab_size)
+        assert torch.isfinite(out.logits).all()
+    assert torch.isfinite(backbone.model(**{k: v for k, v in student.items() if k != "align"}).loss)

@@ -1,0 +1,155 @@
+"""The distillation loop on the tiny Idefics2 twin and toy-vqa (CPU): losses, teacher reuse, resume, failures."""
+import os
+
+import pytest
+import torch
+
+import data
+import model as M
+import train
+
+SMALL = ["--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
+         "--save-every", "1"]
+
+
+def run(tmp_path, *extra, name="run"):
+    return ["--out", str(tmp_path / name), "--teacher-cache", str(tmp_path / "teacher"), *SMALL, *extra]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    args = train.parse_args(["--shots", "2"])
+    backbone = M.load_backbone(args.model)
+    queries = data.load_task(args.task, "train")[:4]
+    pool = data.load_task(args.task, "train")
+    icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
+    return args, backbone, queries, icds
+
+
+@pytest.mark.parametrize("method", ["hyper-icl", "hificl"])
+def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
+    args, backbone, queries, icds = setup
+    args = train.parse_args(["--method", method, "--teacher-cache", str(tmp_path)])
+    M.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
+    try:
+        kind = data.TASKS[args.task].kind
+        cache = {"id": train.fingerprint(backbone), "hits": 0, "misses": 0}
+        student, teacher = train.micro_batch(backbone, args, kind, queries, icds, "cpu", cache)
+        opt = torch.optim.AdamW(M.adapters(backbone.model).parameters(), lr=1e-2)
+        history = []
+        for _ in range(8):
+            parts = train.losses(backbone, args, student, teacher)
+            parts["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+            history.append(parts["loss"].item())
+        assert history[-1] < history[0]
+        assert set(parts) == ({"anchor", "sup", "loss"} if method == "hyper-icl" else {"sup", "loss"})
+    finally:
+        M.detach(backbone.model)
+
+
+def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeypatch, tmp_path):
+    args, backbone, queries, icds = setup
+    args.teacher_cache, args.no_teacher_cache = str(tmp_path), True
+    seen = []
+    forward = backbone.model.forward
+    monkeypatch.setattr(backbone.model, "forward", lambda **kw: seen.append(kw["input_ids"]) or forward(**kw))
+    M.attach(backbone.model, "hyper-icl", rank=2)
+    try:
+        cache = {"id": "x", "hits": 0, "misses": 0}
+        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+    finally:
+        M.detach(backbone.model)
+    teacher_ids, = seen                                  # one forward: the teacher's (the student runs later)
+    tok = backbone.processor.tokenizer
+    for row_t, row_s, ds, align in zip(teacher_ids, student["input_ids"], icds, student["align"]):
+        t_text, s_text = tok.decode(row_t), tok.decode(row_s)
+        assert all(d.question in t_text and d.question not in s_text for d in ds if d.question != "")
+        assert torch.equal(row_t[-int(align.sum()):], row_s[align])  # the same query tokens, last in both
+    assert teacher.shape[:3] == (len(backbone.model.get_decoder().layers), *student["align"].shape)
+    assert teacher[:, ~student["align"]].abs().sum() == 0
+
+
+def test_anchor_loss_reads_only_the_aligned_positions(setup, tmp_path):
+    args, backbone, queries, icds = setup
+    args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
+    M.attach(backbone.model, "hyper-icl", rank=2)
+    try:
+        cache = {"id": "y", "hits": 0, "misses": 0}
+        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+        with torch.no_grad():
+            base = train.losses(backbone, args, student, teacher)["anchor"]
+            noise = torch.randn_like(teacher) * (~student["align"])[None, ..., None]
+            assert train.losses(backbone, args, student, teacher + noise)["anchor"] == base
+            moved = train.losses(backbone, args, student, teacher + torch.randn_like(teacher))["anchor"]
+        assert moved != base
+    finally:
+        M.detach(backbone.model)
+
+
+def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
+    args, backbone, queries, icds = setup
+    args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
+    pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
+    cache = {"id": train.fingerprint(backbone), "hits": 0, "misses": 0}
+    first = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    fresh = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
+    assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
+    key = train.teacher_key(cache["id"], args, queries[0], icds[0])
+    assert key != train.teacher_key(cache["id"], args, queries[0], icds[1])        # other demonstrations
+    other = M.load_backbone(args.model, seed=1)
+    assert key != train.teacher_key(train.fingerprint(other), args, queries[0], icds[0])  # other backbone
+    other_task = train.parse_args(["--task", "toy-caption"])
+    assert key != train.teacher_key(cache["id"], other_task, queries[0], icds[0])
+
+
+def adapter_params(out):
+    return torch.load(os.path.join(out, "last.pt"), weights_only=False)["adapter"]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    whole = train.main(run(tmp_path, name="whole"))
+    train.main(run(tmp_path, "--max-steps", "4", name="split"))
+    assert torch.load(tmp_path / "split" / "last.pt", weights_only=False)["progress"]["step"] == 4
+    resumed = train.main(run(tmp_path, "--resume", name="split"))
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert os.path.exists(tmp_path / "whole" / "adapter.safetensors")
+    with pytest.raises(SystemExit, match="--lr 0.005 .now 0.1."):
+        train.main(run(tmp_path, "--resume", "--lr", "0.1", name="split"))
+
+
+def test_ctrl_c_saves_and_resume_continues(tmp_path, monkeypatch):
+    whole = train.main(run(tmp_path, name="whole"))
+    step = train.losses
+    calls = []
+
+    def interrupt(*a):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return step(*a)
+    monkeypatch.setattr(train, "losses", interrupt)
+    with pytest.raises(SystemExit, match="interrupted: saved step 3"):
+        train.main(run(tmp_path, name="cut"))
+    monkeypatch.setattr(train, "losses", step)
+    resumed = train.main(run(tmp_path, "--resume", name="cut"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    anchor = train.hyperbolic_anchor_loss
+    calls = []
+
+    def poisoned(*a):
+        calls.append(1)
+        return anchor(*a) * (float("nan") if len(calls) == 3 else 1)
+    monkeypatch.setattr(train, "hyperbolic_anchor_loss", poisoned)
+    with pytest.raises(FloatingPointError, match="step 3: loss part 'anchor' is nan"):
+        train.main(run(tmp_path))
+    state = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
+    assert state["progress"]["step"] == 2
+    assert all(torch.isfinite(v).all() for v in state["adapter"].values())
