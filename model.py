@@ -131,14 +131,14 @@ def _describe(backbone_name, model):
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
 
 
-def atomic_save(tensors, path, metadata):
-    """Write safetensors to `path` atomically: a temporary file in the same folder, then a rename."""
+def atomic_write(path, write):
+    """Call write(tmp) on a temporary file beside `path`, then rename it into place: never a half-written file."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     os.close(fd)
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        write(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -148,7 +148,8 @@ def atomic_save(tensors, path, metadata):
 def save_adapter(path, backbone):
     """Save only the adapter's parameters, with its settings as JSON in the safetensors metadata."""
     settings = _describe(backbone.name, backbone.model)
-    atomic_save(adapters(backbone.model).state_dict(), path, {"settings": json.dumps(settings)})
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapters(backbone.model).state_dict().items()}
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"settings": json.dumps(settings)}))
 
 
 def read_settings(path):

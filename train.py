@@ -152,7 +152,7 @@ def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     states = {i: s for i, s in zip(missing, fresh)}
     for i, path in enumerate(paths):
         if i in states and not args.no_teacher_cache:
-            save_file({"states": states[i].contiguous()}, path)
+            M.atomic_write(path, lambda tmp: save_file({"states": states[i].contiguous()}, tmp))
         elif i not in states:
             states[i] = load_file(path)["states"]
     return [states[i] for i in range(len(queries))]
@@ -221,24 +221,13 @@ def heldout_loss(backbone, args, kind, heldout, device):
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
-def save_state(path, state):
-    """torch.save to `path` atomically (a temporary file in the same folder, then a rename)."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def checkpoint(args, backbone, optimizer, scheduler, progress):
     """Everything a resumed run needs, written to <out>/last.pt."""
-    save_state(os.path.join(args.out, "last.pt"), {
+    state = {
         "adapter": M.adapters(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
-        "rng": torch.get_rng_state()})
+        "rng": torch.get_rng_state()}
+    M.atomic_write(os.path.join(args.out, "last.pt"), lambda tmp: torch.save(state, tmp))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",

@@ -1,4 +1,6 @@
 """Adapters inside the real transformers backbones (tiny twins, CPU): identity at init, masks, caching, saving."""
+import os
+
 import pytest
 import torch
 from PIL import Image
@@ -168,3 +170,15 @@ def test_parameter_counts_on_published_sizes(family, method, sizes, count):
 def test_unknown_backbone_lists_the_valid_names():
     with pytest.raises(ValueError, match="idefics2.*llava-onevision"):
         M.load_backbone("gpt-5")
+
+
+def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
+    path = tmp_path / "f.bin"
+    M.atomic_write(path, lambda tmp: open(tmp, "wb").write(b"good"))
+
+    def crash(tmp):
+        open(tmp, "wb").write(b"ha")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        M.atomic_write(path, crash)
+    assert path.read_bytes() == b"good" and os.listdir(tmp_path) == ["f.bin"]
