@@ -480,6 +480,11 @@ def collate(rows, processor, family):
             **image_inputs(rows, processor, family, input_ids)}
 
 
+def model_inputs(batch, device=None):
+    """A batch as the backbone's forward keyword arguments (all but "labels" and "align"), on `device` if given."""
+    return {k: v.to(device) for k, v in batch.items() if k not in ("labels", "align")}
+
+
 def teacher_student_batch(processor, family, kind, queries, icds):
     """The teacher batch ([ICDs; query + target], no adapter) and the student batch ([query + target]).
 

@@ -1,9 +1,32 @@
 """
-Evaluation: metrics as the official benchmark code computes them, inference, and the efficiency table (Table 6).
+Evaluation: metrics as the official benchmark code computes them, inference, the efficiency table (Table 6), and
+the analyses of the appendices (Table 9, Table 10).
+
+    python evaluate.py                                   tiny-idefics2 on toy-vqa, with the default train.py
+                                                         run's adapter if it exists, else zero-shot
+    python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
+    python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
+    python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
+    python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
 """
+import argparse
+import contextlib
+import json
 import math
+import os
 import re
+import statistics
+import time
 from collections import Counter
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+import data as D
+import lorentz
+import model as M
+import train
 
 # -----------------------------------------------------------------------------
 # metrics
@@ -191,3 +214,389 @@ def multiple_choice_accuracy(predictions, answers):
             m = _OPTION.match(pred)
             correct += m is not None and m.group(1) == ans
     return correct / len(answers)
+
+
+# -----------------------------------------------------------------------------
+# inference (Section 4.1: greedy decoding, batched, left-padded prompts from data.py)
+
+_ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
+
+
+def postprocess(text):
+    """The answer in a generated continuation: the one place answers are cleaned before scoring.
+
+    Generation stops at the family's end token (data.end_token) or eos, and special tokens are dropped when
+    decoding. The text is then stripped of leading whitespace, cut at the first newline or at the start of the next
+    prompt piece ("Question", "Short answer", "Caption", as in data.PROMPTS), and stripped of trailing whitespace.
+    Case, punctuation and articles are left to the metrics' own normalisation (vqaEval.py for VQA, the PTB
+    tokenizer for captions).
+    """
+    return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
+
+
+def device_of(model):
+    """The device the model's parameters are on."""
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
+    """Greedy decoding; stops at the family's end token or eos. Returns the new tokens only: [B, <= max_new_tokens]."""
+    stop = {}
+    if backbone.processor is not None:  # None for synthetic prompts (--random-weights): the config's eos then
+        tok = backbone.processor.tokenizer
+        end = tok.convert_tokens_to_ids(D.end_token(backbone.processor, backbone.family))
+        stop = dict(pad_token_id=tok.pad_token_id, eos_token_id=sorted({tok.eos_token_id, end}))
+    out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
+                                  min_new_tokens=min_new_tokens, **stop)
+    return out[:, inputs["input_ids"].shape[1]:]
+
+
+def predict(backbone, task, items, icds=None, batch_size=8):
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter)."""
+    kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
+    tok, predictions = backbone.processor.tokenizer, []
+    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} {task}", unit="batch"):
+        batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
+                               icds[i:i + batch_size] if icds else None)
+        tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
+        predictions += [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
+    return predictions
+
+
+def score(kind, items, predictions):
+    """The reported metric (Table 1): VQA accuracy x 100 (vqaEval.py) or CIDEr (CIDEr-D, pycocoevalcap) x 100."""
+    if kind == "vqa":
+        return "vqa_accuracy", 100 * sum(vqa_accuracy(p, it.answers) for it, p in zip(items, predictions)) / len(items)
+    cider, _ = cider_d({it.id: p for it, p in zip(items, predictions)}, {it.id: list(it.answers) for it in items})
+    return "cider", 100 * cider
+
+
+def evaluate(backbone, args, items, setting):
+    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random ICDs, an adapter) on --n-eval items.
+
+    Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
+    .metrics.json, prints one summary line and returns the metrics.
+    """
+    icds = None
+    if args.shots:  # Direct-ICD baseline: random demonstrations from the training split
+        support = D.load_task(args.task, "train", args.data_root)
+        icds = D.demonstrations([it.id for it in items], support, args.shots, args.seed)
+    predictions = predict(backbone, args.task, items, icds, args.batch_size)
+    metric, value = score(D.TASKS[args.task].kind, items, predictions)
+    stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(stem + ".predictions.jsonl", "w") as f:
+        for it, p in zip(items, predictions):
+            f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
+    metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
+               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
+    with open(stem + ".metrics.json", "w") as f:
+        json.dump(metrics, f, indent=2)
+    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f} on {len(items)} items "
+          f"-> {stem}.metrics.json")
+    return metrics
+
+
+# -----------------------------------------------------------------------------
+# efficiency (Table 6): FLOPs and latency of one query, zero-shot vs adapter vs n-shot ICL
+
+WARMUP, REPEATS = 2, 10
+BENCH_SHOTS = (8, 16, 32)
+# Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
+# LLaMA-style tokenizer splits them: BOS + the instruction line; one ICD's "Question: ... Short answer: ..." + end
+# token + newline (about 20 for a VQAv2 question); the query's question without the answer.
+PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
+
+
+def synthetic_prompt(model, family, shots, seed=0):
+    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6).
+
+    Per image, as the family's processor expands it: Idefics2 <fake_token_around_image>, 64 <image> (perceiver
+    latents), <fake_token_around_image>, pixels at COCO's typical 480 x 640 (which its processor keeps as is);
+    Idefics one <image> between two wrappers, cross-attending to its 224 x 224 image; LLaVA-Interleave one token
+    per SigLIP patch (729 at 384 x 384); LLaVA-OneVision a 384 x 384 image in any-resolution mode (base 729 + one
+    tile 729 + 27 row newlines). Sizes come from the model's config, so tiny twins get the same format.
+    """
+    cfg, n, gen = model.config, shots + 1, torch.Generator().manual_seed(seed)
+    vocab = cfg.get_text_config().vocab_size
+    image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", vocab)
+
+    def text(k):  # random ids, never the image token
+        t = torch.randint(vocab - 1, (k,), generator=gen)
+        return t + (t >= image_id).long()
+
+    side = cfg.vision_config.image_size
+    if family == "idefics2":
+        image = lambda: torch.cat([text(1), torch.full((cfg.perceiver_config.resampler_n_latents,), image_id), text(1)])
+        h, w = min(480, side), min(640, side)
+        pixels = {"pixel_values": torch.randn(1, n, 3, h, w), "pixel_attention_mask": torch.ones(1, n, h, w).bool()}
+    elif family == "idefics":
+        image = lambda: text(3)
+        pixels = {"pixel_values": torch.randn(1, n, 3, side, side)}
+    else:
+        p = side // cfg.vision_config.patch_size
+        count = p * p if family == "llava-interleave" else 2 * p * p + p
+        image = lambda: torch.full((count,), image_id)
+        pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
+            {"pixel_values": torch.randn(n, 2, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n)}
+    pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else QUERY_TEXT)]) for i in range(n)]
+    ids = torch.cat(pieces)[None]
+    if family == "idefics":  # which image each token cross-attends to: the latest one before it
+        owner = torch.cat([torch.full_like(p, i - 1) for i, p in enumerate(pieces)])
+        pixels["image_attention_mask"] = torch.nn.functional.one_hot(owner + 1, n + 1)[None, :, 1:]
+    dtype = next(model.parameters()).dtype
+    pixels = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pixels.items()}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels}
+
+
+def benchmark_prompt(backbone, args, shots):
+    """The Table 6 input with `shots` ICDs: synthetic (--random-weights), else the first --split item of --task."""
+    if backbone.processor is None:
+        batch = synthetic_prompt(backbone.model, backbone.family, shots, args.seed)
+    else:
+        query = D.load_task(args.task, args.split, args.data_root)[:1]
+        icds = D.demonstrations([query[0].id], D.load_task(args.task, "train", args.data_root), shots, args.seed) \
+            if shots else None
+        batch = D.prompt_batch(backbone.processor, backbone.family, D.TASKS[args.task].kind, query, icds)
+    return D.model_inputs(batch, device_of(backbone.model))
+
+
+def measure(backbone, inputs, new_tokens):
+    """FLOPs (torch.utils.flop_counter, every matmul / conv / attention kernel of one generate call, which also
+    serves as warm-up) and the median latency in ms over REPEATS calls after WARMUP more, each generating exactly
+    new_tokens tokens (min_new_tokens = max_new_tokens)."""
+    run = lambda: generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
+    sync = torch.cuda.synchronize if device_of(backbone.model).type == "cuda" else lambda: None
+    with FlopCounterMode(display=False) as counter:
+        run()
+    times = []
+    for _ in range(WARMUP + REPEATS):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return counter.get_total_flops(), 1000 * statistics.median(times[WARMUP:])
+
+
+def benchmark(backbone, args):
+    """Table 6: FLOPs and per-query latency of zero-shot, the attached adapter and 8/16/32-shot ICL, each with
+    its ratio to zero-shot. The adapter must be attached (weights do not change the cost). Writes benchmark.json."""
+    new_tokens = D.TASKS[args.task].max_new_tokens
+    method = backbone.model.icl_settings["method"]
+    settings = [("zero-shot", 0, True), (method, 0, False)] + [(f"{s}-shot", s, True) for s in BENCH_SHOTS]
+    rows = []
+    for name, shots, plain in settings:
+        inputs = benchmark_prompt(backbone, args, shots)
+        with M.without_adapter(backbone.model) if plain else contextlib.nullcontext():
+            flops, ms = measure(backbone, inputs, new_tokens)
+        rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1], "tflops": flops / 1e12, "ms": ms})
+    print(f"{backbone.name} on {device_of(backbone.model)}, {new_tokens} new tokens per query, "
+          f"median of {REPEATS} runs")
+    print(f"{'setting':<10} {'tokens':>7} {'TFLOPs':>10} {'x':>6} {'ms':>9} {'x':>6}")
+    for r in rows:
+        r["tflops_ratio"], r["ms_ratio"] = r["tflops"] / rows[0]["tflops"], r["ms"] / rows[0]["ms"]
+        print(f"{r['setting']:<10} {r['prompt_tokens']:>7} {r['tflops']:>10.4g} {r['tflops_ratio']:>6.2f} "
+              f"{r['ms']:>9.2f} {r['ms_ratio']:>6.2f}")
+    path = os.path.join(args.out, "benchmark.json")
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": backbone.name, "device": str(device_of(backbone.model)), "new_tokens": new_tokens,
+                   "rows": rows}, f, indent=2)
+    print(f"-> {path}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# analyses: the query-adaptive gate (Appendix D, Table 10) and delta-hyperbolicity (Appendix C, Table 9)
+
+def analysis_batches(backbone, args, items):
+    """(teacher, student) prompt batches per --batch-size items: [ICDs; query] and [query], as model inputs, with
+    each row's number of query tokens (the last positions of both rows, since both are left-padded)."""
+    shots = args.shots or D.DEFAULT_SHOTS[backbone.family]
+    support = D.load_task(args.task, "train", args.data_root)
+    kind, device = D.TASKS[args.task].kind, device_of(backbone.model)
+    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{backbone.name} {args.task}", unit="batch"):
+        queries = items[i:i + args.batch_size]
+        icds = D.demonstrations([q.id for q in queries], support, shots, args.seed)
+        teacher, student = (D.prompt_batch(backbone.processor, backbone.family, kind, queries, d) for d in (icds, None))
+        yield D.model_inputs(teacher, device), D.model_inputs(student, device), student["align"].sum(1).tolist()
+
+
+def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
+    """Eq 19 for one example: Delta A = || A^ICD - A^noICD ||_1 per layer, head and query token.
+
+    A_icd: [L, H, T, S_icd], A_plain: [L, H, T, S_plain], query-token rows of left-padded rows with n_icd / n_plain
+    real tokens. Keys are aligned as the rows are built: the shared start (BOS + instruction) first, the query last;
+    the ICD keys have no counterpart, so A^noICD is zero there. Returns [L, H, T].
+    """
+    start = n_plain - T  # BOS + instruction
+    aligned = torch.zeros_like(A_icd)
+    first_icd, first_plain = A_icd.shape[-1] - n_icd, A_plain.shape[-1] - n_plain
+    aligned[..., first_icd:first_icd + start] = A_plain[..., first_plain:first_plain + start]
+    aligned[..., -T:] = A_plain[..., -T:]
+    return (A_icd - aligned).abs().sum(-1)
+
+
+@torch.no_grad()
+def gate_analysis(backbone, args, items):
+    """Table 10: mean gate g per layer (over heads and query tokens), early-layer (first quarter) and late-layer
+    (last quarter) means, average per-layer std, and Pearson Corr(g, Delta A) (Eq 19) over layers, heads, query
+    tokens and examples. g is the adapter's (Eq 9) on the query-only prompt; Delta A compares the teacher's
+    attention ([ICDs; query], no adapter) with the query-only prompt's (no adapter)."""
+    model, gates = backbone.model, []
+    if model.icl_settings["method"] != "hyper-icl":
+        raise ValueError(f"the gate analysis needs a Hyper-ICL adapter, not {model.icl_settings['method']!r}")
+    hooks = [a.register_forward_pre_hook(lambda mod, inp: gates.append(mod.gate(inp[0])[..., 0]))
+             for a in M.adapters(model)]
+    g_all, dA_all = [], []
+    try:
+        for teacher, student, lengths in analysis_batches(backbone, args, items):
+            gates.clear()
+            model(**student)
+            g = torch.stack(gates)                                            # [L, B, H, S_student]
+            with M.attention_as(model, "eager"):
+                A_icd = model(**teacher, output_attentions=True).attentions   # L x [B, H, S, S]
+                A_plain = model(**student, output_attentions=True).attentions
+            for b, T in enumerate(lengths):
+                rows = lambda A: torch.stack([a[b, :, -T:].float() for a in A])  # [L, H, T, S]
+                dA = aligned_shift(rows(A_icd), rows(A_plain), int(teacher["attention_mask"][b].sum()),
+                                   int(student["attention_mask"][b].sum()), T)
+                g_all.append(g[:, b, :, -T:].flatten(1).float().cpu())
+                dA_all.append(dA.flatten(1).cpu())
+    finally:
+        for h in hooks:
+            h.remove()
+    g, dA = torch.cat(g_all, 1), torch.cat(dA_all, 1)                         # [L, all heads x tokens]
+    quarter = max(1, g.shape[0] // 4)
+    per_layer = g.mean(1)
+    return {"per_layer_mean": per_layer.tolist(), "early_mean": per_layer[:quarter].mean().item(),
+            "late_mean": per_layer[-quarter:].mean().item(), "per_layer_std": g.std(1).mean().item(),
+            "corr_g_delta_attention": torch.corrcoef(torch.stack([g.flatten(), dA.flatten()]))[0, 1].item(),
+            "n": len(items)}
+
+
+def middle_layers(n_layers, k=4):
+    """The k middle decoder layers (0-based; all of them when there are fewer)."""
+    first = max(0, n_layers // 2 - k // 2)
+    return range(first, min(n_layers, first + k))
+
+
+def query_states(hidden_states, b, T, layers):
+    """The metric space of Appendix C for row b: query-token states of the given layers, one point per
+    (layer, token): [len(layers) * T, d] in float32."""
+    return torch.cat([hidden_states[l + 1][b, -T:] for l in layers]).float()
+
+
+@torch.no_grad()
+def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
+    """Table 9: relative delta-hyperbolicity (Eq 18) of the teacher's ([ICDs; query], no adapter) and the student's
+    (query only, with the adapter if one is attached) query-token hidden states in the four middle decoder layers,
+    per example on n_samples quadruples drawn with the same seed for teacher and student; mean and std over examples."""
+    model = backbone.model
+    layers = middle_layers(len(M.decoder_self_attentions(model)))
+    deltas = {"teacher": [], "student": []}
+    i = 0
+    for teacher, student, lengths in analysis_batches(backbone, args, items):
+        with M.without_adapter(model):
+            h_teacher = model(**teacher, output_hidden_states=True).hidden_states
+        h_student = model(**student, output_hidden_states=True).hidden_states
+        for b, T in enumerate(lengths):
+            for name, h in (("teacher", h_teacher), ("student", h_student)):
+                X = query_states(h, b, T, layers)
+                gen = torch.Generator(X.device).manual_seed(args.seed + i)
+                deltas[name].append(lorentz.delta_hyperbolicity(torch.cdist(X, X), n_samples, gen).item())
+            i += 1
+    return {name: {"mean": statistics.mean(d), "std": statistics.pstdev(d)} for name, d in deltas.items()} | \
+        {"layers": list(layers), "n": len(items)}
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+def default_checkpoint(model, task):
+    """Where a train.py run with the default --out and --method writes its best adapter."""
+    return os.path.join(train.default_out(model, task, "hyper-icl"), "adapter.safetensors")
+
+
+def parse_args(argv=None):
+    """The flags (see --help). Fills in the default checkpoint and the output folder."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-idefics2",
+                   help="backbone: idefics2, idefics, llava-interleave, llava-onevision (the paper's checkpoints), "
+                        "tiny-<family> (offline twin), or a local path (default: %(default)s)")
+    p.add_argument("--task", default="toy-vqa", choices=list(D.TASKS), help="benchmark (default: %(default)s)")
+    p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors). Default: "
+                                        f"{default_checkpoint('<model>', '<task>')} if it exists "
+                                        "and --shots is not given, else none (zero-shot)")
+    p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
+                                             "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For "
+                                             "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
+                                             "data.DEFAULT_SHOTS)")
+    p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
+                                              "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test)")
+    p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
+    p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
+    p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
+    p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
+                                 "else runs/eval-<model>-<task>)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--benchmark", action="store_true", help="Table 6: FLOPs and latency of zero-shot, the adapter "
+                      "(--checkpoint, else a fresh Hyper-ICL one) and 8/16/32-shot ICL on one query")
+    mode.add_argument("--gates", action="store_true", help="Table 10: gate statistics and Corr(g, Delta A) of a "
+                      "Hyper-ICL checkpoint")
+    mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
+                      "student (with --checkpoint) hidden states")
+    p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
+                   "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
+    args = p.parse_args(argv)
+    if args.random_weights and not args.benchmark:
+        p.error("--random-weights only makes sense with --benchmark")
+    if args.random_weights and not torch.cuda.is_available():
+        p.error("--random-weights runs a real-size backbone and needs a CUDA GPU")
+    default = default_checkpoint(args.model, args.task)
+    if args.checkpoint is None and args.shots is None and not args.benchmark and os.path.isfile(default):
+        args.checkpoint = default
+    if args.gates and args.checkpoint is None:
+        p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
+    name = os.path.basename(args.model.rstrip("/")) + ("-random-weights" if args.random_weights else "")
+    args.out = args.out or (os.path.dirname(args.checkpoint) if args.checkpoint else f"runs/eval-{name}-{args.task}")
+    return args
+
+
+def main(argv=None):
+    """python evaluate.py [--benchmark | --gates | --hyperbolicity] [flags]; see --help."""
+    args = parse_args(argv)
+    if args.random_weights:
+        family = M.family_of(args.model)
+        backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
+    else:
+        backbone = M.load_backbone(args.model)
+    setting = f"{args.shots or 0}-shot"
+    if args.checkpoint:
+        method = M.load_adapter(args.checkpoint, backbone)["method"]
+        setting = method if not args.shots else f"{method}+{setting}"
+        print(f"adapter: {args.checkpoint} ({method})")
+    elif not args.benchmark:
+        default = default_checkpoint(args.model, args.task)
+        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None else ""))
+    if args.benchmark:
+        if not args.checkpoint:
+            M.attach(backbone.model, "hyper-icl", rank=4)  # latency does not depend on the weights
+        return benchmark(backbone, args)
+    items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+    if not (args.gates or args.hyperbolicity):
+        return evaluate(backbone, args, items, setting)
+    result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
+    path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
+    os.makedirs(args.out, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"model": args.model, "checkpoint": args.checkpoint, **result}, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

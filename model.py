@@ -109,15 +109,22 @@ def adapters(model):
 
 
 @contextlib.contextmanager
-def without_adapter(model):
-    """Run the backbone as it was, adapters bypassed (the teacher's forward)."""
+def attention_as(model, implementation):
+    """Run the text decoder's attention through another registered implementation for a while.
+
+    "sdpa": the backbone as it was, adapters bypassed; "eager": also returns attention probabilities.
+    """
     cfg = decoder_self_attentions(model)[0].config
-    before = cfg._attn_implementation
-    cfg._attn_implementation = "sdpa"
+    before, cfg._attn_implementation = cfg._attn_implementation, implementation
     try:
         yield model
     finally:
         cfg._attn_implementation = before
+
+
+def without_adapter(model):
+    """The backbone as it was, adapters bypassed (the teacher's forward): a context manager."""
+    return attention_as(model, "sdpa")
 
 
 # ------------------------------------------------------------------------------------------------ save and load

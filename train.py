@@ -71,11 +71,16 @@ def parse_args(argv=None):
                    "and print the ratio (writes to temporary folders)")
     args = p.parse_args(argv)
     args.rank = args.rank or (4 if args.method == "hyper-icl" else 8)
-    args.out = args.out or os.path.join("runs", f"{os.path.basename(args.model)}-{args.task}-{args.method}")
+    args.out = args.out or default_out(args.model, args.task, args.method)
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     if args.method == "hificl":
         args.anchor = "none"  # HiFICL trains with the task loss only
     return args
+
+
+def default_out(model, task, method):
+    """The default output folder of a run: runs/<model>-<task>-<method>."""
+    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{task}-{method}")
 
 
 # ------------------------------------------------------------------------------------------------------ data
@@ -97,11 +102,6 @@ def epoch_order(n, batch_size, seed, epoch):
     """The batches of one epoch: a permutation that depends only on (seed, epoch), so a resumed run sees the same."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
-
-
-def model_inputs(batch):
-    """The keyword arguments of the backbone's forward (the batch without labels and alignment mask)."""
-    return {k: v for k, v in batch.items() if k not in ("labels", "align")}
 
 
 def to(batch, device):
@@ -135,7 +135,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device):
             for d, p in zip(icds, pieces)]
     batch = to(data.collate(rows, backbone.processor, backbone.family), device)
     with M.without_adapter(backbone.model), autocast(device):
-        hidden = backbone.model(**model_inputs(batch), output_hidden_states=True).hidden_states[1:]
+        hidden = backbone.model(**data.model_inputs(batch), output_hidden_states=True).hidden_states[1:]
     states = torch.stack(hidden)                                          # [L, B, W, d]
     return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
@@ -183,7 +183,7 @@ def supervised_loss(logits, labels):
 def losses(backbone, args, student, teacher):
     """The loss parts of Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": total}."""
     with autocast(student["input_ids"].device):
-        out = backbone.model(**model_inputs(student), output_hidden_states=args.anchor != "none")
+        out = backbone.model(**data.model_inputs(student), output_hidden_states=args.anchor != "none")
     parts = {"sup": supervised_loss(out.logits, student["labels"])}
     if args.anchor == "none":
         parts["loss"] = parts["sup"]
@@ -214,7 +214,7 @@ def heldout_loss(backbone, args, kind, heldout, device):
         rows = [data.encode(backbone.processor, backbone.family, kind, [], q) for q in queries]
         batch = to(data.collate(rows, backbone.processor, backbone.family), device)
         with autocast(device):
-            total += supervised_loss(backbone.model(**model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
+            total += supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
         count += len(queries)
     return total / max(count, 1)
 

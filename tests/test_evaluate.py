@@ -1,0 +1,209 @@
+"""evaluate.py end to end on the tiny twins and the toy tasks (CPU): evaluation files, post-processing, the
+efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+import data as D
+import evaluate as E
+import model as M
+import train
+
+N_EVAL = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Hyper-ICL checkpoint for tiny-idefics2 with random (non-identity) weights, so the gate varies."""
+    backbone = M.load_backbone("tiny-idefics2")
+    M.attach(backbone.model, "hyper-icl", rank=4)
+    torch.manual_seed(0)
+    for p in M.adapters(backbone.model).parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
+    M.save_adapter(path, backbone)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# answer post-processing
+
+@pytest.mark.parametrize("generated, answer", [
+    (" yes", "yes"),
+    ("  blue  ", "blue"),
+    (" two\nQuestion: How many", "two"),                  # cut at the first newline
+    (" red Question: What colour", "red"),                # ... or at the next prompt piece
+    (" left Short answer: right", "left"),
+    (" A red circle. Caption: A", "A red circle."),       # punctuation and case are the metric's business
+    ("\n yes\n", "yes"),                                  # leading whitespace (newlines too) goes first
+    (" The Cat", "The Cat"),
+    ("", ""),
+    ("\n", ""),
+])
+def test_postprocess(generated, answer):
+    assert E.postprocess(generated) == answer
+
+
+# -----------------------------------------------------------------------------
+# evaluation
+
+def read_outputs(out, stem):
+    with open(os.path.join(out, stem + ".predictions.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    with open(os.path.join(out, stem + ".metrics.json")) as f:
+        return records, json.load(f)
+
+
+@pytest.mark.parametrize("task, flags, setting", [
+    ("toy-vqa", ["--shots", "0"], "0-shot"),
+    ("toy-vqa", ["--shots", "2"], "2-shot"),
+    ("toy-vqa", ["--checkpoint", None], "hyper-icl"),
+    ("toy-caption", ["--shots", "0", "--n-eval", "3"], "0-shot"),
+])
+def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, flags, setting):
+    flags = [checkpoint if f is None else f for f in flags]
+    metrics = E.main(["--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4", "--out", str(tmp_path), *flags])
+    records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}")
+    n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
+    items = D.load_task(task, "val")[:n]
+    assert saved == metrics and saved["n"] == n == len(records) and saved["setting"] == setting
+    assert [r["id"] for r in records] == [it.id for it in items]
+    assert all(set(r) == {"id", "prediction", "references"} and isinstance(r["prediction"], str) for r in records)
+    assert all(r["references"] == list(it.answers) for r, it in zip(records, items))
+    if task == "toy-vqa":
+        assert 0 <= saved["vqa_accuracy"] <= 100
+    else:
+        assert saved["cider"] >= 0
+
+
+def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch, checkpoint, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert E.main(["--n-eval", "2"])["setting"] == "0-shot"
+    assert "no adapter: 0-shot evaluation" in capsys.readouterr().out
+    default = os.path.join(train.parse_args([]).out, "adapter.safetensors")  # where `python train.py` writes
+    os.makedirs(os.path.dirname(default))
+    with open(checkpoint, "rb") as src, open(default, "wb") as dst:
+        dst.write(src.read())
+    metrics = E.main(["--n-eval", "2"])
+    assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == default
+    assert os.path.isfile(os.path.join(os.path.dirname(default), "toy-vqa-val-hyper-icl.metrics.json"))
+
+
+@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+def test_batched_generation_matches_one_at_a_time(family):
+    """Left padding changes nothing: the same answers batched (rows of different lengths) and one by one."""
+    backbone = M.load_backbone("tiny-" + family)
+    items = D.load_task("toy-vqa", "val")[:4]
+    icds = D.demonstrations([it.id for it in items], D.load_task("toy-vqa", "train"), 1, seed=0)
+    assert len({len(D.prompt_batch(backbone.processor, family, "vqa", [it], [d])["input_ids"][0])
+                for it, d in zip(items, icds)}) > 1
+    assert E.predict(backbone, "toy-vqa", items, icds, batch_size=4) == \
+        E.predict(backbone, "toy-vqa", items, icds, batch_size=1)
+
+
+# -----------------------------------------------------------------------------
+# efficiency (Table 6)
+
+def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(E, "REPEATS", 2)
+    rows = E.main(["--benchmark", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    names = ["zero-shot", "hyper-icl", "8-shot", "16-shot", "32-shot"]
+    assert [r["setting"] for r in rows] == names
+    for r in rows:
+        assert r["tflops"] > 0 and r["ms"] > 0
+        assert any(line.split()[0] == r["setting"] and f"{r['tflops']:.4g}" in line for line in printed.splitlines())
+    flops = [r["tflops"] for r in rows]
+    assert flops[0] < flops[1] < flops[2] < flops[3] < flops[4]  # the adapter costs a little, ICDs a lot
+    with open(tmp_path / "benchmark.json") as f:
+        assert json.load(f)["rows"] == rows
+
+
+@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+def test_synthetic_prompts_are_in_the_family_format(family):
+    """--random-weights inputs, built from the tiny twin's config, run through the real model class, with as many
+    tokens per image as the family's own processor gives an image of that size."""
+    backbone = M.load_backbone("tiny-" + family)
+    lengths = []
+    for shots in (0, 2):
+        inputs = E.synthetic_prompt(backbone.model, family, shots)
+        new = backbone.model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        assert new.shape[1] == inputs["input_ids"].shape[1] + 2
+        lengths.append(inputs["input_ids"].shape[1])
+    h, w = inputs["pixel_values"].shape[-2:]
+    image = Image.new("RGB", (w, h), (200, 30, 30))
+    per_image = len(D.encode_piece(backbone.processor, family, "<image>", image)["input_ids"])
+    assert lengths[1] - lengths[0] == 2 * (per_image + E.ICD_TEXT)
+
+
+def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
+    """--random-weights end to end on CPU, the real-size backbone replaced by the tiny twin (synthetic prompts)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(M, "published_model", lambda family, device: M.load_backbone("tiny-" + family).model)
+    monkeypatch.setattr(E, "REPEATS", 1)
+    rows = E.main(["--benchmark", "--random-weights", "--model", "llava-interleave", "--out", str(tmp_path)])
+    assert [r["setting"] for r in rows] == ["zero-shot", "hyper-icl", "8-shot", "16-shot", "32-shot"]
+    assert [r["prompt_tokens"] for r in rows[2:]] == [rows[0]["prompt_tokens"] + s * (E.ICD_TEXT + 4) for s in
+                                                      (8, 16, 32)]  # the tiny twin: 2 x 2 patches per image
+    assert "llava-interleave (random weights)" in capsys.readouterr().out
+
+
+def test_random_weights_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        E.parse_args(["--benchmark", "--random-weights"])
+
+
+# -----------------------------------------------------------------------------
+# analyses (Table 10, Table 9)
+
+def test_aligned_shift_compares_shared_keys_and_counts_icd_keys():
+    """Eq 19's alignment: BOS + instruction keys first, query keys last, ICD keys only in the teacher."""
+    T, start, icd, pad_plain, pad_icd = 2, 3, 4, 1, 2
+    plain = torch.rand(1, 1, T, pad_plain + start + T).softmax(-1)
+    plain[..., :pad_plain] = 0
+    plain = plain / plain.sum(-1, keepdim=True)
+    teacher = torch.cat([torch.zeros(1, 1, T, pad_icd), plain[..., pad_plain:pad_plain + start],
+                         torch.zeros(1, 1, T, icd), plain[..., -T:]], -1)
+    n_plain, n_icd = start + T, start + icd + T
+    assert torch.allclose(E.aligned_shift(teacher, plain, n_icd, n_plain, T), torch.zeros(1, 1, T))
+    moved = teacher.clone()
+    moved[..., pad_icd + start] += 0.25 * moved[..., -1]  # a quarter of the last key's weight moves onto an ICD key
+    moved[..., -1] *= 0.75
+    expected = 0.5 * teacher[..., -1]
+    assert torch.allclose(E.aligned_shift(moved, plain, n_icd, n_plain, T), expected)
+
+
+def test_gates(tmp_path, checkpoint):
+    r = E.main(["--gates", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out", str(tmp_path)])
+    layers = len(M.decoder_self_attentions(M.load_backbone("tiny-idefics2").model))
+    assert len(r["per_layer_mean"]) == layers
+    for v in r["per_layer_mean"] + [r["early_mean"], r["late_mean"]]:
+        assert 0 < v < 1
+    assert 0 < r["per_layer_std"] < 0.5
+    assert -1 <= r["corr_g_delta_attention"] <= 1
+    assert os.path.isfile(tmp_path / "gates-toy-vqa-val.json")
+
+
+def test_gates_need_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        E.main(["--gates"])
+
+
+def test_hyperbolicity(tmp_path, checkpoint):
+    r = E.main(["--hyperbolicity", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out",
+                str(tmp_path)])
+    for name in ("teacher", "student"):
+        assert 0 <= r[name]["mean"] <= 1 and r[name]["std"] >= 0
+    assert r["teacher"] != r["student"]
+    assert os.path.isfile(tmp_path / "hyperbolicity-toy-vqa-val.json")
+
+
+def test_middle_layers():
+    assert list(E.middle_layers(32)) == [14, 15, 16, 17]
+    assert list(E.middle_layers(2)) == [0, 1]
