@@ -102,21 +102,25 @@ class HyperICL(nn.Module):
         S = q @ k.transpose(-1, -2) * scaling                                   # Eq 3
         Delta = A @ B.transpose(-1, -2) / math.sqrt(self.rank)                  # Eq 7
         S_tilde = S + self.gate(q).to(S.dtype) * Delta                          # Eq 5
-        S_tilde = S_tilde.masked_fill(~full_mask(mask, q.shape[-2], k.shape[-2], q.device), -math.inf)
-        return S_tilde.softmax(-1) @ v                                          # Eq 8
+        seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
+        P = S_tilde.masked_fill(~seen, -math.inf).softmax(-1)
+        P = P.masked_fill(~seen.any(-1, keepdim=True), 0)   # a padding query sees no key: output 0, as SDPA does
+        return P @ v                                                            # Eq 8
 
     def forward(self, q, k, v, mask, scaling):
-        """Eq 3-8 inside fused attention: S~ = [Q scaling, g A / sqrt(r)] [K, B]^T is one dot product over d_h + r.
+        """Eq 3-8 inside fused attention: S~ = scaling [Q, g A / (scaling sqrt(r))] [K, B]^T, one dot product over
+        d_h + r, so no T x S tensor is formed. Q and K enter the kernel untouched and with the model's own scale, so
+        where Delta = 0 (at initialisation) the kernel computes exactly what the base model's does, in bf16 too.
 
         Zero columns add nothing to a dot product, so q/k and v are zero-padded to one head size, a multiple of 8,
         which the fused (flash / memory-efficient) kernels accept; the output is sliced back to d_h.
         """
         A, B = self.low_rank(q, k)
-        q_aug = torch.cat([q * scaling, self.gate(q).to(q.dtype) * A / math.sqrt(self.rank)], -1)
+        q_aug = torch.cat([q, self.gate(q).to(q.dtype) * A / (scaling * math.sqrt(self.rank))], -1)
         k_aug = torch.cat([k, B], -1)
         d_h, width = v.shape[-1], -(-q_aug.shape[-1] // 8) * 8
         pad = lambda x: F.pad(x, (0, width - x.shape[-1]))
-        return sdpa(pad(q_aug), pad(k_aug), pad(v), mask, scale=1.0)[..., :d_h]
+        return sdpa(pad(q_aug), pad(k_aug), pad(v), mask, scale=scaling)[..., :d_h]
 
 
 # --------------------------------------------------------------------------- HiFICL: low-rank virtual key-values
