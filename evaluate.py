@@ -599,4 +599,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError) as e:  # bad input (unknown backbone, missing data, mismatched checkpoint)
+        raise SystemExit(f"error: {e}")

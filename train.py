@@ -34,21 +34,25 @@ from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """The module docstring as written, and every flag's default."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--model", default="tiny-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
                    "llava-onevision, tiny-<one of those> (offline twin), or a local checkpoint path")
     p.add_argument("--task", default="toy-vqa", choices=list(data.TASKS), help="task (toy-* need no download)")
-    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS))
+    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: Hyper-ICL's "
+                   "gated logit bias (distilled from the teacher) or HiFICL's virtual key-values (task loss only)")
     p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
                    "LLaVA models, 32 for Idefics)")
     p.add_argument("--n-train", type=int, default=1000, help="training queries (paper: 1000)")
     p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
                    "best epoch (by their loss; the evaluation split is never used)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training queries (paper: best epoch "
+                   "reported, count not stated)")
+    p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
     p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (paper: 5e-3)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps of linear warm-up before the "
                    "cosine decay (paper: 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
@@ -58,7 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--lam", type=float, default=0.5, help="lambda, weight of the cross-entropy (Eq 17; paper: 0.5)")
     p.add_argument("--anchor", default="hyperbolic", choices=["hyperbolic", "euclidean", "none"],
                    help="the anchor loss (Table 4 ablations: euclidean = L2-anchor, none = L_sup only)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")
     p.add_argument("--data-root", help="folder with the datasets (layout: see data.py / README)")
     p.add_argument("--out", help="output folder (default runs/<model>-<task>-<method>)")
     p.add_argument("--teacher-cache", help="folder of cached teacher states (default <out>/teacher)")
@@ -366,4 +370,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, OSError, FloatingPointError) as e:  # bad input or a diverged run: the message, no traceback
+        sys.exit(f"error: {e}")
