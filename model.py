@@ -18,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessorPil,
                           Idefics2Processor, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
@@ -84,6 +85,13 @@ def decoder_self_attentions(model):
     return [layer.self_attn for layer in model.get_decoder().layers]
 
 
+def attention_shape(model):
+    """(layers, query heads, head size) of the text decoder's self-attention."""
+    attns = decoder_self_attentions(model)
+    cfg = attns[0].config
+    return len(attns), cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def attach(model, method="hyper-icl", **sizes):
     """Hang a fresh `method` adapter on every decoder self-attention and route attention through it.
 
@@ -91,14 +99,11 @@ def attach(model, method="hyper-icl", **sizes):
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
-    attns = decoder_self_attentions(model)
-    cfg = attns[0].config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    param = next(model.parameters())
-    for attn in attns:
-        attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(param.device)
-        cfg._attn_implementation = ATTN_NAME
+    _, heads, head_dim = attention_shape(model)
+    device = next(model.parameters()).device
+    for attn in decoder_self_attentions(model):
+        attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
+    decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
     model.icl_settings = {"method": method, **sizes}
     return adapters(model)
 
@@ -131,11 +136,8 @@ def without_adapter(model):
 
 def _describe(backbone_name, model):
     """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
-    attns = decoder_self_attentions(model)
-    cfg = attns[0].config
-    return {**model.icl_settings, "backbone": backbone_name, "layers": len(attns),
-            "heads": cfg.num_attention_heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads}
+    layers, heads, head_dim = attention_shape(model)
+    return {**model.icl_settings, "backbone": backbone_name, "layers": layers, "heads": heads, "head_dim": head_dim}
 
 
 def atomic_write(path, write):
@@ -161,23 +163,23 @@ def save_adapter(path, backbone):
 
 def read_settings(path):
     """The settings stored with an adapter checkpoint."""
-    from safetensors import safe_open
     with safe_open(path, "pt") as f:
-        return json.loads(f.metadata()["settings"])
+        metadata = f.metadata() or {}
+    if "settings" not in metadata:
+        raise ValueError(f"{path} is not an adapter checkpoint of this project (no settings in its metadata)")
+    return json.loads(metadata["settings"])
 
 
 def load_adapter(path, backbone):
     """Attach the adapter saved at `path` to `backbone`; a checkpoint from another backbone shape fails clearly."""
     saved = read_settings(path)
-    sizes = {k: v for k, v in saved.items() if k not in ("method", "backbone", "layers", "heads", "head_dim")}
-    attach(backbone.model, saved["method"], **sizes)
-    here = _describe(backbone.name, backbone.model)
-    diff = {k: (saved[k], here[k]) for k in ("layers", "heads", "head_dim") if saved[k] != here[k]}
-    if diff:
-        detach(backbone.model)
+    shape = dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model)))
+    differ = [f"{k} (saved {saved[k]}, here {v})" for k, v in shape.items() if saved[k] != v]
+    if differ:
         raise ValueError(f"adapter {path} was trained on {saved['backbone']!r}, which differs from "
-                         f"{backbone.name!r} in " + ", ".join(f"{k} (saved {a}, here {b})" for k, (a, b) in
-                                                              diff.items()))
+                         f"{backbone.name!r} in " + ", ".join(differ))
+    attach(backbone.model, saved["method"], **{k: v for k, v in saved.items()
+                                               if k not in (*shape, "method", "backbone")})
     adapters(backbone.model).load_state_dict(load_file(path))
     return saved
 

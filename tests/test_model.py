@@ -155,6 +155,10 @@ def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
     other = M.Backbone(M.published_model("idefics2"), None, "idefics2", "idefics2")
     with pytest.raises(ValueError, match="layers .saved 2, here 32."):
         M.load_adapter(path, other)
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(1)}, tmp_path / "foreign.safetensors")
+    with pytest.raises(ValueError, match="not an adapter checkpoint"):
+        M.load_adapter(tmp_path / "foreign.safetensors", plain)
 
 
 @pytest.mark.parametrize("family,method,sizes,count", [
