@@ -109,6 +109,7 @@ def epoch_order(n, batch_size, seed, epoch):
 
 
 def to(batch, device):
+    """A batch (labels and alignment mask included) on `device`."""
     return {k: v.to(device) for k, v in batch.items()}
 
 
@@ -124,8 +125,9 @@ def fingerprint(backbone):
 
 def teacher_key(backbone_id, args, query, icds):
     """The cache key of one query's teacher states: backbone, task, query, its ICDs and the prompt format."""
-    spec = {"backbone": backbone_id, "task": args.task, "query": [query.id, query.question, query.target],
-            "icds": [[d.id, d.target] for d in icds], "prompts": data.PROMPTS, "separator": data.SEPARATOR}
+    item = lambda it: [it.id, it.image_path, it.question, it.target]
+    spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
