@@ -394,6 +394,6 @@ def published_model(family, device="meta", dtype=torch.bfloat16):
 
     On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed.
     """
-    with torch.device(device):
-        model = FAMILIES[family].model_cls(PUBLISHED[family]()).to(dtype)
+    with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
+        model = FAMILIES[family].model_cls._from_config(PUBLISHED[family](), dtype=dtype)
     return freeze(model)
