@@ -116,11 +116,13 @@ class HyperICL(nn.Module):
         which the fused (flash / memory-efficient) kernels accept; the output is sliced back to d_h.
         """
         A, B = self.low_rank(q, k)
-        q_aug = torch.cat([q, self.gate(q).to(q.dtype) * A / (scaling * math.sqrt(self.rank))], -1)
-        k_aug = torch.cat([k, B], -1)
-        d_h, width = v.shape[-1], -(-q_aug.shape[-1] // 8) * 8
-        pad = lambda x: F.pad(x, (0, width - x.shape[-1]))
-        return sdpa(pad(q_aug), pad(k_aug), pad(v), mask, scale=scaling)[..., :d_h]
+        d_h, r = q.shape[-1], self.rank
+        width = -(-(d_h + r) // 8) * 8
+        q_aug, k_aug, v_pad = (x.new_zeros(*x.shape[:-1], width) for x in (q, k, v))
+        q_aug[..., :d_h], q_aug[..., d_h:d_h + r] = q, self.gate(q).to(q.dtype) * A / (scaling * math.sqrt(r))
+        k_aug[..., :d_h], k_aug[..., d_h:d_h + r] = k, B
+        v_pad[..., :d_h] = v
+        return sdpa(q_aug, k_aug, v_pad, mask, scale=scaling)[..., :d_h]
 
 
 # --------------------------------------------------------------------------- HiFICL: low-rank virtual key-values

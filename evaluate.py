@@ -26,6 +26,7 @@ from tqdm import tqdm
 import data as D
 import lorentz
 import model as M
+from adapters import HiFICL, HyperICL
 import train
 
 # -----------------------------------------------------------------------------
@@ -408,6 +409,37 @@ def benchmark(backbone, args):
     return rows
 
 
+def attention_benchmark(T=512, heads=32, head_dim=128, rank=4, n=8):
+    """One attention layer at Idefics2-8B's head sizes: median ms of plain SDPA, Hyper-ICL's fused path (Eq 5-8 as
+    one dot product over d_h + r), its T x T reference, and HiFICL, each with its ratio to plain SDPA. The fused
+    path must stay close to plain SDPA; the reference shows what materialising S~ costs."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, heads, T, head_dim, device=device, dtype=dtype) for _ in range(3))
+    hyper, hificl = (m.to(device) for m in (HyperICL(heads, head_dim, rank), HiFICL(heads, head_dim, n, rank)))
+    scale = head_dim ** -0.5
+    runs = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "hyper-icl": lambda: hyper(q, k, v, None, scale),
+            "hyper-icl reference": lambda: hyper.reference(q, k, v, None, scale),
+            "hificl": lambda: hificl(q, k, v, None, scale)}
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    ms = {}
+    with torch.no_grad():
+        for name, run in runs.items():
+            times = []
+            for _ in range(WARMUP + REPEATS):
+                sync()
+                start = time.perf_counter()
+                run()
+                sync()
+                times.append(time.perf_counter() - start)
+            ms[name] = 1000 * statistics.median(times[WARMUP:])
+    print(f"one attention layer, {heads} heads x {head_dim}, T = {T}, {dtype} on {device}, median of {REPEATS}")
+    for name, t in ms.items():
+        print(f"{name:<20} {t:>9.2f} ms {t / ms['sdpa']:>6.2f}x")
+    return ms
+
+
 # -----------------------------------------------------------------------------
 # analyses: the query-adaptive gate (Appendix D, Table 10) and delta-hyperbolicity (Appendix C, Table 9)
 
@@ -545,6 +577,8 @@ def parse_args(argv=None):
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--benchmark", action="store_true", help="Table 6: FLOPs and latency of zero-shot, the adapter "
                       "(--checkpoint, else a fresh Hyper-ICL one) and 8/16/32-shot ICL on one query")
+    mode.add_argument("--benchmark-attention", action="store_true", help="one attention layer at Idefics2-8B's "
+                      "head sizes: plain SDPA vs Hyper-ICL's fused path, its T x T reference, and HiFICL")
     mode.add_argument("--gates", action="store_true", help="Table 10: gate statistics and Corr(g, Delta A) of a "
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
@@ -567,8 +601,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python evaluate.py [--benchmark | --gates | --hyperbolicity] [flags]; see --help."""
+    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help."""
     args = parse_args(argv)
+    if args.benchmark_attention:
+        return attention_benchmark()
     if args.random_weights:
         family = M.family_of(args.model)
         backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")

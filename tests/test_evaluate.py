@@ -207,3 +207,10 @@ def test_hyperbolicity(tmp_path, checkpoint):
 def test_middle_layers():
     assert list(E.middle_layers(32)) == [14, 15, 16, 17]
     assert list(E.middle_layers(2)) == [0, 1]
+
+
+def test_attention_benchmark_runs_every_path(monkeypatch, capsys):
+    monkeypatch.setattr(E, "REPEATS", 1)
+    ms = E.attention_benchmark(T=16, heads=2, head_dim=8, rank=2, n=2)
+    assert list(ms) == ["sdpa", "hyper-icl", "hyper-icl reference", "hificl"] and all(t > 0 for t in ms.values())
+    assert "hyper-icl reference" in capsys.readouterr().out
