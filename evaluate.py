@@ -363,14 +363,9 @@ def benchmark_prompt(backbone, args, shots):
     return D.model_inputs(batch, device_of(backbone.model))
 
 
-def measure(backbone, inputs, new_tokens):
-    """FLOPs (torch.utils.flop_counter, every matmul / conv / attention kernel of one generate call, which also
-    serves as warm-up) and the median latency in ms over REPEATS calls after WARMUP more, each generating exactly
-    new_tokens tokens (min_new_tokens = max_new_tokens)."""
-    run = lambda: generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
-    sync = torch.cuda.synchronize if device_of(backbone.model).type == "cuda" else lambda: None
-    with FlopCounterMode(display=False) as counter:
-        run()
+def median_ms(run, device):
+    """Median wall time of run() in ms over REPEATS calls after WARMUP more (synchronising the GPU around each)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
     times = []
     for _ in range(WARMUP + REPEATS):
         sync()
@@ -378,7 +373,17 @@ def measure(backbone, inputs, new_tokens):
         run()
         sync()
         times.append(time.perf_counter() - start)
-    return counter.get_total_flops(), 1000 * statistics.median(times[WARMUP:])
+    return 1000 * statistics.median(times[WARMUP:])
+
+
+def measure(backbone, inputs, new_tokens):
+    """FLOPs (torch.utils.flop_counter, every matmul / conv / attention kernel of one generate call, which also
+    serves as warm-up) and the median latency in ms (median_ms), each call generating exactly new_tokens tokens
+    (min_new_tokens = max_new_tokens)."""
+    run = lambda: generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops(), median_ms(run, device_of(backbone.model))
 
 
 def benchmark(backbone, args):
@@ -422,18 +427,8 @@ def attention_benchmark(T=512, heads=32, head_dim=128, rank=4, n=8):
             "hyper-icl": lambda: hyper(q, k, v, None, scale),
             "hyper-icl reference": lambda: hyper.reference(q, k, v, None, scale),
             "hificl": lambda: hificl(q, k, v, None, scale)}
-    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
-    ms = {}
     with torch.no_grad():
-        for name, run in runs.items():
-            times = []
-            for _ in range(WARMUP + REPEATS):
-                sync()
-                start = time.perf_counter()
-                run()
-                sync()
-                times.append(time.perf_counter() - start)
-            ms[name] = 1000 * statistics.median(times[WARMUP:])
+        ms = {name: median_ms(run, device) for name, run in runs.items()}
     print(f"one attention layer, {heads} heads x {head_dim}, T = {T}, {dtype} on {device}, median of {REPEATS}")
     for name, t in ms.items():
         print(f"{name:<20} {t:>9.2f} ms {t / ms['sdpa']:>6.2f}x")
