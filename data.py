@@ -17,16 +17,37 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
       flickr30k/
         dataset_flickr30k.json                            Flickr30k, Karpathy split
         flickr30k-images/{filename}
+      mme/                                                MME: the 14 subtask folders of the official
+                                                          MME_Benchmark_release_version/, two layouts:
+        {artwork,celebrity,landmark,posters,scene}/images/{name}.jpg and questions_answers_YN/{name}.txt
+        {existence,count,position,color,OCR,commonsense_reasoning,numerical_calculation,text_translation,
+         code_reasoning}/{name}.jpg or .png beside {name}.txt
+                                                          {name}.txt: two lines `question<TAB>Yes|No`
+      seed-bench/
+        SEED-Bench.json                                   SEED-Bench-1: {"questions": [{question, choice_a..d,
+                                                          answer, question_id, question_type_id, data_id,
+                                                          data_type}], "question_type": {name: id}}
+        SEED-Bench-image/{data_id}                        its images (dimensions 1-9; `.jpg`/`.png` is appended
+                                                          when data_id has no extension)
       toy/                                                generated on first use (toy-vqa, toy-caption): itself a
                                                           data_root with coco/ and vqav2/ in the formats above
+      toy-mme/, toy-seed/                                 generated on first use: data_roots with mme/ and
+                                                          seed-bench/ in the formats above
 
 Splits: for VQA, "train" and "val" are the official 2014 splits. For captions "train" is the Karpathy
 "train" + "restval" images and "val" is the Karpathy "test" images (the split caption results are reported on).
+MME and SEED-Bench have no training split: each is split once, by image and with a fixed seed (SPLIT_SEED, not
+--seed, so train.py and evaluate.py agree), into a training pool ("train": the training queries, the held-out
+queries and the ICDs are drawn from it) and an evaluation part ("val") that shares no image with it. Both
+questions of an MME image stay together; POOL_FRACTION of each subtask's (dimension's) images go to the pool.
+SEED-Bench: only the image questions (dimensions 1-9) are read; the video dimensions 10-12 are skipped.
 
 Items. Each question (VQA) or image (captions) is one `Item`. VQA: `answers` are the ten human answers and the
 training target is VQAv2's `multiple_choice_answer`, or for OK-VQA the most frequent of the ten answers (ties go
 to the one given first). Captions: `question` is None, `answers` are all reference captions and the target is
-the first reference. The toy tasks are read as VQAv2 and COCO Caption.
+the first reference. The toy tasks are read as VQAv2 and COCO Caption. MME: `answers` = (Yes or No,), the
+target the same, `category` the subtask. SEED-Bench: `answers` are the four options (choice_a..choice_d), the
+target is the answer's letter, `category` the dimension's name.
 
 Errors. A missing file names the path and the dataset it belongs to; malformed JSON, a question without an
 annotation or an image without captions names the file and item. Images are not opened when a task is read
@@ -35,7 +56,8 @@ by `load_image` when the item's image is first used.
 
 Prompts (one table, PROMPTS, below): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` followed by a newline, then the query as
-`<image>Question: {q} Short answer:` (captions: `<image>Caption: {c}`). `<end>`, which closes every answer and is
+`<image>Question: {q} Short answer:` (captions: `<image>Caption: {c}`; MME `... Answer: Yes`; SEED-Bench the
+options A.-D. on their own lines after the question, then `Answer: B`). `<end>`, which closes every answer and is
 part of the training label, is Idefics2's `<end_of_utterance>`; Idefics (v1) base, pretrained on web documents
 rather than dialogues, ends an answer with its eos `</s>` (its processor also ends cross-attention to the last
 image there); the LLaVA models get plain interleaved text (no chat turns) and an answer ends with the tokenizer's
@@ -75,20 +97,29 @@ class Item:
     question: str | None
     answers: tuple[str, ...]  # the ten human answers (VQA) or all reference captions
     target: str              # the training target (see the module docstring)
+    category: str = ""       # MME subtask / SEED-Bench dimension
 
 
 @dataclass(frozen=True)
 class Task:
     kind: str            # "vqa" or "caption"
     max_new_tokens: int  # generation length at evaluation
+    shots: int | None = None  # ICDs per query where the paper fixes them for the task, else DEFAULT_SHOTS
 
 
 TASKS = {
     "vqav2": Task("vqa", 5), "ok-vqa": Task("vqa", 5), "coco": Task("caption", 20), "flickr30k": Task("caption", 20),
     "toy-vqa": Task("vqa", 5), "toy-caption": Task("caption", 20),
+    "mme": Task("yes-no", 5, shots=2), "seed": Task("choice", 5, shots=2),  # the paper's 2-shot ICL (Table 2)
+    "toy-mme": Task("yes-no", 5, shots=2), "toy-seed": Task("choice", 5, shots=2),
 }
 SPLITS = ("train", "val")
 DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8}  # ICDs per query (paper)
+
+
+def default_shots(task, family):
+    """ICDs per query: the task's own number (MME, SEED: 2, as the paper runs them) or the backbone's (paper)."""
+    return TASKS[task].shots if TASKS[task].shots is not None else DEFAULT_SHOTS[family]
 
 # ------------------------------------------------------------------------------------------------------ readers
 
@@ -155,12 +186,146 @@ def read_karpathy(root, split, dataset):
     return items
 
 
+MME_PERCEPTION = ("existence", "count", "position", "color", "posters", "celebrity", "scene", "landmark", "artwork",
+                  "OCR")  # subtask lists and order of the official eval_tool/calculation.py
+MME_COGNITION = ("commonsense_reasoning", "numerical_calculation", "text_translation", "code_reasoning")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+
+
+def mme_files(folder):
+    """(question file, image) paths of one MME subtask folder, in either official layout (see the layout above)."""
+    qdir, idir = os.path.join(folder, "questions_answers_YN"), os.path.join(folder, "images")
+    if not (os.path.isdir(qdir) and os.path.isdir(idir)):
+        qdir = idir = folder
+    images = {os.path.splitext(f)[0]: f for f in os.listdir(idir) if f.lower().endswith(IMAGE_EXTENSIONS)}
+    for name in sorted(f for f in os.listdir(qdir) if f.endswith(".txt")):
+        path, stem = os.path.join(qdir, name), name[:-len(".txt")]
+        if stem not in images:
+            raise FileNotFoundError(f"mme: no image for {path} (expected {stem}.jpg or .png in {idir})")
+        yield path, os.path.join(idir, images[stem])
+
+
+def read_mme_questions(path):
+    """The (question, Yes|No) lines of one MME question file: exactly two, blank lines skipped."""
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            fields = line.rstrip("\r\n").split("\t")
+            if len(fields) != 2 or fields[1].strip().lower() not in ("yes", "no"):
+                raise ValueError(f"mme: {path} line {n}: expected `question<TAB>Yes|No`, got {line.strip()!r}")
+            pairs.append((fields[0].strip(), fields[1].strip().capitalize()))
+    if len(pairs) != 2:
+        raise ValueError(f"mme: {path} has {len(pairs)} questions; MME asks two about each image")
+    return pairs
+
+
+def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
+    """MME's questions from root/mme/<subtask>/..., subtask by subtask, files in name order. Ids count from 0."""
+    items = []
+    for subtask in subtasks:
+        folder = os.path.join(root, "mme", subtask)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"mme: expected the subtask folder {folder} (see the data_root layout in data.py)")
+        for path, image in mme_files(folder):
+            items += [Item(len(items), image, q, (a,), a, subtask) for q, a in read_mme_questions(path)]
+    return items
+
+
+SEED_LETTERS = "ABCD"
+SEED_IMAGE_DIMENSIONS = range(1, 10)  # question_type_id of the image questions; 10-12 are video
+
+
+def seed_image(images, folder, data_id):
+    """The file of a SEED-Bench image: data_id itself, else data_id with an image extension; None if neither."""
+    for name in (data_id, *(data_id + e for e in IMAGE_EXTENSIONS)):
+        if name in images:
+            return os.path.join(folder, name)
+    return None
+
+
+def read_seed(root):
+    """SEED-Bench-1's image questions (dimensions 1-9) from root/seed-bench, in file order. Ids: question_id."""
+    path, folder = os.path.join(root, "seed-bench", "SEED-Bench.json"), os.path.join(root, "seed-bench",
+                                                                                     "SEED-Bench-image")
+    obj = read_json(path, "seed")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"seed: expected the image folder {folder} (see the data_root layout in data.py)")
+    images, items = set(os.listdir(folder)), []
+    try:
+        names = {int(v): k for k, v in obj["question_type"].items()}
+        questions = obj["questions"]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
+    for n, q in enumerate(questions):
+        try:
+            if int(q["question_type_id"]) not in SEED_IMAGE_DIMENSIONS:
+                continue
+            options = tuple(q[f"choice_{x}"].strip() for x in "abcd")
+            qid, answer, dimension = int(q["question_id"]), q["answer"].strip(), names[int(q["question_type_id"])]
+            if answer not in tuple(SEED_LETTERS):
+                raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
+            image = seed_image(images, folder, q["data_id"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"seed: question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'})"
+                             f" in {path} is malformed: {e!r}") from e
+        if image is None:
+            raise FileNotFoundError(f"seed: question {qid} in {path}: its image {q['data_id']!r} is not in {folder}")
+        items.append(Item(qid, image, q["question"].strip(), options, answer, dimension))
+    return items
+
+
+POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "toy-mme": 0.5, "toy-seed": 0.5}  # share of each subtask's (dimension's)
+# images in the training pool: MME's half (about 1,187 questions) holds the 1,000 training queries + 32 held out;
+# SEED-Bench's 14,233 image questions need a fifth for that, so most of it stays for evaluation
+SPLIT_SEED = 0
+
+
+def pool_split(items, fraction, seed=SPLIT_SEED):
+    """(training pool, evaluation part) of a benchmark without a training split: a seeded split by image.
+
+    The images of each category (an image's first question's) are shuffled with (seed, category) and the first
+    round(fraction x count) go to the pool, so every question of an image lands on the same side and each
+    subtask / dimension is split in the same proportion. Item order is kept on both sides.
+    """
+    category = {}
+    for it in items:
+        category.setdefault(it.image_path, it.category)
+    by_category = {}
+    for image, c in category.items():
+        by_category.setdefault(c, []).append(image)
+    pool = set()
+    for c, images in by_category.items():
+        pool.update(random.Random(f"{seed}:{c}").sample(images, round(fraction * len(images))))
+    return [it for it in items if it.image_path in pool], [it for it in items if it.image_path not in pool]
+
+
+def load_benchmark(task, split, data_root=None):
+    """MME / SEED-Bench (or their toy versions): the training pool ("train") or evaluation part ("val"); prints the
+    sizes of both."""
+    name = task.removeprefix("toy-")
+    if task.startswith("toy-"):
+        root = generated_root(task, TOY_WRITERS[task], data_root)
+        items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else read_seed(root)
+    elif data_root is None:
+        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+    else:
+        items = read_mme(data_root) if name == "mme" else read_seed(data_root)
+    pool, rest = pool_split(items, POOL_FRACTION[task])
+    count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
+    print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
+    return pool if split == "train" else rest
+
+
 def load_task(task, split, data_root=None):
     """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    if TASKS[task].kind in ("yes-no", "choice"):
+        return load_benchmark(task, split, data_root)
     if task.startswith("toy-"):
         root = toy_root(data_root)
         return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
@@ -307,18 +472,23 @@ def write_toy(root, seed=TOY_SEED):
 
 
 def toy_root(data_root=None):
-    """The toy data_root (data_root/toy, or ~/.cache/hyper-icl/toy), generated atomically if it is not there.
+    """The toy data_root (data_root/toy, or ~/.cache/hyper-icl/toy), generated if it is not there."""
+    return generated_root("toy", write_toy, data_root)
+
+
+def generated_root(name, write, data_root=None):
+    """data_root/<name> (or ~/.cache/hyper-icl/<name>), written by write(folder) atomically if it is not there.
 
     It is written to a temporary folder beside it and renamed into place, so an interrupted generation never
     leaves a half-written dataset; if another process finished first, its copy is kept.
     """
-    root = os.path.join(data_root, "toy") if data_root else os.path.expanduser("~/.cache/hyper-icl/toy")
+    root = os.path.join(data_root, name) if data_root else os.path.expanduser(f"~/.cache/hyper-icl/{name}")
     if os.path.isdir(root):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".toy-", dir=os.path.dirname(root))
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(root))
     try:
-        write_toy(tmp)
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp made it private
         os.rename(tmp, root)
     except OSError:
@@ -327,6 +497,102 @@ def toy_root(data_root=None):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+TOY_MME_SUBTASKS = ("existence", "count", "position", "color", "scene", "numerical_calculation")
+TOY_MME_IMAGES = 24  # per subtask
+
+
+def toy_mme_pair(subtask, scene, rng):
+    """MME's two questions about a toy scene, the one answered Yes first (as in the release)."""
+    s, c, n, ask = scene["shape"], scene["colour"], scene["count"], " Please answer yes or no."
+    other_shape, other_colour = rng.choice([x for x in SHAPES if x != s]), NEAR_COLOUR[c]
+    yes_no = {
+        "existence": (f"Is there a {s} in this image?", f"Is there a {other_shape} in this image?"),
+        "count": (f"Are there {n} {s}s in this image?", f"Are there {n % 4 + 1} {s}s in this image?"),
+        "position": (f"Is the {s} on the {scene['side']} of the image?",
+                     f"Is the {s} on the {'right' if scene['side'] == 'left' else 'left'} of the image?"),
+        "color": (f"Is the colour of the {s}s {c}?", f"Is the colour of the {s}s {other_colour}?"),
+        "scene": (f"Is this a picture of {c} shapes?", f"Is this a picture of {other_colour} shapes?"),
+        "numerical_calculation": (f"Is the number of {s}s plus two equal to {n + 2}?",
+                                  f"Is the number of {s}s plus two equal to {n + 3}?"),
+    }[subtask]
+    return [(yes_no[0] + ask, "Yes"), (yes_no[1] + ask, "No")]
+
+
+def write_toy_mme(root, seed=TOY_SEED):
+    """A toy MME in the release layout: scene uses images/ + questions_answers_YN/, the rest keep the image
+    (numerical_calculation as .png, the others .jpg) beside its question file."""
+    rng = random.Random(seed)
+    for subtask in TOY_MME_SUBTASKS:
+        folder = os.path.join(root, "mme", subtask)
+        nested = subtask == "scene"
+        idir, qdir = (os.path.join(folder, "images"), os.path.join(folder, "questions_answers_YN")) if nested \
+            else (folder, folder)
+        os.makedirs(idir, exist_ok=True)
+        os.makedirs(qdir, exist_ok=True)
+        for i in range(TOY_MME_IMAGES):
+            scene = toy_scene(rng)
+            while subtask == "position" and scene["side"] is None:
+                scene = toy_scene(rng)
+            ext = ".png" if subtask == "numerical_calculation" else ".jpg"
+            draw_scene(scene).save(os.path.join(idir, f"{i:04d}{ext}"))
+            with open(os.path.join(qdir, f"{i:04d}.txt"), "w") as f:
+                f.writelines(f"{q}\t{a}\n" for q, a in toy_mme_pair(subtask, scene, rng))
+
+
+SEED_V1_DIMENSIONS = ("Scene Understanding", "Instance Identity", "Instance Attributes", "Instance Location",
+                      "Instances Counting", "Spatial Relation", "Instance Interaction", "Visual Reasoning",
+                      "Text Understanding", "Action Recognition", "Action Prediction", "Procedure Understanding")
+TOY_SEED_IMAGES = 150
+
+
+def toy_seed_question(dimension, scene, rng):
+    """One multiple-choice question about a toy scene: (question, the right option, three wrong ones)."""
+    s, c, n = scene["shape"], scene["colour"], scene["count"]
+    if dimension == 1:
+        things = lambda k, colour, shape: f"{WORDS[k]} {colour} {shape}{'s' if k > 1 else ''}"
+        return "What does the picture show?", things(n, c, s), \
+            [things(n, NEAR_COLOUR[c], s), things(n % 4 + 1, c, s), things(n, c, SHAPES[s])]
+    if dimension == 2:
+        return "Which shape is in the image?", s, [x for x in ("circle", "square", "triangle", "star") if x != s]
+    if dimension == 3:
+        return f"What colour is the {s}?", c, rng.sample([x for x in COLOURS if x != c], 3)
+    if dimension == 4:
+        return f"Where is the {s}?", f"on the {scene['side']}", \
+            [f"on the {x}" for x in ("left", "right", "top", "bottom") if x != scene["side"]]
+    return f"How many {s}s are in the image?", WORDS[n].capitalize(), \
+        [w.capitalize() for w in WORDS[1:] if w != WORDS[n]]
+
+
+def write_toy_seed(root, seed=TOY_SEED):
+    """A toy SEED-Bench-1: SEED-Bench.json in the official form (dimensions 1-5 about toy scenes, two video
+    questions that the reader skips) and SEED-Bench-image/<data_id>.jpg (data_id without the extension).
+    Most images get two questions, of different dimensions."""
+    rng = random.Random(seed)
+    folder = os.path.join(root, "seed-bench", "SEED-Bench-image")
+    os.makedirs(folder)
+    questions = []
+    for i in range(TOY_SEED_IMAGES):
+        scene, data_id = toy_scene(rng), f"{1000 + i}_{rng.randrange(10**9)}"
+        draw_scene(scene).save(os.path.join(folder, data_id + ".jpg"), quality=90)
+        dimensions = [1, 2, 3, 5] + ([4] if scene["side"] else [])
+        for dimension in rng.sample(dimensions, rng.choice([1, 2, 2])):
+            question, right, wrong = toy_seed_question(dimension, scene, rng)
+            options = [right] + list(wrong)
+            rng.shuffle(options)
+            questions.append({"answer": SEED_LETTERS[options.index(right)],
+                              **{f"choice_{x}": o for x, o in zip("abcd", options)}, "data_id": data_id,
+                              "data_type": "image", "question": question, "question_id": str(100_000 + len(questions)),
+                              "question_type_id": dimension})
+    questions += [{"answer": "A", "choice_a": "rolling", "choice_b": "falling", "choice_c": "sliding",
+                   "choice_d": "spinning", "data_id": f"{k}.webm", "data_type": "video",
+                   "question": "What is the action being carried out in the video?", "question_id": f"v{k}",
+                   "question_type_id": 10} for k in range(2)]
+    write_json(os.path.join(root, "seed-bench", "SEED-Bench.json"),
+               {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V1_DIMENSIONS)}})
+
+
+TOY_WRITERS = {"toy-mme": write_toy_mme, "toy-seed": write_toy_seed}
 
 # ----------------------------------------------------------------------------------------------- demonstrations
 
@@ -357,6 +623,14 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
     "vqa": dict(instruction="Answer each question about its image with a short answer.\n",
                 query="<image>Question: {question} Short answer:", answer=" {answer}"),
     "caption": dict(instruction="Describe each image in one sentence.\n", query="<image>Caption:", answer=" {answer}"),
+    "yes-no": dict(instruction="Answer each question about its image with yes or no.\n",  # MME
+                   query="<image>Question: {question} Answer:", answer=" {answer}"),
+    "choice": dict(instruction="Answer each question about its image with the letter of the correct option.\n",
+                   query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
+    # SEED's likelihood protocol: as the official evaluation, the prompt has no options and an answer is an option's
+    # text (evaluate.option_logliks)
+    "choice-likelihood": dict(instruction="Answer each question about its image.\n",
+                              query="<image>Question: {question} Answer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
 
@@ -366,9 +640,14 @@ def end_token(processor, family):
     return "<end_of_utterance>" if family == "idefics2" else processor.tokenizer.eos_token
 
 
+def options_text(item):
+    """The options of a multiple-choice item, one line each: "\nA. {choice_a}\nB. {choice_b}..."."""
+    return "".join(f"\n{letter}. {option}" for letter, option in zip(SEED_LETTERS, item.answers))
+
+
 def prompt_text(kind, item):
-    """The query text of an item, its image placeholder first."""
-    return PROMPTS[kind]["query"].format(question=item.question)
+    """The query text of an item, its image placeholder first (for "choice", the options after the question)."""
+    return PROMPTS[kind]["query"].format(question=item.question, options=options_text(item) if kind == "choice" else "")
 
 
 def answer_text(processor, family, kind, answer):

@@ -11,6 +11,7 @@ the analyses of the appendices (Table 9, Table 10).
 """
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -195,6 +196,16 @@ def _yes_no(pred):
 
 
 _OPTION = re.compile(r"^\(?([a-z])(?![a-z0-9])")
+_ANSWER_IS = re.compile(r"\banswer(?: is)?\s*:?\s*\(?([a-z])(?![a-z0-9])")
+
+
+def option_letter(pred):
+    """The option letter of a generation (lowercase), or None: its first character, optionally after "(", when that
+    character is a letter not followed by a letter or digit ("B", "B.", "(b) cat", "B) cat"; "Bus" has none), else
+    the letter after "answer" / "answer is" ("The answer is B", "Answer: (c)")."""
+    pred = pred.strip().lower()
+    m = _OPTION.match(pred) or _ANSWER_IS.search(pred)
+    return m.group(1) if m else None
 
 
 def multiple_choice_accuracy(predictions, answers):
@@ -202,19 +213,50 @@ def multiple_choice_accuracy(predictions, answers):
     Both sides are stripped and lowercased. If the answer is yes/no, the prediction is parsed as
     MME's official eval_tool/calculation.py does (exact yes/no, else "yes" or, failing that, "no"
     found in its first 4 characters, else wrong). Otherwise the answer is an option letter and the
-    prediction's option is its first character, optionally after "(", when that character is a
-    letter not followed by a letter or digit ("B", "B.", "(b) cat", "B) cat"; "Bus" has no option).
-    SEED-Bench's official evaluation ranks option likelihoods; this is the usual generative variant."""
+    prediction's is option_letter's, exact match. SEED-Bench's official evaluation ranks option likelihoods
+    (option_logliks); this is the generative variant."""
     assert len(predictions) == len(answers)
     correct = 0
     for pred, ans in zip(predictions, answers):
         pred, ans = pred.strip().lower(), ans.strip().lower()
-        if ans in ("yes", "no"):
-            correct += _yes_no(pred) == ans
-        else:
-            m = _OPTION.match(pred)
-            correct += m is not None and m.group(1) == ans
+        correct += (_yes_no(pred) if ans in ("yes", "no") else option_letter(pred)) == ans
     return correct / len(answers)
+
+
+def mme_scores(items, predictions):
+    """MME's metrics as the official eval_tool/calculation.py computes them, in percent.
+
+    Per subtask: acc (questions answered right, the answer parsed by _yes_no; "other" is wrong), acc_plus (images
+    whose questions are all right; MME asks two per image) and score = acc + acc_plus (0-200). perception and
+    cognition: the sums of their subtasks' scores (the official totals, out of 2000 and 800 on the full benchmark).
+    Beside them: accuracy over all questions and the mean of the subtasks' acc; Table 2's MME numbers (55.36-82.13)
+    are percentages, not scores, so the paper appears to report such an accuracy (which of the two is not stated).
+    """
+    right = [_yes_no(p.strip().lower()) == it.target.lower() for it, p in zip(items, predictions)]
+    per_image, subtasks = {}, {}
+    for it, r in zip(items, right):
+        per_image.setdefault((it.category, it.image_path), []).append(r)
+        subtasks.setdefault(it.category, []).append(r)
+    out = {"subtasks": {}}
+    for name, rs in subtasks.items():
+        images = [all(v) for (c, _), v in per_image.items() if c == name]
+        acc, acc_plus = 100 * sum(rs) / len(rs), 100 * sum(images) / len(images)
+        out["subtasks"][name] = {"acc": acc, "acc_plus": acc_plus, "score": acc + acc_plus}
+    for total, names in (("perception", D.MME_PERCEPTION), ("cognition", D.MME_COGNITION)):
+        out[total] = sum(v["score"] for k, v in out["subtasks"].items() if k in names)
+    out["accuracy"] = 100 * sum(right) / len(right)
+    out["mean_subtask_accuracy"] = statistics.mean(v["acc"] for v in out["subtasks"].values())
+    return out
+
+
+def seed_scores(items, predictions):
+    """SEED-Bench accuracy in percent, per dimension and over all questions (as its official eval.py: the overall
+    number counts questions, not dimensions). predictions are option letters or generations (option_letter)."""
+    dims = {}
+    for it, p in zip(items, predictions):
+        dims.setdefault(it.category, []).append(option_letter(p) == it.target.lower())
+    return {"dimensions": {k: 100 * sum(v) / len(v) for k, v in dims.items()},
+            "accuracy": 100 * sum(sum(v) for v in dims.values()) / len(items)}
 
 
 # -----------------------------------------------------------------------------
@@ -265,8 +307,50 @@ def predict(backbone, task, items, icds=None, batch_size=8):
     return predictions
 
 
+def with_option_text(item):
+    """A SEED-Bench item whose target is its answer's option text (the likelihood protocol's ICDs)."""
+    return dataclasses.replace(item, target=item.answers[D.SEED_LETTERS.index(item.target)])
+
+
+@torch.no_grad()
+def option_logliks(backbone, items, icds=None):
+    """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
+
+    As the official code (which sums the per-token losses of each option, the answer model's end token included,
+    under the prompt "Question: {q} Answer:" without the options), log p(option) is the sum, not the mean, of the
+    log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
+    "choice-likelihood"); so it is not length-normalised. icds[i] (with their answer's text as the answer) precede
+    item i. All 4 x len(items) rows go through one left-padded forward pass.
+    """
+    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
+    rows = []
+    for it, ds in zip(items, icds or [[] for _ in items]):
+        prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
+        rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
+                 for o in it.answers]
+    batch, device = D.collate(rows, proc, family), device_of(backbone.model)
+    logits = backbone.model(**D.model_inputs(batch, device)).logits[:, :-1]
+    labels = batch["labels"][:, 1:].to(device)
+    answer = labels != -100                                   # position t predicts token t + 1
+    logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
+    per_row = torch.zeros(len(rows), device=device).index_add(0, answer.nonzero()[:, 0], logp)
+    return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
+
+
+def rank_options(backbone, items, icds=None, batch_size=8):
+    """The letter of the option with the highest log-likelihood (option_logliks), per item."""
+    letters = []
+    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
+        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None)
+        letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
+    return letters
+
+
 def score(kind, items, predictions):
-    """The reported metric (Table 1): VQA accuracy x 100 (vqaEval.py) or CIDEr (CIDEr-D, pycocoevalcap) x 100."""
+    """The reported metric: VQA accuracy x 100 (vqaEval.py), CIDEr (CIDEr-D, pycocoevalcap) x 100 (Table 1), or the
+    accuracy in percent of MME (yes/no, parsed as its calculation.py) and SEED-Bench (option letters) (Table 2)."""
+    if kind in ("yes-no", "choice"):
+        return "accuracy", 100 * multiple_choice_accuracy(predictions, [it.target for it in items])
     if kind == "vqa":
         return "vqa_accuracy", 100 * sum(vqa_accuracy(p, it.answers) for it, p in zip(items, predictions)) / len(items)
     cider, _ = cider_d({it.id: p for it, p in zip(items, predictions)}, {it.id: list(it.answers) for it in items})
@@ -283,20 +367,49 @@ def evaluate(backbone, args, items, setting):
     if args.shots:  # Direct-ICD baseline: random demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
         icds = D.demonstrations([it.id for it in items], support, args.shots, args.seed)
-    predictions = predict(backbone, args.task, items, icds, args.batch_size)
-    metric, value = score(D.TASKS[args.task].kind, items, predictions)
-    stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}")
+    kind = D.TASKS[args.task].kind
+    likelihood = kind == "choice" and args.seed_protocol == "likelihood"
+    predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
+        predict(backbone, args.task, items, icds, args.batch_size)
+    metric, value = score(kind, items, predictions)
+    stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}" + (f"-{args.seed_protocol}"
+                                                                          if kind == "choice" else ""))
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".predictions.jsonl", "w") as f:
         for it, p in zip(items, predictions):
             f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
+    if kind == "yes-no":
+        metrics["mme"] = mme_scores(items, predictions)
+        write_mme_results(os.path.join(args.out, f"{args.task}-{args.split}-{setting}.mme"), items, predictions)
+    elif kind == "choice":
+        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
     with open(stem + ".metrics.json", "w") as f:
         json.dump(metrics, f, indent=2)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f} on {len(items)} items "
           f"-> {stem}.metrics.json")
+    if kind == "yes-no":
+        m = metrics["mme"]
+        print(f"MME perception {m['perception']:.2f}, cognition {m['cognition']:.2f}; " +
+              ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
+    elif kind == "choice":
+        print(f"SEED-Bench ({args.seed_protocol}): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
     return metrics
+
+
+def write_mme_results(folder, items, predictions):
+    """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
+    <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
+    os.makedirs(folder, exist_ok=True)
+    lines = {}
+    for it, p in zip(items, predictions):
+        pred = " ".join(p.split())  # no tab or newline may break the four columns
+        lines.setdefault(it.category, []).append(f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n")
+    for subtask, rows in lines.items():
+        with open(os.path.join(folder, subtask + ".txt"), "w") as f:
+            f.writelines(rows)
 
 
 # -----------------------------------------------------------------------------
@@ -441,7 +554,7 @@ def attention_benchmark(T=512, heads=32, head_dim=128, rank=4, n=8):
 def analysis_batches(backbone, args, items):
     """(teacher, student) prompt batches per --batch-size items: [ICDs; query] and [query], as model inputs, with
     each row's number of query tokens (the last positions of both rows, since both are left-padded)."""
-    shots = args.shots or D.DEFAULT_SHOTS[backbone.family]
+    shots = args.shots or D.default_shots(args.task, backbone.family)
     support = D.load_task(args.task, "train", args.data_root)
     kind, device = D.TASKS[args.task].kind, device_of(backbone.model)
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{backbone.name} {args.task}", unit="batch"):
@@ -560,13 +673,18 @@ def parse_args(argv=None):
     p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
                                              "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For "
                                              "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
-                                             "data.DEFAULT_SHOTS)")
+                                             "data.default_shots: 2 for MME and SEED)")
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
+    p.add_argument("--seed-protocol", default="generate", choices=["generate", "likelihood"],
+                   help="SEED-Bench: generate the option letter (exact match; the form Table 2 appears to use, "
+                        "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
+                        "four options hovers around) or rank the four options by log-likelihood as the official evaluation does "
+                        "(default: %(default)s)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()

@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: Hyper-ICL's "
                    "gated logit bias (distilled from the teacher) or HiFICL's virtual key-values (task loss only)")
     p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
-                   "LLaVA models, 32 for Idefics)")
+                   "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
     p.add_argument("--n-train", type=int, default=1000, help="training queries (paper: 1000)")
     p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
                    "best epoch (by their loss; the evaluation split is never used)")
@@ -98,7 +98,7 @@ def split_pool(args, family):
     if len(train) < args.n_train:
         print(f"note: {args.task} has {len(pool)} training items; using {len(train)} queries "
               f"(+{len(heldout)} held out)")
-    shots = args.shots if args.shots is not None else data.DEFAULT_SHOTS[family]
+    shots = args.shots if args.shots is not None else data.default_shots(args.task, family)
     return train, heldout, pool, shots
 
 
