@@ -229,7 +229,8 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"mme: expected the subtask folder {folder} (see the data_root layout in data.py)")
         for path, image in mme_files(folder):
-            items += [Item(len(items), image, q, (a,), a, subtask) for q, a in read_mme_questions(path)]
+            items += [Item(len(items) + k, image, q, (a,), a, subtask)
+                      for k, (q, a) in enumerate(read_mme_questions(path))]
     return items
 
 
