@@ -260,6 +260,7 @@ def read_seed(root):
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
     for n, q in enumerate(questions):
+        where = f"question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'}) in {path}"
         try:
             if int(q["question_type_id"]) not in SEED_IMAGE_DIMENSIONS:
                 continue
@@ -269,8 +270,7 @@ def read_seed(root):
                 raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
             image = seed_image(images, folder, q["data_id"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"seed: question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'})"
-                             f" in {path} is malformed: {e!r}") from e
+            raise ValueError(f"seed: {where} is malformed: {e!r}") from e
         if image is None:
             raise FileNotFoundError(f"seed: question {qid} in {path}: its image {q['data_id']!r} is not in {folder}")
         items.append(Item(qid, image, q["question"].strip(), options, answer, dimension))

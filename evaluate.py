@@ -6,6 +6,8 @@ the analyses of the appendices (Table 9, Table 10).
                                                          run's adapter if it exists, else zero-shot
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
     python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
+    python evaluate.py --model idefics2 --task seed --data-root D --shots 2 --seed-protocol likelihood
+                                                         Table 2: SEED-Bench, 2-shot, official option ranking
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
     python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
 """
@@ -406,7 +408,8 @@ def write_mme_results(folder, items, predictions):
     lines = {}
     for it, p in zip(items, predictions):
         pred = " ".join(p.split())  # no tab or newline may break the four columns
-        lines.setdefault(it.category, []).append(f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n")
+        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n"
+        lines.setdefault(it.category, []).append(row)
     for subtask, rows in lines.items():
         with open(os.path.join(folder, subtask + ".txt"), "w") as f:
             f.writelines(rows)
@@ -683,8 +686,8 @@ def parse_args(argv=None):
     p.add_argument("--seed-protocol", default="generate", choices=["generate", "likelihood"],
                    help="SEED-Bench: generate the option letter (exact match; the form Table 2 appears to use, "
                         "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
-                        "four options hovers around) or rank the four options by log-likelihood as the official evaluation does "
-                        "(default: %(default)s)")
+                        "four options hovers around) or rank the four options by log-likelihood as the official "
+                        "evaluation does (default: %(default)s)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()

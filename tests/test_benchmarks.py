@@ -35,7 +35,8 @@ def mme_root(tmp_path):
     artwork (images/ and questions_answers_YN/)."""
     flat, nested = tmp_path / "mme" / "existence", tmp_path / "mme" / "artwork"
     image(flat / "0001.jpg")
-    write(flat / "0001.txt", "Is there a dog? Please answer yes or no.\tYes\nIs there a cat? Please answer yes or no.\tNo\n\n")
+    write(flat / "0001.txt", "Is there a dog? Please answer yes or no.\tYes\n"
+                             "Is there a cat? Please answer yes or no.\tNo\n\n")  # a trailing blank line
     image(flat / "0002.png", "PNG")
     write(flat / "0002.txt", "Is there a car?\tno\r\nIs there a bus?\tYes\r\n")  # lowercase, CRLF
     image(nested / "images" / "10002.jpg")
