@@ -53,6 +53,9 @@ Errors. A missing file names the path and the dataset it belongs to; malformed J
 annotation or an image without captions names the file and item. Images are not opened when a task is read
 (that would read 100k+ files): an unreadable or missing image is an OSError naming the item and the path, raised
 by `load_image` when the item's image is first used.
+MME and SEED-Bench are checked harder when read (one directory listing per folder): an MME line that is not
+`question<TAB>Yes|No` names the file and line, a question file without its image or with other than two questions
+names the file, and a SEED-Bench question that is malformed or whose image is missing names the question and file.
 
 Prompts (one table, PROMPTS, below): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` followed by a newline, then the query as

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 from PIL import Image
 
 import data as D
@@ -160,6 +161,24 @@ def test_split_by_image(task, capsys):
         assert 0.25 < share < 0.75, category
     if task == "toy-mme":  # MME: both questions of every image on the same side
         assert all(len([it for it in pool if it.image_path == p]) == 2 for p in {it.image_path for it in pool})
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.sampled_from("abc")), min_size=1, max_size=80),
+       st.sampled_from([0.0, 0.2, 0.5, 1.0]), st.integers(0, 3))
+def test_pool_split_properties(questions, fraction, seed):
+    """Any items: the two parts partition them in order, share no image, and each category's pool holds
+    round(fraction x its images) images (an image counts for the category of its first question)."""
+    items = [D.Item(i, f"{image}.jpg", "q", ("Yes",), "Yes", c) for i, (image, c) in enumerate(questions)]
+    pool, rest = D.pool_split(items, fraction, seed)
+    assert sorted(pool + rest, key=lambda it: it.id) == items and pool == sorted(pool, key=lambda it: it.id)
+    assert not {it.image_path for it in pool} & {it.image_path for it in rest}
+    first = {}
+    for it in items:
+        first.setdefault(it.image_path, it.category)
+    for c in set(first.values()):
+        images = [p for p, fc in first.items() if fc == c]
+        assert len({it.image_path for it in pool} & set(images)) == round(fraction * len(images))
+    assert D.pool_split(items, fraction, seed) == (pool, rest)
 
 
 def test_default_shots():
