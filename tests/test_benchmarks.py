@@ -194,7 +194,23 @@ def mme_item(i, subtask, image_name, answer):
     return D.Item(i, f"/mme/{subtask}/{image_name}", "q?", (answer,), answer, subtask)
 
 
-def test_mme_scores_hand_computed():
+def official_mme(folder, subtask):
+    """acc and acc+ (percent) of one eval_tool results file, computed the way calculation.py does: lines in
+    consecutive pairs (one image each), the prediction lowercased, exact yes/no else "yes" then "no" in its first
+    4 characters, else other."""
+    with open(os.path.join(folder, subtask + ".txt")) as f:
+        lines = f.readlines()
+    right = []
+    for line in lines:
+        _, _, gt, pred = line.split("\t")
+        pred = pred.lower()
+        label = pred if pred in ("yes", "no") else "yes" if "yes" in pred[:4] else "no" if "no" in pred[:4] else "x"
+        right.append(label == gt.lower())
+    pairs = [right[i:i + 2] for i in range(0, len(right), 2)]
+    return 100 * sum(right) / len(right), 100 * sum(all(p) for p in pairs) / len(pairs)
+
+
+def test_mme_scores_hand_computed(tmp_path):
     items = [mme_item(0, "existence", "1.jpg", "Yes"), mme_item(1, "existence", "1.jpg", "No"),
              mme_item(2, "existence", "2.jpg", "Yes"), mme_item(3, "existence", "2.jpg", "No"),
              mme_item(4, "code_reasoning", "3.png", "Yes"), mme_item(5, "code_reasoning", "3.png", "No")]
@@ -205,6 +221,9 @@ def test_mme_scores_hand_computed():
     assert m["subtasks"] == {"existence": {"acc": 75.0, "acc_plus": 50.0, "score": 125.0},
                              "code_reasoning": {"acc": 0.0, "acc_plus": 0.0, "score": 0.0}}
     assert (m["perception"], m["cognition"], m["accuracy"], m["mean_subtask_accuracy"]) == (125.0, 0.0, 50.0, 37.5)
+    E.write_mme_results(str(tmp_path), items, predictions)  # the official way on the official results format
+    for subtask, v in m["subtasks"].items():
+        assert official_mme(str(tmp_path), subtask) == (v["acc"], v["acc_plus"])
 
 
 @pytest.mark.parametrize("generation, letter", [
