@@ -174,7 +174,7 @@ class StaticGate(HyperICL):
 
     def gate(self, q):
         """The constant g = sigmoid(c), broadcastable to [B, H, T, 1]."""
-        return torch.sigmoid(self.c.float())[None, :, None, None]
+        return torch.sigmoid(self.c.to(torch.promote_types(q.dtype, torch.float32)))[None, :, None, None]
 
 
 class StaticGateHead(StaticGate):

@@ -129,7 +129,7 @@ def attach(model, method="hyper-icl", **sizes):
     elif method == "live":
         for layer in model.get_decoder().layers:
             layer.mlp.icl_adapter = LIVE(model.config.get_text_config().hidden_size, **sizes).to(device)
-            layer.mlp.icl_hook = layer.mlp.register_forward_hook(lambda mlp, args, out: mlp.icl_adapter(out))
+        hook_live(model)
     else:
         _, heads, head_dim = attention_shape(model)
         for attn in decoder_self_attentions(model):
@@ -139,6 +139,19 @@ def attach(model, method="hyper-icl", **sizes):
     adapted = adapters(model)
     adapted.requires_grad_(True)
     return adapted
+
+
+def hook_live(model):
+    """Run each decoder MLP's output through its LIVE adapter (a forward hook, its handle kept on the MLP)."""
+    for layer in model.get_decoder().layers:
+        layer.mlp.icl_hook = layer.mlp.register_forward_hook(lambda mlp, args, out: mlp.icl_adapter(out))
+
+
+def unhook_live(model):
+    """Remove the LIVE hooks (the adapters stay attached)."""
+    for layer in model.get_decoder().layers:
+        layer.mlp.icl_hook.remove()
+        del layer.mlp.icl_hook
 
 
 def lora_layers(model):
@@ -171,9 +184,26 @@ def attention_as(model, implementation):
         cfg._attn_implementation = before
 
 
+@contextlib.contextmanager
 def without_adapter(model):
-    """The backbone as it was, adapters bypassed (the teacher's forward): a context manager."""
-    return attention_as(model, "sdpa")
+    """The backbone as it was, the adapter of any method bypassed (the teacher's forward): a context manager."""
+    method = getattr(model, "icl_settings", {}).get("method")
+    if method not in ("lora", "live"):
+        with attention_as(model, "sdpa"):
+            yield model
+        return
+    layers = [m for _, m in lora_layers(model)] if method == "lora" else []
+    for m in layers:
+        m.enable_adapters(False)
+    if method == "live":
+        unhook_live(model)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        if method == "live":
+            hook_live(model)
 
 
 # ------------------------------------------------------------------------------------------------ save and load
@@ -241,9 +271,9 @@ def detach(model):
         if hasattr(model, "peft_config"):
             del model.peft_config
     elif method == "live":
+        unhook_live(model)
         for layer in model.get_decoder().layers:
-            layer.mlp.icl_hook.remove()
-            del layer.mlp.icl_adapter, layer.mlp.icl_hook
+            del layer.mlp.icl_adapter
     else:
         attns = decoder_self_attentions(model)
         for attn in attns:
