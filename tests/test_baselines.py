@@ -266,10 +266,37 @@ def test_answer_kl_is_lives_tempered_kl():
 def test_trains_and_evaluates_end_to_end(method, tmp_path):
     out = str(tmp_path / method)
     train.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--method", method, "--out", out,
-                "--n-train", "4", "--n-heldout", "2", "--batch-size", "2", "--shots", "1", "--epochs", "1",
+                "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs", "1",
                 "--lr", "1e-2"])
     history = train.json.load(open(f"{out}/history.json"))
     assert len(history) == 1 and math.isfinite(history[0]["heldout_loss"])
     metrics = evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--checkpoint",
-                             f"{out}/adapter.safetensors", "--n-eval", "2"])
+                             f"{out}/adapter.safetensors", "--n-eval", "1"])
     assert metrics["setting"] == method and 0 <= metrics["vqa_accuracy"] <= 100
+
+
+@pytest.mark.parametrize("method,anchor", [("mimic", "mse"), ("live", "kl"), ("lora", "none")])
+def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, method, anchor, tmp_path):
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--method", method,
+                             "--teacher-cache", str(tmp_path)])
+    assert args.anchor == anchor and args.lam == 0.5
+    pool = train.data.load_task(args.task, "train")
+    queries = pool[:3]
+    icds = train.data.demonstrations([q.id for q in queries], pool, 1, args.seed)
+    M.attach(plain.model, method, **train.method_sizes(args))
+    cache = {"id": train.fingerprint(plain), "hits": 0, "misses": 0}
+    student, teacher = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
+    parts = train.losses(plain, args, student, teacher)
+    assert set(parts) == ({"sup", "loss"} if anchor == "none" else {"anchor", "sup", "loss"})
+    if anchor == "none":
+        return
+    assert cache == {"id": cache["id"], "hits": 0, "misses": 3}
+    _, again = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
+    assert cache["hits"] == 3 and torch.equal(again, teacher)
+    with torch.no_grad():  # the student as its own teacher: the distillation loss vanishes
+        out = plain.model(**train.data.model_inputs(student), output_hidden_states=True)
+    own = (out.logits[train.answer_positions(student["labels"])] if anchor == "kl"
+           else torch.stack(out.hidden_states[1:]))
+    if anchor == "kl":
+        assert teacher.shape == own.shape  # one row per answer position, in the student's order
+    assert parts["anchor"] > 0 and train.losses(plain, args, student, own)["anchor"].abs() < 1e-6
