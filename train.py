@@ -54,7 +54,9 @@ def parse_args(argv=None):
                    "reported, count not stated)")
     p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
-    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (paper: 5e-3)")
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate, the same for every method (paper: "
+                   "5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, LIVE 1e-3 or "
+                   "5e-3 in its README runs)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps of linear warm-up before the "
                    "cosine decay (paper: 0.1)")
@@ -64,13 +66,16 @@ def parse_args(argv=None):
     p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
     p.add_argument("--kappa", type=float, default=0.1, help="curvature magnitude of the Lorentz model (paper: 0.1)")
     p.add_argument("--lam", type=float, default=0.5, help="lambda, weight of the cross-entropy next to the "
-                   "distillation loss (Eq 17; paper: 0.5; also MimIC's ce_loss_weight in its src/config/peft/mimic.yaml "
-                   "and LIVE's hard_loss_weight in its README runs, each with weight 1 on the distillation loss)")
+                   "distillation loss, which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with "
+                   "align_loss_weight 1, github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: "
+                   "hard_loss_weight 0.5 with the KL at weight 1, github.com/ForJadeForest/"
+                   "LIVE-Learnable-In-Context-Vector README and icv_src/icv_module.py)")
     p.add_argument("--anchor", choices=["hyperbolic", "euclidean", "mse", "kl", "none"],
-                   help="the distillation loss (default: the method's own, DEFAULT_ANCHOR). hyperbolic: Eq 16; "
+                   help="the distillation loss (default: the method's own: hyperbolic for hyper-icl, static-* and "
+                   "output-level, mse for mimic, kl for live, none for hificl and lora). hyperbolic: Eq 16; "
                    "euclidean: L2-anchor (Table 4); mse: MimIC's layer-wise MSE of the hidden states at the query "
-                   "tokens, as its src/shift_model.py; kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
-                   "at the answer positions, as its icv_src/icv_module.py; none: cross-entropy only (hificl, lora)")
+                   "tokens (MimIC src/shift_model.py); kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
+                   "at the answer positions (LIVE icv_src/icv_module.py); none: cross-entropy only")
     p.add_argument("--temperature", type=float, default=1.0, help="T of --anchor kl (LIVE divides both logits by "
                    "T and scales the KL by T^2; its value is not in LIVE's public files)")
     p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")
