@@ -224,23 +224,30 @@ class MimIC(nn.Module):
         """One fused SDPA over [virtual key; K]: the virtual key's logit is log Z1 (q gains a column log Z1 / scaling,
         the virtual key is the unit vector on it, real keys have 0 there). Two extra value columns mark the virtual
         key and the real keys, so the kernel returns (1 - mu) SA, mu and 1 - mu; SA = first / (1 - mu), each read
-        with the kernel's own relative precision. No T x S tensor but the bool mask the model already has.
+        with the kernel's own relative precision. Under plain causal attention (mask None) a leading dummy query row
+        lines the kernel's own causal mask up with [virtual key; K], so no mask tensor is formed at all; otherwise
+        the model's bool mask gains one always-true column.
         A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere nothing is clamped: if
         Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and training stops on it.
         """
         batch, H, T, d_h = q.shape
         S = k.shape[-2]
         width = -(-(d_h + 2) // 8) * 8
-        q_aug, k_aug, v_aug = (x.new_zeros(batch, H, n, width) for x, n in ((q, T), (k, S + 1), (v, S + 1)))
-        q_aug[..., :d_h], q_aug[..., d_h] = q, (self.log_Z1(q)[..., 0] / scaling).to(q.dtype)
+        q_aug, k_aug, v_aug = (x.new_zeros(batch, H, n, width) for x, n in ((q, T + 1), (k, S + 1), (v, S + 1)))
+        q_aug[..., 1:, :d_h], q_aug[..., 1:, d_h] = q, (self.log_Z1(q)[..., 0] / scaling).to(q.dtype)
         k_aug[..., 0, d_h] = 1
         k_aug[..., 1:, :d_h] = k
         v_aug[..., 0, d_h] = 1                     # virtual key: its weight mu
         v_aug[..., 1:, :d_h], v_aug[..., 1:, d_h + 1] = v, 1  # real keys: (1 - mu) SA and their weight 1 - mu
-        seen = full_mask(mask, T, S, q.device).expand(batch, 1, T, S)
-        out = sdpa(q_aug, k_aug, v_aug, torch.cat([seen.new_ones(batch, 1, T, 1), seen], -1), scale=scaling)
+        if mask is None:   # row 0 is the dummy query: row i + 1 sees [virtual; K_0..K_i] under the causal mask
+            out = sdpa(q_aug, k_aug, v_aug, None, scale=scaling)[..., 1:, :]
+        else:
+            mask = mask.expand(batch, 1, T, S)
+            out = sdpa(q_aug[..., 1:, :], k_aug, v_aug, torch.cat([mask.new_ones(batch, 1, T, 1), mask], -1),
+                       scale=scaling)
         mu, rest = out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]
-        rest = rest.masked_fill(~seen.any(-1, keepdim=True), 1)  # no real key seen: (1 - mu) SA = 0, so SA = 0
+        if mask is not None:  # a row that sees no real key: (1 - mu) SA = 0, so SA = 0
+            rest = rest.masked_fill(~mask.any(-1, keepdim=True), 1)
         return out[..., :d_h] / rest + mu * self.s.to(q.dtype)[:, None]
 
 
