@@ -156,3 +156,116 @@ class HiFICL(nn.Module):
         seen = full_mask(mask, T, S, q.device).expand(batch, 1, T, S)
         mask = torch.cat([seen.new_ones(batch, 1, T, K_learn.shape[-2]), seen], -1)
         return sdpa(q, torch.cat([K_learn, k], -2), torch.cat([V_learn, v], -2), mask, scale=scaling)
+
+
+# ------------------------------------------------------------- baselines: static gates, output level, MimIC, LIVE
+
+class StaticGate(HyperICL):
+    """Hyper-ICL with the query-adaptive gate of Eq 9 replaced by a learned constant g = sigmoid(c) (Fig 3a, static
+    intervention), one c per layer (this class) or per layer and head (StaticGateHead). Same fused path.
+    c starts at 0, so g = 1/2 as Hyper-ICL's gate at initialisation. Parameters per layer: 2 H d_h r + (1 or H).
+    """
+    per_head = False
+
+    def __init__(self, num_heads, head_dim, rank=4):
+        super().__init__(num_heads, head_dim, rank)
+        del self.w, self.b
+        self.c = nn.Parameter(torch.zeros(num_heads if self.per_head else 1))
+
+    def gate(self, q):
+        """The constant g = sigmoid(c), broadcastable to [B, H, T, 1]."""
+        return torch.sigmoid(self.c.to(torch.promote_types(q.dtype, torch.float32)))[None, :, None, None]
+
+
+class StaticGateHead(StaticGate):
+    """StaticGate with one constant per layer and head."""
+    per_head = True
+
+
+class OutputLevel(HyperICL):
+    """Appendix E (Table 11): Hyper-ICL's module applied to the attention output O instead of the logits S.
+
+    O~ = SA(Q, K, V) + Diag(g) (Q U_q) U_k^T / sqrt(r), with A = Q U_q and the gate g of Eq 9 exactly as in Hyper-ICL
+    and the key side K U_k (one row per key) replaced by U_k itself (one row per output coordinate): the paper gives
+    no formula, this is the form that keeps the module, its parameters (2 d_h r + d_h + 1 per head) and its
+    initialisation (U_k = 0: the base model) unchanged. The softmax is untouched, so it runs in plain fused SDPA.
+    """
+
+    def forward(self, q, k, v, mask, scaling):
+        """SA(Q, K, V) in fused attention, plus the gated low-rank offset of each query's output."""
+        A = q @ self.U_q.to(q.dtype)
+        offset = self.gate(q).to(q.dtype) * (A @ self.U_k.to(q.dtype).transpose(-1, -2)) / math.sqrt(self.rank)
+        return sdpa(q, k, v, mask, scale=scaling) + offset
+
+    reference = None  # no logit bias, hence no T x S form: forward is plain fused attention plus an offset
+
+
+class MimIC(nn.Module):
+    """MimIC (Jiang et al. 2025): per head a shift s (size d_h) and log Z1 = w.q + b, the head's output becomes
+
+        SA(q, K, V) + mu s,   mu = Z1 / (Z1 + Z2),   Z2 = sum over the keys the token may see of exp(q.k scaling).
+
+    Masked: Z2 covers exactly the keys of the model's causal and padding mask (MimIC's public code sums over all keys).
+    Initialised as in MimIC's code: s ~ N(0, 1e-3^2), w ~ N(0, 0.02^2), b = 0. Parameters per head: 2 d_h + 1.
+    """
+
+    def __init__(self, num_heads, head_dim):
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(num_heads, head_dim) * 1e-3)
+        self.w = nn.Parameter(torch.randn(num_heads, head_dim) * 0.02)
+        self.b = nn.Parameter(torch.zeros(num_heads))
+
+    def log_Z1(self, q):
+        """log Z1 = w.q + b per query token and head: [B, H, T, 1] in float32 (or float64)."""
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        return (torch.einsum("bhtd,hd->bht", q.to(dtype), self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
+
+    def forward(self, q, k, v, mask, scaling):
+        """One fused SDPA over [virtual key; K]: the virtual key's logit is log Z1 (q gains a column log Z1 / scaling,
+        the virtual key is the unit vector on it, real keys have 0 there). Two extra value columns mark the virtual
+        key and the real keys, so the kernel returns (1 - mu) SA, mu and 1 - mu; SA = first / (1 - mu), each read
+        with the kernel's own relative precision. Under plain causal attention (mask None) a leading dummy query row
+        lines the kernel's own causal mask up with [virtual key; K], so no mask tensor is formed at all; otherwise
+        the model's bool mask gains one always-true column.
+        A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere nothing is clamped: if
+        Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and training stops on it.
+        """
+        batch, H, T, d_h = q.shape
+        S = k.shape[-2]
+        width = -(-(d_h + 2) // 8) * 8
+        q_aug, k_aug, v_aug = (x.new_zeros(batch, H, n, width) for x, n in ((q, T + 1), (k, S + 1), (v, S + 1)))
+        q_aug[..., 1:, :d_h], q_aug[..., 1:, d_h] = q, (self.log_Z1(q)[..., 0] / scaling).to(q.dtype)
+        k_aug[..., 0, d_h] = 1
+        k_aug[..., 1:, :d_h] = k
+        v_aug[..., 0, d_h] = 1                     # virtual key: its weight mu
+        v_aug[..., 1:, :d_h], v_aug[..., 1:, d_h + 1] = v, 1  # real keys: (1 - mu) SA and their weight 1 - mu
+        if mask is None:   # row 0 is the dummy query: row i + 1 sees [virtual; K_0..K_i] under the causal mask
+            out = sdpa(q_aug, k_aug, v_aug, None, scale=scaling)[..., 1:, :]
+        else:
+            mask = mask.expand(batch, 1, T, S)
+            out = sdpa(q_aug[..., 1:, :], k_aug, v_aug, torch.cat([mask.new_ones(batch, 1, T, 1), mask], -1),
+                       scale=scaling)
+        mu, rest = out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]
+        if mask is not None:  # a row that sees no real key: (1 - mu) SA = 0, so SA = 0
+            rest = rest.masked_fill(~mask.any(-1, keepdim=True), 1)
+        return out[..., :d_h] / rest + mu * self.s.to(q.dtype)[:, None]
+
+
+class LIVE(nn.Module):
+    """LIVE (Peng et al. 2024): one vector v (size d) and scale alpha per decoder layer, added to the output h of the
+    layer's MLP and renormalised to its norm: h' = (h + alpha v) |h| / |h + alpha v|.
+
+    Initialised as in LIVE's public runs: alpha = 0.1 (their alpha_init_value), v ~ N(0, 0.01^2). Parameters per
+    layer: d + 1. Runs as a forward hook on the MLP (model.attach), not inside attention.
+    """
+
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(hidden_size) * 0.01)
+        self.alpha = nn.Parameter(torch.tensor(0.1))
+
+    def forward(self, h):
+        """h' = (h + alpha v) |h| / |h + alpha v| over the last axis, computed in float32 (or float64)."""
+        x = h.to(torch.promote_types(h.dtype, torch.float32))
+        shifted = x + self.alpha.to(x.dtype) * self.v.to(x.dtype)
+        return (shifted * (x.norm(dim=-1, keepdim=True) / shifted.norm(dim=-1, keepdim=True))).to(h.dtype)

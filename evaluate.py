@@ -503,23 +503,29 @@ def measure(backbone, inputs, new_tokens):
 
 
 def benchmark(backbone, args):
-    """Table 6: FLOPs and per-query latency of zero-shot, the attached adapter and 8/16/32-shot ICL, each with
-    its ratio to zero-shot. The adapter must be attached (weights do not change the cost). Writes benchmark.json."""
+    """Table 6: FLOPs and per-query latency of zero-shot, the attached adapter (none attached: every method of
+    model.METHODS in turn, at its default sizes; weights do not change the cost) and 8/16/32-shot ICL, each with
+    its ratio to zero-shot. Writes benchmark.json."""
     new_tokens = D.TASKS[args.task].max_new_tokens
-    method = backbone.model.icl_settings["method"]
-    settings = [("zero-shot", 0, True), (method, 0, False)] + [(f"{s}-shot", s, True) for s in BENCH_SHOTS]
+    attached = getattr(backbone.model, "icl_settings", {}).get("method")
+    methods = [attached] if attached else list(M.METHODS)
+    settings = [("zero-shot", 0, None)] + [(m, 0, m) for m in methods] + [(f"{s}-shot", s, None) for s in BENCH_SHOTS]
     rows = []
-    for name, shots, plain in settings:
+    for name, shots, method in settings:
         inputs = benchmark_prompt(backbone, args, shots)
-        with M.without_adapter(backbone.model) if plain else contextlib.nullcontext():
+        if method and not attached:
+            M.attach(backbone.model, method)
+        with M.without_adapter(backbone.model) if method is None else contextlib.nullcontext():
             flops, ms = measure(backbone, inputs, new_tokens)
+        if method and not attached:
+            M.detach(backbone.model)
         rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1], "tflops": flops / 1e12, "ms": ms})
     print(f"{backbone.name} on {device_of(backbone.model)}, {new_tokens} new tokens per query, "
           f"median of {REPEATS} runs")
-    print(f"{'setting':<10} {'tokens':>7} {'TFLOPs':>10} {'x':>6} {'ms':>9} {'x':>6}")
+    print(f"{'setting':<17} {'tokens':>7} {'TFLOPs':>10} {'x':>6} {'ms':>9} {'x':>6}")
     for r in rows:
         r["tflops_ratio"], r["ms_ratio"] = r["tflops"] / rows[0]["tflops"], r["ms"] / rows[0]["ms"]
-        print(f"{r['setting']:<10} {r['prompt_tokens']:>7} {r['tflops']:>10.4g} {r['tflops_ratio']:>6.2f} "
+        print(f"{r['setting']:<17} {r['prompt_tokens']:>7} {r['tflops']:>10.4g} {r['tflops_ratio']:>6.2f} "
               f"{r['ms']:>9.2f} {r['ms_ratio']:>6.2f}")
     path = os.path.join(args.out, "benchmark.json")
     os.makedirs(args.out, exist_ok=True)
@@ -692,7 +698,8 @@ def parse_args(argv=None):
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--benchmark", action="store_true", help="Table 6: FLOPs and latency of zero-shot, the adapter "
-                      "(--checkpoint, else a fresh Hyper-ICL one) and 8/16/32-shot ICL on one query")
+                      "(--checkpoint, else a fresh one of every --method of train.py, a row each) and 8/16/32-shot "
+                      "ICL on one query")
     mode.add_argument("--benchmark-attention", action="store_true", help="one attention layer at Idefics2-8B's "
                       "head sizes: plain SDPA vs Hyper-ICL's fused path, its T x T reference, and HiFICL")
     mode.add_argument("--gates", action="store_true", help="Table 10: gate statistics and Corr(g, Delta A) of a "
@@ -735,8 +742,6 @@ def main(argv=None):
         default = default_checkpoint(args.model, args.task)
         print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None else ""))
     if args.benchmark:
-        if not args.checkpoint:
-            M.attach(backbone.model, "hyper-icl", rank=4)  # latency does not depend on the weights
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
     if not (args.gates or args.hyperbolicity):

@@ -28,10 +28,28 @@ from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditi
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from adapters import HiFICL, HyperICL
+from adapters import LIVE, HiFICL, HyperICL, MimIC, OutputLevel, StaticGate, StaticGateHead
 
 ATTN_NAME = "icl"  # the attention implementation name our adapters run under
-METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # matched as module-name suffixes, as peft does
+
+
+def lora_config(rank=16):
+    """LoRA (Hu et al. 2022) as the paper's baseline: rank 16, alpha = 2 r, on every module named q/k/v/o_proj,
+    i.e. the attention layers of the vision encoder (whose out_proj is not so named), the perceiver and the text
+    decoder (self- and Idefics' cross-attention). These are MimIC's public LoRA settings (src/config/peft/lora.yaml),
+    and give the paper's counts: 17.6 M on Idefics2-8B, 25.0 M on Idefics-9B. No dropout (the backbone runs in eval
+    mode for every method). B = 0 at initialisation: the base model.
+    """
+    from peft import LoraConfig  # imported here: peft takes seconds to import and only LoRA needs it
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+
+
+# Every learnable method, by --method name: a class (or, for LoRA, a config builder) taking the method's sizes.
+# Attention-level methods sit on the decoder's self-attention (calibrated_attention), LIVE on its MLPs (a forward
+# hook), LoRA on the linear layers named in LORA_TARGETS (peft).
+METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, "static-layer-head": StaticGateHead,
+           "output-level": OutputLevel, "mimic": MimIC, "live": LIVE, "lora": lora_config}
 
 
 @dataclass(frozen=True)
@@ -93,23 +111,62 @@ def attention_shape(model):
 
 
 def attach(model, method="hyper-icl", **sizes):
-    """Hang a fresh `method` adapter on every decoder self-attention and route attention through it.
+    """Attach a fresh `method` adapter (replacing any attached one) and route the backbone through it.
 
-    sizes: the adapter's sizes (rank=..., and n=... for HiFICL). Returns the adapters as a ModuleList.
+    sizes: the method's sizes (rank=..., and n=... for HiFICL; none for MimIC and LIVE). Returns adapters(model).
+    Attention-level methods: one adapter per decoder self-attention, reached through calibrated_attention. LIVE: one
+    per decoder layer, a forward hook on its MLP. LoRA: peft's layers injected in place of LORA_TARGETS.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
-    _, heads, head_dim = attention_shape(model)
+    if hasattr(model, "icl_settings"):
+        detach(model)
     device = next(model.parameters()).device
-    for attn in decoder_self_attentions(model):
-        attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
-    decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
+    if method == "lora":
+        from peft import inject_adapter_in_model
+        inject_adapter_in_model(lora_config(**sizes), model)
+        model.requires_grad_(False)
+    elif method == "live":
+        for layer in model.get_decoder().layers:
+            layer.mlp.icl_adapter = LIVE(model.config.get_text_config().hidden_size, **sizes).to(device)
+        hook_live(model)
+    else:
+        _, heads, head_dim = attention_shape(model)
+        for attn in decoder_self_attentions(model):
+            attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
+        decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
     model.icl_settings = {"method": method, **sizes}
-    return adapters(model)
+    adapted = adapters(model)
+    adapted.requires_grad_(True)
+    return adapted
+
+
+def hook_live(model):
+    """Run each decoder MLP's output through its LIVE adapter (a forward hook, its handle kept on the MLP)."""
+    for layer in model.get_decoder().layers:
+        layer.mlp.icl_hook = layer.mlp.register_forward_hook(lambda mlp, args, out: mlp.icl_adapter(out))
+
+
+def unhook_live(model):
+    """Remove the LIVE hooks (the adapters stay attached)."""
+    for layer in model.get_decoder().layers:
+        layer.mlp.icl_hook.remove()
+        del layer.mlp.icl_hook
+
+
+def lora_layers(model):
+    """The (name, module) pairs of peft's LoRA layers in the model, in module order."""
+    from peft.tuners.lora import LoraLayer
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 
 def adapters(model):
-    """The attached adapters, one per decoder layer."""
+    """The attached adapter: a Module holding exactly its trainable parameters (one entry per adapted module)."""
+    method = model.icl_settings["method"]
+    if method == "lora":
+        return torch.nn.ModuleList(torch.nn.ModuleList([m.lora_A, m.lora_B]) for _, m in lora_layers(model))
+    if method == "live":
+        return torch.nn.ModuleList(layer.mlp.icl_adapter for layer in model.get_decoder().layers)
     return torch.nn.ModuleList(attn.icl_adapter for attn in decoder_self_attentions(model))
 
 
@@ -127,9 +184,26 @@ def attention_as(model, implementation):
         cfg._attn_implementation = before
 
 
+@contextlib.contextmanager
 def without_adapter(model):
-    """The backbone as it was, adapters bypassed (the teacher's forward): a context manager."""
-    return attention_as(model, "sdpa")
+    """The backbone as it was, the adapter of any method bypassed (the teacher's forward): a context manager."""
+    method = getattr(model, "icl_settings", {}).get("method")
+    if method not in ("lora", "live"):
+        with attention_as(model, "sdpa"):
+            yield model
+        return
+    layers = [m for _, m in lora_layers(model)] if method == "lora" else []
+    for m in layers:
+        m.enable_adapters(False)
+    if method == "live":
+        unhook_live(model)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        if method == "live":
+            hook_live(model)
 
 
 # ------------------------------------------------------------------------------------------------ save and load
@@ -170,9 +244,12 @@ def read_settings(path):
     return json.loads(metadata["settings"])
 
 
-def load_adapter(path, backbone):
-    """Attach the adapter saved at `path` to `backbone`; a checkpoint from another backbone shape fails clearly."""
+def load_adapter(path, backbone, method=None):
+    """Attach the adapter saved at `path` to `backbone`; a checkpoint from another backbone shape, or of another
+    method than `method` (when given), fails clearly."""
     saved = read_settings(path)
+    if method is not None and saved["method"] != method:
+        raise ValueError(f"{path} holds a {saved['method']!r} adapter, not a {method!r} one")
     shape = dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model)))
     differ = [f"{k} (saved {saved[k]}, here {v})" for k, v in shape.items() if saved[k] != v]
     if differ:
@@ -185,11 +262,23 @@ def load_adapter(path, backbone):
 
 
 def detach(model):
-    """Remove the adapters and restore the stock SDPA attention."""
-    attns = decoder_self_attentions(model)
-    for attn in attns:
-        del attn.icl_adapter
-    attns[0].config._attn_implementation = "sdpa"
+    """Remove the adapter and restore the backbone exactly as it was (stock SDPA attention, original modules)."""
+    method = model.icl_settings["method"]
+    if method == "lora":
+        for name, layer in lora_layers(model):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, layer.get_base_layer())
+        if hasattr(model, "peft_config"):
+            del model.peft_config
+    elif method == "live":
+        unhook_live(model)
+        for layer in model.get_decoder().layers:
+            del layer.mlp.icl_adapter
+    else:
+        attns = decoder_self_attentions(model)
+        for attn in attns:
+            del attn.icl_adapter
+        attns[0].config._attn_implementation = "sdpa"
     del model.icl_settings
 
 

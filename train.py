@@ -40,8 +40,11 @@ def parse_args(argv=None):
     p.add_argument("--model", default="tiny-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
                    "llava-onevision, tiny-<one of those> (offline twin), or a local checkpoint path")
     p.add_argument("--task", default="toy-vqa", choices=list(data.TASKS), help="task (toy-* need no download)")
-    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: Hyper-ICL's "
-                   "gated logit bias (distilled from the teacher) or HiFICL's virtual key-values (task loss only)")
+    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
+                   "(gated logit bias), static-layer / static-layer-head (its gate a learned constant per layer / per "
+                   "layer and head, Fig 3a), output-level (the same module on the attention output, Table 11), "
+                   "hificl (virtual key-values), mimic (MimIC), live (LIVE), lora (LoRA via peft); each trains with "
+                   "its own loss (see --anchor)")
     p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
                    "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
     p.add_argument("--n-train", type=int, default=1000, help="training queries (paper: 1000)")
@@ -51,17 +54,30 @@ def parse_args(argv=None):
                    "reported, count not stated)")
     p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
-    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate (paper: 5e-3)")
+    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate, the same for every method (paper: "
+                   "5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, LIVE 1e-3 or "
+                   "5e-3 in its README runs)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps of linear warm-up before the "
                    "cosine decay (paper: 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
-    p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl, 8 for hificl)")
+    p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl and its variants, 8 for "
+                   "hificl, 16 for lora; mimic and live have none)")
     p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
     p.add_argument("--kappa", type=float, default=0.1, help="curvature magnitude of the Lorentz model (paper: 0.1)")
-    p.add_argument("--lam", type=float, default=0.5, help="lambda, weight of the cross-entropy (Eq 17; paper: 0.5)")
-    p.add_argument("--anchor", default="hyperbolic", choices=["hyperbolic", "euclidean", "none"],
-                   help="the anchor loss (Table 4 ablations: euclidean = L2-anchor, none = L_sup only)")
+    p.add_argument("--lam", type=float, default=0.5, help="lambda, weight of the cross-entropy next to the "
+                   "distillation loss, which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with "
+                   "align_loss_weight 1, github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: "
+                   "hard_loss_weight 0.5 with the KL at weight 1, github.com/ForJadeForest/"
+                   "LIVE-Learnable-In-Context-Vector README and icv_src/icv_module.py)")
+    p.add_argument("--anchor", choices=["hyperbolic", "euclidean", "mse", "kl", "none"],
+                   help="the distillation loss (default: the method's own: hyperbolic for hyper-icl, static-* and "
+                   "output-level, mse for mimic, kl for live, none for hificl and lora). hyperbolic: Eq 16; "
+                   "euclidean: L2-anchor (Table 4); mse: MimIC's layer-wise MSE of the hidden states at the query "
+                   "tokens (MimIC src/shift_model.py); kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
+                   "at the answer positions (LIVE icv_src/icv_module.py); none: cross-entropy only")
+    p.add_argument("--temperature", type=float, default=1.0, help="T of --anchor kl (LIVE divides both logits by "
+                   "T and scales the KL by T^2; its value is not in LIVE's public files)")
     p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")
     p.add_argument("--data-root", help="folder with the datasets (layout: see data.py / README)")
     p.add_argument("--out", help="output folder (default runs/<model>-<task>-<method>)")
@@ -74,12 +90,23 @@ def parse_args(argv=None):
     p.add_argument("--benchmark", action="store_true", help="time this run with and without teacher reuse "
                    "and print the ratio (writes to temporary folders)")
     args = p.parse_args(argv)
-    args.rank = args.rank or (4 if args.method == "hyper-icl" else 8)
+    args.rank = args.rank or {"hificl": 8, "lora": 16}.get(args.method, 4)
+    args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     args.out = args.out or default_out(args.model, args.task, args.method)
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
-    if args.method == "hificl":
-        args.anchor = "none"  # HiFICL trains with the task loss only
     return args
+
+
+# Each method's own loss (the rest distil with Eq 16): HiFICL and LoRA the task loss only, MimIC its layer-wise
+# MSE, LIVE its KL at the answer positions.
+DEFAULT_ANCHOR = {"hificl": "none", "lora": "none", "mimic": "mse", "live": "kl"}
+
+
+def method_sizes(args):
+    """The sizes of args.method for model.attach."""
+    if args.method in ("mimic", "live"):
+        return {}
+    return {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
 
 
 def default_out(model, task, method):
@@ -146,21 +173,42 @@ def run_teacher(backbone, kind, queries, icds, pieces, device):
     return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
 
+def answer_positions(labels):
+    """Bool [B, W]: the positions whose logits predict an answer token (labels -100 elsewhere; next-token shift)."""
+    return F.pad(labels[:, 1:] != -100, (0, 1))
+
+
+@torch.no_grad()
+def run_teacher_logits(backbone, kind, queries, icds, pieces, device):
+    """LIVE's teacher: the frozen backbone on [ICDs; query + target]; per query its logits at the answer positions,
+    [n_answer, V] in float32."""
+    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, d), p)
+            for d, p in zip(icds, pieces)]
+    batch = to(data.collate(rows, backbone.processor, backbone.family), device)
+    with M.without_adapter(backbone.model), autocast(device):
+        logits = backbone.model(**data.model_inputs(batch)).logits
+    answer = answer_positions(batch["labels"])
+    return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
+
+
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
-    """Each query's teacher states, from the cache when present (computed and stored once otherwise)."""
+    """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
+    stored once otherwise)."""
+    what, run = ("logits", run_teacher_logits) if args.anchor == "kl" else ("states", run_teacher)
     keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
-    paths = [os.path.join(args.teacher_cache, k + ".safetensors") for k in keys]
+    paths = [os.path.join(args.teacher_cache, k + ("-logits" if what == "logits" else "") + ".safetensors")
+             for k in keys]
     missing = [i for i, p in enumerate(paths) if args.no_teacher_cache or not os.path.exists(p)]
-    fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
-                        [pieces[i] for i in missing], device) if missing else []
+    fresh = run(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
+                [pieces[i] for i in missing], device) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     states = {i: s for i, s in zip(missing, fresh)}
     for i, path in enumerate(paths):
         if i in states and not args.no_teacher_cache:
-            M.atomic_write(path, lambda tmp: save_file({"states": states[i].contiguous()}, tmp))
+            M.atomic_write(path, lambda tmp: save_file({what: states[i].contiguous()}, tmp))
         elif i not in states:
-            states[i] = load_file(path)["states"]
+            states[i] = load_file(path)[what]
     return [states[i] for i in range(len(queries))]
 
 
@@ -186,17 +234,37 @@ def supervised_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
+def layerwise_mse(student, teacher, align):
+    """MimIC's layer-wise loss: per query, the mean squared difference of the student's and teacher's states over
+    layers, query tokens and features; then the mean over queries. student, teacher: [L, B, W, d]; align: [B, W]."""
+    return torch.stack([(student[:, b, a] - teacher[:, b, a]).float().square().mean()
+                        for b, a in enumerate(align)]).mean()
+
+
+def answer_kl(student_logits, teacher_logits, temperature):
+    """LIVE's loss: T^2 KL(softmax(teacher / T) || softmax(student / T)), the mean over answer positions.
+    Both [N, V] (N answer positions of the batch, in the same order)."""
+    t = F.log_softmax(teacher_logits.float() / temperature, -1)
+    s = F.log_softmax(student_logits.float() / temperature, -1)
+    return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
+
+
 def losses(backbone, args, student, teacher):
-    """The loss parts of Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": total}."""
+    """The loss parts of Eq 17 (or the method's own distillation loss, --anchor) for one micro-batch:
+    {"anchor": distillation loss, "sup": L_sup, "loss": anchor + lambda L_sup}."""
     with autocast(student["input_ids"].device):
-        out = backbone.model(**data.model_inputs(student), output_hidden_states=args.anchor != "none")
+        out = backbone.model(**data.model_inputs(student), output_hidden_states=args.anchor not in ("none", "kl"))
     parts = {"sup": supervised_loss(out.logits, student["labels"])}
     if args.anchor == "none":
         parts["loss"] = parts["sup"]
         return parts
+    if args.anchor == "kl":
+        anchor = answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature)
+        return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
     hidden = torch.stack(out.hidden_states[1:])
     anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
-              else euclidean_anchor_loss(hidden, teacher, student["align"]))
+              else euclidean_anchor_loss(hidden, teacher, student["align"]) if args.anchor == "euclidean"
+              else layerwise_mse(hidden, teacher, student["align"]))
     return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
 
 
@@ -208,6 +276,8 @@ def micro_batch(backbone, args, kind, queries, icds, device, cache):
     if args.anchor == "none":
         return student, None
     states = teacher_states(backbone, args, kind, queries, icds, pieces, device, cache)
+    if args.anchor == "kl":
+        return student, torch.cat(states).to(device)  # answer logits, in the order of answer_positions
     return student, stack_teacher(states, student["align"])
 
 
@@ -238,7 +308,7 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
 
 RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",
                      "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa", "lam", "anchor",
-                     "seed")
+                     "temperature", "seed")
 
 
 def restore(args, backbone, optimizer, scheduler):
@@ -248,7 +318,7 @@ def restore(args, backbone, optimizer, scheduler):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     state = torch.load(path, weights_only=False)
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
-              if state["args"][k] != getattr(args, k)]
+              if state["args"].get(k) != getattr(args, k)]
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapters(backbone.model).load_state_dict(state["adapter"])
@@ -283,8 +353,7 @@ def train(args):
     kind = data.TASKS[args.task].kind
     queries, heldout, pool, shots = split_pool(args, backbone.family)
     icds = dict(zip((q.id for q in queries), data.demonstrations([q.id for q in queries], pool, shots, args.seed)))
-    sizes = {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
-    params = M.attach(backbone.model, args.method, **sizes).parameters()
+    params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     batches_per_epoch = math.ceil(len(queries) / args.batch_size)
     steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)

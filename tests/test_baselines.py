@@ -1,0 +1,302 @@
+"""The baselines (static gates, output level, MimIC, LIVE, LoRA) against independent formulas and inside the tiny
+Idefics2 twin: counts on the published configs, identity at init, masks, caching, gradients, saving, training."""
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+import evaluate
+import model as M
+import train
+from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
+
+BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
+SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
+         "mimic": {}, "live": {}, "lora": dict(rank=2)}
+
+
+def rand(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def left_padded_mask(pads, T, S):
+    """Causal + left padding (pads[b] padded keys), bool [B, 1, T, S], the query rows being the last T of S."""
+    keys = torch.arange(S) >= torch.tensor(pads)[:, None]
+    return (torch.ones(T, S, dtype=torch.bool).tril(S - T)[None] & keys[:, None, :])[:, None]
+
+
+def naive_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(d_h)) v under `mask`, written out; also log Z2 (the log-normaliser over seen keys)."""
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    log_Z2 = torch.logsumexp(logits, -1, keepdim=True)
+    return torch.exp(logits - log_Z2) @ v, log_Z2
+
+
+def randomised(module, seed):
+    torch.manual_seed(seed)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return module
+
+
+# ------------------------------------------------------------------------------------ formulas (float64)
+
+@pytest.mark.parametrize("T,S,pads", [(5, 5, [0, 2]), (1, 7, [3, 0]), (3, 6, [0, 0]), (4, 4, [0, 0]), (1, 5, [0, 0])])
+def test_mimic_is_sa_plus_mu_shift_with_a_masked_z2(T, S, pads):
+    H, d_h = 3, 8
+    mimic = randomised(MimIC(H, d_h).double(), seed=T + S)
+    q, k, v = rand(2, H, T, d_h, seed=1), rand(2, H, S, d_h, seed=2), rand(2, H, S, d_h, seed=3)
+    mask = left_padded_mask(pads, T, S)
+    sa, log_Z2 = naive_attention(q, k, v, mask)
+    log_Z1 = (q * mimic.w[:, None]).sum(-1, keepdim=True) + mimic.b[:, None, None]
+    mu = torch.exp(log_Z1) / (torch.exp(log_Z1) + torch.exp(log_Z2))
+    want = sa + mu * mimic.s[:, None]
+    ours, seen = mimic(q, k, v, mask, d_h ** -0.5), mask.any(-1).expand(-1, H, -1)  # [B, H, T]
+    torch.testing.assert_close(ours[seen], want[seen], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours[~seen], mimic.s[:, None].expand_as(ours)[~seen])  # no key seen: SA = 0, mu = 1
+    if not any(pads):  # mask None = plain causal (the last T of S positions)
+        torch.testing.assert_close(mimic(q, k, v, None, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
+
+
+def test_mimic_ignores_padding_and_future_tokens():
+    H, d_h, T, pad = 2, 8, 6, 3
+    mimic = randomised(MimIC(H, d_h).double(), seed=0)
+    q, k, v = rand(1, H, T, d_h, seed=1), rand(1, H, T, d_h, seed=2), rand(1, H, T, d_h, seed=3)
+    alone = mimic(q, k, v, None, d_h ** -0.5)
+    junk = lambda x, s: torch.cat([rand(1, H, pad, d_h, seed=s) * 50, x], -2)
+    padded = mimic(junk(q, 4), junk(k, 5), junk(v, 6), left_padded_mask([pad], T + pad, T + pad), d_h ** -0.5)
+    torch.testing.assert_close(padded[..., pad:, :], alone, rtol=1e-10, atol=1e-10)
+    k2, v2 = k.clone(), v.clone()
+    k2[..., 4:, :] += 10
+    v2[..., 4:, :] -= 10
+    changed = mimic(q, k2, v2, None, d_h ** -0.5)
+    torch.testing.assert_close(changed[..., :4, :], alone[..., :4, :], rtol=1e-10, atol=1e-10)
+    assert (changed[..., 4:, :] - alone[..., 4:, :]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("cls", [StaticGate, StaticGateHead])
+def test_static_gate_is_hyper_icl_with_a_constant_gate_fused_and_reference(cls):
+    H, d_h, r, T, S = 3, 8, 2, 4, 6
+    adapter = randomised(cls(H, d_h, r).double(), seed=1)
+    q, k, v = rand(2, H, T, d_h, seed=1), rand(2, H, S, d_h, seed=2), rand(2, H, S, d_h, seed=3)
+    mask = left_padded_mask([0, 2], T, S)
+    g = torch.sigmoid(adapter.c).reshape(-1, 1, 1)                    # [H or 1, 1, 1]
+    Delta = (q @ adapter.U_q) @ (k @ adapter.U_k).transpose(-1, -2) / math.sqrt(r)
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(d_h) + g * Delta).masked_fill(~mask, -math.inf)
+    want = logits.softmax(-1) @ v
+    torch.testing.assert_close(adapter(q, k, v, mask, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(adapter.reference(q, k, v, mask, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
+
+
+def test_output_level_is_sa_plus_the_gated_low_rank_offset():
+    H, d_h, r, T, S = 3, 8, 2, 4, 6
+    adapter = randomised(OutputLevel(H, d_h, r).double(), seed=2)
+    q, k, v = rand(2, H, T, d_h, seed=1), rand(2, H, S, d_h, seed=2), rand(2, H, S, d_h, seed=3)
+    mask = left_padded_mask([1, 0], T, S)
+    ln = (q - q.mean(-1, keepdim=True)) / torch.sqrt(q.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    g = torch.sigmoid((ln * adapter.w[:, None]).sum(-1, keepdim=True) + adapter.b[:, None, None])
+    want = naive_attention(q, k, v, mask)[0] + g * (q @ adapter.U_q) @ adapter.U_k.transpose(-1, -2) / math.sqrt(r)
+    torch.testing.assert_close(adapter(q, k, v, mask, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
+
+
+def test_live_shifts_and_renormalises():
+    live = randomised(LIVE(16).double(), seed=3)
+    h = rand(2, 5, 16, seed=4)
+    shifted = h + live.alpha * live.v
+    want = shifted / shifted.norm(dim=-1, keepdim=True) * h.norm(dim=-1, keepdim=True)
+    torch.testing.assert_close(live(h), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(live(h).norm(dim=-1), h.norm(dim=-1), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- published sizes (meta device)
+
+def hyper_icl_count(L, H, d_h, r):
+    return L * H * (2 * d_h * r + d_h + 1)
+
+
+@pytest.mark.parametrize("family,counts", [
+    ("idefics2", {"mimic": 263_168, "live": 131_104, "lora": 17_588_224,            # paper: 0.26 M, 0.13 M, 17.6 M
+                  "output-level": hyper_icl_count(32, 32, 128, 4),
+                  "static-layer": 32 * (32 * 2 * 128 * 4 + 1), "static-layer-head": 32 * 32 * (2 * 128 * 4 + 1)}),
+    ("idefics", {"lora": 24_993_792})])                                             # paper: 25.0 M
+def test_parameter_counts_on_published_configs(family, counts):
+    model = M.published_model(family)
+    for method, count in counts.items():
+        assert sum(p.numel() for p in M.attach(model, method).parameters()) == count, method
+        assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count, method
+        M.detach(model)
+
+
+# --------------------------------------------------------------------------------- inside the tiny twin
+
+@pytest.fixture(scope="module")
+def backbone():
+    return M.load_backbone("tiny-idefics2")
+
+
+@pytest.fixture()
+def plain(backbone):
+    """The backbone with no adapter before and after the test."""
+    yield backbone
+    if hasattr(backbone.model, "icl_settings"):
+        M.detach(backbone.model)
+
+
+TEXTS = ["Question: What colour is the shape? Short answer:", "Question: How many? Short answer:"]
+
+
+def prompts(backbone, texts, positions=True):
+    """A left-padded batch, one image per prompt (determined by the prompt), through the processor."""
+    p = backbone.processor
+    p.tokenizer.padding_side = "left"
+    imgs = [[Image.new("RGB", (28, 28), (7 * len(t) % 255, 200, 90))] for t in texts]
+    batch = p(text=["<image>" + t for t in texts], images=imgs, return_tensors="pt", padding=True)
+    if positions:
+        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+def perturb(model, seed=0):
+    """Move every adapter parameter away from its initialisation (as training would)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in M.adapters(model).parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+
+
+@pytest.mark.parametrize("method", ["static-layer", "static-layer-head", "output-level", "lora"])
+def test_identity_at_initialisation(plain, method):
+    batch = prompts(plain, TEXTS)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        base = plain.model(**batch).logits
+        M.attach(plain.model, method, **SIZES[method])
+        ours = plain.model(**batch).logits
+    assert (ours - base)[real].abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_without_adapter_and_detach_restore_the_backbone(plain, method):
+    batch = prompts(plain, TEXTS)
+    keys = set(plain.model.state_dict())
+    with torch.no_grad():
+        base = plain.model(**batch).logits
+        M.attach(plain.model, method, **SIZES[method])
+        perturb(plain.model)
+        ours = plain.model(**batch).logits
+        with M.without_adapter(plain.model):
+            teacher = plain.model(**batch).logits
+        again = plain.model(**batch).logits
+        M.detach(plain.model)
+        after = plain.model(**batch).logits
+    assert (ours - base).abs().max() > 1e-3
+    torch.testing.assert_close(teacher, base)
+    torch.testing.assert_close(again, ours)
+    torch.testing.assert_close(after, base)
+    assert set(plain.model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("method", ["mimic", "live", "lora"])
+def test_padding_invariance(plain, method):
+    M.attach(plain.model, method, **SIZES[method])
+    perturb(plain.model)
+    with torch.no_grad():
+        together = plain.model(**prompts(plain, TEXTS)).logits
+        for i, text in enumerate(TEXTS):
+            alone = plain.model(**prompts(plain, [text])).logits[0]
+            torch.testing.assert_close(together[i, -alone.shape[0]:], alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_cached_decoding_equals_full_forward(plain, method):
+    M.attach(plain.model, method, **SIZES[method])
+    perturb(plain.model, seed=1)
+    batch = prompts(plain, TEXTS, positions=False)
+    with torch.no_grad():
+        out = plain.model.generate(**batch, max_new_tokens=3, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+        steps = torch.stack(out.logits, 1)                                   # [B, 3, V]
+        mask = torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, -3:])], 1)
+        full = dict(batch, input_ids=out.sequences, attention_mask=mask,
+                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        logits = plain.model(**full).logits[:, -4:-1]
+    torch.testing.assert_close(steps, logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_only_the_methods_parameters_get_gradients(plain, method):
+    adapted = M.attach(plain.model, method, **SIZES[method])
+    perturb(plain.model)
+    plain.model(**prompts(plain, TEXTS)).logits.logsumexp(-1).mean().backward()
+    own = {id(p) for p in adapted.parameters()}
+    with_grad = {id(p) for p in plain.model.parameters() if p.grad is not None}
+    assert with_grad == own
+    assert all(p.grad.abs().sum() > 0 for p in adapted.parameters())
+    adapted.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_save_load_roundtrip_and_wrong_method_refused(plain, method, tmp_path):
+    path = str(tmp_path / "adapter.safetensors")
+    batch = prompts(plain, TEXTS)
+    M.attach(plain.model, method, **SIZES[method])
+    perturb(plain.model, seed=2)
+    with torch.no_grad():
+        saved = plain.model(**batch).logits
+        M.save_adapter(path, plain)
+        M.detach(plain.model)
+        assert M.load_adapter(path, plain, method=method)["method"] == method
+        torch.testing.assert_close(plain.model(**batch).logits, saved, rtol=0, atol=0)
+    other = "live" if method != "live" else "mimic"
+    with pytest.raises(ValueError, match=f"holds a '{method}' adapter, not a '{other}' one"):
+        M.load_adapter(path, plain, method=other)
+
+
+def test_answer_kl_is_lives_tempered_kl():
+    s, t = rand(4, 11, seed=1), rand(4, 11, seed=2)
+    T = 2.0
+    p, q = torch.softmax(t / T, -1), torch.softmax(s / T, -1)
+    want = T ** 2 * (p * (p.log() - q.log())).sum(-1).mean()
+    torch.testing.assert_close(train.answer_kl(s, t, T), want.float(), rtol=1e-6, atol=1e-6)
+    assert train.answer_kl(t, t, T).abs() < 1e-6
+
+
+@pytest.mark.parametrize("method", BASELINES)
+def test_trains_and_evaluates_end_to_end(method, tmp_path):
+    out = str(tmp_path / method)
+    train.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--method", method, "--out", out,
+                "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs", "1",
+                "--lr", "1e-2"])
+    history = train.json.load(open(f"{out}/history.json"))
+    assert len(history) == 1 and math.isfinite(history[0]["heldout_loss"])
+    metrics = evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--checkpoint",
+                             f"{out}/adapter.safetensors", "--n-eval", "1"])
+    assert metrics["setting"] == method and 0 <= metrics["vqa_accuracy"] <= 100
+
+
+@pytest.mark.parametrize("method,anchor", [("mimic", "mse"), ("live", "kl"), ("lora", "none")])
+def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, method, anchor, tmp_path):
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--method", method,
+                             "--teacher-cache", str(tmp_path)])
+    assert args.anchor == anchor and args.lam == 0.5
+    pool = train.data.load_task(args.task, "train")
+    queries = pool[:3]
+    icds = train.data.demonstrations([q.id for q in queries], pool, 1, args.seed)
+    M.attach(plain.model, method, **train.method_sizes(args))
+    cache = {"id": train.fingerprint(plain), "hits": 0, "misses": 0}
+    student, teacher = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
+    parts = train.losses(plain, args, student, teacher)
+    assert set(parts) == ({"sup", "loss"} if anchor == "none" else {"anchor", "sup", "loss"})
+    if anchor == "none":
+        return
+    assert cache == {"id": cache["id"], "hits": 0, "misses": 3}
+    _, again = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
+    assert cache["hits"] == 3 and torch.equal(again, teacher)
+    with torch.no_grad():  # the student as its own teacher: the distillation loss vanishes
+        out = plain.model(**train.data.model_inputs(student), output_hidden_states=True)
+    own = (out.logits[train.answer_positions(student["labels"])] if anchor == "kl"
+           else torch.stack(out.hidden_states[1:]))
+    if anchor == "kl":
+        assert teacher.shape == own.shape  # one row per answer position, in the student's order
+    assert parts["anchor"] > 0 and train.losses(plain, args, student, own)["anchor"].abs() < 1e-6
