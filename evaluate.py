@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import time
 from collections import Counter
@@ -582,6 +583,8 @@ def parse_args(argv=None):
     mode.add_argument("--compare", action="store_true", help="the comparison table (Table 1, Fig 2 style): 0/1/2/4/8-"
                       "shot ICL, then train.py with every method of model.METHODS, Hyper-ICL's anchor ablations and "
                       "the real-size anchor regime (kappa d = 400), each evaluated; writes compare.md and compare.png")
+    p.add_argument("--train-args", default="", help="with --compare: extra train.py flags for every adapter row, "
+                   "e.g. '--epochs 1' for a quick look (default: train.py's own defaults, the paper's settings)")
     p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
                    "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
     args = p.parse_args(argv)
@@ -635,7 +638,10 @@ def compare_runs(hidden):
 
 def compare(args):
     """Run the comparison: n-shot ICL for n in COMPARE_SHOTS, then each adapter row trained by train.main and
-    evaluated by main on the same items. Writes <out>/compare.md (markdown table), compare.json and compare.png."""
+    evaluated by main on the same items. Writes <out>/compare.md (markdown table), compare.json and compare.png.
+    On CPU it runs on one thread: on a shared machine that was about 10x faster than two (and deterministic)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
     common = ["--model", args.model, "--task", args.task, "--seed", str(args.seed)] + \
         (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size)] + \
@@ -644,15 +650,16 @@ def compare(args):
     rows = []
     for n in COMPARE_SHOTS:
         m = main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
-        rows.append({"setting": f"{n}-shot ICL", "shots": n, "params": 0, **m})
+        rows.append({**m, "setting": "zero-shot" if n == 0 else f"{n}-shot ICL", "shots": n, "params": 0})
     for name, flags in compare_runs(hidden):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()))
         start = time.perf_counter()
-        adapter = train.main(common + flags + ["--out", out, "--teacher-cache", os.path.join(args.out, "teacher")])
+        adapter = train.main(common + shlex.split(args.train_args) + flags +
+                             ["--out", out, "--teacher-cache", os.path.join(args.out, "teacher")])
         seconds = time.perf_counter() - start
         m = main(scoring + ["--checkpoint", os.path.join(out, "adapter.safetensors"), "--out", out])
-        rows.append({"setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
-                     "train_seconds": seconds, **m})
+        rows.append({**m, "setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
+                     "train_seconds": seconds})
     write_comparison(args, rows)
     return rows
 
@@ -678,8 +685,8 @@ def write_comparison(args, rows):
     for i, r in enumerate(r for r in rows if r["shots"] is None):
         ax.axhline(r[metric], color=plt.cm.tab10(i % 10), ls="--" if "," in r["setting"] else "-", lw=1.2,
                    label=r["setting"])
-    ax.set(xlabel="demonstrations in the prompt (n)", ylabel=metric.replace("_", " "), xticks=COMPARE_SHOTS,
-           title=f"{args.model}, {args.task}")
+    ax.set(xlabel="demonstrations in the prompt (n)", ylabel=metric.replace("_", " ") + " x 100",
+           xticks=COMPARE_SHOTS, title=f"{args.model}, {args.task}", ylim=(0, 101) if metric == "vqa_accuracy" else None)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "compare.png"))

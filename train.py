@@ -245,10 +245,10 @@ def anchor_regime(args, student, teacher):
               "floor": loss(teacher.to(dtype).float(), teacher).item(),
               "floor_bf16": loss(teacher.to(torch.bfloat16).float(), teacher).item(),
               "unrelated": loss(shuffled, teacher).item() if shuffled is not None else float("nan")}
+    unrelated = "" if shuffled is None else f"; between different queries' teacher states {regime['unrelated']:.4g}"
     print(f"anchor ({args.anchor}, kappa {args.kappa}, d {teacher.shape[-1]}): sqrt(kappa)|LN(h)| = "
           f"{regime['radius']:.1f}; noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, "
-          f"the training dtype) {regime['floor']:.4g}, to bfloat16 {regime['floor_bf16']:.4g}; between different "
-          f"queries' teacher states {regime['unrelated']:.4g}; lambda x L_sup weighs the task loss against these")
+          f"the training dtype) {regime['floor']:.4g}, to bfloat16 {regime['floor_bf16']:.4g}{unrelated}")
     return regime
 
 

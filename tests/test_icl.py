@@ -111,17 +111,28 @@ def shipped(tmp_path_factory):
 EFFICACY = ["--model", "toy-idefics2", "--task", "toy-icl-colour"]
 
 
+@pytest.fixture
+def one_thread():
+    """One thread: on a shared 2-core machine about 10x faster than two (DESIGN.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def accuracy(out, flags):
     return E.main([*EFFICACY, "--n-eval", "60", "--batch-size", "30", "--out", out, *flags])["vqa_accuracy"]
 
 
-def test_distillation_lifts_zero_shot_towards_eight_shot(shipped, tmp_path, monkeypatch):
+def test_distillation_lifts_zero_shot_to_eight_shot(shipped, one_thread, tmp_path, monkeypatch):
+    """The anchor alone (lambda = 0: no label is seen) on 48 queries carries 8-shot behaviour into the zero-shot
+    student. Fails if the adapter cannot move the logits (U_k frozen at 0) or the teacher sees no demonstrations."""
     monkeypatch.setattr(M, "TOY_CACHE", shipped)
     out = str(tmp_path / "run")
-    train.main([*EFFICACY, "--out", out, "--lam", "0", "--n-train", "48", "--n-heldout", "8", "--batch-size", "8",
-                "--epochs", "12", "--save-every", "1000"])
+    train.main([*EFFICACY, "--out", out, "--lam", "0", "--lr", "2e-2", "--n-train", "48", "--n-heldout", "8",
+                "--batch-size", "8", "--epochs", "16"])
     zero, eight = accuracy(out, ["--shots", "0"]), accuracy(out, ["--shots", "8"])
     adapter = accuracy(out, ["--checkpoint", os.path.join(out, "adapter.safetensors")])
     print(f"zero-shot {zero:.1f}, 8-shot {eight:.1f}, anchor-only Hyper-ICL {adapter:.1f}")
-    assert eight - zero >= 40                     # the backbone learns in context
-    assert adapter - zero >= 25                   # and the distilled adapter carries it without the demonstrations
+    assert zero <= 45 and eight >= 80             # the backbone needs the demonstrations and uses them
+    assert adapter - zero >= 50                   # the distilled adapter carries them without the demonstrations
