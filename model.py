@@ -430,8 +430,8 @@ def toy_scenes(processor, n, rng):
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):
-    """A batch of episodes [(attribute, question, [scene indices], ...)]: rows of ICDs then the query, labels on every
-    answer (data.icl_episode)."""
+    """A batch of episodes [(attribute, question, scene indices)]: rows of ICDs then the query (the last index),
+    labels on every answer (data.icl_episode)."""
     rows = []
     for attribute, question, picks in episodes:
         pieces = [{**text[question, scenes[i][attribute], k == len(picks) - 1], "images": pixels[i]}
