@@ -78,6 +78,7 @@ given), so the query image gets the same tokens with and without ICDs; its multi
 query image differently in the teacher.
 """
 import hashlib
+import io
 import json
 import os
 import random
@@ -115,6 +116,7 @@ TASKS = {
     "toy-vqa": Task("vqa", 5), "toy-caption": Task("caption", 20),
     "mme": Task("yes-no", 5, shots=2), "seed": Task("choice", 5, shots=2),  # the paper's 2-shot ICL (Table 2)
     "toy-mme": Task("yes-no", 5, shots=2), "toy-seed": Task("choice", 5, shots=2),
+    "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
 DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8}  # ICDs per query (paper)
@@ -310,7 +312,7 @@ def load_benchmark(task, split, data_root=None):
     sizes of both."""
     name = task.removeprefix("toy-")
     if task.startswith("toy-"):
-        root = generated_root(task, TOY_WRITERS[task], data_root)
+        root = generated(toy_folder(task, data_root), TOY_WRITERS[task])
         items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else read_seed(root)
     elif data_root is None:
         raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
@@ -330,6 +332,8 @@ def load_task(task, split, data_root=None):
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
     if TASKS[task].kind in ("yes-no", "choice"):
         return load_benchmark(task, split, data_root)
+    if task.startswith("toy-icl-"):
+        return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
     if task.startswith("toy-"):
         root = toy_root(data_root)
         return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
@@ -477,16 +481,20 @@ def write_toy(root, seed=TOY_SEED):
 
 def toy_root(data_root=None):
     """The toy data_root (data_root/toy, or ~/.cache/hyper-icl/toy), generated if it is not there."""
-    return generated_root("toy", write_toy, data_root)
+    return generated(toy_folder("toy", data_root), write_toy)
 
 
-def generated_root(name, write, data_root=None):
-    """data_root/<name> (or ~/.cache/hyper-icl/<name>), written by write(folder) atomically if it is not there.
+def toy_folder(name, data_root=None):
+    """Where the generated dataset `name` lives: data_root/<name>, or ~/.cache/hyper-icl/<name>."""
+    return os.path.join(data_root, name) if data_root else os.path.expanduser(f"~/.cache/hyper-icl/{name}")
+
+
+def generated(root, write):
+    """`root`, written by write(folder) first if it is not there.
 
     It is written to a temporary folder beside it and renamed into place, so an interrupted generation never
     leaves a half-written dataset; if another process finished first, its copy is kept.
     """
-    root = os.path.join(data_root, name) if data_root else os.path.expanduser(f"~/.cache/hyper-icl/{name}")
     if os.path.isdir(root):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
@@ -597,6 +605,109 @@ def write_toy_seed(root, seed=TOY_SEED):
 
 
 TOY_WRITERS = {"toy-mme": write_toy_mme, "toy-seed": write_toy_seed}
+
+
+# ------------------------------------------------------------------- toy-icl: a world where demonstrations are needed
+#
+# Every question is the same uninformative "What is it?"; which attribute of the image is asked (the colour of its
+# squares or of the background) is readable only from the demonstrations' image-answer pairs. One VQAv2
+# dataset per attribute, task `toy-icl-<attribute>`, in ~/.cache/hyper-icl/toy-icl/<attribute> (or
+# data_root/toy-icl/<attribute>). Images are 42 x 42, a 3 x 3 grid of 14-px cells: one vision patch per cell of
+# the toy backbone (model.py), which is meta-trained on scenes of its own drawing, never on these files.
+
+ICL_QUESTION = "What is it?"
+ICL_ATTRIBUTES = {"colour": ("red", "green", "blue", "yellow"), "background": ("white", "grey", "black", "purple")}
+ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
+ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
+ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
+ICL_SIDE, ICL_CELL = 42, 14
+
+
+def icl_scene(rng):
+    """1-4 shapes of one kind and colour in distinct cells; each shape's margins (size, place) and the shade vary."""
+    count = rng.randint(1, 4)
+    return dict(colour=rng.choice(ICL_ATTRIBUTES["colour"]), background=rng.choice(ICL_ATTRIBUTES["background"]),
+                count=str(count), cells=rng.sample(range(9), count),
+                margins=[[rng.randint(1, 2) for _ in range(4)] for _ in range(count)],
+                shade=[rng.randint(-15, 15) for _ in range(3)])
+
+
+def icl_jpeg(scene):
+    """The scene drawn on a light background and encoded as a JPEG (4:4:4, quality 95): the bytes of its file."""
+    im = Image.new("RGB", (ICL_SIDE, ICL_SIDE), ICL_BACKGROUNDS[scene["background"]])
+    draw = ImageDraw.Draw(im)
+    fill = tuple(max(0, min(255, c + s)) for c, s in zip(COLOURS[scene["colour"]], scene["shade"]))
+    for cell, (left, top, right, bottom) in zip(scene["cells"], scene["margins"]):
+        x, y = cell % 3 * ICL_CELL, cell // 3 * ICL_CELL
+        x0, y0, x1, y1 = x + left, y + top, x + ICL_CELL - 1 - right, y + ICL_CELL - 1 - bottom
+        draw.rectangle((x0, y0, x1, y1), fill=fill)
+    buffer = io.BytesIO()
+    im.save(buffer, format="JPEG", quality=95, subsampling=0)
+    return buffer.getvalue()
+
+
+def write_toy_icl(root, attribute):
+    """Write the toy-icl-<attribute> dataset under `root` in the official VQAv2 + COCO formats."""
+    rng = random.Random(f"toy-icl:{attribute}")  # str seeds hash with sha512: the same in every process
+    _, qfile, afile = VQA_FILES["vqav2"]
+    for split, n_images in ICL_SIZES.items():
+        os.makedirs(os.path.join(root, "coco", f"{split}2014"))
+        questions, annotations = [], []
+        for i in range(n_images):
+            image_id, scene = (i + 1 if split == "train" else 100_000 + i), icl_scene(rng)
+            with open(coco_image(root, split, image_id), "wb") as f:
+                f.write(icl_jpeg(scene))
+            answer, qid = scene[attribute], image_id * 1000
+            questions.append({"image_id": image_id, "question": ICL_QUESTION, "question_id": qid})
+            annotations.append({"question_id": qid, "image_id": image_id, "question_type": "what is",
+                                "answer_type": "number" if attribute == "count" else "other",
+                                "multiple_choice_answer": answer,
+                                "answers": [{"answer": answer, "answer_confidence": "yes", "answer_id": k + 1}
+                                            for k in range(10)]})
+        header = {"info": {"description": f"hyper-icl toy-icl-{attribute}"}, "license": {}, "data_type": "mscoco",
+                  "data_subtype": f"{split}2014"}
+        write_json(os.path.join(root, "vqav2", qfile.format(split)),
+                   {**header, "task_type": "Open-Ended", "questions": questions})
+        write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
+
+
+def toy_icl_root(attribute, data_root=None):
+    """The data_root of toy-icl-<attribute> (data_root/toy-icl/<attribute>, or under ~/.cache/hyper-icl/)."""
+    folder = os.path.join(toy_folder("toy-icl", data_root), attribute)
+    return generated(folder, lambda tmp: write_toy_icl(tmp, attribute))
+
+
+def icl_text_pieces(processor):
+    """Every piece a meta-training episode is made of, as ids and labels: {(question, answer, last): piece}.
+
+    A piece is `<image>Question: q Short answer: a<end>` (+ the separator unless `last`, the query), tokenised once
+    by the processor (its ids do not depend on the image) exactly as data.PROMPTS writes evaluation prompts, with
+    labels on the answer + end token.
+    """
+    blank = Image.new("RGB", (ICL_SIDE, ICL_SIDE))
+    ids = lambda text: encode_piece(processor, "idefics2", text, blank)["input_ids"]
+    pieces = {}
+    for attribute, answers in ICL_ATTRIBUTES.items():
+        for question, answer, last in [(q, a, l) for q in (ICL_QUESTION, ICL_NAMED[attribute]) for a in answers
+                                       for l in (False, True)]:
+            prompt = prompt_text("vqa", Item(0, "", question, (answer,), answer))
+            with_answer = prompt + answer_text(processor, "idefics2", "vqa", answer)
+            p, a = ids(prompt), ids(with_answer)
+            full = a if last else ids(with_answer + SEPARATOR)
+            if a[:len(p)] != p or full[:len(a)] != a:
+                raise ValueError(f"the answer {answer!r} does not tokenise as a continuation of its prompt")
+            pieces[question, answer, last] = {"input_ids": full, "labels": [-100] * len(p) + a[len(p):] +
+                                              [-100] * (len(full) - len(a))}
+    return pieces
+
+
+def icl_episode(processor, pieces):
+    """A meta-training row: BOS, the instruction, then the pieces (ICDs, the query last; each with its "images"),
+    labels on every answer, so one row trains every number of demonstrations up to its own."""
+    start = encode_prefix(processor, "idefics2", "vqa", [])["input_ids"]
+    return {"input_ids": start + [i for p in pieces for i in p["input_ids"]],
+            "labels": [-100] * len(start) + [i for p in pieces for i in p["labels"]],
+            "images": [p["images"] for p in pieces], "query_len": len(pieces[-1]["input_ids"])}
 
 # ----------------------------------------------------------------------------------------------- demonstrations
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import time
 from collections import Counter
@@ -672,10 +673,11 @@ def default_checkpoint(model, task):
 def parse_args(argv=None):
     """The flags (see --help). Fills in the default checkpoint and the output folder."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-idefics2",
+    p.add_argument("--model", default="toy-idefics2",
                    help="backbone: idefics2, idefics, llava-interleave, llava-onevision (the paper's checkpoints), "
-                        "tiny-<family> (offline twin), or a local path (default: %(default)s)")
-    p.add_argument("--task", default="toy-vqa", choices=list(D.TASKS), help="benchmark (default: %(default)s)")
+                        "tiny-<family> (offline twin, random weights), toy-idefics2 (meta-trained to learn in "
+                        "context, built on first use), or a local path (default: %(default)s)")
+    p.add_argument("--task", default="toy-icl-colour", choices=list(D.TASKS), help="benchmark (default: %(default)s)")
     p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors). Default: "
                                         f"{default_checkpoint('<model>', '<task>')} if it exists "
                                         "and --shots is not given, else none (zero-shot)")
@@ -706,6 +708,11 @@ def parse_args(argv=None):
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
                       "student (with --checkpoint) hidden states")
+    mode.add_argument("--compare", action="store_true", help="the comparison table (Table 1, Fig 2 style): 0/1/2/4/8-"
+                      "shot ICL, then train.py with every method of model.METHODS, Hyper-ICL's anchor ablations and "
+                      "the real-size anchor regime (kappa d = 400), each evaluated; writes compare.md and compare.png")
+    p.add_argument("--train-args", default="", help="with --compare: extra train.py flags for every adapter row, "
+                   "e.g. '--epochs 1' for a quick look (default: train.py's own defaults, the paper's settings)")
     p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
                    "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
     args = p.parse_args(argv)
@@ -719,8 +726,100 @@ def parse_args(argv=None):
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + ("-random-weights" if args.random_weights else "")
-    args.out = args.out or (os.path.dirname(args.checkpoint) if args.checkpoint else f"runs/eval-{name}-{args.task}")
+    args.out = args.out or (f"runs/compare-{name}-{args.task}" if args.compare else os.path.dirname(args.checkpoint)
+                            if args.checkpoint else f"runs/eval-{name}-{args.task}")
     return args
+
+
+def evaluate_with_baselines(backbone, args, items, setting):
+    """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
+    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter)."""
+    shots = D.DEFAULT_SHOTS[backbone.family]
+    with M.without_adapter(backbone.model):
+        done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
+                for n in (0, shots)]
+    if args.checkpoint:
+        done.append(evaluate(backbone, args, items, setting))
+    metric = next(k for k in ("vqa_accuracy", "cider") if k in done[0])
+    print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
+          f"{len(items)} items)")
+    return done[-1] if args.checkpoint else done[0]
+
+
+# -----------------------------------------------------------------------------
+# the comparison table (Table 1 rows, Fig 2 style plot) on one backbone and task
+
+COMPARE_SHOTS = (0, 1, 2, 4, 8)
+
+
+def compare_runs(hidden):
+    """The adapter rows: every method in model.METHODS (train.py's settings), Hyper-ICL's anchor ablations (Table 4),
+    and Hyper-ICL at kappa = 400 / d, where sqrt(kappa)|LN(h)| = 20 as at Idefics2-8B's width with kappa 0.1."""
+    kappa = f"{400 / hidden:.4g}"
+    return [(method, ["--method", method]) for method in M.METHODS] + [
+        ("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
+        ("hyper-icl, CE only", ["--anchor", "none"]),
+        ("hyper-icl, anchor only", ["--lam", "0"]),
+        (f"hyper-icl, kappa {kappa}", ["--kappa", kappa]),
+        (f"hyper-icl, anchor only, kappa {kappa}", ["--kappa", kappa, "--lam", "0"])]
+
+
+def compare(args):
+    """Run the comparison: n-shot ICL for n in COMPARE_SHOTS, then each adapter row trained by train.main and
+    evaluated by main on the same items. Writes <out>/compare.md (markdown table), compare.json and compare.png.
+    On CPU it runs on one thread: on a shared machine that was about 10x faster than two (and deterministic)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    common = ["--model", args.model, "--task", args.task, "--seed", str(args.seed)] + \
+        (["--data-root", args.data_root] if args.data_root else [])
+    scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size)] + \
+        (["--n-eval", str(args.n_eval)] if args.n_eval else [])
+    hidden = M.load_backbone(args.model).model.config.get_text_config().hidden_size
+    rows = []
+    for n in COMPARE_SHOTS:
+        m = main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
+        rows.append({**m, "setting": "zero-shot" if n == 0 else f"{n}-shot ICL", "shots": n, "params": 0})
+    for name, flags in compare_runs(hidden):
+        out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()))
+        start = time.perf_counter()
+        adapter = train.main(common + shlex.split(args.train_args) + flags +
+                             ["--out", out, "--teacher-cache", os.path.join(args.out, "teacher")])
+        seconds = time.perf_counter() - start
+        m = main(scoring + ["--checkpoint", os.path.join(out, "adapter.safetensors"), "--out", out])
+        rows.append({**m, "setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
+                     "train_seconds": seconds})
+    write_comparison(args, rows)
+    return rows
+
+
+def write_comparison(args, rows):
+    """compare.md (the table), compare.json (the rows) and compare.png (accuracy against shots, adapters as
+    horizontal lines, as the paper's Fig 2)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    metric = next(k for k in ("vqa_accuracy", "cider") if k in rows[0])
+    lines = [f"{args.model} on {args.task}/{args.split} ({rows[0]['n']} items, seed {args.seed}); {metric} x 100",
+             "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
+    seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
+    lines += [f"| {r['setting']} | {r[metric]:.1f} | {r['params']:,} | {seconds(r)} |" for r in rows]
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "compare.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    icl = [r for r in rows if r["shots"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    ax.plot([r["shots"] for r in icl], [r[metric] for r in icl], "o-", color="black", label="n-shot ICL")
+    for i, r in enumerate(r for r in rows if r["shots"] is None):
+        ax.axhline(r[metric], color=plt.cm.tab10(i % 10), ls="--" if "," in r["setting"] else "-", lw=1.2,
+                   label=r["setting"])
+    ax.set(xlabel="demonstrations in the prompt (n)", ylabel=metric.replace("_", " ") + " x 100",
+           xticks=COMPARE_SHOTS, title=f"{args.model}, {args.task}", ylim=(0, 101) if metric == "vqa_accuracy" else None)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "compare.png"))
+    plt.close(fig)
+    print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
 
 
 def main(argv=None):
@@ -728,12 +827,16 @@ def main(argv=None):
     args = parse_args(argv)
     if args.benchmark_attention:
         return attention_benchmark()
+    if args.compare:
+        return compare(args)
     if args.random_weights:
         family = M.family_of(args.model)
         backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
     else:
         backbone = M.load_backbone(args.model)
     setting = f"{args.shots or 0}-shot"
+    default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity) and \
+        args.checkpoint in (None, default_checkpoint(args.model, args.task))
     if args.checkpoint:
         method = M.load_adapter(args.checkpoint, backbone)["method"]
         setting = method if not args.shots else f"{method}+{setting}"
@@ -745,7 +848,8 @@ def main(argv=None):
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
     if not (args.gates or args.hyperbolicity):
-        return evaluate(backbone, args, items, setting)
+        return evaluate_with_baselines(backbone, args, items, setting) if default_job else \
+            evaluate(backbone, args, items, setting)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
     os.makedirs(args.out, exist_ok=True)

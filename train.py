@@ -10,7 +10,7 @@ query, its ICDs and the prompt format, so a change of any of them recomputes. No
 `<out>/last.pt` (adapter, optimiser, schedule, step) is written atomically every epoch, every --save-every steps
 and on Ctrl-C, and --resume continues bit-for-bit; `<out>/adapter.safetensors` is the best epoch's adapter.
 
-    python train.py                                   # the embedded default: tiny Idefics2 twin on toy-vqa, CPU
+    python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
 """
 import argparse
@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import data
+import lorentz
 import model as M
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss
 
@@ -37,9 +38,11 @@ def parse_args(argv=None):
     class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         """The module docstring as written, and every flag's default."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
-    p.add_argument("--model", default="tiny-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
-                   "llava-onevision, tiny-<one of those> (offline twin), or a local checkpoint path")
-    p.add_argument("--task", default="toy-vqa", choices=list(data.TASKS), help="task (toy-* need no download)")
+    p.add_argument("--model", default="toy-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
+                   "llava-onevision, tiny-<one of those> (offline twin, random weights), toy-idefics2 (meta-trained "
+                   "to learn in context, built on first use), or a local checkpoint path")
+    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-* need no download; "
+                   "toy-icl-* can only be solved from demonstrations)")
     p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
                    "(gated logit bias), static-layer / static-layer-head (its gate a learned constant per layer / per "
                    "layer and head, Fig 3a), output-level (the same module on the attention output, Table 11), "
@@ -223,6 +226,11 @@ def stack_teacher(states, align):
 
 # ----------------------------------------------------------------------------------------------------- loss
 
+def autocast_dtype(device):
+    """The dtype the backbone computes in during training: bf16 on CUDA, float32 on CPU."""
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
 def autocast(device):
     """bf16 autocast on CUDA; plain float32 on CPU."""
     return torch.autocast("cuda", torch.bfloat16) if str(device).startswith("cuda") else torch.autocast("cpu",
@@ -295,6 +303,25 @@ def heldout_loss(backbone, args, kind, heldout, device):
     return total / max(count, 1)
 
 
+def anchor_regime(args, student, teacher):
+    """The anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)|, the noise floor (the
+    loss between the teacher states and their own rounding to the training dtype, and to bf16) and the loss between
+    the teacher states of different queries. Returns them as a dict of floats."""
+    align, dtype = student["align"], autocast_dtype(student["input_ids"].device)
+    loss = (lambda s, t: lorentz.hyperbolic_anchor_loss(s, t, align, args.kappa)) if args.anchor == "hyperbolic" \
+        else (lambda s, t: lorentz.euclidean_anchor_loss(s, t, align))
+    shuffled = teacher.roll(1, dims=1) if align.shape[0] > 1 and (align == align.roll(1, 0)).all() else None
+    regime = {"radius": (args.kappa * teacher.shape[-1]) ** 0.5,  # |LN(h)| = sqrt(d)
+              "floor": loss(teacher.to(dtype).float(), teacher).item(),
+              "floor_bf16": loss(teacher.to(torch.bfloat16).float(), teacher).item(),
+              "unrelated": loss(shuffled, teacher).item() if shuffled is not None else float("nan")}
+    unrelated = "" if shuffled is None else f"; between different queries' teacher states {regime['unrelated']:.4g}"
+    print(f"anchor ({args.anchor}, kappa {args.kappa}, d {teacher.shape[-1]}): sqrt(kappa)|LN(h)| = "
+          f"{regime['radius']:.1f}; noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, "
+          f"the training dtype) {regime['floor']:.4g}, to bfloat16 {regime['floor_bf16']:.4g}{unrelated}")
+    return regime
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def checkpoint(args, backbone, optimizer, scheduler, progress):
@@ -363,6 +390,10 @@ def train(args):
     if args.resume:
         progress = restore(args, backbone, optimizer, scheduler)
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
+    if args.anchor != "none" and not args.resume:
+        first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
+        anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
+                                         [icds[queries[i].id] for i in first], device, cache))
     bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True)
     try:
         for epoch in range(progress["step"] // steps_per_epoch, args.epochs):

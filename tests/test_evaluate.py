@@ -13,6 +13,7 @@ import model as M
 import train
 
 N_EVAL = 6
+TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa"]  # the random twin (the defaults build toy-idefics2)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def read_outputs(out, stem):
 ])
 def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, flags, setting):
     flags = [checkpoint if f is None else f for f in flags]
-    metrics = E.main(["--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4", "--out", str(tmp_path), *flags])
+    metrics = E.main(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4", "--out", str(tmp_path), *flags])
     records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}")
     n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
     items = D.load_task(task, "val")[:n]
@@ -81,13 +82,13 @@ def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, f
 
 def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch, checkpoint, capsys):
     monkeypatch.chdir(tmp_path)
-    assert E.main(["--n-eval", "2"])["setting"] == "0-shot"
+    assert E.main([*TINY, "--n-eval", "2"])["setting"] == "0-shot"
     assert "no adapter: 0-shot evaluation" in capsys.readouterr().out
-    default = os.path.join(train.parse_args([]).out, "adapter.safetensors")  # where `python train.py` writes
+    default = os.path.join(train.parse_args(TINY).out, "adapter.safetensors")  # where `python train.py` writes
     os.makedirs(os.path.dirname(default))
     with open(checkpoint, "rb") as src, open(default, "wb") as dst:
         dst.write(src.read())
-    metrics = E.main(["--n-eval", "2"])
+    metrics = E.main([*TINY, "--n-eval", "2"])
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == default
     assert os.path.isfile(os.path.join(os.path.dirname(default), "toy-vqa-val-hyper-icl.metrics.json"))
 
@@ -109,7 +110,7 @@ def test_batched_generation_matches_one_at_a_time(family):
 
 def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(E, "REPEATS", 2)
-    rows = E.main(["--benchmark", "--out", str(tmp_path)])
+    rows = E.main([*TINY, "--benchmark", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     names = ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
     assert [r["setting"] for r in rows] == names
@@ -181,7 +182,7 @@ def test_aligned_shift_compares_shared_keys_and_counts_icd_keys():
 
 
 def test_gates(tmp_path, checkpoint):
-    r = E.main(["--gates", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out", str(tmp_path)])
+    r = E.main([*TINY, "--gates", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out", str(tmp_path)])
     layers = len(M.decoder_self_attentions(M.load_backbone("tiny-idefics2").model))
     assert len(r["per_layer_mean"]) == layers
     for v in r["per_layer_mean"] + [r["early_mean"], r["late_mean"]]:
@@ -198,7 +199,7 @@ def test_gates_need_a_checkpoint(tmp_path, monkeypatch):
 
 
 def test_hyperbolicity(tmp_path, checkpoint):
-    r = E.main(["--hyperbolicity", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out",
+    r = E.main([*TINY, "--hyperbolicity", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out",
                 str(tmp_path)])
     for name in ("teacher", "student"):
         assert 0 <= r[name]["mean"] <= 1 and r[name]["std"] >= 0

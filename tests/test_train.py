@@ -8,7 +8,8 @@ import data
 import model as M
 import train
 
-SMALL = ["--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
+TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa"]  # the random twin (the defaults build toy-idefics2)
+SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
          "--save-every", "1"]
 
 
@@ -18,7 +19,7 @@ def run(tmp_path, *extra, name="run"):
 
 @pytest.fixture(scope="module")
 def setup():
-    args = train.parse_args(["--shots", "2"])
+    args = train.parse_args([*TINY, "--shots", "2"])
     backbone = M.load_backbone(args.model)
     queries = data.load_task(args.task, "train")[:4]
     pool = data.load_task(args.task, "train")
@@ -29,7 +30,7 @@ def setup():
 @pytest.mark.parametrize("method", ["hyper-icl", "hificl"])
 def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args, backbone, queries, icds = setup
-    args = train.parse_args(["--method", method, "--teacher-cache", str(tmp_path)])
+    args = train.parse_args([*TINY, "--method", method, "--teacher-cache", str(tmp_path)])
     M.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
         kind = data.TASKS[args.task].kind
@@ -102,7 +103,7 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     assert key != train.teacher_key(cache["id"], args, queries[0], icds[1])        # other demonstrations
     other = M.load_backbone(args.model, seed=1)
     assert key != train.teacher_key(train.fingerprint(other), args, queries[0], icds[0])  # other backbone
-    other_task = train.parse_args(["--task", "toy-caption"])
+    other_task = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-caption"])
     assert key != train.teacher_key(cache["id"], other_task, queries[0], icds[0])
 
 
