@@ -390,7 +390,7 @@ def train(args):
     if args.resume:
         progress = restore(args, backbone, optimizer, scheduler)
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
-    if args.anchor != "none" and not args.resume:
+    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:  # the noise floor of the layer-state anchors
         first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
         anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
                                          [icds[queries[i].id] for i in first], device, cache))
