@@ -580,7 +580,12 @@ def parse_args(argv=None):
                       "student (with --checkpoint) hidden states")
     p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
                    "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
+    p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
+                   "backbone (family or weights) of the same shape, with a warning")
     args = p.parse_args(argv)
+    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0}.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
     if args.random_weights and not args.benchmark:
         p.error("--random-weights only makes sense with --benchmark")
     if args.random_weights and not torch.cuda.is_available():
@@ -607,7 +612,7 @@ def main(argv=None):
         backbone = M.load_backbone(args.model)
     setting = f"{args.shots or 0}-shot"
     if args.checkpoint:
-        method = M.load_adapter(args.checkpoint, backbone)["method"]
+        method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
         setting = method if not args.shots else f"{method}+{setting}"
         print(f"adapter: {args.checkpoint} ({method})")
     elif not args.benchmark:
@@ -618,6 +623,8 @@ def main(argv=None):
             M.attach(backbone.model, "hyper-icl", rank=4)  # latency does not depend on the weights
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+    if not items:
+        raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if not (args.gates or args.hyperbolicity):
         return evaluate(backbone, args, items, setting)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)

@@ -18,18 +18,22 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import random
+import signal
 import sys
 import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 from tqdm import tqdm
 
 import data
 import model as M
+from model import fingerprint
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss
 
 
@@ -70,11 +74,22 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=50, help="also checkpoint every this many steps")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (the schedule still "
                    "spans all epochs; --resume continues)")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/last.pt")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from <out>/last.pt")
+    again.add_argument("--overwrite", action="store_true", help="replace the run in --out (without it, a folder "
+                       "that holds a run is refused)")
     p.add_argument("--benchmark", action="store_true", help="time this run with and without teacher reuse "
                    "and print the ratio (writes to temporary folders)")
     args = p.parse_args(argv)
-    args.rank = args.rank or (4 if args.method == "hyper-icl" else 8)
+    if args.rank is None:
+        args.rank = 4 if args.method == "hyper-icl" else 8
+    at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
+                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0}
+    for name, least in at_least.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
+    if not args.kappa > 0:
+        p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
     args.out = args.out or default_out(args.model, args.task, args.method)
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     if args.method == "hificl":
@@ -92,6 +107,9 @@ def default_out(model, task, method):
 def split_pool(args, family):
     """Training queries, held-out queries (best epoch) and the support set the ICDs are drawn from."""
     pool = data.load_task(args.task, "train", args.data_root)
+    if len(pool) <= args.n_heldout:
+        raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
+                         f"--n-heldout {args.n_heldout}")
     order = random.Random(args.seed).sample(range(len(pool)), len(pool))
     heldout = [pool[i] for i in order[:args.n_heldout]]
     train = [pool[i] for i in order[args.n_heldout:args.n_heldout + args.n_train]]
@@ -114,14 +132,6 @@ def to(batch, device):
 
 
 # ------------------------------------------------------------------------------------------- teacher states
-
-def fingerprint(backbone):
-    """A short hash of the backbone: its name, config and a slice of its weights (tiny twins differ by seed)."""
-    h = hashlib.sha256((backbone.name + backbone.model.config.to_json_string()).encode())
-    for p in list(backbone.model.parameters())[:4]:
-        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
 
 def teacher_key(backbone_id, args, query, icds):
     """The cache key of one query's teacher states: backbone, task, query, its ICDs and the prompt format."""
@@ -146,21 +156,32 @@ def run_teacher(backbone, kind, queries, icds, pieces, device):
     return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
 
+def read_teacher(path):
+    """One query's cached teacher states, or None when there is no file; an unreadable file (truncated by a crash
+    or a full disk) is reported and None returned, so the states are computed again."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return load_file(path)["states"]
+    except (SafetensorError, KeyError, OSError) as e:
+        tqdm.write(f"warning: teacher cache file {path} is unreadable ({e}); computing its states again")
+        return None
+
+
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states, from the cache when present (computed and stored once otherwise)."""
     keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
     paths = [os.path.join(args.teacher_cache, k + ".safetensors") for k in keys]
-    missing = [i for i, p in enumerate(paths) if args.no_teacher_cache or not os.path.exists(p)]
+    states = {} if args.no_teacher_cache else {i: read_teacher(p) for i, p in enumerate(paths)}
+    missing = [i for i in range(len(queries)) if states.get(i) is None]
     fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
                         [pieces[i] for i in missing], device) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
-    states = {i: s for i, s in zip(missing, fresh)}
-    for i, path in enumerate(paths):
-        if i in states and not args.no_teacher_cache:
-            M.atomic_write(path, lambda tmp: save_file({"states": states[i].contiguous()}, tmp))
-        elif i not in states:
-            states[i] = load_file(path)["states"]
+    for i, s in zip(missing, fresh):
+        states[i] = s
+        if not args.no_teacher_cache:
+            M.atomic_write(paths[i], lambda f: f.write(save({"states": s.contiguous()})))
     return [states[i] for i in range(len(queries))]
 
 
@@ -233,7 +254,7 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
         "adapter": M.adapters(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
         "rng": torch.get_rng_state()}
-    M.atomic_write(os.path.join(args.out, "last.pt"), lambda tmp: torch.save(state, tmp))
+    M.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",
@@ -246,7 +267,11 @@ def restore(args, backbone, optimizer, scheduler):
     path = os.path.join(args.out, "last.pt")
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, weights_only=False)
+    try:
+        state = torch.load(path, weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {e}); start over with "
+                         "--overwrite") from e
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"][k] != getattr(args, k)]
     if differ:
@@ -295,10 +320,13 @@ def train(args):
         progress = restore(args, backbone, optimizer, scheduler)
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
     bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True)
+    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        for epoch in range(progress["step"] // steps_per_epoch, args.epochs):
+        # history holds one entry per scored epoch, so the first epoch without one is where to go on, even when
+        # all of its steps are done (a checkpoint written on its last step, then stopped while it was scored)
+        for epoch in range(len(progress["history"]), args.epochs):
             order = epoch_order(len(queries), args.batch_size, args.seed, epoch)
-            for s in range(progress["step"] % steps_per_epoch, steps_per_epoch):
+            for s in range(progress["step"] - epoch * steps_per_epoch, steps_per_epoch):
                 if args.max_steps is not None and progress["step"] >= args.max_steps:
                     return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
                 parts = {}
@@ -320,20 +348,49 @@ def train(args):
                     checkpoint(args, backbone, optimizer, scheduler, progress)
             end_of_epoch(args, backbone, kind, heldout, device, progress, epoch)
             checkpoint(args, backbone, optimizer, scheduler, progress)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the checkpoint short
         checkpoint(args, backbone, optimizer, scheduler, progress)
         bar.close()
-        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt; continue with --resume")
+        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
+                 "continue with --resume")
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
 
 
+def on_sigterm(signum, frame):
+    """SIGTERM (what job schedulers send before they kill a job) stops the run as Ctrl-C does: checkpoint, exit."""
+    raise KeyboardInterrupt("SIGTERM")
+
+
+RUN_FILES = ("last.pt", "adapter.safetensors", "history.json")
+
+
+def claim(args):
+    """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
+    --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
+    interrupted writes are cleaned up here and in the teacher cache."""
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(args.out, f))]
+    if found and not (args.resume or args.overwrite):
+        raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
+                         "with --overwrite")
+    for f in found if args.overwrite else []:
+        os.remove(os.path.join(args.out, f))
+    M.remove_stale_tmp(args.out)
+    M.remove_stale_tmp(args.teacher_cache)
+
+
 def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
-    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors."""
+    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
+
+    The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
+    """
     loss = heldout_loss(backbone, args, kind, heldout, device)
-    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
     if loss < progress["best"]:
-        progress["best"] = loss
         M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
+        progress["best"] = loss
+    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
     tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
 
 
@@ -341,10 +398,12 @@ def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
     """Final checkpoint and summary; returns the adapter's parameters."""
     checkpoint(args, backbone, optimizer, scheduler, progress)
     bar.close()
-    with open(os.path.join(args.out, "history.json"), "w") as f:
-        json.dump(progress["history"], f, indent=1)
+    M.atomic_write(os.path.join(args.out, "history.json"),
+                   lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
+    best = os.path.join(args.out, "adapter.safetensors")
     print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
-          f"best adapter: {os.path.join(args.out, 'adapter.safetensors')}")
+          + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
+             "(continue with --resume)"))
     return {k: v.detach().clone() for k, v in M.adapters(backbone.model).state_dict().items()}
 
 
@@ -368,6 +427,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)
+    claim(args)
     return train(args)
 
 
