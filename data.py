@@ -143,14 +143,14 @@ def read_vqa(root, split, dataset):
     """VQAv2 or OK-VQA ("vqav2" / "ok-vqa") questions of one split, joined with their annotations."""
     folder, qfile, afile = VQA_FILES[dataset]
     qpath, apath = (os.path.join(root, folder, f.format(split)) for f in (qfile, afile))
-    annotations = {}
+    questions, annotations = records(qpath, dataset, "questions"), {}
     for n, a in enumerate(records(apath, dataset, "annotations")):
         with entry(apath, dataset, n, a):
             answers = tuple(x["answer"] for x in a["answers"])
             target = a["multiple_choice_answer"] if dataset == "vqav2" else most_frequent(answers)
             annotations[a["question_id"]] = answers, target
     items = []
-    for n, q in enumerate(records(qpath, dataset, "questions")):
+    for n, q in enumerate(questions):
         with entry(qpath, dataset, n, q):
             if q["question_id"] not in annotations:
                 raise ValueError(f"{dataset}: question {q['question_id']} in {qpath} has no annotation in {apath}")
