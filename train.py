@@ -8,7 +8,9 @@ The teacher's states depend only on the query and its (fixed) ICDs, so they are 
 epoch, and read back from a cache in later ones; the cache key covers the backbone's weights, the task, the
 query, its ICDs and the prompt format, so a change of any of them recomputes. Nothing is lost on interruption:
 `<out>/last.pt` (adapter, optimiser, schedule, step) is written atomically every epoch, every --save-every steps
-and on Ctrl-C, and --resume continues bit-for-bit; `<out>/adapter.safetensors` is the best epoch's adapter.
+and on Ctrl-C or SIGTERM, and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
+on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
+without --resume or --overwrite.
 
     python train.py                                   # the embedded default: tiny Idefics2 twin on toy-vqa, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
