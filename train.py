@@ -28,6 +28,7 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
@@ -209,18 +210,50 @@ def supervised_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def losses(backbone, args, student, teacher):
-    """The loss parts of Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": total}."""
+def losses(backbone, args, student, teacher, model=None):
+    """The loss parts of Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": total}.
+
+    model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
+    """
     with autocast(student["input_ids"].device):
-        out = backbone.model(**data.model_inputs(student), output_hidden_states=args.anchor != "none")
-    parts = {"sup": supervised_loss(out.logits, student["labels"])}
+        out = (model or backbone.model)(**data.model_inputs(student), output_hidden_states=args.anchor != "none")
+    parts = {"sup": share(supervised_loss(out.logits, student["labels"]), (student["labels"][:, 1:] != -100).sum())}
     if args.anchor == "none":
         parts["loss"] = parts["sup"]
         return parts
     hidden = torch.stack(out.hidden_states[1:])
     anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
               else euclidean_anchor_loss(hidden, teacher, student["align"]))
+    anchor = share(anchor, student["align"].sum())  # a mean over the aligned tokens (per query: count the queries)
     return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
+
+
+def share(mean, count):
+    """This process's share of a mean over the global micro-batch, from the mean over its `count` items.
+
+    Under torchrun each of N processes holds part of the micro-batch and DDP averages their gradients, so the mean
+    over the process's items is rescaled to mean * count * N / (global count): the average over the processes is
+    then the mean over the whole micro-batch, as one process computes it. Without torchrun: `mean` unchanged.
+    """
+    if not dist.is_initialized():
+        return mean
+    total = count.detach().float().clone()
+    dist.all_reduce(total)
+    return mean * count * dist.get_world_size() / total
+
+
+def process():
+    """(rank, number of processes): (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gathered(local):
+    """The union of every process's dict (`local` itself without torchrun)."""
+    if not dist.is_initialized():
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def micro_batch(backbone, args, kind, queries, icds, device, cache):
@@ -236,26 +269,32 @@ def micro_batch(backbone, args, kind, queries, icds, device, cache):
 
 @torch.no_grad()
 def heldout_loss(backbone, args, kind, heldout, device):
-    """The supervised loss of the held-out queries: what picks the best epoch."""
-    total, count = 0.0, 0
-    for i in range(0, len(heldout), args.batch_size):
+    """The supervised loss of the held-out queries: what picks the best epoch.
+
+    Under torchrun each process scores every N-th batch; the batches' values are gathered and summed in order.
+    """
+    rank, world = process()
+    starts, totals = range(0, len(heldout), args.batch_size), {}
+    for i in starts[rank::world]:
         queries = heldout[i:i + args.batch_size]
         rows = [data.encode(backbone.processor, backbone.family, kind, [], q) for q in queries]
         batch = to(data.collate(rows, backbone.processor, backbone.family), device)
         with autocast(device):
-            total += supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
-        count += len(queries)
-    return total / max(count, 1)
+            totals[i] = supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
+    totals = gathered(totals)
+    return sum(totals[i] for i in starts) / len(heldout)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def checkpoint(args, backbone, optimizer, scheduler, progress):
-    """Everything a resumed run needs, written to <out>/last.pt."""
+    """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
+    if process()[0] != 0:
+        return
     state = {
         "adapter": M.adapters(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
-        "rng": torch.get_rng_state()}
+        "rng": torch.get_rng_state(), "processes": process()[1]}
     M.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
@@ -276,6 +315,9 @@ def restore(args, backbone, optimizer, scheduler):
                          "--overwrite") from e
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"][k] != getattr(args, k)]
+    if state.get("processes", 1) != process()[1]:
+        differ.append(f"{state.get('processes', 1)} processes (now {process()[1]}; a resume is exact only with as "
+                      "many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapters(backbone.model).load_state_dict(state["adapter"])
@@ -313,6 +355,8 @@ def train(args):
     sizes = {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
     params = M.attach(backbone.model, args.method, **sizes).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    rank, world = process()
+    student_model = data_parallel(backbone.model, args, len(queries)) if world > 1 else None
     batches_per_epoch = math.ceil(len(queries) / args.batch_size)
     steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)
     scheduler = cosine_with_warmup(optimizer, steps_per_epoch * args.epochs, args.warmup)
@@ -321,7 +365,8 @@ def train(args):
     if args.resume:
         progress = restore(args, backbone, optimizer, scheduler)
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
-    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True)
+    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True,
+               disable=rank != 0)
     previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         # history holds one entry per scored epoch, so the first epoch without one is where to go on, even when
@@ -333,9 +378,9 @@ def train(args):
                     return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
                 parts = {}
                 for idx in order[s * args.grad_accum:(s + 1) * args.grad_accum]:
-                    qs = [queries[i] for i in idx]
+                    qs = [queries[i] for i in idx[rank::world]]  # under torchrun: this process's share
                     student, teacher = micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache)
-                    part = losses(backbone, args, student, teacher)
+                    part = losses(backbone, args, student, teacher, student_model)
                     check_finite(part, progress["step"] + 1)
                     (part["loss"] / args.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.item() / args.grad_accum for k, v in part.items()}
@@ -361,6 +406,20 @@ def train(args):
     return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
 
 
+def data_parallel(model, args, n_train):
+    """The backbone in DistributedDataParallel, synchronising the adapter's parameters only (the frozen backbone is
+    neither broadcast nor reduced). Every micro-batch must give each process at least one query."""
+    world = dist.get_world_size()
+    smallest = min(args.batch_size, n_train % args.batch_size or args.batch_size)
+    if smallest < world:
+        raise ValueError(f"{world} processes need at least {world} queries in every micro-batch; the smallest has "
+                         f"{smallest} (--batch-size {args.batch_size}, {n_train} training queries)")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=devices)
+
+
 def on_sigterm(signum, frame):
     """SIGTERM (what job schedulers send before they kill a job) stops the run as Ctrl-C does: checkpoint, exit."""
     raise KeyboardInterrupt("SIGTERM")
@@ -377,6 +436,8 @@ def claim(args):
     if found and not (args.resume or args.overwrite):
         raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
                          "with --overwrite")
+    if process()[0] != 0:
+        return
     for f in found if args.overwrite else []:
         os.remove(os.path.join(args.out, f))
     M.remove_stale_tmp(args.out)
@@ -388,25 +449,33 @@ def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
 
     The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
     """
-    loss = heldout_loss(backbone, args, kind, heldout, device)
+    loss, first = heldout_loss(backbone, args, kind, heldout, device), process()[0] == 0
     if loss < progress["best"]:
-        M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
+        if first:
+            M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
         progress["best"] = loss
     progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
-    tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
+    if first:
+        tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
 
 
 def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
     """Final checkpoint and summary; returns the adapter's parameters."""
     checkpoint(args, backbone, optimizer, scheduler, progress)
     bar.close()
+    if process()[0] == 0:
+        finish_files(args, progress, cache)
+    return {k: v.detach().clone() for k, v in M.adapters(backbone.model).state_dict().items()}
+
+
+def finish_files(args, progress, cache):
+    """history.json and the summary line (the first process's job)."""
     M.atomic_write(os.path.join(args.out, "history.json"),
                    lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
     best = os.path.join(args.out, "adapter.safetensors")
     print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
           + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
              "(continue with --resume)"))
-    return {k: v.detach().clone() for k, v in M.adapters(backbone.model).state_dict().items()}
 
 
 def benchmark(args):
@@ -429,8 +498,16 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)
-    claim(args)
-    return train(args)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():  # launched by torchrun: one process per device
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    try:
+        claim(args)
+        return train(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
