@@ -254,15 +254,20 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
 
 
 def predict(backbone, task, items, icds=None, batch_size=8):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter)."""
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter).
+
+    Under torchrun each process answers every N-th batch; every process returns all answers, in item order.
+    """
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
-    tok, predictions = backbone.processor.tokenizer, []
-    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} {task}", unit="batch"):
+    (rank, world), tok, answers = train.process(), backbone.processor.tokenizer, {}
+    starts = range(0, len(items), batch_size)
+    for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
                                icds[i:i + batch_size] if icds else None)
         tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
-        predictions += [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
-    return predictions
+        answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
+    answers = train.gathered(answers)
+    return [p for i in starts for p in answers[i]]
 
 
 def score(kind, items, predictions):
@@ -286,12 +291,14 @@ def evaluate(backbone, args, items, setting):
     predictions = predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(D.TASKS[args.task].kind, items, predictions)
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}")
+    metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
+               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
+    if train.process()[0] != 0:  # under torchrun the first process writes
+        return metrics
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".predictions.jsonl", "w") as f:
         for it, p in zip(items, predictions):
             f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
-    metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
-               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
     with open(stem + ".metrics.json", "w") as f:
         json.dump(metrics, f, indent=2)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f} on {len(items)} items "
@@ -601,8 +608,17 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help."""
+    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help.
+
+    Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
+    """
     args = parse_args(argv)
+    with train.processes():
+        return run(args)
+
+
+def run(args):
+    """Do what the flags ask (main's body)."""
     if args.benchmark_attention:
         return attention_benchmark()
     if args.random_weights:
@@ -628,6 +644,8 @@ def main(argv=None):
     if not (args.gates or args.hyperbolicity):
         return evaluate(backbone, args, items, setting)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
+    if train.process()[0] != 0:
+        return result
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:

@@ -16,6 +16,7 @@ without --resume or --overwrite.
     python train.py --model idefics2 --task vqav2 --data-root /data
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -240,6 +241,22 @@ def share(mean, count):
     total = count.detach().float().clone()
     dist.all_reduce(total)
     return mean * count * dist.get_world_size() / total
+
+
+@contextlib.contextmanager
+def processes():
+    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU per process, or gloo on
+    CPU. Without torchrun: nothing."""
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def process():
@@ -498,16 +515,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():  # launched by torchrun: one process per device
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    try:
+    with processes():
         claim(args)
         return train(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

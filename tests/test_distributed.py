@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import evaluate
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,3 +78,24 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_the_same_adapter(two, t
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for name in ("adapter.safetensors", "history.json"):
         assert (tmp_path / "run" / name).read_bytes() == (two / "run" / name).read_bytes(), name
+
+
+# the "generated" answer echoes a piece of each item's question, so answers differ and their order shows
+ECHO = "lambda backbone, inputs, *a: inputs['input_ids'][:, -12:-4]"
+ECHO_SCRIPT = "import sys; sys.path.insert(0, {root!r}); import evaluate; evaluate.generate = " + ECHO + \
+              "; evaluate.main(sys.argv[1:])\n"
+
+
+def test_two_processes_write_the_predictions_and_metrics_of_one(tmp_path, monkeypatch):
+    flags = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-eval", "7", "--batch-size", "2", "--shots", "1"]
+    monkeypatch.setattr(evaluate, "generate", eval(ECHO))
+    one = evaluate.main([*flags, "--out", str(tmp_path / "one")])
+    script = tmp_path / "echo.py"
+    script.write_text(ECHO_SCRIPT.format(root=ROOT))
+    two = torchrun(str(script), *flags, "--out", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    stem = "toy-vqa-val-1-shot"
+    for name in (stem + ".predictions.jsonl", stem + ".metrics.json"):
+        assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text(), name
+    answers = [json.loads(line)["prediction"] for line in (tmp_path / "one" / (stem + ".predictions.jsonl")).open()]
+    assert len(answers) == one["n"] == 7 and len(set(answers)) > 2
