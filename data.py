@@ -77,6 +77,7 @@ encodes every image in its single-image any-resolution mode (the model's default
 given), so the query image gets the same tokens with and without ICDs; its multi-image mode would encode the
 query image differently in the teacher.
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -146,6 +147,24 @@ def read_json(path, dataset):
             raise ValueError(f"{dataset}: {path} is not valid JSON ({e})") from e
 
 
+def records(path, dataset, key):
+    """The list under `key` in a JSON file whose top level is an object; any other shape names the file."""
+    obj = read_json(path, dataset)
+    if not isinstance(obj, dict) or not isinstance(obj.get(key), list):
+        raise ValueError(f"{dataset}: {path} should be a JSON object with a list under {key!r} (the official format)")
+    return obj[key]
+
+
+@contextlib.contextmanager
+def entry(path, dataset, n, record):
+    """Turn a missing or mistyped field of the n-th entry of a JSON file into an error naming the file and entry."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}) has a missing or malformed field "
+                         f"({type(e).__name__}: {e})") from e
+
+
 def coco_image(root, split, image_id):
     """The path of a COCO 2014 image under data_root."""
     return os.path.join(root, "coco", f"{split}2014", f"COCO_{split}2014_{image_id:012d}.jpg")
@@ -160,16 +179,19 @@ def read_vqa(root, split, dataset):
     """VQAv2 or OK-VQA ("vqav2" / "ok-vqa") questions of one split, joined with their annotations."""
     folder, qfile, afile = VQA_FILES[dataset]
     qpath, apath = (os.path.join(root, folder, f.format(split)) for f in (qfile, afile))
-    questions = read_json(qpath, dataset)["questions"]
-    annotations = {a["question_id"]: a for a in read_json(apath, dataset)["annotations"]}
+    questions, annotations = records(qpath, dataset, "questions"), {}
+    for n, a in enumerate(records(apath, dataset, "annotations")):
+        with entry(apath, dataset, n, a):
+            answers = tuple(x["answer"] for x in a["answers"])
+            target = a["multiple_choice_answer"] if dataset == "vqav2" else most_frequent(answers)
+            annotations[a["question_id"]] = answers, target
     items = []
-    for q in questions:
-        a = annotations.get(q["question_id"])
-        if a is None:
-            raise ValueError(f"{dataset}: question {q['question_id']} in {qpath} has no annotation in {apath}")
-        answers = tuple(x["answer"] for x in a["answers"])
-        target = a["multiple_choice_answer"] if dataset == "vqav2" else most_frequent(answers)
-        items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), q["question"], answers, target))
+    for n, q in enumerate(questions):
+        with entry(qpath, dataset, n, q):
+            if q["question_id"] not in annotations:
+                raise ValueError(f"{dataset}: question {q['question_id']} in {qpath} has no annotation in {apath}")
+            items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), q["question"],
+                              *annotations[q["question_id"]]))
     return items
 
 
@@ -177,14 +199,15 @@ def read_karpathy(root, split, dataset):
     """COCO Caption or Flickr30k ("coco" / "flickr30k") images of one split from the Karpathy split file."""
     path = os.path.join(root, dataset, f"dataset_{dataset}.json")
     items = []
-    for im in read_json(path, dataset)["images"]:
-        if im["split"] not in KARPATHY_SPLITS[split]:
-            continue
-        if dataset == "coco":
-            image_id, image_path = im["cocoid"], os.path.join(root, "coco", im["filepath"], im["filename"])
-        else:
-            image_id, image_path = im["imgid"], os.path.join(root, "flickr30k", "flickr30k-images", im["filename"])
-        captions = tuple(s["raw"].strip() for s in im["sentences"])
+    for n, im in enumerate(records(path, dataset, "images")):
+        with entry(path, dataset, n, im):
+            if im["split"] not in KARPATHY_SPLITS[split]:
+                continue
+            if dataset == "coco":
+                image_id, image_path = im["cocoid"], os.path.join(root, "coco", im["filepath"], im["filename"])
+            else:
+                image_id, image_path = im["imgid"], os.path.join(root, "flickr30k", "flickr30k-images", im["filename"])
+            captions = tuple(s["raw"].strip() for s in im["sentences"])
         if not captions:
             raise ValueError(f"{dataset}: image {image_id} ({im['filename']}) in {path} has no captions")
         items.append(Item(image_id, image_path, None, captions, captions[0]))
@@ -806,7 +829,7 @@ def encode_query(processor, family, kind, query, with_target=True):
         piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image)
         if piece["input_ids"][:len(ids)] != ids:
             raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
-    return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):]}
+    return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):], "id": query.id}
 
 
 def encode_prefix(processor, family, kind, icds):
@@ -823,7 +846,7 @@ def join(prefix, query):
     """One row: the prefix, then the query piece. Labels only on the answer; query_len = the query's tokens."""
     return {"input_ids": prefix["input_ids"] + query["input_ids"],
             "labels": [-100] * len(prefix["input_ids"]) + query["labels"],
-            "images": prefix["images"] + [query["images"]], "query_len": len(query["input_ids"])}
+            "images": prefix["images"] + [query["images"]], "query_len": len(query["input_ids"]), "id": query["id"]}
 
 
 def encode(processor, family, kind, icds, query, with_target=True):
@@ -863,7 +886,13 @@ def collate(rows, processor, family):
 
     position_ids count real tokens only (0 on padding); align marks each row's last query_len positions (the
     query + target, the tokens teacher and student share); labels are -100 except on the answer + end token.
+    A row longer than the model's context (the tokenizer's model_max_length) is an error naming its item.
     """
+    for r in rows:
+        if len(r["input_ids"]) > processor.tokenizer.model_max_length:
+            raise ValueError(f"item {r['id']}: its prompt has {len(r['input_ids'])} tokens, more than the model's "
+                             f"{processor.tokenizer.model_max_length} positions; shorten its question (or use fewer "
+                             "demonstrations)")
     width, pad = max(len(r["input_ids"]) for r in rows), processor.tokenizer.pad_token_id
     input_ids = torch.tensor([left_pad(r["input_ids"], width, pad) for r in rows])
     attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), width, 0) for r in rows])

@@ -299,15 +299,20 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
 
 
 def predict(backbone, task, items, icds=None, batch_size=8):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter)."""
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter).
+
+    Under torchrun each process answers every N-th batch; every process returns all answers, in item order.
+    """
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
-    tok, predictions = backbone.processor.tokenizer, []
-    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} {task}", unit="batch"):
+    (rank, world), tok, answers = train.process(), backbone.processor.tokenizer, {}
+    starts = range(0, len(items), batch_size)
+    for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
                                icds[i:i + batch_size] if icds else None)
         tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
-        predictions += [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
-    return predictions
+        answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
+    answers = train.gathered(answers)
+    return [p for i in starts for p in answers[i]]
 
 
 def with_option_text(item):
@@ -377,17 +382,20 @@ def evaluate(backbone, args, items, setting):
     metric, value = score(kind, items, predictions)
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}" + (f"-{args.seed_protocol}"
                                                                           if kind == "choice" else ""))
-    os.makedirs(args.out, exist_ok=True)
-    with open(stem + ".predictions.jsonl", "w") as f:
-        for it, p in zip(items, predictions):
-            f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
-        write_mme_results(os.path.join(args.out, f"{args.task}-{args.split}-{setting}.mme"), items, predictions)
     elif kind == "choice":
         metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
+    if train.process()[0] != 0:  # under torchrun the first process writes
+        return metrics
+    os.makedirs(args.out, exist_ok=True)
+    with open(stem + ".predictions.jsonl", "w") as f:
+        for it, p in zip(items, predictions):
+            f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
+    if kind == "yes-no":
+        write_mme_results(os.path.join(args.out, f"{args.task}-{args.split}-{setting}.mme"), items, predictions)
     with open(stem + ".metrics.json", "w") as f:
         json.dump(metrics, f, indent=2)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f} on {len(items)} items "
@@ -715,7 +723,12 @@ def parse_args(argv=None):
                    "e.g. '--epochs 1' for a quick look (default: train.py's own defaults, the paper's settings)")
     p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
                    "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
+    p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
+                   "backbone (family or weights) of the same shape, with a warning")
     args = p.parse_args(argv)
+    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0}.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
     if args.random_weights and not args.benchmark:
         p.error("--random-weights only makes sense with --benchmark")
     if args.random_weights and not torch.cuda.is_available():
@@ -734,13 +747,13 @@ def parse_args(argv=None):
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
     one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter)."""
-    shots = D.DEFAULT_SHOTS[backbone.family]
+    shots = D.default_shots(args.task, backbone.family)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
                 for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric = next(k for k in ("vqa_accuracy", "cider") if k in done[0])
+    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in done[0])
     print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
           f"{len(items)} items)")
     return done[-1] if args.checkpoint else done[0]
@@ -783,7 +796,7 @@ def compare(args):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()))
         start = time.perf_counter()
         adapter = train.main(common + shlex.split(args.train_args) + flags +
-                             ["--out", out, "--teacher-cache", os.path.join(args.out, "teacher")])
+                             ["--out", out, "--overwrite", "--teacher-cache", os.path.join(args.out, "teacher")])
         seconds = time.perf_counter() - start
         m = main(scoring + ["--checkpoint", os.path.join(out, "adapter.safetensors"), "--out", out])
         rows.append({**m, "setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
@@ -798,7 +811,7 @@ def write_comparison(args, rows):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    metric = next(k for k in ("vqa_accuracy", "cider") if k in rows[0])
+    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in rows[0])
     lines = [f"{args.model} on {args.task}/{args.split} ({rows[0]['n']} items, seed {args.seed}); {metric} x 100",
              "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
     seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
@@ -823,8 +836,17 @@ def write_comparison(args, rows):
 
 
 def main(argv=None):
-    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help."""
+    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help.
+
+    Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
+    """
     args = parse_args(argv)
+    with train.processes():
+        return run(args)
+
+
+def run(args):
+    """Do what the flags ask (main's body)."""
     if args.benchmark_attention:
         return attention_benchmark()
     if args.compare:
@@ -838,7 +860,7 @@ def main(argv=None):
     default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity) and \
         args.checkpoint in (None, default_checkpoint(args.model, args.task))
     if args.checkpoint:
-        method = M.load_adapter(args.checkpoint, backbone)["method"]
+        method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
         setting = method if not args.shots else f"{method}+{setting}"
         print(f"adapter: {args.checkpoint} ({method})")
     elif not args.benchmark:
@@ -847,10 +869,14 @@ def main(argv=None):
     if args.benchmark:
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+    if not items:
+        raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if not (args.gates or args.hyperbolicity):
         return evaluate_with_baselines(backbone, args, items, setting) if default_job else \
             evaluate(backbone, args, items, setting)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
+    if train.process()[0] != 0:
+        return result
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:

@@ -18,13 +18,13 @@ import json
 import math
 import os
 import random
-import tempfile
+import secrets
 import time
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save
 from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessorPil,
                           Idefics2Processor, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
                           IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
@@ -223,38 +223,88 @@ def _describe(backbone_name, model):
 
 
 def atomic_write(path, write):
-    """Call write(tmp) on a temporary file beside `path`, then rename it into place: never a half-written file."""
+    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
+
+    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
+    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
+    """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    os.close(fd)
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
     try:
-        write(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
+STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
+
+
+def remove_stale_tmp(folder):
+    """Delete the temporary files that interrupted atomic_writes left in `folder` (those older than STALE_TMP_S)."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
+            os.remove(path)
+
+
+def fingerprint(backbone):
+    """A short hash of the backbone's identity: its family and the values of some of its weights.
+
+    The weights are the first four parameters and those of the first and last decoder self-attention (the layers
+    the adapters act in), rounded to bf16, so the same checkpoint loaded in float32 or bf16, by name or by path,
+    gives the same fingerprint, and tiny twins of different seeds differ.
+    """
+    attns = decoder_self_attentions(backbone.model)
+    params = [*list(backbone.model.parameters())[:4], *(p for attn in (attns[0], attns[-1])
+                                                         for n, p in attn.named_parameters() if "icl_adapter" not in n)]
+    h = hashlib.sha256(backbone.family.encode())
+    for p in params:
+        h.update(str(tuple(p.shape)).encode())
+        h.update(p.detach().flatten()[:4096].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def save_adapter(path, backbone):
-    """Save only the adapter's parameters, with its settings as JSON in the safetensors metadata."""
-    settings = _describe(backbone.name, backbone.model)
+    """Save only the adapter's parameters, with its settings (and the backbone's family and fingerprint) as JSON
+    in the safetensors metadata."""
+    settings = {**_describe(backbone.name, backbone.model), "family": backbone.family,
+                "fingerprint": fingerprint(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapters(backbone.model).state_dict().items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"settings": json.dumps(settings)}))
+    atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
 
 
 def read_settings(path):
-    """The settings stored with an adapter checkpoint."""
-    with safe_open(path, "pt") as f:
-        metadata = f.metadata() or {}
+    """The settings stored with an adapter checkpoint; anything else (a folder, a truncated file, train.py's
+    last.pt) is a ValueError naming the path."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; pass the adapter file in it (train.py writes <out>/adapter.safetensors)")
+    try:
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable adapter checkpoint (a truncated or other kind of file: {e})") from e
     if "settings" not in metadata:
         raise ValueError(f"{path} is not an adapter checkpoint of this project (no settings in its metadata)")
     return json.loads(metadata["settings"])
 
 
-def load_adapter(path, backbone, method=None):
-    """Attach the adapter saved at `path` to `backbone`; a checkpoint from another backbone shape, or of another
-    method than `method` (when given), fails clearly."""
+IDENTITY = ("family", "fingerprint")  # what ties an adapter to the backbone it was trained on
+
+
+def load_adapter(path, backbone, method=None, force=False):
+    """Attach the adapter saved at `path` to `backbone`. A checkpoint of another method than `method` (when given)
+    or from another attention shape fails; one from another family or other weights (same shape) fails unless
+    force=True, which loads it with a warning."""
     saved = read_settings(path)
     if method is not None and saved["method"] != method:
         raise ValueError(f"{path} holds a {saved['method']!r} adapter, not a {method!r} one")
@@ -263,8 +313,15 @@ def load_adapter(path, backbone, method=None):
     if differ:
         raise ValueError(f"adapter {path} was trained on {saved['backbone']!r}, which differs from "
                          f"{backbone.name!r} in " + ", ".join(differ))
+    here = {"family": backbone.family, "fingerprint": fingerprint(backbone)}
+    differ = [f"{k} (saved {saved.get(k)}, here {v})" for k, v in here.items() if saved.get(k) != v]
+    if differ and not force:
+        raise ValueError(f"adapter {path} was trained on another backbone than {backbone.name!r}: "
+                         + ", ".join(differ) + "; pass --force to load it anyway")
+    if differ:
+        print(f"warning: --force: loading adapter {path} onto {backbone.name!r} although its " + ", ".join(differ))
     attach(backbone.model, saved["method"], **{k: v for k, v in saved.items()
-                                               if k not in (*shape, "method", "backbone")})
+                                               if k not in (*shape, *IDENTITY, "method", "backbone")})
     adapters(backbone.model).load_state_dict(load_file(path))
     return saved
 
@@ -327,14 +384,21 @@ def load_backbone(name, device=None, dtype=None, seed=0):
     if name.startswith("tiny-"):
         model, processor = TINY_BUILDERS[family](seed)
         device = device or "cpu"
-        return Backbone(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
+        return backbone(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
     from transformers import AutoProcessor
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = FAMILIES[family].hub_id if name == family else name
     model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     processor = AutoProcessor.from_pretrained(path)
-    return Backbone(freeze(model), processor, family, name)
+    return backbone(freeze(model), processor, family, name)
+
+
+def backbone(model, processor, family, name):
+    """A Backbone whose tokenizer knows the text model's context (model_max_length), which data.collate checks."""
+    positions = model.config.get_text_config().max_position_embeddings
+    processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
+    return Backbone(model, processor, family, name)
 
 
 # --------------------------------------------------------------------------------------------------- tiny twins
@@ -653,7 +717,7 @@ def build_toy(path, recipe=TOY_RECIPE):
     model, processor, curve = meta_train(recipe, log=tqdm.write)
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     meta = {"sha256": weights_digest(tensors), "recipe": json.dumps(recipe), "curve": json.dumps(curve)}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
     print(f"toy-idefics2: built in {time.perf_counter() - start:.0f} s -> {path}")
     return model, processor
 

@@ -8,29 +8,37 @@ The teacher's states depend only on the query and its (fixed) ICDs, so they are 
 epoch, and read back from a cache in later ones; the cache key covers the backbone's weights, the task, the
 query, its ICDs and the prompt format, so a change of any of them recomputes. Nothing is lost on interruption:
 `<out>/last.pt` (adapter, optimiser, schedule, step) is written atomically every epoch, every --save-every steps
-and on Ctrl-C, and --resume continues bit-for-bit; `<out>/adapter.safetensors` is the best epoch's adapter.
+and on Ctrl-C or SIGTERM, and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
+on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
+without --resume or --overwrite.
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
+import pickle
 import random
+import signal
 import sys
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save
 from tqdm import tqdm
 
 import data
 import lorentz
 import model as M
+from model import fingerprint
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss
 
 
@@ -89,12 +97,25 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=50, help="also checkpoint every this many steps")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (the schedule still "
                    "spans all epochs; --resume continues)")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/last.pt")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from <out>/last.pt")
+    again.add_argument("--overwrite", action="store_true", help="replace the run in --out (without it, a folder "
+                       "that holds a run is refused)")
     p.add_argument("--benchmark", action="store_true", help="time this run with and without teacher reuse "
                    "and print the ratio (writes to temporary folders)")
     args = p.parse_args(argv)
-    args.rank = args.rank or {"hificl": 8, "lora": 16}.get(args.method, 4)
+    if args.rank is None:
+        args.rank = {"hificl": 8, "lora": 16}.get(args.method, 4)
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
+    at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
+                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0}
+    for name, least in at_least.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
+    if not args.kappa > 0:
+        p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
+    if not args.temperature > 0:
+        p.error(f"--temperature must be > 0 (got {args.temperature})")
     args.out = args.out or default_out(args.model, args.task, args.method)
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     return args
@@ -122,6 +143,9 @@ def default_out(model, task, method):
 def split_pool(args, family):
     """Training queries, held-out queries (best epoch) and the support set the ICDs are drawn from."""
     pool = data.load_task(args.task, "train", args.data_root)
+    if len(pool) <= args.n_heldout:
+        raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
+                         f"--n-heldout {args.n_heldout}")
     order = random.Random(args.seed).sample(range(len(pool)), len(pool))
     heldout = [pool[i] for i in order[:args.n_heldout]]
     train = [pool[i] for i in order[args.n_heldout:args.n_heldout + args.n_train]]
@@ -144,14 +168,6 @@ def to(batch, device):
 
 
 # ------------------------------------------------------------------------------------------- teacher states
-
-def fingerprint(backbone):
-    """A short hash of the backbone: its name, config and a slice of its weights (tiny twins differ by seed)."""
-    h = hashlib.sha256((backbone.name + backbone.model.config.to_json_string()).encode())
-    for p in list(backbone.model.parameters())[:4]:
-        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
 
 def teacher_key(backbone_id, args, query, icds):
     """The cache key of one query's teacher states: backbone, task, query, its ICDs and the prompt format."""
@@ -194,6 +210,18 @@ def run_teacher_logits(backbone, kind, queries, icds, pieces, device):
     return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
 
 
+def read_teacher(path, what):
+    """One query's cached teacher tensor `what` ("states" or "logits"), or None when there is no file; an unreadable
+    file (truncated by a crash or a full disk) is reported and None returned, so it is computed again."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return load_file(path)[what]
+    except (SafetensorError, KeyError, OSError) as e:
+        tqdm.write(f"warning: teacher cache file {path} is unreadable ({e}); computing its states again")
+        return None
+
+
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
     stored once otherwise)."""
@@ -201,17 +229,16 @@ def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
     paths = [os.path.join(args.teacher_cache, k + ("-logits" if what == "logits" else "") + ".safetensors")
              for k in keys]
-    missing = [i for i, p in enumerate(paths) if args.no_teacher_cache or not os.path.exists(p)]
+    states = {} if args.no_teacher_cache else {i: read_teacher(p, what) for i, p in enumerate(paths)}
+    missing = [i for i in range(len(queries)) if states.get(i) is None]
     fresh = run(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
                 [pieces[i] for i in missing], device) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
-    states = {i: s for i, s in zip(missing, fresh)}
-    for i, path in enumerate(paths):
-        if i in states and not args.no_teacher_cache:
-            M.atomic_write(path, lambda tmp: save_file({what: states[i].contiguous()}, tmp))
-        elif i not in states:
-            states[i] = load_file(path)[what]
+    for i, s in zip(missing, fresh):
+        states[i] = s
+        if not args.no_teacher_cache:
+            M.atomic_write(paths[i], lambda f: f.write(save({what: s.contiguous()})))
     return [states[i] for i in range(len(queries))]
 
 
@@ -257,23 +284,74 @@ def answer_kl(student_logits, teacher_logits, temperature):
     return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
 
 
-def losses(backbone, args, student, teacher):
+def losses(backbone, args, student, teacher, model=None):
     """The loss parts of Eq 17 (or the method's own distillation loss, --anchor) for one micro-batch:
-    {"anchor": distillation loss, "sup": L_sup, "loss": anchor + lambda L_sup}."""
+    {"anchor": distillation loss, "sup": L_sup, "loss": anchor + lambda L_sup}.
+
+    model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
+    Each part is this process's share of its mean over the global micro-batch (`share`).
+    """
+    answers = (student["labels"][:, 1:] != -100).sum()
     with autocast(student["input_ids"].device):
-        out = backbone.model(**data.model_inputs(student), output_hidden_states=args.anchor not in ("none", "kl"))
-    parts = {"sup": supervised_loss(out.logits, student["labels"])}
+        out = (model or backbone.model)(**data.model_inputs(student),
+                                        output_hidden_states=args.anchor not in ("none", "kl"))
+    parts = {"sup": share(supervised_loss(out.logits, student["labels"]), answers)}
     if args.anchor == "none":
         parts["loss"] = parts["sup"]
         return parts
     if args.anchor == "kl":
-        anchor = answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature)
+        anchor = share(answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature), answers)
         return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
     hidden = torch.stack(out.hidden_states[1:])
     anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
               else euclidean_anchor_loss(hidden, teacher, student["align"]) if args.anchor == "euclidean"
               else layerwise_mse(hidden, teacher, student["align"]))
+    anchor = share(anchor, student["align"].sum())  # a mean over the aligned tokens (per query: count the queries)
     return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
+
+
+def share(mean, count):
+    """This process's share of a mean over the global micro-batch, from the mean over its `count` items.
+
+    Under torchrun each of N processes holds part of the micro-batch and DDP averages their gradients, so the mean
+    over the process's items is rescaled to mean * count * N / (global count): the average over the processes is
+    then the mean over the whole micro-batch, as one process computes it. Without torchrun: `mean` unchanged.
+    """
+    if not dist.is_initialized():
+        return mean
+    total = count.detach().float().clone()
+    dist.all_reduce(total)
+    return mean * count * dist.get_world_size() / total
+
+
+@contextlib.contextmanager
+def processes():
+    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU per process, or gloo on
+    CPU. Without torchrun: nothing."""
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def process():
+    """(rank, number of processes): (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gathered(local):
+    """The union of every process's dict (`local` itself without torchrun)."""
+    if not dist.is_initialized():
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def micro_batch(backbone, args, kind, queries, icds, device, cache):
@@ -291,16 +369,20 @@ def micro_batch(backbone, args, kind, queries, icds, device, cache):
 
 @torch.no_grad()
 def heldout_loss(backbone, args, kind, heldout, device):
-    """The supervised loss of the held-out queries: what picks the best epoch."""
-    total, count = 0.0, 0
-    for i in range(0, len(heldout), args.batch_size):
+    """The supervised loss of the held-out queries: what picks the best epoch.
+
+    Under torchrun each process scores every N-th batch; the batches' values are gathered and summed in order.
+    """
+    rank, world = process()
+    starts, totals = range(0, len(heldout), args.batch_size), {}
+    for i in starts[rank::world]:
         queries = heldout[i:i + args.batch_size]
         rows = [data.encode(backbone.processor, backbone.family, kind, [], q) for q in queries]
         batch = to(data.collate(rows, backbone.processor, backbone.family), device)
         with autocast(device):
-            total += supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
-        count += len(queries)
-    return total / max(count, 1)
+            totals[i] = supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
+    totals = gathered(totals)
+    return sum(totals[i] for i in starts) / len(heldout)
 
 
 def anchor_regime(args, student, teacher):
@@ -325,12 +407,14 @@ def anchor_regime(args, student, teacher):
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def checkpoint(args, backbone, optimizer, scheduler, progress):
-    """Everything a resumed run needs, written to <out>/last.pt."""
+    """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
+    if process()[0] != 0:
+        return
     state = {
         "adapter": M.adapters(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
-        "rng": torch.get_rng_state()}
-    M.atomic_write(os.path.join(args.out, "last.pt"), lambda tmp: torch.save(state, tmp))
+        "rng": torch.get_rng_state(), "processes": process()[1]}
+    M.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",
@@ -343,9 +427,16 @@ def restore(args, backbone, optimizer, scheduler):
     path = os.path.join(args.out, "last.pt")
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
-    state = torch.load(path, weights_only=False)
+    try:
+        state = torch.load(path, weights_only=False)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {e}); start over with "
+                         "--overwrite") from e
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"].get(k) != getattr(args, k)]
+    if state.get("processes", 1) != process()[1]:
+        differ.append(f"{state.get('processes', 1)} processes (now {process()[1]}; a resume is exact only with as "
+                      "many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapters(backbone.model).load_state_dict(state["adapter"])
@@ -382,6 +473,8 @@ def train(args):
     icds = dict(zip((q.id for q in queries), data.demonstrations([q.id for q in queries], pool, shots, args.seed)))
     params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    rank, world = process()
+    student_model = data_parallel(backbone.model, args, len(queries)) if world > 1 else None
     batches_per_epoch = math.ceil(len(queries) / args.batch_size)
     steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)
     scheduler = cosine_with_warmup(optimizer, steps_per_epoch * args.epochs, args.warmup)
@@ -394,18 +487,22 @@ def train(args):
         first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
         anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
                                          [icds[queries[i].id] for i in first], device, cache))
-    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True)
+    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True,
+               disable=rank != 0)
+    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        for epoch in range(progress["step"] // steps_per_epoch, args.epochs):
+        # history holds one entry per scored epoch, so the first epoch without one is where to go on, even when
+        # all of its steps are done (a checkpoint written on its last step, then stopped while it was scored)
+        for epoch in range(len(progress["history"]), args.epochs):
             order = epoch_order(len(queries), args.batch_size, args.seed, epoch)
-            for s in range(progress["step"] % steps_per_epoch, steps_per_epoch):
+            for s in range(progress["step"] - epoch * steps_per_epoch, steps_per_epoch):
                 if args.max_steps is not None and progress["step"] >= args.max_steps:
                     return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
                 parts = {}
                 for idx in order[s * args.grad_accum:(s + 1) * args.grad_accum]:
-                    qs = [queries[i] for i in idx]
+                    qs = [queries[i] for i in idx[rank::world]]  # under torchrun: this process's share
                     student, teacher = micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache)
-                    part = losses(backbone, args, student, teacher)
+                    part = losses(backbone, args, student, teacher, student_model)
                     check_finite(part, progress["step"] + 1)
                     (part["loss"] / args.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.item() / args.grad_accum for k, v in part.items()}
@@ -420,32 +517,87 @@ def train(args):
                     checkpoint(args, backbone, optimizer, scheduler, progress)
             end_of_epoch(args, backbone, kind, heldout, device, progress, epoch)
             checkpoint(args, backbone, optimizer, scheduler, progress)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the checkpoint short
         checkpoint(args, backbone, optimizer, scheduler, progress)
         bar.close()
-        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt; continue with --resume")
+        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
+                 "continue with --resume")
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
 
 
+def data_parallel(model, args, n_train):
+    """The backbone in DistributedDataParallel, synchronising the adapter's parameters only (the frozen backbone is
+    neither broadcast nor reduced). Every micro-batch must give each process at least one query."""
+    world = dist.get_world_size()
+    smallest = min(args.batch_size, n_train % args.batch_size or args.batch_size)
+    if smallest < world:
+        raise ValueError(f"{world} processes need at least {world} queries in every micro-batch; the smallest has "
+                         f"{smallest} (--batch-size {args.batch_size}, {n_train} training queries)")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=devices)
+
+
+def on_sigterm(signum, frame):
+    """SIGTERM (what job schedulers send before they kill a job) stops the run as Ctrl-C does: checkpoint, exit."""
+    raise KeyboardInterrupt("SIGTERM")
+
+
+RUN_FILES = ("last.pt", "adapter.safetensors", "history.json")
+
+
+def claim(args):
+    """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
+    --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
+    interrupted writes are cleaned up here and in the teacher cache."""
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(args.out, f))]
+    if found and not (args.resume or args.overwrite):
+        raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
+                         "with --overwrite")
+    if process()[0] != 0:
+        return
+    for f in found if args.overwrite else []:
+        os.remove(os.path.join(args.out, f))
+    M.remove_stale_tmp(args.out)
+    M.remove_stale_tmp(args.teacher_cache)
+
+
 def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
-    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors."""
-    loss = heldout_loss(backbone, args, kind, heldout, device)
-    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
+    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
+
+    The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
+    """
+    loss, first = heldout_loss(backbone, args, kind, heldout, device), process()[0] == 0
     if loss < progress["best"]:
+        if first:
+            M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
         progress["best"] = loss
-        M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
-    tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
+    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
+    if first:
+        tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
 
 
 def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
     """Final checkpoint and summary; returns the adapter's parameters."""
     checkpoint(args, backbone, optimizer, scheduler, progress)
     bar.close()
-    with open(os.path.join(args.out, "history.json"), "w") as f:
-        json.dump(progress["history"], f, indent=1)
-    print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
-          f"best adapter: {os.path.join(args.out, 'adapter.safetensors')}")
+    if process()[0] == 0:
+        finish_files(args, progress, cache)
     return {k: v.detach().clone() for k, v in M.adapters(backbone.model).state_dict().items()}
+
+
+def finish_files(args, progress, cache):
+    """history.json and the summary line (the first process's job)."""
+    M.atomic_write(os.path.join(args.out, "history.json"),
+                   lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
+    best = os.path.join(args.out, "adapter.safetensors")
+    print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
+          + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
+             "(continue with --resume)"))
 
 
 def benchmark(args):
@@ -468,7 +620,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)
-    return train(args)
+    with processes():
+        claim(args)
+        return train(args)
 
 
 if __name__ == "__main__":

@@ -178,10 +178,10 @@ def test_unknown_backbone_lists_the_valid_names():
 
 def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
     path = tmp_path / "f.bin"
-    M.atomic_write(path, lambda tmp: open(tmp, "wb").write(b"good"))
+    M.atomic_write(path, lambda f: f.write(b"good"))
 
-    def crash(tmp):
-        open(tmp, "wb").write(b"ha")
+    def crash(f):
+        f.write(b"ha")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         M.atomic_write(path, crash)
