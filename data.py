@@ -17,7 +17,9 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
       flickr30k/
         dataset_flickr30k.json                            Flickr30k, Karpathy split
         flickr30k-images/{filename}
-      toy/                                                generated on first use (toy-vqa, toy-caption): itself a
+        annotations/instances_{train,val}2014.json        COCO instance annotations (read only by CHAIR,
+                                                          evaluate.py --chair)
+      toy-v2/                                             generated on first use (toy-vqa, toy-caption): itself a
                                                           data_root with coco/ and vqav2/ in the formats above
 
 Splits: for VQA, "train" and "val" are the official 2014 splits. For captions "train" is the Karpathy
@@ -170,6 +172,36 @@ def load_task(task, split, data_root=None):
     return reader(data_root, split, task)
 
 
+def instances_path(root, folder):
+    """The official COCO instance annotations of one image folder ("train2014" / "val2014") under data_root."""
+    return os.path.join(root, "coco", "annotations", f"instances_{folder}.json")
+
+
+def read_instances(items):
+    """The COCO objects in each item's image, from the official instances files of the folders the images are in.
+
+    Returns ({item id: set of category names}, all category names the files declare). A missing file is an
+    error naming its path (CHAIR needs it).
+    """
+    objects, categories = {}, set()
+    for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
+        root = os.path.dirname(os.path.dirname(folder_path))
+        path = instances_path(root, os.path.basename(folder_path))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
+                                    "annotations_trainval2014.zip)")
+        coco = read_json(path, "coco instances")
+        names = {c["id"]: c["name"] for c in coco["categories"]}
+        categories |= set(names.values())
+        per_image = {}
+        for a in coco["annotations"]:
+            per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
+        for it in items:
+            if os.path.dirname(it.image_path) == folder_path:
+                objects[it.id] = per_image.get(it.id, set())
+    return objects, categories
+
+
 def load_image(item):
     """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
     try:
@@ -275,6 +307,25 @@ def toy_karpathy_record(scene, path, split, image_id, imgid):
             "sentids": [x["sentid"] for x in sentences]}
 
 
+TOY_CATEGORIES = {shape: k + 1 for k, shape in enumerate(SHAPES)}  # toy shape -> COCO-style category id
+
+
+def toy_instances(scene, image_id, first_id, size=64):
+    """COCO instance annotations of one toy image: one per drawn shape, its category the shape's own name.
+
+    The toy scenes hold none of COCO's 80 objects, so the instances files declare the three shapes as categories
+    (TOY_CATEGORIES, supercategory "shape"); CHAIR reads the objects to look for from the file's categories.
+    Box and polygon are the shape's cell inset by 3 px, as draw_scene draws it.
+    """
+    cell, out = size // 3, []
+    for k, (x, y) in enumerate(scene["cells"]):
+        x0, y0, x1, y1 = x * cell + 3, y * cell + 3, (x + 1) * cell - 3, (y + 1) * cell - 3
+        out.append({"id": first_id + k, "image_id": image_id, "category_id": TOY_CATEGORIES[scene["shape"]],
+                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
+                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+    return out
+
+
 def write_json(path, obj):
     """Write obj as JSON to path, creating its folder."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -289,7 +340,7 @@ def write_toy(root, seed=TOY_SEED):
     karpathy = []
     for split, n_images in TOY_SIZES.items():
         os.makedirs(os.path.join(root, "coco", f"{split}2014"))
-        questions, annotations = [], []
+        questions, annotations, images, instances = [], [], [], []
         for i in range(n_images):
             image_id, scene = (i + 1 if split == "train" else 100_000 + i), toy_scene(rng)
             path = coco_image(root, split, image_id)
@@ -298,6 +349,12 @@ def write_toy(root, seed=TOY_SEED):
             questions.append(question)
             annotations.append(annotation)
             karpathy.append(toy_karpathy_record(scene, path, split, image_id, len(karpathy)))
+            images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
+            instances += toy_instances(scene, image_id, len(instances) + 1)
+        write_json(instances_path(root, f"{split}2014"), {
+            "info": {"description": "hyper-icl toy instances"}, "licenses": [], "images": images,
+            "annotations": instances, "categories": [{"id": i, "name": s, "supercategory": "shape"}
+                                                     for s, i in TOY_CATEGORIES.items()]})
         header = {"info": {"description": "hyper-icl toy VQA"}, "license": {}, "data_type": "mscoco",
                   "data_subtype": f"{split}2014"}
         write_json(os.path.join(root, "vqav2", qfile.format(split)),
@@ -306,13 +363,16 @@ def write_toy(root, seed=TOY_SEED):
     write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
 
 
+TOY_DIR = "toy-v2"  # v2 added the instances files; bump on any change so stale caches are never read
+
+
 def toy_root(data_root=None):
-    """The toy data_root (data_root/toy, or ~/.cache/hyper-icl/toy), generated atomically if it is not there.
+    """The toy data_root (data_root/toy-v2, or ~/.cache/hyper-icl/toy-v2), generated atomically if it is not there.
 
     It is written to a temporary folder beside it and renamed into place, so an interrupted generation never
     leaves a half-written dataset; if another process finished first, its copy is kept.
     """
-    root = os.path.join(data_root, "toy") if data_root else os.path.expanduser("~/.cache/hyper-icl/toy")
+    root = os.path.join(data_root or os.path.expanduser("~/.cache/hyper-icl"), TOY_DIR)
     if os.path.isdir(root):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)

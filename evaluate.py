@@ -218,6 +218,189 @@ def multiple_choice_accuracy(predictions, answers):
 
 
 # -----------------------------------------------------------------------------
+# CHAIR (Rohrbach et al. 2018, "Object Hallucination in Image Captioning"; Table 5)
+
+# The 80 COCO categories (the names of instances_*2014.json) and the words a caption may use for each, in singular
+# form (captions are singularised first). Written for this project after the synonym list of Rohrbach et al.: the
+# category name first, then its synonyms, multi-word ones included.
+COCO_SYNONYMS = {
+    "person": "person, people, man, woman, boy, girl, child, kid, baby, adult, lady, guy, gentleman, male, female, "
+              "player, rider, skier, snowboarder, surfer, skater, skateboarder, biker, cyclist, pedestrian, "
+              "passenger, driver, worker, chef, cook, baker, officer, policeman, cop, soldier, doctor, nurse, "
+              "student, teenager, teen, toddler, infant, mother, father, mom, dad, brother, sister, son, "
+              "daughter, bride, groom, cowboy, pitcher, batter, catcher, umpire, tourist, traveler, spectator, "
+              "customer, vendor, human",
+    "bicycle": "bicycle, bike, tricycle, unicycle",
+    "car": "car, automobile, taxi, cab, sedan, van, suv, jeep, minivan",
+    "motorcycle": "motorcycle, motorbike, motor bike, motor cycle, scooter, moped, dirt bike",
+    "airplane": "airplane, aeroplane, air plane, plane, jet, airliner, aircraft, jetliner",
+    "bus": "bus, trolley, minibus, double decker",
+    "train": "train, locomotive, tram, subway, railcar",
+    "truck": "truck, lorry",
+    "boat": "boat, ship, kayak, canoe, sailboat, yacht, ferry, raft, vessel, rowboat",
+    "traffic light": "traffic light, traffic signal, stop light, stoplight, street light",
+    "fire hydrant": "fire hydrant, hydrant",
+    "stop sign": "stop sign",
+    "parking meter": "parking meter",
+    "bench": "bench",
+    "bird": "bird, duck, goose, pigeon, seagull, gull, parrot, owl, eagle, hawk, swan, chicken, hen, rooster, "
+            "crow, sparrow, penguin, flamingo, pelican",
+    "cat": "cat, kitten, kitty",
+    "dog": "dog, puppy, pup, doggy, poodle, terrier, bulldog, retriever, labrador",
+    "horse": "horse, pony, foal, stallion, mare, colt",
+    "sheep": "sheep, lamb, goat",
+    "cow": "cow, cattle, bull, calf, ox, oxen, heifer",
+    "elephant": "elephant",
+    "bear": "bear, grizzly, cub",
+    "zebra": "zebra",
+    "giraffe": "giraffe",
+    "backpack": "backpack, knapsack, rucksack",
+    "umbrella": "umbrella, parasol",
+    "handbag": "handbag, purse, bag",
+    "tie": "tie, necktie, bow tie",
+    "suitcase": "suitcase, suit case, luggage, briefcase",
+    "frisbee": "frisbee, flying disc",
+    "skis": "skis, ski",
+    "snowboard": "snowboard",
+    "sports ball": "sports ball, ball, football, soccer ball, baseball, basketball, tennis ball, volleyball",
+    "kite": "kite",
+    "baseball bat": "baseball bat, bat",
+    "baseball glove": "baseball glove, glove, mitt",
+    "skateboard": "skateboard",
+    "surfboard": "surfboard, surf board, paddle board",
+    "tennis racket": "tennis racket, racket, racquet",
+    "bottle": "bottle",
+    "wine glass": "wine glass, glass",
+    "cup": "cup, mug, teacup",
+    "fork": "fork",
+    "knife": "knife",
+    "spoon": "spoon",
+    "bowl": "bowl",
+    "banana": "banana",
+    "apple": "apple",
+    "sandwich": "sandwich, burger, hamburger",
+    "orange": "orange",
+    "broccoli": "broccoli",
+    "carrot": "carrot",
+    "hot dog": "hot dog, hotdog",
+    "pizza": "pizza",
+    "donut": "donut, doughnut",
+    "cake": "cake, cupcake, cheesecake",
+    "chair": "chair, seat, stool, armchair",
+    "couch": "couch, sofa, loveseat",
+    "potted plant": "potted plant, plant, houseplant, flower pot",
+    "bed": "bed",
+    "dining table": "dining table, table, desk",
+    "toilet": "toilet, urinal, commode",
+    "tv": "tv, television, monitor",
+    "laptop": "laptop, laptop computer, computer",
+    "mouse": "mouse",
+    "remote": "remote, remote control, controller",
+    "keyboard": "keyboard",
+    "cell phone": "cell phone, mobile phone, phone, cellphone, smartphone, telephone",
+    "microwave": "microwave",
+    "oven": "oven, stove",
+    "toaster": "toaster",
+    "sink": "sink",
+    "refrigerator": "refrigerator, fridge, freezer",
+    "book": "book, novel",
+    "clock": "clock",
+    "vase": "vase",
+    "scissors": "scissors, scissor",
+    "teddy bear": "teddy bear, teddy, teddybear",
+    "hair drier": "hair drier, hair dryer, hairdryer, blow dryer",
+    "toothbrush": "toothbrush, tooth brush",
+}
+# Phrases read as another word before matching, as in Rohrbach et al.: an age qualifier or "passenger" before an
+# animal or a vehicle is not a person ("baby elephant" -> elephant), and a toilet seat is the toilet, not a chair.
+TOY_SYNONYMS = {s: f"{s}, {alt}" for s, alt in D.SHAPES.items()}  # toy-caption's categories (data.toy_instances)
+_ANIMALS = ("bird", "cat", "dog", "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "animal", "cub")
+_READ_AS = {f"{q} {a}": a for q in ("baby", "adult") for a in _ANIMALS} | \
+    {"passenger jet": "jet", "passenger train": "train", "toilet seat": "toilet"}
+_IRREGULAR = {"people": "people", "children": "child", "mice": "mouse", "knives": "knife", "geese": "goose",
+              "oxen": "oxen", "calves": "calf", "feet": "foot", "teeth": "tooth", "wolves": "wolf", "leaves": "leaf",
+              "shelves": "shelf", "loaves": "loaf", "halves": "half", "wives": "wife"}
+
+
+def singularize(word):
+    """The singular of an English noun, by rule (irregular forms, -men, -ies, -(s|x|z|ch|sh)es, -s); words ending in
+    ss / us / is, and words of at most three letters, are kept (glass, bus, skis, yes)."""
+    if word in _IRREGULAR:
+        return _IRREGULAR[word]
+    if word.endswith("men") and word not in ("omen", "specimen"):
+        return word[:-3] + "man"
+    if len(word) <= 3 or word.endswith(("ss", "us", "is")):
+        return word
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith(("sses", "uses", "xes", "zes", "ches", "shes")):
+        return word[:-2]
+    return word[:-1] if word.endswith("s") else word
+
+
+def chair_vocabulary(categories, synonyms=None):
+    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (default
+    COCO_SYNONYMS; a category missing from it is read by its own name)."""
+    synonyms = COCO_SYNONYMS if synonyms is None else synonyms
+    return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
+
+
+def caption_objects(caption, vocabulary):
+    """The object mentions of a caption, in order, with repetition: [(word, category)].
+
+    Tokenised as for CIDEr, each word singularised, then the longest phrase of up to three words that is a synonym
+    (or a _READ_AS phrase) is taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy bear).
+    "seat" does not count when the caption mentions a toilet.
+    """
+    words, out, i = [singularize(w) for w in tokenize_caption(caption)], [], 0
+    while i < len(words):
+        for n in (3, 2, 1):
+            phrase = " ".join(words[i:i + n])
+            if n == 1 or phrase in vocabulary or phrase in _READ_AS:
+                out.append(_READ_AS.get(phrase, phrase))
+                i += n
+                break
+    if "toilet" in out:
+        out = [w for w in out if w != "seat"]
+    return [(w, vocabulary[w]) for w in out if w in vocabulary]
+
+
+def chair(captions, annotated, references, vocabulary):
+    """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions.
+
+    captions: {id: generated caption}; annotated: {id: set of categories in the image's instance annotations};
+    references: {id: [reference captions]}. An image's ground-truth objects are its annotated categories plus the
+    categories its references mention. A mention is hallucinated if its category is not among them.
+        CHAIR_i = hallucinated mentions / all mentions       (mentions counted with repetition)
+        CHAIR_s = captions with a hallucinated mention / captions
+        Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
+    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0.
+    Returns ({"chair_s", "chair_i", "recall"}, {id: hallucinated words}).
+    """
+    mentions = hallucinated = bad_captions = covered = truth_total = 0
+    per_caption = {}
+    for i, caption in captions.items():
+        truth = set(annotated[i]) | {c for r in references[i] for _, c in caption_objects(r, vocabulary)}
+        found = caption_objects(caption, vocabulary)
+        per_caption[i] = [w for w, c in found if c not in truth]
+        mentions, hallucinated = mentions + len(found), hallucinated + len(per_caption[i])
+        bad_captions += bool(per_caption[i])
+        covered, truth_total = covered + len({c for _, c in found} & truth), truth_total + len(truth)
+    return {"chair_s": bad_captions / len(captions), "chair_i": hallucinated / mentions if mentions else 0.0,
+            "recall": covered / truth_total if truth_total else 0.0}, per_caption
+
+
+def chair_metrics(items, predictions):
+    """Table 5 for caption items: CHAIR_s, CHAIR_i and Recall x 100, with the objects of the COCO instances files of
+    the items' image folders (data.read_instances) and the items' reference captions."""
+    annotated, categories = D.read_instances(items)
+    vocabulary = chair_vocabulary(categories, COCO_SYNONYMS | TOY_SYNONYMS)
+    result, _ = chair({it.id: p for it, p in zip(items, predictions)}, annotated,
+                      {it.id: it.answers for it in items}, vocabulary)
+    return {k: 100 * v for k, v in result.items()}
+
+
+# -----------------------------------------------------------------------------
 # inference (Section 4.1: greedy decoding, batched, left-padded prompts from data.py)
 
 _ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
@@ -285,17 +468,19 @@ def evaluate(backbone, args, items, setting):
         icds = D.demonstrations([it.id for it in items], support, args.shots, args.seed)
     predictions = predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(D.TASKS[args.task].kind, items, predictions)
+    extra = chair_metrics(items, predictions) if args.chair else {}
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}")
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".predictions.jsonl", "w") as f:
         for it, p in zip(items, predictions):
             f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
-               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
+               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value,
+               **extra}
     with open(stem + ".metrics.json", "w") as f:
         json.dump(metrics, f, indent=2)
-    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f} on {len(items)} items "
-          f"-> {stem}.metrics.json")
+    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
+          + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
     return metrics
 
 
@@ -578,11 +763,16 @@ def parse_args(argv=None):
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
                       "student (with --checkpoint) hidden states")
+    p.add_argument("--chair", action="store_true", help="also CHAIR_s, CHAIR_i and object Recall (Table 5) of the "
+                   "captions, from coco/annotations/instances_{train,val}2014.json under --data-root (coco, "
+                   "toy-caption)")
     p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
                    "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
     args = p.parse_args(argv)
     if args.random_weights and not args.benchmark:
         p.error("--random-weights only makes sense with --benchmark")
+    if args.chair and args.task not in ("coco", "toy-caption"):
+        p.error(f"--chair scores COCO captions against COCO instance annotations (coco, toy-caption), not {args.task}")
     if args.random_weights and not torch.cuda.is_available():
         p.error("--random-weights runs a real-size backbone and needs a CUDA GPU")
     default = default_checkpoint(args.model, args.task)
