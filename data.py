@@ -56,6 +56,7 @@ query image differently in the teacher.
 """
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -64,9 +65,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
                                                             incremental_to_binary_attention_mask)
+
+from model import atomic_write
 
 
 @dataclass(frozen=True)
@@ -409,6 +415,46 @@ def demonstrations(query_ids, support, m, seed):
         picks = random.Random(query_seed(seed, qid)).sample(range(len(support)), m + 1)  # one spare for the query
         icds.append([support[i] for i in picks if support[i].id != qid][:m])
     return icds
+
+def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
+    """Each item's image features under a frozen encoder, [len(items), d] float32, computed once and cached.
+
+    encode(list of PIL images) -> [n, d]. Each distinct image is encoded once, in batches, with a progress bar. The
+    cache file is named by a hash of encoder_id and of every item's id, image path, file size and modification
+    time, so a change of the encoder or of the data is a different file (recomputed, never a stale read).
+    """
+    stat = lambda p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None
+    spec = {"encoder": encoder_id, "items": [[it.id, it.image_path, stat(it.image_path)] for it in items]}
+    path = os.path.join(cache_dir, hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:32] + ".safetensors")
+    if os.path.exists(path):
+        return load_file(path)["features"]
+    paths = list(dict.fromkeys(it.image_path for it in items))
+    by_path = {p: it for it in reversed(items) for p in [it.image_path]}  # an item that shows each image
+    feats = []
+    for i in tqdm(range(0, len(paths), batch_size), desc=f"image features ({encoder_id})", unit="batch"):
+        feats.append(encode([load_image(by_path[p]) for p in paths[i:i + batch_size]]).float().cpu())
+    row = {p: k for k, p in enumerate(paths)}
+    features = torch.cat(feats)[[row[it.image_path] for it in items]].contiguous()
+    os.makedirs(cache_dir, exist_ok=True)
+    atomic_write(path, lambda tmp: save_file({"features": features}, tmp))
+    return features
+
+
+def rices_demonstrations(query_ids, query_features, support, support_features, m):
+    """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar.
+
+    Never the query itself (same id). Order: least to most similar, so the most similar ICD is the last one, right
+    before the query. Ties keep the support order. Returns m ICDs per query, as `demonstrations` does.
+    """
+    if len(support) <= m:
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+    sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
+    ids = torch.tensor([it.id for it in support])
+    if sim.isnan().any():
+        raise ValueError("RICES: the image features contain NaN")
+    sim[ids[None, :] == torch.tensor(query_ids)[:, None]] = -math.inf  # the query is never its own ICD
+    order = torch.argsort(-sim, dim=-1, stable=True)[:, :m]  # most similar first
+    return [[support[j] for j in reversed(row.tolist())] for row in order]
 
 # ------------------------------------------------------------------------------------------------------ prompts
 

@@ -465,7 +465,7 @@ def evaluate(backbone, args, items, setting):
     icds = None
     if args.shots:  # Direct-ICD baseline: random demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
-        icds = D.demonstrations([it.id for it in items], support, args.shots, args.seed)
+        icds = train.choose_demonstrations(backbone, args, items, support, args.shots)
     predictions = predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(D.TASKS[args.task].kind, items, predictions)
     extra = chair_metrics(items, predictions) if args.chair else {}
@@ -746,6 +746,7 @@ def parse_args(argv=None):
                                              "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For "
                                              "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
                                              "data.DEFAULT_SHOTS)")
+    train.add_icd_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
@@ -771,6 +772,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.random_weights and not args.benchmark:
         p.error("--random-weights only makes sense with --benchmark")
+    if args.icds == "rices" and not args.shots:
+        p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task not in ("coco", "toy-caption"):
         p.error(f"--chair scores COCO captions against COCO instance annotations (coco, toy-caption), not {args.task}")
     if args.random_weights and not torch.cuda.is_available():
@@ -795,7 +798,7 @@ def main(argv=None):
         backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
     else:
         backbone = M.load_backbone(args.model)
-    setting = f"{args.shots or 0}-shot"
+    setting = f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
     if args.checkpoint:
         method = M.load_adapter(args.checkpoint, backbone)["method"]
         setting = method if not args.shots else f"{method}+{setting}"

@@ -12,6 +12,7 @@ Tiny twins (`tiny-idefics2`, ...) are the real model and processor classes built
 random weights and a byte-level BPE tokenizer trained locally, so every code path of the real model runs offline.
 """
 import contextlib
+import hashlib
 import json
 import os
 import tempfile
@@ -233,6 +234,70 @@ def load_backbone(name, device=None, dtype=None, seed=0):
     model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     processor = AutoProcessor.from_pretrained(path)
     return Backbone(freeze(model), processor, family, name)
+
+
+# ------------------------------------------------------------------------------- image encoders (for RICES)
+
+@torch.no_grad()
+def vision_tower_features(backbone, images):
+    """The backbone's own vision tower, pooled: the mean of its last hidden states over an image's patches.
+
+    images: PIL images. Returns [n, d_vision] float32. Idefics2 images are encoded whole (no splitting) and only
+    their real (unpadded) patches are averaged; LLaVA-OneVision's base tile is the whole image, resized.
+    """
+    model, family = backbone.model, backbone.family
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    process = backbone.processor.image_processor
+    if family == "idefics2":
+        out = process([[im] for im in images], do_image_splitting=False, return_tensors="pt")
+        pixels, mask, p = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0], model.config.vision_config.patch_size
+        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]
+        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real).last_hidden_state
+        keep = real.flatten(1)[..., None].to(hidden.dtype)
+        return ((hidden * keep).sum(1) / keep.sum(1)).float()
+    out = process(images, return_tensors="pt")
+    pixels = out if torch.is_tensor(out) else out["pixel_values"]  # Idefics' processor returns the tensor itself
+    if family == "llava-onevision":
+        pixels = pixels[:, 0]
+    tower = model.model.vision_model if family == "idefics" else model.model.vision_tower
+    return tower(pixel_values=pixels.to(device, dtype)).last_hidden_state.mean(1).float()
+
+
+def clip_encoder(hub_id, device="cpu"):
+    """A CLIP checkpoint's image encoder (hub id or local path), loaded with transformers: images -> its projected
+    image embedding [n, d] float32. A checkpoint that cannot be loaded is a ValueError naming it."""
+    from transformers import AutoImageProcessor, AutoModel
+    try:
+        clip, process = AutoModel.from_pretrained(hub_id).to(device).eval(), AutoImageProcessor.from_pretrained(hub_id)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the RICES image encoder {hub_id!r} ({e}); leave out --rices-encoder to use the "
+                         "backbone's own vision tower, which works offline") from e
+
+    @torch.no_grad()
+    def encode(images):
+        out = clip.get_image_features(pixel_values=process(images, return_tensors="pt")["pixel_values"].to(device))
+        return (out if torch.is_tensor(out) else out.pooler_output).float()
+    return encode
+
+
+def image_encoder(backbone, hub_id=None):
+    """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
+
+    Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
+    CLIP checkpoint (clip_encoder).
+    """
+    if hub_id:
+        return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
+    h = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
+    for p in vision_tower_params(backbone):
+        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    return (lambda images: vision_tower_features(backbone, images)), f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
+
+
+def vision_tower_params(backbone):
+    """The parameters of the backbone's vision tower."""
+    inner = backbone.model.model
+    return list((inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters())
 
 
 # --------------------------------------------------------------------------------------------------- tiny twins
