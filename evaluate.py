@@ -11,15 +11,19 @@ the analyses of the appendices (Table 9, Table 10).
 """
 import argparse
 import contextlib
+import dataclasses
+import hashlib
 import json
 import math
 import os
+import random
 import re
 import statistics
 import time
 from collections import Counter
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -456,17 +460,19 @@ def score(kind, items, predictions):
     return "cider", 100 * cider
 
 
-def evaluate(backbone, args, items, setting):
-    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random ICDs, an adapter) on --n-eval items.
+def evaluate(backbone, args, items, setting, vector=None):
+    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
+    function vector: `vector` as load_vector returns it) on --n-eval items.
 
     Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
     .metrics.json, prints one summary line and returns the metrics.
     """
-    icds = None
-    if args.shots:  # Direct-ICD baseline: random demonstrations from the training split
+    icds, (steering, vector_info) = None, vector or (None, {})
+    if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
         icds = train.choose_demonstrations(backbone, args, items, support, args.shots)
-    predictions = predict(backbone, args.task, items, icds, args.batch_size)
+    with M.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
+        predictions = predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(D.TASKS[args.task].kind, items, predictions)
     extra = chair_metrics(items, predictions) if args.chair else {}
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}")
@@ -475,13 +481,175 @@ def evaluate(backbone, args, items, setting):
         for it, p in zip(items, predictions):
             f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
-               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value,
-               **extra}
+               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
+               metric: value, **vector_info, **extra}
     with open(stem + ".metrics.json", "w") as f:
         json.dump(metrics, f, indent=2)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
           + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
     return metrics
+
+
+# -----------------------------------------------------------------------------
+# training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
+#
+# Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
+# prompt at the last prompt token of one decoder layer (model.steer: a forward hook). The layer is the one with the
+# lowest target cross-entropy on queries held out of the training split (never the evaluation split).
+
+VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
+FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
+FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect (Todd et al.: 25)
+
+
+def vector_sets(pool, args, shots):
+    """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer.
+
+    The training split is shuffled with --seed; the first --vector-heldout items are held out, the next N are the
+    extraction queries; their ICDs are drawn at random from the whole split (never the query itself)."""
+    order = random.Random(args.seed).sample(range(len(pool)), len(pool))
+    heldout = [pool[i] for i in order[:args.vector_heldout]]
+    queries = [pool[i] for i in order[args.vector_heldout:args.vector_heldout + args.vector_sets]]
+    return queries, D.demonstrations([q.id for q in queries], pool, shots, args.seed), heldout
+
+
+def shuffled_labels(icds, seed):
+    """Todd et al.'s corrupted prompts: each ICD list with its targets shuffled among its ICDs."""
+    rng = random.Random(seed)
+    return [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
+            for ds in icds]
+
+
+def target_batches(backbone, kind, queries, icds, batch_size):
+    """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token."""
+    icds = icds or [[] for _ in queries]
+    out = []
+    for i in range(0, len(queries), batch_size):
+        rows = [D.encode(backbone.processor, backbone.family, kind, d, q)
+                for d, q in zip(icds[i:i + batch_size], queries[i:i + batch_size])]
+        batch = D.collate(rows, backbone.processor, backbone.family)
+        out.append((batch, (batch["labels"] != -100).int().argmax(1) - 1))
+    return out
+
+
+@torch.no_grad()
+def icl_means(backbone, kind, queries, icds, batch_size):
+    """Means over the ICL prompts of each decoder layer's output at the last prompt token, [L, d] (the task vector
+    of every layer, Hendel et al.), and of each head's output there, [L, H, d_h] (Todd et al.'s mean activations)."""
+    model, states, heads = backbone.model, {}, {}
+    for i in tqdm(range(0, len(queries), batch_size), desc="ICL means", unit="batch"):
+        batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
+                               icds[i:i + batch_size])
+        with M.layer_outputs(model, states), M.head_outputs(model, heads):
+            model(**D.model_inputs(batch, device_of(model)))
+    mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float()
+    return mean(states), mean(heads)
+
+
+def answer_probability(backbone, batch, positions):
+    """Probability of each row's first answer token at its last prompt token: [B]."""
+    device = device_of(backbone.model)
+    logits = backbone.model(**D.model_inputs(batch, device)).logits
+    rows, positions = torch.arange(len(positions), device=device), positions.to(device)
+    return logits[rows, positions].float().softmax(-1)[rows, batch["labels"].to(device)[rows, positions + 1]]
+
+
+@torch.no_grad()
+def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed):
+    """Average indirect effect of every head (Todd et al. 2024), [L, H]: on ICL prompts whose ICD labels are
+    shuffled, the rise of the first answer token's probability when the head's output at the last prompt token is
+    replaced by its mean over clean prompts (model.set_head_output), averaged over the prompts."""
+    batches = target_batches(backbone, kind, queries, shuffled_labels(icds, seed), batch_size)
+    base = [answer_probability(backbone, b, p) for b, p in batches]
+    layers, heads, _ = M.attention_shape(backbone.model)
+    aie = torch.zeros(layers, heads, dtype=torch.float64)
+    for l, h in tqdm([(l, h) for l in range(layers) for h in range(heads)], desc="indirect effects", unit="head"):
+        for (batch, positions), p0 in zip(batches, base):
+            with M.set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
+                aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
+    return aie / len(queries)
+
+
+def function_vector(model, mean_heads, aie, k):
+    """Todd et al.'s FV: the sum over the k heads of largest average indirect effect of what each adds to the
+    residual stream with its mean output (model.head_contribution). Returns ([d], the heads as [k, 2] (layer, head))."""
+    top = aie.flatten().topk(k).indices
+    heads = torch.stack([top // aie.shape[1], top % aie.shape[1]], 1)
+    fv = sum(M.head_contribution(model, l, h, mean_heads[l, h].to(device_of(model))) for l, h in heads.tolist())
+    return fv.float().cpu(), heads
+
+
+@torch.no_grad()
+def heldout_losses(backbone, batches, vectors, add):
+    """Per decoder layer l: the mean target cross-entropy of the held-out queries (zero-shot, teacher-forced) with
+    vectors[l] put in at layer l and the last prompt token (replaced: TV; added: FV). The layer choice."""
+    device, losses = device_of(backbone.model), []
+    for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
+        total = count = 0
+        for batch, positions in batches:
+            with M.steer(backbone.model, l, vectors[l].to(device), positions, add):
+                logits = backbone.model(**D.model_inputs(batch, device)).logits
+            total += train.supervised_loss(logits, batch["labels"].to(device)).item() * len(positions)
+            count += len(positions)
+        losses.append(total / count)
+    return torch.tensor(losses)
+
+
+def vector_path(backbone, args, shots):
+    """Where a vector is saved: runs/vectors/<model>-<task>-<tv|fv>-<hash of everything it depends on>."""
+    spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
+                sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
+                **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-{key}.safetensors"
+    return os.path.join("runs", "vectors", name)
+
+
+def compute_vector(backbone, args, shots):
+    """Extract a TV or FV from the training split and score every layer on the held-out queries.
+
+    Returns tensors: "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses"
+    [L]; FV also "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
+    kind, pool = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
+    queries, icds, heldout = vector_sets(pool, args, shots)
+    states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size)
+    out = {}
+    if args.vector == "tv":
+        out["vectors"] = states
+    else:
+        out["aie"] = indirect_effects(backbone, kind, queries[:args.fv_trials], icds[:args.fv_trials], mean_heads,
+                                      args.batch_size, args.seed).float()
+        fv, out["heads"] = function_vector(backbone.model, mean_heads, out["aie"], args.fv_heads)
+        out |= {"mean_heads": mean_heads, "vectors": fv.expand(len(states), -1).contiguous()}
+    batches = target_batches(backbone, kind, heldout, None, args.batch_size)
+    out["losses"] = heldout_losses(backbone, batches, out["vectors"], add=args.vector == "fv")
+    return out
+
+
+def load_vector(backbone, args):
+    """The TV or FV for --vector, computed once (compute_vector) and saved, else read back. Returns the steering
+    (layer, vector, add) evaluate() applies and the facts the metrics file records."""
+    shots = args.shots or D.DEFAULT_SHOTS[backbone.family]
+    layers, heads, _ = M.attention_shape(backbone.model)
+    if args.vector_layer is not None and not 0 <= args.vector_layer < layers:
+        raise ValueError(f"--vector-layer {args.vector_layer} is out of range: {backbone.name} has decoder layers "
+                         f"0..{layers - 1}")
+    if args.vector == "fv" and not 0 < args.fv_heads <= layers * heads:
+        raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
+    path = vector_path(backbone, args, shots)
+    if os.path.exists(path):
+        saved = load_file(path)
+        print(f"{args.vector}: read {path}")
+    else:
+        saved = compute_vector(backbone, args, shots)
+        M.atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in saved.items()}, tmp))
+        print(f"{args.vector}: computed and saved to {path}")
+    layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
+    info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
+            "vector_sets": args.vector_sets, "heldout_losses": saved["losses"].tolist()}
+    if args.vector == "fv":
+        info["fv_heads"] = saved["heads"].tolist()
+    return {"layer": layer, "vector": saved["vectors"][layer], "add": args.vector == "fv"}, info
 
 
 # -----------------------------------------------------------------------------
@@ -764,6 +932,20 @@ def parse_args(argv=None):
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
                       "student (with --checkpoint) hidden states")
+    p.add_argument("--vector", choices=["tv", "fv"], help="evaluate zero-shot with a training-free in-context vector "
+                   "(Table 1): tv = task vector (Hendel et al. 2023), fv = function vector (Todd et al. 2024), "
+                   "computed once from --vector-sets ICL prompts of --shots ICDs (default: the paper's) of the "
+                   "training split and saved under runs/vectors/")
+    p.add_argument("--vector-layer", type=int, help="decoder layer (0-based) the vector goes in (default: the one "
+                   "with the lowest target loss on --vector-heldout training queries)")
+    p.add_argument("--vector-sets", type=int, default=VECTOR_SETS, help="ICL prompts averaged into the vector "
+                   "(default: %(default)s, as Todd et al.'s mean activations)")
+    p.add_argument("--vector-heldout", type=int, default=32, help="training queries held out to choose the layer "
+                   "(default: %(default)s)")
+    p.add_argument("--fv-heads", type=int, default=FV_HEADS, help="k, heads summed into a function vector "
+                   "(default: %(default)s, Todd et al.'s |A|)")
+    p.add_argument("--fv-trials", type=int, default=FV_TRIALS, help="corrupted prompts for each head's average "
+                   "indirect effect (default: %(default)s, Todd et al.'s)")
     p.add_argument("--chair", action="store_true", help="also CHAIR_s, CHAIR_i and object Recall (Table 5) of the "
                    "captions, from coco/annotations/instances_{train,val}2014.json under --data-root (coco, "
                    "toy-caption)")
@@ -779,7 +961,10 @@ def parse_args(argv=None):
     if args.random_weights and not torch.cuda.is_available():
         p.error("--random-weights runs a real-size backbone and needs a CUDA GPU")
     default = default_checkpoint(args.model, args.task)
-    if args.checkpoint is None and args.shots is None and not args.benchmark and os.path.isfile(default):
+    if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
+        p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
+    if args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
+            os.path.isfile(default):
         args.checkpoint = default
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
@@ -798,7 +983,7 @@ def main(argv=None):
         backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
     else:
         backbone = M.load_backbone(args.model)
-    setting = f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+    setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
     if args.checkpoint:
         method = M.load_adapter(args.checkpoint, backbone)["method"]
         setting = method if not args.shots else f"{method}+{setting}"
@@ -812,7 +997,7 @@ def main(argv=None):
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
     if not (args.gates or args.hyperbolicity):
-        return evaluate(backbone, args, items, setting)
+        return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
     os.makedirs(args.out, exist_ok=True)

@@ -133,6 +133,107 @@ def without_adapter(model):
     return attention_as(model, "sdpa")
 
 
+# ------------------------------------------------------------------------- hooks for in-context vectors (TV, FV)
+
+def _rows_at(h, positions):
+    """(row index, position index) selecting position positions[b] of each row b (the last one when None)."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return rows, torch.full_like(rows, h.shape[1] - 1) if positions is None else positions.to(h.device)
+
+
+@contextlib.contextmanager
+def steer(model, layer, vector, positions=None, add=False):
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
+    `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
+    Todd et al. 2024).
+
+    positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
+    prompt). Only forward passes over more than one token are patched: the prompt, not cached decoding steps, which
+    see the patched state through the KV cache. A forward hook on the layer module; nothing else changes.
+    """
+    def hook(module, inputs, output):
+        h = output[0] if isinstance(output, tuple) else output
+        if h.shape[1] == 1:
+            return None
+        rows, cols = _rows_at(h, positions)
+        h = h.clone()
+        h[rows, cols] = vector.to(h.dtype) + (h[rows, cols] if add else 0)
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+    handle = model.get_decoder().layers[layer].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def layer_outputs(model, store, positions=None):
+    """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
+    [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
+    def record(layer):
+        def hook(module, inputs, output):
+            h = output[0] if isinstance(output, tuple) else output
+            if h.shape[1] > 1:
+                store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
+        return hook
+    handles = [m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers)]
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def head_outputs(model, store, positions=None):
+    """Record, per decoder layer, every head's output (the input of the output projection o_proj, head-major) at one
+    position per row (None: the last): store[l] gets a [B, H, d_h] tensor per forward pass over the prompt."""
+    _, heads, head_dim = attention_shape(model)
+
+    def record(layer):
+        def hook(module, inputs):
+            x = inputs[0]
+            if x.shape[1] > 1:
+                rows, cols = _rows_at(x, positions)
+                store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
+        return hook
+    handles = [a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(decoder_self_attentions(model))]
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def set_head_output(model, layer, head, value, positions=None):
+    """Replace head `head`'s output at decoder layer `layer` (its slice of o_proj's input) by `value` [d_h] at one
+    position per row (None: the last), on forward passes over the prompt: Todd et al.'s activation patching."""
+    _, _, head_dim = attention_shape(model)
+
+    def hook(module, inputs):
+        x = inputs[0]
+        if x.shape[1] == 1:
+            return None
+        rows, cols = _rows_at(x, positions)
+        x = x.clone()
+        x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.dtype)
+        return (x, *inputs[1:])
+    handle = decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def head_contribution(model, layer, head, value):
+    """What head `head` of layer `layer` adds to the residual stream when it outputs `value` [..., d_h]: its
+    columns of o_proj's weight times value (no bias: that belongs to no head). Returns [..., d]."""
+    _, _, head_dim = attention_shape(model)
+    w = decoder_self_attentions(model)[layer].o_proj.weight[:, head * head_dim:(head + 1) * head_dim]
+    return value.to(w.dtype) @ w.T
+
+
 # ------------------------------------------------------------------------------------------------ save and load
 
 def _describe(backbone_name, model):
@@ -250,9 +351,11 @@ def vision_tower_features(backbone, images):
     process = backbone.processor.image_processor
     if family == "idefics2":
         out = process([[im] for im in images], do_image_splitting=False, return_tensors="pt")
-        pixels, mask, p = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0], model.config.vision_config.patch_size
-        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]
-        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real).last_hidden_state
+        pixels, mask = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0]
+        p = model.config.vision_config.patch_size
+        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]: any real pixel
+        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real)
+        hidden = hidden.last_hidden_state
         keep = real.flatten(1)[..., None].to(hidden.dtype)
         return ((hidden * keep).sum(1) / keep.sum(1)).float()
     out = process(images, return_tensors="pt")
@@ -291,7 +394,8 @@ def image_encoder(backbone, hub_id=None):
     h = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
     for p in vision_tower_params(backbone):
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    return (lambda images: vision_tower_features(backbone, images)), f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
+    encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
+    return (lambda images: vision_tower_features(backbone, images)), encoder_id
 
 
 def vision_tower_params(backbone):

@@ -147,3 +147,132 @@ def test_clip_encoder_from_a_local_checkpoint(tmp_path):
 def test_rices_encoder_that_cannot_be_loaded(tmp_path):
     with pytest.raises(ValueError, match=f"{tmp_path}.*own vision tower"):
         M.clip_encoder(str(tmp_path))
+
+
+# -----------------------------------------------------------------------------
+# task vectors and function vectors: the hooks, against a forward written out layer by layer here
+
+def text_ids(backbone, *texts):
+    tok = backbone.processor.tokenizer
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    n = min(map(len, ids))
+    return torch.tensor([i[:n] for i in ids])
+
+
+def layer_by_layer(model, ids, patch=None):
+    """The Mistral text decoder of the tiny Idefics2 twin run by hand (causal, no padding), with patch(layer, h)
+    applied to each decoder layer's output; returns the logits."""
+    lm = model.model.text_model
+    h = lm.embed_tokens(ids)
+    position_ids = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    rotary = lm.rotary_emb(h, position_ids)
+    for l, layer in enumerate(lm.layers):
+        h = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=rotary)
+        h = h[0] if isinstance(h, tuple) else h
+        h = patch(l, h) if patch else h
+    return model.lm_head(lm.norm(h))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layer, add", [(0, False), (1, True)])
+def test_steer_equals_the_forward_written_out(backbone, layer, add):
+    model = backbone.model
+    ids = text_ids(backbone, "Question: What colour is the shape? Short answer:", "Caption: a red circle on the left")
+    torch.manual_seed(layer)
+    vector, positions = torch.randn(model.config.text_config.hidden_size), torch.tensor([ids.shape[1] - 1, 3])
+    assert torch.allclose(layer_by_layer(model, ids), model(input_ids=ids).logits, atol=1e-5)  # the reference holds
+
+    def patch(l, h):
+        if l == layer:
+            h = h.clone()
+            for b, p in enumerate(positions.tolist()):
+                h[b, p] = vector + (h[b, p] if add else 0)
+        return h
+    with M.steer(model, layer, vector, positions, add=add):
+        got = model(input_ids=ids).logits
+    assert torch.allclose(got, layer_by_layer(model, ids, patch), atol=1e-5)
+    assert not torch.allclose(got, model(input_ids=ids).logits, atol=1e-3)  # the patch did something
+
+
+@torch.no_grad()
+def test_zero_function_vector_and_own_state_leave_the_model_unchanged(backbone):
+    model, items = backbone.model, D.load_task("toy-vqa", "val")[:2]
+    inputs = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items))
+    plain = model(**inputs).logits
+    d = model.config.text_config.hidden_size
+    with M.steer(model, 1, torch.zeros(d), add=True):
+        assert torch.equal(model(**inputs).logits, plain)
+        tokens = E.generate(backbone, inputs, 4)
+    assert torch.equal(tokens, E.generate(backbone, inputs, 4))
+    states = {}
+    with M.layer_outputs(model, states):
+        model(**inputs)
+    for l in range(2):  # a task vector equal to the states already there changes nothing
+        with M.steer(model, l, states[l][0]):
+            assert torch.equal(model(**inputs).logits, plain)
+
+
+@torch.no_grad()
+def test_head_outputs_add_up_to_the_attention_output(backbone):
+    model = backbone.model
+    ids = text_ids(backbone, "Question: How many shapes are there? Short answer:")
+    heads, attn_out = {}, {}
+    hooks = [a.register_forward_hook(lambda m, i, o, l=l: attn_out.__setitem__(l, o[0][:, -1]))
+             for l, a in enumerate(M.decoder_self_attentions(model))]
+    with M.head_outputs(model, heads):
+        model(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    layers, n_heads, _ = M.attention_shape(model)
+    for l in range(layers):
+        total = sum(M.head_contribution(model, l, h, heads[l][0][:, h]) for h in range(n_heads))
+        assert torch.allclose(total, attn_out[l], atol=1e-5)
+    with M.set_head_output(model, 1, 2, heads[1][0][0, 2]):  # a head set to its own output: nothing changes
+        assert torch.allclose(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    with M.set_head_output(model, 1, 2, torch.ones(heads[1][0].shape[-1])):  # else only the last position moves
+        patched = model(input_ids=ids).logits
+    plain = model(input_ids=ids).logits
+    assert torch.equal(patched[:, :-1], plain[:, :-1]) and not torch.allclose(patched[:, -1], plain[:, -1])
+
+
+def vector_args(tmp_path, method, *extra):
+    return E.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--vector", method, "--shots", "2",
+                         "--vector-sets", "3", "--vector-heldout", "2", "--batch-size", "2", "--out", str(tmp_path),
+                         *extra])
+
+
+@torch.no_grad()
+def test_task_vector_is_the_mean_last_token_state(backbone, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = vector_args(tmp_path, "tv")
+    out = E.compute_vector(backbone, args, 2)
+    queries, icds, heldout = E.vector_sets(D.load_task("toy-vqa", "train"), args, 2)
+    assert len(queries) == 3 and not {q.id for q in queries} & {q.id for q in heldout}
+    states = []
+    for q, d in zip(queries, icds):  # one prompt at a time, no padding: the layer outputs of the hidden states
+        batch = D.prompt_batch(backbone.processor, backbone.family, "vqa", [q], [d])
+        states.append(torch.stack(backbone.model(**D.model_inputs(batch), output_hidden_states=True).hidden_states[1:-1])
+                      [:, 0, -1])
+    assert torch.allclose(out["vectors"][:-1], torch.stack(states).mean(0), atol=1e-5)  # the last one is normed
+    steering, info = E.load_vector(backbone, args)
+    assert info["vector_layer"] == int(out["losses"].argmin()) and torch.equal(steering["vector"],
+                                                                              out["vectors"][info["vector_layer"]])
+    assert torch.equal(E.load_vector(backbone, args)[0]["vector"], steering["vector"])  # read back, same
+
+
+@torch.no_grad()
+def test_function_vector_sums_the_top_heads(backbone, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = vector_args(tmp_path, "fv", "--fv-heads", "3", "--fv-trials", "2")
+    out = E.compute_vector(backbone, args, 2)
+    assert out["aie"].shape == (2, 4) and out["aie"].abs().sum() > 0
+    top = sorted(range(8), key=lambda i: -out["aie"].flatten()[i])[:3]
+    assert sorted(map(tuple, out["heads"].tolist())) == sorted((i // 4, i % 4) for i in top)
+    w = [a.o_proj.weight for a in M.decoder_self_attentions(backbone.model)]
+    fv = sum(w[l][:, 16 * h:16 * (h + 1)] @ out["mean_heads"][l, h] for l, h in out["heads"].tolist())
+    assert torch.allclose(out["vectors"][0], fv, atol=1e-6) and torch.equal(out["vectors"][0], out["vectors"][1])
+
+
+def test_vector_layer_out_of_range(backbone, tmp_path):
+    with pytest.raises(ValueError, match=r"--vector-layer 2 is out of range: tiny-idefics2 has decoder layers 0\.\.1"):
+        E.load_vector(backbone, vector_args(tmp_path, "tv", "--vector-layer", "2"))
