@@ -8,6 +8,8 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
         val2014/COCO_val2014_{image_id:012d}.jpg
         dataset_coco.json                                 COCO Caption, Karpathy split; an image is
                                                           coco/{filepath}/{filename}
+        annotations/instances_{train,val}2014.json        COCO instance annotations (read only by CHAIR,
+                                                          evaluate.py --chair)
       vqav2/
         v2_OpenEnded_mscoco_{train,val}2014_questions.json
         v2_mscoco_{train,val}2014_annotations.json
@@ -17,8 +19,6 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
       flickr30k/
         dataset_flickr30k.json                            Flickr30k, Karpathy split
         flickr30k-images/{filename}
-        annotations/instances_{train,val}2014.json        COCO instance annotations (read only by CHAIR,
-                                                          evaluate.py --chair)
       toy-v2/                                             generated on first use (toy-vqa, toy-caption): itself a
                                                           data_root with coco/ and vqav2/ in the formats above
 
@@ -186,8 +186,8 @@ def instances_path(root, folder):
 def read_instances(items):
     """The COCO objects in each item's image, from the official instances files of the folders the images are in.
 
-    Returns ({item id: set of category names}, all category names the files declare). A missing file is an
-    error naming its path (CHAIR needs it).
+    items: caption items (their id is the COCO image id). Returns ({item id: set of category names}, all category
+    names the files declare). A missing file is an error naming its path (CHAIR needs it).
     """
     objects, categories = {}, set()
     for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
@@ -416,6 +416,7 @@ def demonstrations(query_ids, support, m, seed):
         icds.append([support[i] for i in picks if support[i].id != qid][:m])
     return icds
 
+
 def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
     """Each item's image features under a frozen encoder, [len(items), d] float32, computed once and cached.
 
@@ -429,7 +430,7 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
     if os.path.exists(path):
         return load_file(path)["features"]
     paths = list(dict.fromkeys(it.image_path for it in items))
-    by_path = {p: it for it in reversed(items) for p in [it.image_path]}  # an item that shows each image
+    by_path = {it.image_path: it for it in items}  # an item that shows each image
     feats = []
     for i in tqdm(range(0, len(paths), batch_size), desc=f"image features ({encoder_id})", unit="batch"):
         feats.append(encode([load_image(by_path[p]) for p in paths[i:i + batch_size]]).float().cpu())
@@ -444,7 +445,7 @@ def rices_demonstrations(query_ids, query_features, support, support_features, m
     """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar.
 
     Never the query itself (same id). Order: least to most similar, so the most similar ICD is the last one, right
-    before the query. Ties keep the support order. Returns m ICDs per query, as `demonstrations` does.
+    before the query. Equal similarities rank in support order. Returns m ICDs per query, as `demonstrations` does.
     """
     if len(support) <= m:
         raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")

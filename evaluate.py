@@ -542,7 +542,7 @@ def icl_means(backbone, kind, queries, icds, batch_size):
                                icds[i:i + batch_size])
         with M.layer_outputs(model, states), M.head_outputs(model, heads):
             model(**D.model_inputs(batch, device_of(model)))
-    mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float()
+    mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
     return mean(states), mean(heads)
 
 
@@ -575,7 +575,7 @@ def function_vector(model, mean_heads, aie, k):
     residual stream with its mean output (model.head_contribution). Returns ([d], the heads as [k, 2] (layer, head))."""
     top = aie.flatten().topk(k).indices
     heads = torch.stack([top // aie.shape[1], top % aie.shape[1]], 1)
-    fv = sum(M.head_contribution(model, l, h, mean_heads[l, h].to(device_of(model))) for l, h in heads.tolist())
+    fv = sum(M.head_contribution(model, l, h, mean_heads[l, h]) for l, h in heads.tolist())
     return fv.float().cpu(), heads
 
 
@@ -587,7 +587,7 @@ def heldout_losses(backbone, batches, vectors, add):
     for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
         total = count = 0
         for batch, positions in batches:
-            with M.steer(backbone.model, l, vectors[l].to(device), positions, add):
+            with M.steer(backbone.model, l, vectors[l], positions, add):
                 logits = backbone.model(**D.model_inputs(batch, device)).logits
             total += train.supervised_loss(logits, batch["labels"].to(device)).item() * len(positions)
             count += len(positions)

@@ -157,7 +157,7 @@ def steer(model, layer, vector, positions=None, add=False):
             return None
         rows, cols = _rows_at(h, positions)
         h = h.clone()
-        h[rows, cols] = vector.to(h.dtype) + (h[rows, cols] if add else 0)
+        h[rows, cols] = vector.to(h.device, h.dtype) + (h[rows, cols] if add else 0)
         return (h, *output[1:]) if isinstance(output, tuple) else h
     handle = model.get_decoder().layers[layer].register_forward_hook(hook)
     try:
@@ -217,7 +217,7 @@ def set_head_output(model, layer, head, value, positions=None):
             return None
         rows, cols = _rows_at(x, positions)
         x = x.clone()
-        x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.dtype)
+        x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.device, x.dtype)
         return (x, *inputs[1:])
     handle = decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)
     try:
@@ -231,7 +231,7 @@ def head_contribution(model, layer, head, value):
     columns of o_proj's weight times value (no bias: that belongs to no head). Returns [..., d]."""
     _, _, head_dim = attention_shape(model)
     w = decoder_self_attentions(model)[layer].o_proj.weight[:, head * head_dim:(head + 1) * head_dim]
-    return value.to(w.dtype) @ w.T
+    return value.to(w.device, w.dtype) @ w.T
 
 
 # ------------------------------------------------------------------------------------------------ save and load
