@@ -510,6 +510,9 @@ def vector_sets(pool, args, shots):
     order = random.Random(args.seed).sample(range(len(pool)), len(pool))
     heldout = [pool[i] for i in order[:args.vector_heldout]]
     queries = [pool[i] for i in order[args.vector_heldout:args.vector_heldout + args.vector_sets]]
+    if len(queries) < args.vector_sets:
+        raise ValueError(f"--vector-sets {args.vector_sets} + --vector-heldout {args.vector_heldout} exceed the "
+                         f"{len(pool)} training items of {args.task}")
     return queries, D.demonstrations([q.id for q in queries], pool, shots, args.seed), heldout
 
 
