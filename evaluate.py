@@ -494,8 +494,9 @@ def evaluate(backbone, args, items, setting, vector=None):
 # training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
 #
 # Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
-# prompt at the last prompt token of one decoder layer (model.steer: a forward hook). The layer is the one with the
-# lowest target cross-entropy on queries held out of the training split (never the evaluation split).
+# prompt at the last prompt token of one decoder layer (model.steer: a forward hook); the FV, as Todd et al.'s code
+# does, also to each generated token. The layer is the one with the lowest target cross-entropy on queries held out
+# of the training split (never the evaluation split).
 
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
@@ -652,7 +653,8 @@ def load_vector(backbone, args):
             "vector_sets": args.vector_sets, "heldout_losses": saved["losses"].tolist()}
     if args.vector == "fv":
         info["fv_heads"] = saved["heads"].tolist()
-    return {"layer": layer, "vector": saved["vectors"][layer], "add": args.vector == "fv"}, info
+    fv = args.vector == "fv"
+    return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
 # -----------------------------------------------------------------------------
@@ -993,7 +995,8 @@ def main(argv=None):
         print(f"adapter: {args.checkpoint} ({method})")
     elif not args.benchmark:
         default = default_checkpoint(args.model, args.task)
-        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None else ""))
+        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
+                                                      not args.vector else ""))
     if args.benchmark:
         if not args.checkpoint:
             M.attach(backbone.model, "hyper-icl", rank=4)  # latency does not depend on the weights

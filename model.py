@@ -142,18 +142,19 @@ def _rows_at(h, positions):
 
 
 @contextlib.contextmanager
-def steer(model, layer, vector, positions=None, add=False):
+def steer(model, layer, vector, positions=None, add=False, decoding=False):
     """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
     `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
     Todd et al. 2024).
 
     positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
-    prompt). Only forward passes over more than one token are patched: the prompt, not cached decoding steps, which
-    see the patched state through the KV cache. A forward hook on the layer module; nothing else changes.
+    prompt). Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding`
+    (Todd et al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens
+    see it through the KV cache). A forward hook on the layer module; nothing else changes.
     """
     def hook(module, inputs, output):
         h = output[0] if isinstance(output, tuple) else output
-        if h.shape[1] == 1:
+        if h.shape[1] == 1 and not decoding:
             return None
         rows, cols = _rows_at(h, positions)
         h = h.clone()

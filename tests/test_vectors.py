@@ -276,3 +276,29 @@ def test_function_vector_sums_the_top_heads(backbone, tmp_path, monkeypatch):
 def test_vector_layer_out_of_range(backbone, tmp_path):
     with pytest.raises(ValueError, match=r"--vector-layer 2 is out of range: tiny-idefics2 has decoder layers 0\.\.1"):
         E.load_vector(backbone, vector_args(tmp_path, "tv", "--vector-layer", "2"))
+
+
+@torch.no_grad()
+def test_function_vector_at_every_generated_token(backbone):
+    """Cached greedy decoding with the FV added at the prompt's last token and at every new token equals greedy
+    decoding without a cache, where each full forward adds it at those positions (written out here with a hook)."""
+    model = backbone.model
+    ids = text_ids(backbone, "Question: Which shape is it? Short answer:")
+    torch.manual_seed(0)
+    fv, layer, first = 3 * torch.randn(model.config.text_config.hidden_size), 1, ids.shape[1] - 1
+
+    def add_from_first(module, inputs, output):
+        h = (output[0] if isinstance(output, tuple) else output).clone()
+        h[:, first:] += fv
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+    handle = model.get_decoder().layers[layer].register_forward_hook(add_from_first)
+    expected = ids
+    for _ in range(5):
+        expected = torch.cat([expected, model(input_ids=expected, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    handle.remove()
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    with M.steer(model, layer, fv, add=True, decoding=True):
+        got = E.generate(argparse.Namespace(model=model, processor=None, family="idefics2"), inputs, 5, 5)
+    assert torch.equal(got, expected[:, ids.shape[1]:])
+    assert not torch.equal(expected[:, ids.shape[1]:], model.generate(**inputs, do_sample=False, max_new_tokens=5,
+                                                                      min_new_tokens=5)[:, ids.shape[1]:])
