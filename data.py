@@ -8,6 +8,8 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
         val2014/COCO_val2014_{image_id:012d}.jpg
         dataset_coco.json                                 COCO Caption, Karpathy split; an image is
                                                           coco/{filepath}/{filename}
+        annotations/instances_{train,val}2014.json        COCO instance annotations (read only by CHAIR,
+                                                          evaluate.py --chair)
       vqav2/
         v2_OpenEnded_mscoco_{train,val}2014_questions.json
         v2_mscoco_{train,val}2014_annotations.json
@@ -29,7 +31,7 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
                                                           data_type}], "question_type": {name: id}}
         SEED-Bench-image/{data_id}                        its images (dimensions 1-9; `.jpg`/`.png` is appended
                                                           when data_id has no extension)
-      toy/                                                generated on first use (toy-vqa, toy-caption): itself a
+      toy-v2/                                             generated on first use (toy-vqa, toy-caption): itself a
                                                           data_root with coco/ and vqav2/ in the formats above
       toy-mme/, toy-seed/                                 generated on first use: data_roots with mme/ and
                                                           seed-bench/ in the formats above
@@ -81,6 +83,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import shutil
@@ -89,7 +92,10 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save
+from tqdm import tqdm
 from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
                                                             incremental_to_binary_attention_mask)
 
@@ -366,6 +372,36 @@ def load_task(task, split, data_root=None):
     return reader(data_root, split, task)
 
 
+def instances_path(root, folder):
+    """The official COCO instance annotations of one image folder ("train2014" / "val2014") under data_root."""
+    return os.path.join(root, "coco", "annotations", f"instances_{folder}.json")
+
+
+def read_instances(items):
+    """The COCO objects in each item's image, from the official instances files of the folders the images are in.
+
+    items: caption items (their id is the COCO image id). Returns ({item id: set of category names}, all category
+    names the files declare). A missing file is an error naming its path (CHAIR needs it).
+    """
+    objects, categories = {}, set()
+    for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
+        root = os.path.dirname(os.path.dirname(folder_path))
+        path = instances_path(root, os.path.basename(folder_path))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
+                                    "annotations_trainval2014.zip)")
+        coco = read_json(path, "coco instances")
+        names = {c["id"]: c["name"] for c in coco["categories"]}
+        categories |= set(names.values())
+        per_image = {}
+        for a in coco["annotations"]:
+            per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
+        for it in items:
+            if os.path.dirname(it.image_path) == folder_path:
+                objects[it.id] = per_image.get(it.id, set())
+    return objects, categories
+
+
 def load_image(item):
     """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
     try:
@@ -471,6 +507,25 @@ def toy_karpathy_record(scene, path, split, image_id, imgid):
             "sentids": [x["sentid"] for x in sentences]}
 
 
+TOY_CATEGORIES = {shape: k + 1 for k, shape in enumerate(SHAPES)}  # toy shape -> COCO-style category id
+
+
+def toy_instances(scene, image_id, first_id, size=64):
+    """COCO instance annotations of one toy image: one per drawn shape, its category the shape's own name.
+
+    The toy scenes hold none of COCO's 80 objects, so the instances files declare the three shapes as categories
+    (TOY_CATEGORIES, supercategory "shape"); CHAIR reads the objects to look for from the file's categories.
+    Box and polygon are the shape's cell inset by 3 px, as draw_scene draws it.
+    """
+    cell, out = size // 3, []
+    for k, (x, y) in enumerate(scene["cells"]):
+        x0, y0, x1, y1 = x * cell + 3, y * cell + 3, (x + 1) * cell - 3, (y + 1) * cell - 3
+        out.append({"id": first_id + k, "image_id": image_id, "category_id": TOY_CATEGORIES[scene["shape"]],
+                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
+                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
+    return out
+
+
 def write_json(path, obj):
     """Write obj as JSON to path, creating its folder."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -485,7 +540,7 @@ def write_toy(root, seed=TOY_SEED):
     karpathy = []
     for split, n_images in TOY_SIZES.items():
         os.makedirs(os.path.join(root, "coco", f"{split}2014"))
-        questions, annotations = [], []
+        questions, annotations, images, instances = [], [], [], []
         for i in range(n_images):
             image_id, scene = (i + 1 if split == "train" else 100_000 + i), toy_scene(rng)
             path = coco_image(root, split, image_id)
@@ -494,6 +549,12 @@ def write_toy(root, seed=TOY_SEED):
             questions.append(question)
             annotations.append(annotation)
             karpathy.append(toy_karpathy_record(scene, path, split, image_id, len(karpathy)))
+            images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
+            instances += toy_instances(scene, image_id, len(instances) + 1)
+        write_json(instances_path(root, f"{split}2014"), {
+            "info": {"description": "hyper-icl toy instances"}, "licenses": [], "images": images,
+            "annotations": instances, "categories": [{"id": i, "name": s, "supercategory": "shape"}
+                                                     for s, i in TOY_CATEGORIES.items()]})
         header = {"info": {"description": "hyper-icl toy VQA"}, "license": {}, "data_type": "mscoco",
                   "data_subtype": f"{split}2014"}
         write_json(os.path.join(root, "vqav2", qfile.format(split)),
@@ -502,9 +563,12 @@ def write_toy(root, seed=TOY_SEED):
     write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
 
 
+TOY_DIR = "toy-v2"  # v2 added the instances files; bump on any change so stale caches are never read
+
+
 def toy_root(data_root=None):
-    """The toy data_root (data_root/toy, or ~/.cache/hyper-icl/toy), generated if it is not there."""
-    return generated(toy_folder("toy", data_root), write_toy)
+    """The toy data_root (data_root/toy-v2, or ~/.cache/hyper-icl/toy-v2), generated if it is not there."""
+    return generated(toy_folder(TOY_DIR, data_root), write_toy)
 
 
 def toy_folder(name, data_root=None):
@@ -753,6 +817,47 @@ def demonstrations(query_ids, support, m, seed):
         picks = random.Random(query_seed(seed, qid)).sample(range(len(support)), m + 1)  # one spare for the query
         icds.append([support[i] for i in picks if support[i].id != qid][:m])
     return icds
+
+
+def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
+    """Each item's image features under a frozen encoder, [len(items), d] float32, computed once and cached.
+
+    encode(list of PIL images) -> [n, d]. Each distinct image is encoded once, in batches, with a progress bar. The
+    cache file is named by a hash of encoder_id and of every item's id, image path, file size and modification
+    time, so a change of the encoder or of the data is a different file (recomputed, never a stale read).
+    """
+    stat = lambda p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None
+    spec = {"encoder": encoder_id, "items": [[it.id, it.image_path, stat(it.image_path)] for it in items]}
+    path = os.path.join(cache_dir, hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:32] + ".safetensors")
+    if os.path.exists(path):
+        return load_file(path)["features"]
+    paths = list(dict.fromkeys(it.image_path for it in items))
+    by_path = {it.image_path: it for it in items}  # an item that shows each image
+    feats = []
+    for i in tqdm(range(0, len(paths), batch_size), desc=f"image features ({encoder_id})", unit="batch"):
+        feats.append(encode([load_image(by_path[p]) for p in paths[i:i + batch_size]]).float().cpu())
+    row = {p: k for k, p in enumerate(paths)}
+    features = torch.cat(feats)[[row[it.image_path] for it in items]].contiguous()
+    from model import atomic_write  # here, not at the top: model.py imports data.py
+    atomic_write(path, lambda f: f.write(save({"features": features})))
+    return features
+
+
+def rices_demonstrations(query_ids, query_features, support, support_features, m):
+    """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar.
+
+    Never the query itself (same id). Order: least to most similar, so the most similar ICD is the last one, right
+    before the query. Equal similarities rank in support order. Returns m ICDs per query, as `demonstrations` does.
+    """
+    if len(support) <= m:
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+    sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
+    ids = torch.tensor([it.id for it in support])
+    if sim.isnan().any():
+        raise ValueError("RICES: the image features contain NaN")
+    sim[ids[None, :] == torch.tensor(query_ids)[:, None]] = -math.inf  # the query is never its own ICD
+    order = torch.argsort(-sim, dim=-1, stable=True)[:, :m]  # most similar first
+    return [[support[j] for j in reversed(row.tolist())] for row in order]
 
 # ------------------------------------------------------------------------------------------------------ prompts
 

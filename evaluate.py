@@ -14,9 +14,11 @@ the analyses of the appendices (Table 9, Table 10).
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import random
 import re
 import shlex
 import statistics
@@ -24,6 +26,7 @@ import time
 from collections import Counter
 
 import torch
+from safetensors.torch import load_file, save
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -263,6 +266,189 @@ def seed_scores(items, predictions):
 
 
 # -----------------------------------------------------------------------------
+# CHAIR (Rohrbach et al. 2018, "Object Hallucination in Image Captioning"; Table 5)
+
+# The 80 COCO categories (the names of instances_*2014.json) and the words a caption may use for each, in singular
+# form (captions are singularised first). Written for this project after the synonym list of Rohrbach et al.: the
+# category name first, then its synonyms, multi-word ones included.
+COCO_SYNONYMS = {
+    "person": "person, people, man, woman, boy, girl, child, kid, baby, adult, lady, guy, gentleman, male, female, "
+              "player, rider, skier, snowboarder, surfer, skater, skateboarder, biker, cyclist, pedestrian, "
+              "passenger, driver, worker, chef, cook, baker, officer, policeman, cop, soldier, doctor, nurse, "
+              "student, teenager, teen, toddler, infant, mother, father, mom, dad, brother, sister, son, "
+              "daughter, bride, groom, cowboy, pitcher, batter, catcher, umpire, tourist, traveler, spectator, "
+              "customer, vendor, human",
+    "bicycle": "bicycle, bike, tricycle, unicycle",
+    "car": "car, automobile, taxi, cab, sedan, van, suv, jeep, minivan",
+    "motorcycle": "motorcycle, motorbike, motor bike, motor cycle, scooter, moped, dirt bike",
+    "airplane": "airplane, aeroplane, air plane, plane, jet, airliner, aircraft, jetliner",
+    "bus": "bus, trolley, minibus, double decker",
+    "train": "train, locomotive, tram, subway, railcar",
+    "truck": "truck, lorry",
+    "boat": "boat, ship, kayak, canoe, sailboat, yacht, ferry, raft, vessel, rowboat",
+    "traffic light": "traffic light, traffic signal, stop light, stoplight, street light",
+    "fire hydrant": "fire hydrant, hydrant",
+    "stop sign": "stop sign",
+    "parking meter": "parking meter",
+    "bench": "bench",
+    "bird": "bird, duck, goose, pigeon, seagull, gull, parrot, owl, eagle, hawk, swan, chicken, hen, rooster, "
+            "crow, sparrow, penguin, flamingo, pelican",
+    "cat": "cat, kitten, kitty",
+    "dog": "dog, puppy, pup, doggy, poodle, terrier, bulldog, retriever, labrador",
+    "horse": "horse, pony, foal, stallion, mare, colt",
+    "sheep": "sheep, lamb, goat",
+    "cow": "cow, cattle, bull, calf, ox, oxen, heifer",
+    "elephant": "elephant",
+    "bear": "bear, grizzly, cub",
+    "zebra": "zebra",
+    "giraffe": "giraffe",
+    "backpack": "backpack, knapsack, rucksack",
+    "umbrella": "umbrella, parasol",
+    "handbag": "handbag, purse, bag",
+    "tie": "tie, necktie, bow tie",
+    "suitcase": "suitcase, suit case, luggage, briefcase",
+    "frisbee": "frisbee, flying disc",
+    "skis": "skis, ski",
+    "snowboard": "snowboard",
+    "sports ball": "sports ball, ball, football, soccer ball, baseball, basketball, tennis ball, volleyball",
+    "kite": "kite",
+    "baseball bat": "baseball bat, bat",
+    "baseball glove": "baseball glove, glove, mitt",
+    "skateboard": "skateboard",
+    "surfboard": "surfboard, surf board, paddle board",
+    "tennis racket": "tennis racket, racket, racquet",
+    "bottle": "bottle",
+    "wine glass": "wine glass, glass",
+    "cup": "cup, mug, teacup",
+    "fork": "fork",
+    "knife": "knife",
+    "spoon": "spoon",
+    "bowl": "bowl",
+    "banana": "banana",
+    "apple": "apple",
+    "sandwich": "sandwich, burger, hamburger",
+    "orange": "orange",
+    "broccoli": "broccoli",
+    "carrot": "carrot",
+    "hot dog": "hot dog, hotdog",
+    "pizza": "pizza",
+    "donut": "donut, doughnut",
+    "cake": "cake, cupcake, cheesecake",
+    "chair": "chair, seat, stool, armchair",
+    "couch": "couch, sofa, loveseat",
+    "potted plant": "potted plant, plant, houseplant, flower pot",
+    "bed": "bed",
+    "dining table": "dining table, table, desk",
+    "toilet": "toilet, urinal, commode",
+    "tv": "tv, television, monitor",
+    "laptop": "laptop, laptop computer, computer",
+    "mouse": "mouse",
+    "remote": "remote, remote control, controller",
+    "keyboard": "keyboard",
+    "cell phone": "cell phone, mobile phone, phone, cellphone, smartphone, telephone",
+    "microwave": "microwave",
+    "oven": "oven, stove",
+    "toaster": "toaster",
+    "sink": "sink",
+    "refrigerator": "refrigerator, fridge, freezer",
+    "book": "book, novel",
+    "clock": "clock",
+    "vase": "vase",
+    "scissors": "scissors, scissor",
+    "teddy bear": "teddy bear, teddy, teddybear",
+    "hair drier": "hair drier, hair dryer, hairdryer, blow dryer",
+    "toothbrush": "toothbrush, tooth brush",
+}
+# Phrases read as another word before matching, as in Rohrbach et al.: an age qualifier or "passenger" before an
+# animal or a vehicle is not a person ("baby elephant" -> elephant), and a toilet seat is the toilet, not a chair.
+TOY_SYNONYMS = {s: f"{s}, {alt}" for s, alt in D.SHAPES.items()}  # toy-caption's categories (data.toy_instances)
+_ANIMALS = ("bird", "cat", "dog", "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "animal", "cub")
+_READ_AS = {f"{q} {a}": a for q in ("baby", "adult") for a in _ANIMALS} | \
+    {"passenger jet": "jet", "passenger train": "train", "toilet seat": "toilet"}
+_IRREGULAR = {"people": "people", "children": "child", "mice": "mouse", "knives": "knife", "geese": "goose",
+              "oxen": "oxen", "calves": "calf", "feet": "foot", "teeth": "tooth", "wolves": "wolf", "leaves": "leaf",
+              "shelves": "shelf", "loaves": "loaf", "halves": "half", "wives": "wife"}
+
+
+def singularize(word):
+    """The singular of an English noun, by rule (irregular forms, -men, -ies, -(s|x|z|ch|sh)es, -s); words ending in
+    ss / us / is, and words of at most three letters, are kept (glass, bus, skis, yes)."""
+    if word in _IRREGULAR:
+        return _IRREGULAR[word]
+    if word.endswith("men") and word not in ("omen", "specimen"):
+        return word[:-3] + "man"
+    if len(word) <= 3 or word.endswith(("ss", "us", "is")):
+        return word
+    if word.endswith("ies") and len(word) > 4:
+        return word[:-3] + "y"
+    if word.endswith(("sses", "uses", "xes", "zes", "ches", "shes")):
+        return word[:-2]
+    return word[:-1] if word.endswith("s") else word
+
+
+def chair_vocabulary(categories, synonyms=None):
+    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (default
+    COCO_SYNONYMS; a category missing from it is read by its own name)."""
+    synonyms = COCO_SYNONYMS if synonyms is None else synonyms
+    return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
+
+
+def caption_objects(caption, vocabulary):
+    """The object mentions of a caption, in order, with repetition: [(word, category)].
+
+    Tokenised as for CIDEr, each word singularised, then the longest phrase of up to three words that is a synonym
+    (or a _READ_AS phrase) is taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy bear).
+    "seat" does not count when the caption mentions a toilet.
+    """
+    words, out, i = [singularize(w) for w in tokenize_caption(caption)], [], 0
+    while i < len(words):
+        for n in (3, 2, 1):
+            phrase = " ".join(words[i:i + n])
+            if n == 1 or phrase in vocabulary or phrase in _READ_AS:
+                out.append(_READ_AS.get(phrase, phrase))
+                i += n
+                break
+    if "toilet" in out:
+        out = [w for w in out if w != "seat"]
+    return [(w, vocabulary[w]) for w in out if w in vocabulary]
+
+
+def chair(captions, annotated, references, vocabulary):
+    """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions.
+
+    captions: {id: generated caption}; annotated: {id: set of categories in the image's instance annotations};
+    references: {id: [reference captions]}. An image's ground-truth objects are its annotated categories plus the
+    categories its references mention. A mention is hallucinated if its category is not among them.
+        CHAIR_i = hallucinated mentions / all mentions       (mentions counted with repetition)
+        CHAIR_s = captions with a hallucinated mention / captions
+        Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
+    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0.
+    Returns ({"chair_s", "chair_i", "recall"}, {id: hallucinated words}).
+    """
+    mentions = hallucinated = bad_captions = covered = truth_total = 0
+    per_caption = {}
+    for i, caption in captions.items():
+        truth = set(annotated[i]) | {c for r in references[i] for _, c in caption_objects(r, vocabulary)}
+        found = caption_objects(caption, vocabulary)
+        per_caption[i] = [w for w, c in found if c not in truth]
+        mentions, hallucinated = mentions + len(found), hallucinated + len(per_caption[i])
+        bad_captions += bool(per_caption[i])
+        covered, truth_total = covered + len({c for _, c in found} & truth), truth_total + len(truth)
+    return {"chair_s": bad_captions / len(captions), "chair_i": hallucinated / mentions if mentions else 0.0,
+            "recall": covered / truth_total if truth_total else 0.0}, per_caption
+
+
+def chair_metrics(items, predictions):
+    """Table 5 for caption items: CHAIR_s, CHAIR_i and Recall x 100, with the objects of the COCO instances files of
+    the items' image folders (data.read_instances) and the items' reference captions."""
+    annotated, categories = D.read_instances(items)
+    vocabulary = chair_vocabulary(categories, COCO_SYNONYMS | TOY_SYNONYMS)
+    result, _ = chair({it.id: p for it, p in zip(items, predictions)}, annotated,
+                      {it.id: it.answers for it in items}, vocabulary)
+    return {k: 100 * v for k, v in result.items()}
+
+
+# -----------------------------------------------------------------------------
 # inference (Section 4.1: greedy decoding, batched, left-padded prompts from data.py)
 
 _ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
@@ -365,25 +551,29 @@ def score(kind, items, predictions):
     return "cider", 100 * cider
 
 
-def evaluate(backbone, args, items, setting):
-    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random ICDs, an adapter) on --n-eval items.
+def evaluate(backbone, args, items, setting, vector=None):
+    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
+    function vector: `vector` as load_vector returns it) on --n-eval items.
 
     Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
     .metrics.json, prints one summary line and returns the metrics.
     """
-    icds = None
-    if args.shots:  # Direct-ICD baseline: random demonstrations from the training split
+    icds, (steering, vector_info) = None, vector or (None, {})
+    if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
-        icds = D.demonstrations([it.id for it in items], support, args.shots, args.seed)
+        icds = train.choose_demonstrations(backbone, args, items, support, args.shots)
     kind = D.TASKS[args.task].kind
     likelihood = kind == "choice" and args.seed_protocol == "likelihood"
-    predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
-        predict(backbone, args.task, items, icds, args.batch_size)
+    with M.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
+        predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
+            predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
+    extra = chair_metrics(items, predictions) if args.chair else {}
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}" + (f"-{args.seed_protocol}"
                                                                           if kind == "choice" else ""))
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
-               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items), metric: value}
+               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
+               metric: value, **vector_info, **extra}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
@@ -398,8 +588,8 @@ def evaluate(backbone, args, items, setting):
         write_mme_results(os.path.join(args.out, f"{args.task}-{args.split}-{setting}.mme"), items, predictions)
     with open(stem + ".metrics.json", "w") as f:
         json.dump(metrics, f, indent=2)
-    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f} on {len(items)} items "
-          f"-> {stem}.metrics.json")
+    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
+          + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
     if kind == "yes-no":
         m = metrics["mme"]
         print(f"MME perception {m['perception']:.2f}, cognition {m['cognition']:.2f}; " +
@@ -422,6 +612,173 @@ def write_mme_results(folder, items, predictions):
     for subtask, rows in lines.items():
         with open(os.path.join(folder, subtask + ".txt"), "w") as f:
             f.writelines(rows)
+
+
+# -----------------------------------------------------------------------------
+# training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
+#
+# Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
+# prompt at the last prompt token of one decoder layer (model.steer: a forward hook); the FV, as Todd et al.'s code
+# does, also to each generated token. The layer is the one with the lowest target cross-entropy on queries held out
+# of the training split (never the evaluation split).
+
+VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
+FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
+FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect (Todd et al.: 25)
+
+
+def vector_sets(pool, args, shots):
+    """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer.
+
+    The training split is shuffled with --seed; the first --vector-heldout items are held out, the next N are the
+    extraction queries; their ICDs are drawn at random from the whole split (never the query itself)."""
+    order = random.Random(args.seed).sample(range(len(pool)), len(pool))
+    heldout = [pool[i] for i in order[:args.vector_heldout]]
+    queries = [pool[i] for i in order[args.vector_heldout:args.vector_heldout + args.vector_sets]]
+    if len(queries) < args.vector_sets:
+        raise ValueError(f"--vector-sets {args.vector_sets} + --vector-heldout {args.vector_heldout} exceed the "
+                         f"{len(pool)} training items of {args.task}")
+    return queries, D.demonstrations([q.id for q in queries], pool, shots, args.seed), heldout
+
+
+def shuffled_labels(icds, seed):
+    """Todd et al.'s corrupted prompts: each ICD list with its targets shuffled among its ICDs."""
+    rng = random.Random(seed)
+    return [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
+            for ds in icds]
+
+
+def target_batches(backbone, kind, queries, icds, batch_size):
+    """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token."""
+    icds = icds or [[] for _ in queries]
+    out = []
+    for i in range(0, len(queries), batch_size):
+        rows = [D.encode(backbone.processor, backbone.family, kind, d, q)
+                for d, q in zip(icds[i:i + batch_size], queries[i:i + batch_size])]
+        batch = D.collate(rows, backbone.processor, backbone.family)
+        out.append((batch, (batch["labels"] != -100).int().argmax(1) - 1))
+    return out
+
+
+@torch.no_grad()
+def icl_means(backbone, kind, queries, icds, batch_size):
+    """Means over the ICL prompts of each decoder layer's output at the last prompt token, [L, d] (the task vector
+    of every layer, Hendel et al.), and of each head's output there, [L, H, d_h] (Todd et al.'s mean activations)."""
+    model, states, heads = backbone.model, {}, {}
+    for i in tqdm(range(0, len(queries), batch_size), desc="ICL means", unit="batch"):
+        batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
+                               icds[i:i + batch_size])
+        with M.layer_outputs(model, states), M.head_outputs(model, heads):
+            model(**D.model_inputs(batch, device_of(model)))
+    mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
+    return mean(states), mean(heads)
+
+
+def answer_probability(backbone, batch, positions):
+    """Probability of each row's first answer token at its last prompt token: [B]."""
+    device = device_of(backbone.model)
+    logits = backbone.model(**D.model_inputs(batch, device)).logits
+    rows, positions = torch.arange(len(positions), device=device), positions.to(device)
+    return logits[rows, positions].float().softmax(-1)[rows, batch["labels"].to(device)[rows, positions + 1]]
+
+
+@torch.no_grad()
+def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed):
+    """Average indirect effect of every head (Todd et al. 2024), [L, H]: on ICL prompts whose ICD labels are
+    shuffled, the rise of the first answer token's probability when the head's output at the last prompt token is
+    replaced by its mean over clean prompts (model.set_head_output), averaged over the prompts."""
+    batches = target_batches(backbone, kind, queries, shuffled_labels(icds, seed), batch_size)
+    base = [answer_probability(backbone, b, p) for b, p in batches]
+    layers, heads, _ = M.attention_shape(backbone.model)
+    aie = torch.zeros(layers, heads, dtype=torch.float64)
+    for l, h in tqdm([(l, h) for l in range(layers) for h in range(heads)], desc="indirect effects", unit="head"):
+        for (batch, positions), p0 in zip(batches, base):
+            with M.set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
+                aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
+    return aie / len(queries)
+
+
+def function_vector(model, mean_heads, aie, k):
+    """Todd et al.'s FV: the sum over the k heads of largest average indirect effect of what each adds to the
+    residual stream with its mean output (model.head_contribution). Returns ([d], the heads as [k, 2] (layer, head))."""
+    top = aie.flatten().topk(k).indices
+    heads = torch.stack([top // aie.shape[1], top % aie.shape[1]], 1)
+    fv = sum(M.head_contribution(model, l, h, mean_heads[l, h]) for l, h in heads.tolist())
+    return fv.float().cpu(), heads
+
+
+@torch.no_grad()
+def heldout_losses(backbone, batches, vectors, add):
+    """Per decoder layer l: the mean target cross-entropy of the held-out queries (zero-shot, teacher-forced) with
+    vectors[l] put in at layer l and the last prompt token (replaced: TV; added: FV). The layer choice."""
+    device, losses = device_of(backbone.model), []
+    for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
+        total = count = 0
+        for batch, positions in batches:
+            with M.steer(backbone.model, l, vectors[l], positions, add):
+                logits = backbone.model(**D.model_inputs(batch, device)).logits
+            total += train.supervised_loss(logits, batch["labels"].to(device)).item() * len(positions)
+            count += len(positions)
+        losses.append(total / count)
+    return torch.tensor(losses)
+
+
+def vector_path(backbone, args, shots):
+    """Where a vector is saved: runs/vectors/<model>-<task>-<tv|fv>-<hash of everything it depends on>."""
+    spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
+                sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
+                **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-{key}.safetensors"
+    return os.path.join("runs", "vectors", name)
+
+
+def compute_vector(backbone, args, shots):
+    """Extract a TV or FV from the training split and score every layer on the held-out queries.
+
+    Returns tensors: "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses"
+    [L]; FV also "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
+    kind, pool = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
+    queries, icds, heldout = vector_sets(pool, args, shots)
+    states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size)
+    out = {}
+    if args.vector == "tv":
+        out["vectors"] = states
+    else:
+        out["aie"] = indirect_effects(backbone, kind, queries[:args.fv_trials], icds[:args.fv_trials], mean_heads,
+                                      args.batch_size, args.seed).float()
+        fv, out["heads"] = function_vector(backbone.model, mean_heads, out["aie"], args.fv_heads)
+        out |= {"mean_heads": mean_heads, "vectors": fv.expand(len(states), -1).contiguous()}
+    batches = target_batches(backbone, kind, heldout, None, args.batch_size)
+    out["losses"] = heldout_losses(backbone, batches, out["vectors"], add=args.vector == "fv")
+    return out
+
+
+def load_vector(backbone, args):
+    """The TV or FV for --vector, computed once (compute_vector) and saved, else read back. Returns the steering
+    (layer, vector, add) evaluate() applies and the facts the metrics file records."""
+    shots = args.shots or D.default_shots(args.task, backbone.family)
+    layers, heads, _ = M.attention_shape(backbone.model)
+    if args.vector_layer is not None and not 0 <= args.vector_layer < layers:
+        raise ValueError(f"--vector-layer {args.vector_layer} is out of range: {backbone.name} has decoder layers "
+                         f"0..{layers - 1}")
+    if args.vector == "fv" and not 0 < args.fv_heads <= layers * heads:
+        raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
+    path = vector_path(backbone, args, shots)
+    if os.path.exists(path):
+        saved = load_file(path)
+        print(f"{args.vector}: read {path}")
+    else:
+        saved = compute_vector(backbone, args, shots)
+        M.atomic_write(path, lambda f: f.write(save({k: v.contiguous() for k, v in saved.items()})))
+        print(f"{args.vector}: computed and saved to {path}")
+    layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
+    info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
+            "vector_sets": args.vector_sets, "heldout_losses": saved["losses"].tolist()}
+    if args.vector == "fv":
+        info["fv_heads"] = saved["heads"].tolist()
+    fv = args.vector == "fv"
+    return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
 # -----------------------------------------------------------------------------
@@ -693,6 +1050,7 @@ def parse_args(argv=None):
                                              "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For "
                                              "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
                                              "data.default_shots: 2 for MME and SEED)")
+    train.add_icd_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
@@ -721,6 +1079,23 @@ def parse_args(argv=None):
                       "the real-size anchor regime (kappa d = 400), each evaluated; writes compare.md and compare.png")
     p.add_argument("--train-args", default="", help="with --compare: extra train.py flags for every adapter row, "
                    "e.g. '--epochs 1' for a quick look (default: train.py's own defaults, the paper's settings)")
+    p.add_argument("--vector", choices=["tv", "fv"], help="evaluate zero-shot with a training-free in-context vector "
+                   "(Table 1): tv = task vector (Hendel et al. 2023), fv = function vector (Todd et al. 2024), "
+                   "computed once from --vector-sets ICL prompts of --shots ICDs (default: the paper's) of the "
+                   "training split and saved under runs/vectors/")
+    p.add_argument("--vector-layer", type=int, help="decoder layer (0-based) the vector goes in (default: the one "
+                   "with the lowest target loss on --vector-heldout training queries)")
+    p.add_argument("--vector-sets", type=int, default=VECTOR_SETS, help="ICL prompts averaged into the vector "
+                   "(default: %(default)s, as Todd et al.'s mean activations)")
+    p.add_argument("--vector-heldout", type=int, default=32, help="training queries held out to choose the layer "
+                   "(default: %(default)s)")
+    p.add_argument("--fv-heads", type=int, default=FV_HEADS, help="k, heads summed into a function vector "
+                   "(default: %(default)s, Todd et al.'s |A|)")
+    p.add_argument("--fv-trials", type=int, default=FV_TRIALS, help="corrupted prompts for each head's average "
+                   "indirect effect (default: %(default)s, Todd et al.'s)")
+    p.add_argument("--chair", action="store_true", help="also CHAIR_s, CHAIR_i and object Recall (Table 5) of the "
+                   "captions, from coco/annotations/instances_{train,val}2014.json under --data-root (coco, "
+                   "toy-caption)")
     p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
                    "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
@@ -731,10 +1106,17 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
     if args.random_weights and not args.benchmark:
         p.error("--random-weights only makes sense with --benchmark")
+    if args.icds == "rices" and not args.shots:
+        p.error("--icds rices chooses demonstrations: give their number with --shots N")
+    if args.chair and args.task not in ("coco", "toy-caption"):
+        p.error(f"--chair scores COCO captions against COCO instance annotations (coco, toy-caption), not {args.task}")
     if args.random_weights and not torch.cuda.is_available():
         p.error("--random-weights runs a real-size backbone and needs a CUDA GPU")
     default = default_checkpoint(args.model, args.task)
-    if args.checkpoint is None and args.shots is None and not args.benchmark and os.path.isfile(default):
+    if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
+        p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
+    if args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
+            os.path.isfile(default):
         args.checkpoint = default
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
@@ -856,8 +1238,8 @@ def run(args):
         backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
     else:
         backbone = M.load_backbone(args.model)
-    setting = f"{args.shots or 0}-shot"
-    default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity) and \
+    setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+    default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) and \
         args.checkpoint in (None, default_checkpoint(args.model, args.task))
     if args.checkpoint:
         method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
@@ -865,15 +1247,17 @@ def run(args):
         print(f"adapter: {args.checkpoint} ({method})")
     elif not args.benchmark:
         default = default_checkpoint(args.model, args.task)
-        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None else ""))
+        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
+                                                      not args.vector else ""))
     if args.benchmark:
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
     if not items:
         raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if not (args.gates or args.hyperbolicity):
-        return evaluate_with_baselines(backbone, args, items, setting) if default_job else \
-            evaluate(backbone, args, items, setting)
+        if default_job:
+            return evaluate_with_baselines(backbone, args, items, setting)
+        return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
     if train.process()[0] != 0:
         return result

@@ -214,6 +214,108 @@ def without_adapter(model):
             hook_live(model)
 
 
+# ------------------------------------------------------------------------- hooks for in-context vectors (TV, FV)
+
+def _rows_at(h, positions):
+    """(row index, position index) selecting position positions[b] of each row b (the last one when None)."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return rows, torch.full_like(rows, h.shape[1] - 1) if positions is None else positions.to(h.device)
+
+
+@contextlib.contextmanager
+def steer(model, layer, vector, positions=None, add=False, decoding=False):
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
+    `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
+    Todd et al. 2024).
+
+    positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
+    prompt). Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding`
+    (Todd et al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens
+    see it through the KV cache). A forward hook on the layer module; nothing else changes.
+    """
+    def hook(module, inputs, output):
+        h = output[0] if isinstance(output, tuple) else output
+        if h.shape[1] == 1 and not decoding:
+            return None
+        rows, cols = _rows_at(h, positions)
+        h = h.clone()
+        h[rows, cols] = vector.to(h.device, h.dtype) + (h[rows, cols] if add else 0)
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+    handle = model.get_decoder().layers[layer].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def layer_outputs(model, store, positions=None):
+    """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
+    [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
+    def record(layer):
+        def hook(module, inputs, output):
+            h = output[0] if isinstance(output, tuple) else output
+            if h.shape[1] > 1:
+                store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
+        return hook
+    handles = [m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers)]
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def head_outputs(model, store, positions=None):
+    """Record, per decoder layer, every head's output (the input of the output projection o_proj, head-major) at one
+    position per row (None: the last): store[l] gets a [B, H, d_h] tensor per forward pass over the prompt."""
+    _, heads, head_dim = attention_shape(model)
+
+    def record(layer):
+        def hook(module, inputs):
+            x = inputs[0]
+            if x.shape[1] > 1:
+                rows, cols = _rows_at(x, positions)
+                store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
+        return hook
+    handles = [a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(decoder_self_attentions(model))]
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def set_head_output(model, layer, head, value, positions=None):
+    """Replace head `head`'s output at decoder layer `layer` (its slice of o_proj's input) by `value` [d_h] at one
+    position per row (None: the last), on forward passes over the prompt: Todd et al.'s activation patching."""
+    _, _, head_dim = attention_shape(model)
+
+    def hook(module, inputs):
+        x = inputs[0]
+        if x.shape[1] == 1:
+            return None
+        rows, cols = _rows_at(x, positions)
+        x = x.clone()
+        x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.device, x.dtype)
+        return (x, *inputs[1:])
+    handle = decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def head_contribution(model, layer, head, value):
+    """What head `head` of layer `layer` adds to the residual stream when it outputs `value` [..., d_h]: its
+    columns of o_proj's weight times value (no bias: that belongs to no head). Returns [..., d]."""
+    _, _, head_dim = attention_shape(model)
+    w = decoder_self_attentions(model)[layer].o_proj.weight[:, head * head_dim:(head + 1) * head_dim]
+    return value.to(w.device, w.dtype) @ w.T
+
+
 # ------------------------------------------------------------------------------------------------ save and load
 
 def _describe(backbone_name, model):
@@ -399,6 +501,73 @@ def backbone(model, processor, family, name):
     positions = model.config.get_text_config().max_position_embeddings
     processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
     return Backbone(model, processor, family, name)
+
+
+# ------------------------------------------------------------------------------- image encoders (for RICES)
+
+@torch.no_grad()
+def vision_tower_features(backbone, images):
+    """The backbone's own vision tower, pooled: the mean of its last hidden states over an image's patches.
+
+    images: PIL images. Returns [n, d_vision] float32. Idefics2 images are encoded whole (no splitting) and only
+    their real (unpadded) patches are averaged; LLaVA-OneVision's base tile is the whole image, resized.
+    """
+    model, family = backbone.model, backbone.family
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    process = backbone.processor.image_processor
+    if family == "idefics2":
+        out = process([[im] for im in images], do_image_splitting=False, return_tensors="pt")
+        pixels, mask = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0]
+        p = model.config.vision_config.patch_size
+        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]: any real pixel
+        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real)
+        hidden = hidden.last_hidden_state
+        keep = real.flatten(1)[..., None].to(hidden.dtype)
+        return ((hidden * keep).sum(1) / keep.sum(1)).float()
+    out = process(images, return_tensors="pt")
+    pixels = out if torch.is_tensor(out) else out["pixel_values"]  # Idefics' processor returns the tensor itself
+    if family == "llava-onevision":
+        pixels = pixels[:, 0]
+    tower = model.model.vision_model if family == "idefics" else model.model.vision_tower
+    return tower(pixel_values=pixels.to(device, dtype)).last_hidden_state.mean(1).float()
+
+
+def clip_encoder(hub_id, device="cpu"):
+    """A CLIP checkpoint's image encoder (hub id or local path), loaded with transformers: images -> its projected
+    image embedding [n, d] float32. A checkpoint that cannot be loaded is a ValueError naming it."""
+    from transformers import AutoImageProcessor, AutoModel
+    try:
+        clip, process = AutoModel.from_pretrained(hub_id).to(device).eval(), AutoImageProcessor.from_pretrained(hub_id)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the RICES image encoder {hub_id!r} ({e}); leave out --rices-encoder to use the "
+                         "backbone's own vision tower, which works offline") from e
+
+    @torch.no_grad()
+    def encode(images):
+        out = clip.get_image_features(pixel_values=process(images, return_tensors="pt")["pixel_values"].to(device))
+        return (out if torch.is_tensor(out) else out.pooler_output).float()
+    return encode
+
+
+def image_encoder(backbone, hub_id=None):
+    """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
+
+    Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
+    CLIP checkpoint (clip_encoder).
+    """
+    if hub_id:
+        return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
+    h = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
+    for p in vision_tower_params(backbone):
+        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
+    return (lambda images: vision_tower_features(backbone, images)), encoder_id
+
+
+def vision_tower_params(backbone):
+    """The parameters of the backbone's vision tower."""
+    inner = backbone.model.model
+    return list((inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters())
 
 
 # --------------------------------------------------------------------------------------------------- tiny twins

@@ -58,6 +58,7 @@ def parse_args(argv=None):
                    "its own loss (see --anchor)")
     p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
                    "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
+    add_icd_flags(p)
     p.add_argument("--n-train", type=int, default=1000, help="training queries (paper: 1000)")
     p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
                    "best epoch (by their loss; the evaluation split is never used)")
@@ -131,6 +132,28 @@ def method_sizes(args):
     if args.method in ("mimic", "live"):
         return {}
     return {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
+
+
+def add_icd_flags(p):
+    """--icds, --rices-encoder, --rices-cache: how demonstrations are chosen (train.py's teacher, evaluate.py)."""
+    p.add_argument("--icds", default="random", choices=["random", "rices"], help="how a query's demonstrations are "
+                   "chosen from the training split: at random, or by RICES (the most similar images by cosine "
+                   "similarity of a frozen image encoder's pooled features, most similar right before the query)")
+    p.add_argument("--rices-encoder", help="RICES's image encoder: a CLIP checkpoint's hub id or path, loaded with "
+                   "transformers (default: the backbone's own vision tower, mean-pooled; works offline)")
+    p.add_argument("--rices-cache", default=os.path.expanduser("~/.cache/hyper-icl/rices"),
+                   help="folder of cached RICES image features, one file per encoder and item list")
+
+
+def choose_demonstrations(backbone, args, queries, support, shots):
+    """The ICDs of each query: random (data.demonstrations) or RICES (data.rices_demonstrations on the features of
+    model.image_encoder, cached by data.image_features)."""
+    ids = [q.id for q in queries]
+    if args.icds == "random":
+        return data.demonstrations(ids, support, shots, args.seed)
+    encode, encoder_id = M.image_encoder(backbone, args.rices_encoder)
+    features = lambda items: data.image_features(encode, encoder_id, items, args.rices_cache)
+    return data.rices_demonstrations(ids, features(queries), support, features(support), shots)
 
 
 def default_out(model, task, method):
@@ -470,7 +493,7 @@ def train(args):
     backbone = M.load_backbone(args.model, device=device)
     kind = data.TASKS[args.task].kind
     queries, heldout, pool, shots = split_pool(args, backbone.family)
-    icds = dict(zip((q.id for q in queries), data.demonstrations([q.id for q in queries], pool, shots, args.seed)))
+    icds = dict(zip((q.id for q in queries), choose_demonstrations(backbone, args, queries, pool, shots)))
     params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     rank, world = process()

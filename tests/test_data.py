@@ -146,7 +146,7 @@ def test_toy_is_written_in_the_official_formats_and_read_back(toy):
     root, tasks = toy
     assert {k: len(v) for k, v in tasks.items()} == {("toy-vqa", "train"): 300, ("toy-vqa", "val"): 100,
                                                       ("toy-caption", "train"): 300, ("toy-caption", "val"): 100}
-    assert os.path.isfile(root / "toy" / "vqav2" / "v2_OpenEnded_mscoco_train2014_questions.json")
+    assert os.path.isfile(root / data.TOY_DIR / "vqav2" / "v2_OpenEnded_mscoco_train2014_questions.json")
     vqa = tasks["toy-vqa", "train"]
     assert all(len(i.answers) == 10 and i.target == data.most_frequent(list(i.answers)) for i in vqa)
     assert 0.2 < sum(len(set(i.answers)) > 1 for i in vqa) / len(vqa) < 0.5  # some annotators disagree
@@ -161,7 +161,7 @@ def test_toy_is_seeded(toy, tmp_path):
     root, _ = toy
     data.write_toy(tmp_path / "again")
     for f in ("vqav2/v2_mscoco_val2014_annotations.json", "coco/dataset_coco.json"):
-        assert (tmp_path / "again" / f).read_text() == (root / "toy" / f).read_text()
+        assert (tmp_path / "again" / f).read_text() == (root / data.TOY_DIR / f).read_text()
 
 
 def test_toy_generation_is_atomic(tmp_path, monkeypatch):
