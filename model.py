@@ -132,6 +132,23 @@ def without_adapter(model):
     return attention_as(model, "sdpa")
 
 
+LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], whose last entry is after the final norm
+
+
+def layer_outputs(model, **inputs):
+    """model(**inputs) and P^(1), ..., P^(L), the output of each decoder layer (Eq 16 aligns these), read by forward
+    hooks on the decoder layers: (output, L x [B, T, d]). Unlike `output_hidden_states`, whose last entry is the L-th
+    output after the model's final norm, every P^(l) here is the layer's own output."""
+    states = []
+    record = lambda layer, args, out: states.append(out[0] if isinstance(out, tuple) else out)
+    hooks = [layer.register_forward_hook(record) for layer in model.get_decoder().layers]
+    try:
+        return model(**inputs), states
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 # ------------------------------------------------------------------------------------------------ save and load
 
 def _describe(backbone_name, model):
