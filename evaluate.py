@@ -118,21 +118,111 @@ def vqa_accuracy(prediction, answers):
     return sum(min(1.0, (total - m) / 3) for m in matches) / len(answers)
 
 
-# Tokens the official PTBTokenizer wrapper (pycocoevalcap/tokenizer/ptbtokenizer.py) drops after
-# tokenising; brackets and double quotes are here because PTB rewrites them as -LRB-, ``, '' etc.
-_PTB_DROPPED = {"''", "'", "``", "`", ".", "?", "!", ",", ":", "-", "--", "...", ";", '"', "(", ")", "{", "}"}
-_CLITIC = re.compile(r"(?<=\w)(n't|'s|'re|'ve|'ll|'d|'m)\b")
-_TOKEN = re.compile(r"'(?:s|re|ve|ll|d|m)\b|\w+(?:[-.,']\w+)*|\S")
+# Captions are tokenised as pycocoevalcap does: the Java Stanford PTBTokenizer (CoreNLP 3.4.1, its default options,
+# -preserveLines -lowerCase) on the raw caption, then ptbtokenizer.py drops the punctuation tokens below. Lowercasing
+# comes after tokenising (some rules look at case), so brackets become "-lrb-", "-rrb-", ... and stay: the official
+# drop list names "-LRB-", "-RRB-", "-LCB-", "-RCB-" in upper case, which no lowercased token matches.
+_PTB_DROPPED = {"''", "'", "``", "`", ".", "?", "!", ",", ":", "-", "--", "...", ";"}
+
+
+def _caseless_words(words):
+    """A regex alternation of words, case-insensitive except a first letter written in brackets ("[M]iss")."""
+    return "|".join(w[1] + f"(?i:{w[3:]})" if w.startswith("[") else f"(?i:{w})" for w in words.split())
+
+
+_L, _LD = r"[^\W\d_]", r"[^\W_]"    # a letter; a letter or digit
+_APOS, _APOS_ETC = "['\u0092\u2019]", "['`\u0091\u0092\u2018\u2019\u201B]"
+_WORD = rf"{_L}{_LD}*(?:[.!?]{_L}{_LD}*)*"
+_REDAUX = rf"{_APOS}(?:[msdMSD]|(?i:re|ve|ll))"          # 's 'm 'd 're 've 'll
+_SREDAUX = rf"[nN]{_APOS_ETC}[tT]"                          # n't
+_ACRO = r"[A-Za-z](?:\.[A-Za-z])*"                        # u.s, a.m, or a single letter
+_NUM = r"\d*(?:[.:,]\d+)+|\d+"                             # 2.5, 1,000, 5:30, 2
+_THING = rf"(?:[dDoOlL]{_APOS_ETC}{_LD})?{_LD}+"
+# PTB's abbreviations, which keep their period: ABBREV1 (usually followed by lower case), ABBREV2 (titles and
+# acronyms), ABBREV3 (only before a number).
+_ABBREV1 = _caseless_words(
+    "Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec Mon Tue Tues Wed Thu Thurs Fri "
+    "Ala Ariz [A]z [A]rk Calif Colo Conn Ct Dak [D]el Fla Ga [I]ll Ind Kans Kan Ky [L]a [M]ass Md Mich Minn [M]iss "
+    "Mo Mont Neb Nev Okla [O]re [P]a Penn Tenn [T]ex Va Vt [W]ash Wisc Wis Wyo "
+    "Inc Cos Co Corp Ltd Plc Rt Bancorp Bhd Assn Univ Intl Sys tel est ext sq Jr Sr Bros Ed.D Ph.D Blvd Rd Esq "
+    "etc al seq Bldg") + r"|(?i:pp?t)[ye](?i:s)?"
+_ABBREV2 = _caseless_words(
+    "Mr Mrs Ms [M]iss Dr Drs Prof Profs Sen Sens Rep Reps Atty Attys Lt Col Gen Messrs Gov Govs Adm Rev Maj Sgt Cpl "
+    "Pvt Capt St Ste Ave Pres Lieut Hon Brig Cmdr Comdr Pfc Spc Supt Supts Det Mt Ft Adj Adv Asst Assoc Ens Insp "
+    "Mlle Mme Msgr Sfc vs Alex Wm Jos Cie a.k.a cf TREAS Ph Invt Elec Natl Mfg Mtg Dept").replace(".", r"\.") \
+    + "|" + _ACRO
+_ABBREV3 = _caseless_words("ca fig figs prop no nos art bldg pp op")
+_APOWORD = "|".join([
+    rf"{_APOS}[nN]{_APOS}?",                                     # rock 'n' roll
+    rf"[lLdDjJ]{_APOS}", rf"(?i:dunkin|somethin|ol){_APOS}", rf"{_APOS}(?i:em|till?|cause)", rf"{_APOS}[2-9]0(?i:s)",
+    rf"[A-HJ-XZn]{_APOS_ETC}{_L}{{2,}}", rf"{_L}+[aeiouyAEIOUY]{_APOS_ETC}[aeiouA-Z]{_L}*",
+    r"(?i:cont'd\.?|'twas|nor'easter|c'mon|e'er|s'mores|ev'ry|li'l|nat'l)", rf"O{_APOS_ETC}o"])
+# (token, trailing context, output) in PTBLexer's rule order. At each position the rule whose token + context is
+# longest wins, ties going to the earlier rule; the token is emitted (as `output` when given) and lexing resumes
+# after it, so the context is read again. Rules whose output the official wrapper drops anyway are merged.
+_PTB_RULES = [(re.compile(tok), re.compile(ctx), out) for tok, ctx, out in [
+    ("(?i:can)", "(?i:not)", None),                              # cannot -> can not
+    ("'(?i:t)", "(?i:was|is)", None),                            # 'twas -> 't was
+    ("(?i:gon|wan)", "(?i:na)", None), ("(?i:got)", "(?i:ta)", None), ("(?i:lem|gim)", "(?i:me)", None),
+    (_WORD, _REDAUX, None),                                      # dog|'s
+    (r"[A-Za-z]*[A-MO-Za-mo-z]", _SREDAUX, None),                # do|n't, ca|n't
+    (_WORD, "", None),
+    (_APOWORD, "", None),
+    (_REDAUX, "[^A-Za-z]|$", None), (_SREDAUX, "[^A-Za-z]|$", None),
+    (r"\d{1,2}[-/]\d{1,2}[-/]\d{2,4}", "", None),                # dates
+    (rf"[-+]?(?:{_NUM})", "", None),
+    (r"(?:\d{1,4}-)?\d{1,4}\\?/\d{1,4}", "", None),               # 1/2, 1-1/2
+    (r"[A-Za-z0-9]+(?:-[A-Za-z]+){0,2}(?:\\?/[A-Za-z0-9]+(?:-[A-Za-z]+){0,2}){1,2}", "", None),  # and/or
+    (r"[A-Z]*\$|#", "", None),
+    (rf"(?:{_ABBREV3})\.", r"\s?\d", None),                      # no. 5
+    (rf"(?:{_ABBREV1})\.", r"(?s:.{0,2})", None),                 # etc.
+    (rf"(?:{_ABBREV2})\.", "", None),                             # mr., st., u.s.
+    (rf"{_APOS}\d\d", r"\s", None),                                # '90
+    (rf"{_WORD}\.", "[,;:]", None),
+    ('"', "", "``"), ("<|>", "", None),
+    (r"\{", "", "-LCB-"), (r"\}", "", "-RCB-"), (r"\[", "", "-LSB-"), (r"\]", "", "-RSB-"),
+    (r"\(", "", "-LRB-"), (r"\)", "", "-RRB-"),
+    ("-{3,4}", "", "--"), ("-+", "", None),
+    (r"\.{3,5}|(?:\.\s){2,4}\.|\u2026", "", "..."),
+    ("@+|#+|_+|\\*+", "", None), ("[,;:]", "", None), ("[?!]+", "", None), (r"\.", "", None), ("[=/]", "", None),
+    (rf"[A-Za-z0-9][A-Za-z0-9.,]*(?:-(?:[A-Za-z](?:\.[A-Za-z])+\.|[A-Za-z0-9]+))+", "", None),  # x-ray, 2.5-inch
+    (rf"{_THING}(?:-{_THING})*", "", None),
+    (r"[A-Z]+(?:[+&][A-Z]+)+", "", None),                          # AT&T
+    (rf"{_REDAUX}|{_SREDAUX}", "", None),
+    (rf"{_APOS_ETC}|''|[\u201A-\u201F\u0093\u0094\u2039\u203A\u00AB\u00BB]{{1,2}}", "", "''"),
+    (r"\S", "", None)]]
+
+
+def _ptb_tokens(s):
+    """The tokens of the Stanford PTBTokenizer rules above, before lowercasing and the wrapper's drop list."""
+    i, tokens = 0, []
+    while i < len(s):
+        if s[i].isspace():
+            i += 1
+            continue
+        best, length = None, 0
+        for tok, ctx, out in _PTB_RULES:
+            m = tok.match(s, i)
+            c = m and ctx.match(s, m.end())
+            if c and m.end() > i and c.end() - i > length:
+                best, length = (m, out), c.end() - i
+        m, out = best
+        tokens.append(out or m.group())
+        i = m.end()
+    return tokens
 
 
 def tokenize_caption(s):
-    """Pure-Python approximation of the Java Stanford PTBTokenizer (-lowerCase) plus the punctuation
-    removal of pycocoevalcap's ptbtokenizer.py. Lowercases; splits off clitics ("dog's" -> dog 's,
-    "don't" -> do n't) and symbols; keeps hyphenated words and numbers like 1,000 / 2.5 whole; drops
-    the punctuation tokens the official wrapper removes. Returns the list of tokens. Known differences
-    from Java PTB: abbreviations lose their final period ("mr." -> mr), brackets are dropped."""
-    s = _CLITIC.sub(r" \1", s.lower())
-    return [t for t in _TOKEN.findall(s) if t not in _PTB_DROPPED]
+    """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (longest match,
+    re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed. Clitics are
+    split ("dog's" -> dog 's, "don't" -> do n't) and so are "cannot" -> can not, "gonna" -> gon na, "gotta" ->
+    got ta; abbreviations keep their period ("u.s.", "st.", "etc."); numbers, times, fractions and dates stay whole
+    ("1,000", "2.5", "5:30", "1/2"), as do hyphenated words, "and/or", "'n'" and "'90s"; brackets become "-lrb-",
+    "-rrb-", ... and are kept. Returns the list of tokens. Left out: PTB's sentence-final acronym rule (a single
+    letter with a period before "The", "He", ... loses its period), which can look into the next caption of the
+    official tool's input file; URLs, e-mail addresses, phone numbers and SGML; characters no rule covers are kept
+    one by one, where PTB drops most of them."""
+    return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
 def _ngram_counts(words, n=4):

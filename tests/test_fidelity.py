@@ -5,6 +5,7 @@ import torch
 import data
 import model as M
 import train
+from evaluate import tokenize_caption
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
 
 
@@ -97,3 +98,65 @@ def test_a_query_without_aligned_tokens_is_left_out():
     mask = torch.tensor([[True, True, False, False], [False] * 4])
     assert torch.allclose(euclidean_anchor_loss(student, teacher, mask),
                           euclidean_anchor_loss(student[:, :1], teacher[:, :1], mask[:1]), rtol=1e-12)
+
+
+# ------------------------------------------------------------- captions: the PTB tokenizer as pycocoevalcap runs it
+# Expected tokens written by hand from the Stanford PTBTokenizer's rules (CoreNLP 3.4.1 PTBLexer, default options,
+# -lowerCase), then pycocoevalcap's drop list ('' ' `` ` . ? ! , : - -- ... ; and the upper-case -LRB- ...).
+
+@pytest.mark.parametrize("raw, expected", [
+    # abbreviations keep their period: acronyms and titles (ABBREV2), ABBREV1 even at the end of the caption
+    ("A bus in the U.S. on St. Mark's street", ["a", "bus", "in", "the", "u.s.", "on", "st.", "mark", "'s", "street"]),
+    ("Mr. Smith sells fruit, vegetables etc.", ["mr.", "smith", "sells", "fruit", "vegetables", "etc."]),
+    ("A t.v. on a stand", ["a", "t.v.", "on", "a", "stand"]),
+    ("The No. 5 bus", ["the", "no.", "5", "bus"]),               # ABBREV3: only before a number
+    ("He said no.", ["he", "said", "no"]),
+    ("A farm in Springfield, Ill.", ["a", "farm", "in", "springfield", "ill."]),  # [I]ll: capital I only
+    ("A man who looks ill.", ["a", "man", "who", "looks", "ill"]),
+    ("A horse.", ["a", "horse"]),                                # an ordinary word loses the sentence's period
+])
+def test_ptb_abbreviations(raw, expected):
+    assert tokenize_caption(raw) == expected
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("A clock showing 5:30 and 10:45.", ["a", "clock", "showing", "5:30", "and", "10:45"]),   # NUM: digits[.:,]digits
+    ("1/2 of a pizza and 1-1/2 cakes", ["1/2", "of", "a", "pizza", "and", "1-1/2", "cakes"]),  # FRAC
+    ("A 1,000 piece puzzle, 2.5 feet wide", ["a", "1,000", "piece", "puzzle", "2.5", "feet", "wide"]),
+    ("Dated 12/25/2014", ["dated", "12/25/2014"]),                                              # DATE
+])
+def test_ptb_numbers_times_fractions(raw, expected):
+    assert tokenize_caption(raw) == expected
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("A sign says cannot park", ["a", "sign", "says", "can", "not", "park"]),
+    ("Cannot", ["can", "not"]),
+    ("I'm gonna eat", ["i", "'m", "gon", "na", "eat"]),
+    ("You gotta see", ["you", "got", "ta", "see"]),
+    ("Wanna play? Lemme see", ["wan", "na", "play", "lem", "me", "see"]),
+    ("Don't, can't, they're", ["do", "n't", "ca", "n't", "they", "'re"]),
+])
+def test_ptb_split_assimilations_and_clitics(raw, expected):
+    assert tokenize_caption(raw) == expected
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("A rock 'n' roll band", ["a", "rock", "'n'", "roll", "band"]),
+    ("A car from the '90s", ["a", "car", "from", "the", "'90s"]),
+    ("At five o'clock", ["at", "five", "o'clock"]),
+    ("Two dogs' toys", ["two", "dogs", "toys"]),                 # a lone apostrophe is a quote: dropped
+])
+def test_ptb_apostrophe_words(raw, expected):
+    assert tokenize_caption(raw) == expected
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("A cat (black) on a [red] {mat}", ["a", "cat", "-lrb-", "black", "-rrb-", "on", "a", "-lsb-", "red", "-rsb-",
+                                        "-lcb-", "mat", "-rcb-"]),
+    ('A "stop" sign -- and... a dog; ok?', ["a", "stop", "sign", "and", "a", "dog", "ok"]),
+    ("Salt and/or pepper", ["salt", "and/or", "pepper"]),
+    ("A black-and-white x-ray", ["a", "black-and-white", "x-ray"]),
+])
+def test_ptb_brackets_quotes_and_compounds(raw, expected):
+    assert tokenize_caption(raw) == expected
