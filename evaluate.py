@@ -22,11 +22,11 @@ from collections import Counter
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
+from transformers.integrations.sdpa_attention import repeat_kv
 
 import data as D
 import lorentz
 import model as M
-from adapters import HiFICL, HyperICL
 import train
 
 # -----------------------------------------------------------------------------
@@ -392,16 +392,19 @@ def evaluate(backbone, args, items, setting):
 # -----------------------------------------------------------------------------
 # efficiency (Table 6): FLOPs and latency of one query, zero-shot vs adapter vs n-shot ICL
 
-WARMUP, REPEATS = 2, 10
+WARMUP, REPEATS = 1, 10  # the FLOP count (Table 6) or the peak-memory run (attention) warms up too
 BENCH_SHOTS = (8, 16, 32)
 # Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
 # LLaMA-style tokenizer splits them: BOS + the instruction line; one ICD's "Question: ... Short answer: ..." + end
 # token + newline (about 20 for a VQAv2 question); the query's question without the answer.
 PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
+MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's share of the cost shows on a CPU
+BEST_OF = 3  # latency: the best of this many medians, every setting measured once per round
 
 
-def synthetic_prompt(model, family, shots, seed=0):
-    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6).
+def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
+    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6);
+    the query has `query_text` text tokens.
 
     Per image, as the family's processor expands it: Idefics2 <fake_token_around_image>, 64 <image> (perceiver
     latents), <fake_token_around_image>, pixels at COCO's typical 480 x 640 (which its processor keeps as is);
@@ -431,7 +434,7 @@ def synthetic_prompt(model, family, shots, seed=0):
         image = lambda: torch.full((count,), image_id)
         pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
             {"pixel_values": torch.randn(n, 2, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n)}
-    pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else QUERY_TEXT)]) for i in range(n)]
+    pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else query_text)]) for i in range(n)]
     ids = torch.cat(pieces)[None]
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
         owner = torch.cat([torch.full_like(p, i - 1) for i, p in enumerate(pieces)])
@@ -444,7 +447,8 @@ def synthetic_prompt(model, family, shots, seed=0):
 def benchmark_prompt(backbone, args, shots):
     """The Table 6 input with `shots` ICDs: synthetic (--random-weights), else the first --split item of --task."""
     if backbone.processor is None:
-        batch = synthetic_prompt(backbone.model, backbone.family, shots, args.seed)
+        query_text = MID_QUERY_TEXT if args.random_weights == "mid" else QUERY_TEXT
+        batch = synthetic_prompt(backbone.model, backbone.family, shots, args.seed, query_text)
     else:
         query = D.load_task(args.task, args.split, args.data_root)[:1]
         icds = D.demonstrations([query[0].id], D.load_task(args.task, "train", args.data_root), shots, args.seed) \
@@ -466,63 +470,139 @@ def median_ms(run, device):
     return 1000 * statistics.median(times[WARMUP:])
 
 
-def measure(backbone, inputs, new_tokens):
-    """FLOPs (torch.utils.flop_counter, every matmul / conv / attention kernel of one generate call, which also
-    serves as warm-up) and the median latency in ms (median_ms), each call generating exactly new_tokens tokens
-    (min_new_tokens = max_new_tokens)."""
-    run = lambda: generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
+def best_of_medians(runs, device):
+    """{name: best of BEST_OF medians (median_ms) of runs[name]()}, every run measured once per round, so that a busy
+    machine slows each of them alike and their ratios within one call stay meaningful."""
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(BEST_OF):
+        for name, run in runs.items():
+            best[name] = min(best[name], run(lambda f: median_ms(f, device)))
+    return best
+
+
+@contextlib.contextmanager
+def run_as(model, method):
+    """The model as one Table 6 row runs it. method None: the backbone (zero-shot, n-shot ICL); "loaded": the adapter
+    of --checkpoint; else a fresh `method` adapter of model.METHODS (its default sizes) attached through model.attach
+    with every parameter drawn at random, so that no zero-initialised factor hides a cost, and detached after."""
+    if method is None:
+        with M.without_adapter(model):
+            yield
+    elif method == "loaded":
+        yield
+    else:
+        with torch.no_grad():
+            for p in M.attach(model, method).parameters():
+                p.normal_(0, 0.02)
+        try:
+            yield
+        finally:
+            M.detach(model)
+
+
+def flops(backbone, inputs, new_tokens):
+    """FLOPs of one generate call of exactly new_tokens tokens (torch.utils.flop_counter: every matmul / conv /
+    attention kernel); also a warm-up."""
     with FlopCounterMode(display=False) as counter:
-        run()
-    return counter.get_total_flops(), median_ms(run, device_of(backbone.model))
+        generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
+    return counter.get_total_flops()
 
 
 def benchmark(backbone, args):
-    """Table 6: FLOPs and per-query latency of zero-shot, the attached adapter and 8/16/32-shot ICL, each with
-    its ratio to zero-shot. The adapter must be attached (weights do not change the cost). Writes benchmark.json."""
-    new_tokens = D.TASKS[args.task].max_new_tokens
-    method = backbone.model.icl_settings["method"]
-    settings = [("zero-shot", 0, True), (method, 0, False)] + [(f"{s}-shot", s, True) for s in BENCH_SHOTS]
-    rows = []
-    for name, shots, plain in settings:
+    """Table 6: per query, FLOPs and latency of the prefill (one new token) and of generating --new-tokens tokens for
+    zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and --bench-shots-shot ICL, each
+    with its ratio to zero-shot. Latency: best of BEST_OF medians of REPEATS, all settings interleaved. Writes
+    benchmark.json."""
+    new_tokens = args.new_tokens or D.TASKS[args.task].max_new_tokens
+    loaded = getattr(backbone.model, "icl_settings", {}).get("method")
+    methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
+    settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
+        [(f"{s}-shot", None, s) for s in args.bench_shots]
+    rows, runs = [], {}
+    for name, method, shots in tqdm(settings, desc="FLOPs", unit="setting"):
         inputs = benchmark_prompt(backbone, args, shots)
-        with M.without_adapter(backbone.model) if plain else contextlib.nullcontext():
-            flops, ms = measure(backbone, inputs, new_tokens)
-        rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1], "tflops": flops / 1e12, "ms": ms})
-    print(f"{backbone.name} on {device_of(backbone.model)}, {new_tokens} new tokens per query, "
-          f"median of {REPEATS} runs")
-    print(f"{'setting':<10} {'tokens':>7} {'TFLOPs':>10} {'x':>6} {'ms':>9} {'x':>6}")
+        with run_as(backbone.model, method):
+            rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1],
+                         "prefill_tflops": flops(backbone, inputs, 1) / 1e12,
+                         "tflops": flops(backbone, inputs, new_tokens) / 1e12})
+        for part, k in (("prefill", 1), ("generate", new_tokens)):
+            runs[name, part] = lambda timer, m=method, i=inputs, k=k: _in_setting(
+                backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
+    ms = best_of_medians(runs, device_of(backbone.model))
     for r in rows:
-        r["tflops_ratio"], r["ms_ratio"] = r["tflops"] / rows[0]["tflops"], r["ms"] / rows[0]["ms"]
-        print(f"{r['setting']:<10} {r['prompt_tokens']:>7} {r['tflops']:>10.4g} {r['tflops_ratio']:>6.2f} "
-              f"{r['ms']:>9.2f} {r['ms_ratio']:>6.2f}")
+        r["prefill_ms"], r["ms"] = ms[r["setting"], "prefill"], ms[r["setting"], "generate"]
+        for key in ("prefill_tflops", "prefill_ms", "tflops", "ms"):
+            r[key + "_ratio"] = r[key] / rows[0][key]
+    print(f"{backbone.name} on {device_of(backbone.model)}, {torch.get_num_threads()} threads; prefill (1 new token) "
+          f"and {new_tokens} new tokens per query; latency: best of {BEST_OF} medians of {REPEATS} runs")
+    print(f"{'setting':<12} {'tokens':>7} | prefill {'TFLOPs':>9} {'x':>6} {'ms':>9} {'x':>6} | "
+          f"generate {'TFLOPs':>9} {'x':>6} {'ms':>9} {'x':>6}")
+    for r in rows:
+        print(f"{r['setting']:<12} {r['prompt_tokens']:>7} | {'':7} {r['prefill_tflops']:>9.4g} "
+              f"{r['prefill_tflops_ratio']:>6.3f} {r['prefill_ms']:>9.2f} {r['prefill_ms_ratio']:>6.3f} | {'':8} "
+              f"{r['tflops']:>9.4g} {r['tflops_ratio']:>6.3f} {r['ms']:>9.2f} {r['ms_ratio']:>6.3f}")
     path = os.path.join(args.out, "benchmark.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"model": backbone.name, "device": str(device_of(backbone.model)), "new_tokens": new_tokens,
-                   "rows": rows}, f, indent=2)
+        json.dump({"model": backbone.name, "device": str(device_of(backbone.model)), "threads": torch.get_num_threads(),
+                   "new_tokens": new_tokens, "rows": rows}, f, indent=2)
     print(f"-> {path}")
     return rows
 
 
-def attention_benchmark(T=512, heads=32, head_dim=128, rank=4, n=8):
-    """One attention layer at Idefics2-8B's head sizes: median ms of plain SDPA, Hyper-ICL's fused path (Eq 5-8 as
-    one dot product over d_h + r), its T x T reference, and HiFICL, each with its ratio to plain SDPA. The fused
-    path must stay close to plain SDPA; the reference shows what materialising S~ costs."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, heads, T, head_dim, device=device, dtype=dtype) for _ in range(3))
-    hyper, hificl = (m.to(device) for m in (HyperICL(heads, head_dim, rank), HiFICL(heads, head_dim, n, rank)))
-    scale = head_dim ** -0.5
-    runs = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "hyper-icl": lambda: hyper(q, k, v, None, scale),
-            "hyper-icl reference": lambda: hyper.reference(q, k, v, None, scale),
-            "hificl": lambda: hificl(q, k, v, None, scale)}
+def peak_memory_mb(run):
+    """Peak of the memory run() allocates beyond what is live before it, in MiB, from torch.profiler's allocation
+    records (profile_memory: every allocation and free of torch's allocator, in time order; on a GPU also the
+    CUDA caching allocator's)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        run()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2 ** 20
+
+
+def attention_benchmark(model, T=2048):
+    """One decoder self-attention of `model` (its first layer's module and head sizes) at T query and key tokens,
+    causal, batch 1: latency (best of BEST_OF medians) and peak memory (peak_memory_mb) of the stock SDPA forward, of
+    every method of model.METHODS through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA.
+    Returns {name: (ms, MiB)}."""
+    attn = M.decoder_self_attentions(model)[0]
+    cfg, device = attn.config, device_of(model)
+    dtype = next(model.parameters()).dtype
+    _, heads, head_dim = M.attention_shape(model)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
+    forward = lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling)
+    reference = lambda: attn.icl_adapter.reference(q, *(repeat_kv(x, heads // kv_heads) for x in (k, v)), None,
+                                                   attn.scaling)
+    paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
+        ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
+    runs, memory = {}, {}
     with torch.no_grad():
-        ms = {name: median_ms(run, device) for name, run in runs.items()}
-    print(f"one attention layer, {heads} heads x {head_dim}, T = {T}, {dtype} on {device}, median of {REPEATS}")
-    for name, t in ms.items():
-        print(f"{name:<20} {t:>9.2f} ms {t / ms['sdpa']:>6.2f}x")
-    return ms
+        for name, method, run in paths:
+            with run_as(model, method):
+                memory[name] = peak_memory_mb(run)
+            runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
+        ms = best_of_medians(runs, device)
+    print(f"one attention layer: {heads} heads ({kv_heads} key/value) x {head_dim}, T = {T}, {dtype} on {device}, "
+          f"{torch.get_num_threads()} threads; best of {BEST_OF} medians of {REPEATS}; peak memory from "
+          f"torch.profiler's allocation records")
+    for name in ms:
+        print(f"{name:<20} {ms[name]:>9.2f} ms {ms[name] / ms['sdpa']:>6.2f}x {memory[name]:>10.1f} MiB "
+              f"{memory[name] / memory['sdpa']:>6.2f}x")
+    return {name: (ms[name], memory[name]) for name in ms}
+
+
+def _in_setting(model, method, run):
+    """run() under run_as(model, method)."""
+    with run_as(model, method):
+        return run()
 
 
 # -----------------------------------------------------------------------------
@@ -660,39 +740,77 @@ def parse_args(argv=None):
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--benchmark", action="store_true", help="Table 6: FLOPs and latency of zero-shot, the adapter "
-                      "(--checkpoint, else a fresh Hyper-ICL one) and 8/16/32-shot ICL on one query")
-    mode.add_argument("--benchmark-attention", action="store_true", help="one attention layer at Idefics2-8B's "
-                      "head sizes: plain SDPA vs Hyper-ICL's fused path, its T x T reference, and HiFICL")
+    mode.add_argument("--benchmark", action="store_true", help="Table 6: prefill and generation FLOPs and latency of "
+                      "zero-shot, the adapter (--checkpoint, else every method of model.METHODS, fresh) and "
+                      "--bench-shots-shot ICL on one query, relative to zero-shot")
+    mode.add_argument("--benchmark-attention", action="store_true", help="one decoder attention layer of the backbone "
+                      "(see --random-weights) at --attention-tokens tokens: latency and peak memory of plain SDPA, of "
+                      "every method of model.METHODS and of Hyper-ICL's T x T reference, relative to SDPA")
     mode.add_argument("--gates", action="store_true", help="Table 10: gate statistics and Corr(g, Delta A) of a "
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
                       "student (with --checkpoint) hidden states")
-    p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
-                   "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
+    p.add_argument("--random-weights", nargs="?", const="published", choices=["published", "mid"],
+                   help="with --benchmark / --benchmark-attention: a backbone of --model's family with random weights "
+                   "and synthetic prompts, no download. 'published' (the default when no size is named): the real "
+                   "size (model.PUBLISHED), bf16 on CUDA (--benchmark-attention: one layer of its attention sizes, "
+                   "also on CPU); 'mid': 8 decoder layers x 1024, 16 heads, 4 key/value heads (model.mid_model), "
+                   f"float32, a {MID_QUERY_TEXT}-token query, meant for CPUs")
+    p.add_argument("--new-tokens", type=int, help="--benchmark: tokens generated per query (default: --task's "
+                                                 "generation length; 8 with --random-weights mid)")
+    p.add_argument("--bench-shots", type=int, nargs="*", default=list(BENCH_SHOTS),
+                   help="--benchmark: the n-shot ICL rows (default: %(default)s; none when given without values)")
+    p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark-attention: query and key tokens "
+                                                                      "(default: %(default)s)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+    p.add_argument("--repeats", type=int, help=f"benchmarks: timed runs per median (default: {REPEATS}, after "
+                                              f"{WARMUP} warm-up runs)")
     args = p.parse_args(argv)
-    if args.random_weights and not args.benchmark:
-        p.error("--random-weights only makes sense with --benchmark")
-    if args.random_weights and not torch.cuda.is_available():
-        p.error("--random-weights runs a real-size backbone and needs a CUDA GPU")
+    if args.random_weights and not (args.benchmark or args.benchmark_attention):
+        p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
+    if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
+        p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
+    if args.random_weights == "mid" and args.new_tokens is None:
+        args.new_tokens = 8
     default = default_checkpoint(args.model, args.task)
     if args.checkpoint is None and args.shots is None and not args.benchmark and os.path.isfile(default):
         args.checkpoint = default
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
-    name = os.path.basename(args.model.rstrip("/")) + ("-random-weights" if args.random_weights else "")
+    name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
+                                                       if args.random_weights else "")
     args.out = args.out or (os.path.dirname(args.checkpoint) if args.checkpoint else f"runs/eval-{name}-{args.task}")
     return args
+
+
+def attention_model(args):
+    """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
+    mid-size model or a one-layer model with the published attention sizes (model.grown_twin)."""
+    family = M.family_of(args.model)
+    if args.random_weights == "mid":
+        return M.mid_model(family)[0]
+    if args.random_weights == "published":
+        text = M.PUBLISHED[family]().get_text_config()
+        sizes = {k: getattr(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+                 if getattr(text, k, None)}
+        return M.grown_twin(family, num_hidden_layers=1, intermediate_size=64, **sizes)[0]
+    return M.load_backbone(args.model).model
 
 
 def main(argv=None):
     """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help."""
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global REPEATS
+    REPEATS = args.repeats or REPEATS
     if args.benchmark_attention:
-        return attention_benchmark()
+        return attention_benchmark(attention_model(args), args.attention_tokens)
     if args.random_weights:
         family = M.family_of(args.model)
-        backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
+        model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
+            M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
+        backbone = M.Backbone(model, None, family, f"{family} ({args.random_weights} size, random weights)")
     else:
         backbone = M.load_backbone(args.model)
     setting = f"{args.shots or 0}-shot"
@@ -704,8 +822,6 @@ def main(argv=None):
         default = default_checkpoint(args.model, args.task)
         print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None else ""))
     if args.benchmark:
-        if not args.checkpoint:
-            M.attach(backbone.model, "hyper-icl", rank=4)  # latency does not depend on the weights
         return benchmark(backbone, args)
     items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
     if not (args.gates or args.hyperbolicity):
