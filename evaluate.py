@@ -810,7 +810,8 @@ def main(argv=None):
         family = M.family_of(args.model)
         model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
             M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
-        backbone = M.Backbone(model, None, family, f"{family} ({args.random_weights} size, random weights)")
+        size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
+        backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
     else:
         backbone = M.load_backbone(args.model)
     setting = f"{args.shots or 0}-shot"
