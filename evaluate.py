@@ -550,13 +550,19 @@ def benchmark(backbone, args):
     return rows
 
 
-def peak_memory_mb(run):
-    """Peak of the memory run() allocates beyond what is live before it, in MiB, from torch.profiler's allocation
-    records (profile_memory: every allocation and free of torch's allocator, in time order; on a GPU also the
-    CUDA caching allocator's)."""
+def peak_memory_mb(run, device="cpu"):
+    """Peak of the memory run() allocates beyond what is live before it, in MiB. CPU: from torch.profiler's allocation
+    records (profile_memory: every allocation and free of torch's CPU allocator, in time order), summed up in order;
+    CUDA: torch.cuda.max_memory_allocated."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
     from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
@@ -587,12 +593,13 @@ def attention_benchmark(model, T=2048):
     with torch.no_grad():
         for name, method, run in paths:
             with run_as(model, method):
-                memory[name] = peak_memory_mb(run)
+                memory[name] = peak_memory_mb(run, device)
             runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
         ms = best_of_medians(runs, device)
     print(f"one attention layer: {heads} heads ({kv_heads} key/value) x {head_dim}, T = {T}, {dtype} on {device}, "
-          f"{torch.get_num_threads()} threads; best of {BEST_OF} medians of {REPEATS}; peak memory from "
-          f"torch.profiler's allocation records")
+          f"{torch.get_num_threads()} threads; best of {BEST_OF} medians of {REPEATS}; peak memory: "
+          + ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
+             "torch.profiler's allocation records"))
     for name in ms:
         print(f"{name:<20} {ms[name]:>9.2f} ms {ms[name] / ms['sdpa']:>6.2f}x {memory[name]:>10.1f} MiB "
               f"{memory[name] / memory['sdpa']:>6.2f}x")
