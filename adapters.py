@@ -150,12 +150,26 @@ class HiFICL(nn.Module):
         return (self.K_A @ self.K_B).to(dtype), (self.V_A @ self.V_B).to(dtype)
 
     def forward(self, q, k, v, mask, scaling):
-        """Joint attention over [K_learn; K] and [V_learn; V] in one fused call."""
+        """Joint attention over [K_learn; K] and [V_learn; V] in one fused call.
+
+        Without padding (mask None) no mask is formed. The virtual keys stand before the sequence, so every query sees
+        the keys of [K_learn; K] up to its own position counted from the end: causal attention aligned at the lower
+        right. In a prefill (T = S) n zero query rows are put before the queries, which makes the query and key
+        lengths equal, so SDPA's own causal path is exactly that; their outputs are dropped. A decoding step (T = 1)
+        sees every key. Otherwise (padding, or a chunk of T < S queries) the explicit mask is built.
+        """
         batch, T, S = q.shape[0], q.shape[-2], k.shape[-2]
         K_learn, V_learn = (x.expand(batch, -1, -1, -1) for x in self.virtual(q.dtype))
+        n = K_learn.shape[-2]
+        keys, values = torch.cat([K_learn, k], -2), torch.cat([V_learn, v], -2)
+        if mask is None and T == S:
+            q = torch.cat([q.new_zeros(*q.shape[:-2], n, q.shape[-1]), q], -2)
+            return sdpa(q, keys, values, None, scale=scaling)[..., n:, :]
+        if mask is None and T == 1:
+            return sdpa(q, keys, values, None, scale=scaling)
         seen = full_mask(mask, T, S, q.device).expand(batch, 1, T, S)
-        mask = torch.cat([seen.new_ones(batch, 1, T, K_learn.shape[-2]), seen], -1)
-        return sdpa(q, torch.cat([K_learn, k], -2), torch.cat([V_learn, v], -2), mask, scale=scaling)
+        mask = torch.cat([seen.new_ones(batch, 1, T, n), seen], -1)
+        return sdpa(q, keys, values, mask, scale=scaling)
 
 
 # ------------------------------------------------------------- baselines: static gates, output level, MimIC, LIVE

@@ -29,11 +29,11 @@ import torch
 from safetensors.torch import load_file, save
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
+from transformers.integrations.sdpa_attention import repeat_kv
 
 import data as D
 import lorentz
 import model as M
-from adapters import HiFICL, HyperICL
 import train
 
 # -----------------------------------------------------------------------------
@@ -125,21 +125,111 @@ def vqa_accuracy(prediction, answers):
     return sum(min(1.0, (total - m) / 3) for m in matches) / len(answers)
 
 
-# Tokens the official PTBTokenizer wrapper (pycocoevalcap/tokenizer/ptbtokenizer.py) drops after
-# tokenising; brackets and double quotes are here because PTB rewrites them as -LRB-, ``, '' etc.
-_PTB_DROPPED = {"''", "'", "``", "`", ".", "?", "!", ",", ":", "-", "--", "...", ";", '"', "(", ")", "{", "}"}
-_CLITIC = re.compile(r"(?<=\w)(n't|'s|'re|'ve|'ll|'d|'m)\b")
-_TOKEN = re.compile(r"'(?:s|re|ve|ll|d|m)\b|\w+(?:[-.,']\w+)*|\S")
+# Captions are tokenised as pycocoevalcap does: the Java Stanford PTBTokenizer (CoreNLP 3.4.1, its default options,
+# -preserveLines -lowerCase) on the raw caption, then ptbtokenizer.py drops the punctuation tokens below. Lowercasing
+# comes after tokenising (some rules look at case), so brackets become "-lrb-", "-rrb-", ... and stay: the official
+# drop list names "-LRB-", "-RRB-", "-LCB-", "-RCB-" in upper case, which no lowercased token matches.
+_PTB_DROPPED = {"''", "'", "``", "`", ".", "?", "!", ",", ":", "-", "--", "...", ";"}
+
+
+def _caseless_words(words):
+    """A regex alternation of words, case-insensitive except a first letter written in brackets ("[M]iss")."""
+    return "|".join(w[1] + f"(?i:{w[3:]})" if w.startswith("[") else f"(?i:{w})" for w in words.split())
+
+
+_L, _LD = r"[^\W\d_]", r"[^\W_]"    # a letter; a letter or digit
+_APOS, _APOS_ETC = "['\u0092\u2019]", "['`\u0091\u0092\u2018\u2019\u201B]"
+_WORD = rf"{_L}{_LD}*(?:[.!?]{_L}{_LD}*)*"
+_REDAUX = rf"{_APOS}(?:[msdMSD]|(?i:re|ve|ll))"          # 's 'm 'd 're 've 'll
+_SREDAUX = rf"[nN]{_APOS_ETC}[tT]"                          # n't
+_ACRO = r"[A-Za-z](?:\.[A-Za-z])*"                        # u.s, a.m, or a single letter
+_NUM = r"\d*(?:[.:,]\d+)+|\d+"                             # 2.5, 1,000, 5:30, 2
+_THING = rf"(?:[dDoOlL]{_APOS_ETC}{_LD})?{_LD}+"
+# PTB's abbreviations, which keep their period: ABBREV1 (usually followed by lower case), ABBREV2 (titles and
+# acronyms), ABBREV3 (only before a number).
+_ABBREV1 = _caseless_words(
+    "Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec Mon Tue Tues Wed Thu Thurs Fri "
+    "Ala Ariz [A]z [A]rk Calif Colo Conn Ct Dak [D]el Fla Ga [I]ll Ind Kans Kan Ky [L]a [M]ass Md Mich Minn [M]iss "
+    "Mo Mont Neb Nev Okla [O]re [P]a Penn Tenn [T]ex Va Vt [W]ash Wisc Wis Wyo "
+    "Inc Cos Co Corp Ltd Plc Rt Bancorp Bhd Assn Univ Intl Sys tel est ext sq Jr Sr Bros Ed.D Ph.D Blvd Rd Esq "
+    "etc al seq Bldg") + r"|(?i:pp?t)[ye](?i:s)?"
+_ABBREV2 = _caseless_words(
+    "Mr Mrs Ms [M]iss Dr Drs Prof Profs Sen Sens Rep Reps Atty Attys Lt Col Gen Messrs Gov Govs Adm Rev Maj Sgt Cpl "
+    "Pvt Capt St Ste Ave Pres Lieut Hon Brig Cmdr Comdr Pfc Spc Supt Supts Det Mt Ft Adj Adv Asst Assoc Ens Insp "
+    "Mlle Mme Msgr Sfc vs Alex Wm Jos Cie a.k.a cf TREAS Ph Invt Elec Natl Mfg Mtg Dept").replace(".", r"\.") \
+    + "|" + _ACRO
+_ABBREV3 = _caseless_words("ca fig figs prop no nos art bldg pp op")
+_APOWORD = "|".join([
+    rf"{_APOS}[nN]{_APOS}?",                                     # rock 'n' roll
+    rf"[lLdDjJ]{_APOS}", rf"(?i:dunkin|somethin|ol){_APOS}", rf"{_APOS}(?i:em|till?|cause)", rf"{_APOS}[2-9]0(?i:s)",
+    rf"[A-HJ-XZn]{_APOS_ETC}{_L}{{2,}}", rf"{_L}+[aeiouyAEIOUY]{_APOS_ETC}[aeiouA-Z]{_L}*",
+    r"(?i:cont'd\.?|'twas|nor'easter|c'mon|e'er|s'mores|ev'ry|li'l|nat'l)", rf"O{_APOS_ETC}o"])
+# (token, trailing context, output) in PTBLexer's rule order. At each position the rule whose token + context is
+# longest wins, ties going to the earlier rule; the token is emitted (as `output` when given) and lexing resumes
+# after it, so the context is read again. Rules whose output the official wrapper drops anyway are merged.
+_PTB_RULES = [(re.compile(tok), re.compile(ctx), out) for tok, ctx, out in [
+    ("(?i:can)", "(?i:not)", None),                              # cannot -> can not
+    ("'(?i:t)", "(?i:was|is)", None),                            # 'twas -> 't was
+    ("(?i:gon|wan)", "(?i:na)", None), ("(?i:got)", "(?i:ta)", None), ("(?i:lem|gim)", "(?i:me)", None),
+    (_WORD, _REDAUX, None),                                      # dog|'s
+    (r"[A-Za-z]*[A-MO-Za-mo-z]", _SREDAUX, None),                # do|n't, ca|n't
+    (_WORD, "", None),
+    (_APOWORD, "", None),
+    (_REDAUX, "[^A-Za-z]|$", None), (_SREDAUX, "[^A-Za-z]|$", None),
+    (r"\d{1,2}[-/]\d{1,2}[-/]\d{2,4}", "", None),                # dates
+    (rf"[-+]?(?:{_NUM})", "", None),
+    (r"(?:\d{1,4}-)?\d{1,4}\\?/\d{1,4}", "", None),               # 1/2, 1-1/2
+    (r"[A-Za-z0-9]+(?:-[A-Za-z]+){0,2}(?:\\?/[A-Za-z0-9]+(?:-[A-Za-z]+){0,2}){1,2}", "", None),  # and/or
+    (r"[A-Z]*\$|#", "", None),
+    (rf"(?:{_ABBREV3})\.", r"\s?\d", None),                      # no. 5
+    (rf"(?:{_ABBREV1})\.", r"(?s:.{0,2})", None),                 # etc.
+    (rf"(?:{_ABBREV2})\.", "", None),                             # mr., st., u.s.
+    (rf"{_APOS}\d\d", r"\s", None),                                # '90
+    (rf"{_WORD}\.", "[,;:]", None),
+    ('"', "", "``"), ("<|>", "", None),
+    (r"\{", "", "-LCB-"), (r"\}", "", "-RCB-"), (r"\[", "", "-LSB-"), (r"\]", "", "-RSB-"),
+    (r"\(", "", "-LRB-"), (r"\)", "", "-RRB-"),
+    ("-{3,4}", "", "--"), ("-+", "", None),
+    (r"\.{3,5}|(?:\.\s){2,4}\.|\u2026", "", "..."),
+    ("@+|#+|_+|\\*+", "", None), ("[,;:]", "", None), ("[?!]+", "", None), (r"\.", "", None), ("[=/]", "", None),
+    (rf"[A-Za-z0-9][A-Za-z0-9.,]*(?:-(?:[A-Za-z](?:\.[A-Za-z])+\.|[A-Za-z0-9]+))+", "", None),  # x-ray, 2.5-inch
+    (rf"{_THING}(?:-{_THING})*", "", None),
+    (r"[A-Z]+(?:[+&][A-Z]+)+", "", None),                          # AT&T
+    (rf"{_REDAUX}|{_SREDAUX}", "", None),
+    (rf"{_APOS_ETC}|''|[\u201A-\u201F\u0093\u0094\u2039\u203A\u00AB\u00BB]{{1,2}}", "", "''"),
+    (r"\S", "", None)]]
+
+
+def _ptb_tokens(s):
+    """The tokens of the Stanford PTBTokenizer rules above, before lowercasing and the wrapper's drop list."""
+    i, tokens = 0, []
+    while i < len(s):
+        if s[i].isspace():
+            i += 1
+            continue
+        best, length = None, 0
+        for tok, ctx, out in _PTB_RULES:
+            m = tok.match(s, i)
+            c = m and ctx.match(s, m.end())
+            if c and m.end() > i and c.end() - i > length:
+                best, length = (m, out), c.end() - i
+        m, out = best
+        tokens.append(out or m.group())
+        i = m.end()
+    return tokens
 
 
 def tokenize_caption(s):
-    """Pure-Python approximation of the Java Stanford PTBTokenizer (-lowerCase) plus the punctuation
-    removal of pycocoevalcap's ptbtokenizer.py. Lowercases; splits off clitics ("dog's" -> dog 's,
-    "don't" -> do n't) and symbols; keeps hyphenated words and numbers like 1,000 / 2.5 whole; drops
-    the punctuation tokens the official wrapper removes. Returns the list of tokens. Known differences
-    from Java PTB: abbreviations lose their final period ("mr." -> mr), brackets are dropped."""
-    s = _CLITIC.sub(r" \1", s.lower())
-    return [t for t in _TOKEN.findall(s) if t not in _PTB_DROPPED]
+    """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (longest match,
+    re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed. Clitics are
+    split ("dog's" -> dog 's, "don't" -> do n't) and so are "cannot" -> can not, "gonna" -> gon na, "gotta" ->
+    got ta; abbreviations keep their period ("u.s.", "st.", "etc."); numbers, times, fractions and dates stay whole
+    ("1,000", "2.5", "5:30", "1/2"), as do hyphenated words, "and/or", "'n'" and "'90s"; brackets become "-lrb-",
+    "-rrb-", ... and are kept. Returns the list of tokens. Left out: PTB's sentence-final acronym rule (a single
+    letter with a period before "The", "He", ... loses its period), which can look into the next caption of the
+    official tool's input file; URLs, e-mail addresses, phone numbers and SGML; characters no rule covers are kept
+    one by one, where PTB drops most of them."""
+    return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
 def _ngram_counts(words, n=4):
@@ -668,7 +758,7 @@ def icl_means(backbone, kind, queries, icds, batch_size):
     for i in tqdm(range(0, len(queries), batch_size), desc="ICL means", unit="batch"):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
                                icds[i:i + batch_size])
-        with M.layer_outputs(model, states), M.head_outputs(model, heads):
+        with M.layer_states_at(model, states), M.head_outputs(model, heads):
             model(**D.model_inputs(batch, device_of(model)))
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
     return mean(states), mean(heads)
@@ -784,16 +874,19 @@ def load_vector(backbone, args):
 # -----------------------------------------------------------------------------
 # efficiency (Table 6): FLOPs and latency of one query, zero-shot vs adapter vs n-shot ICL
 
-WARMUP, REPEATS = 2, 10
+WARMUP, REPEATS = 1, 10  # the FLOP count (Table 6) or the peak-memory run (attention) warms up too
 BENCH_SHOTS = (8, 16, 32)
 # Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
 # LLaMA-style tokenizer splits them: BOS + the instruction line; one ICD's "Question: ... Short answer: ..." + end
 # token + newline (about 20 for a VQAv2 question); the query's question without the answer.
 PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
+MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's share of the cost shows on a CPU
+BEST_OF = 3  # latency: the best of this many medians, every setting measured once per round
 
 
-def synthetic_prompt(model, family, shots, seed=0):
-    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6).
+def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
+    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6);
+    the query has `query_text` text tokens.
 
     Per image, as the family's processor expands it: Idefics2 <fake_token_around_image>, 64 <image> (perceiver
     latents), <fake_token_around_image>, pixels at COCO's typical 480 x 640 (which its processor keeps as is);
@@ -823,7 +916,7 @@ def synthetic_prompt(model, family, shots, seed=0):
         image = lambda: torch.full((count,), image_id)
         pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
             {"pixel_values": torch.randn(n, 2, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n)}
-    pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else QUERY_TEXT)]) for i in range(n)]
+    pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else query_text)]) for i in range(n)]
     ids = torch.cat(pieces)[None]
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
         owner = torch.cat([torch.full_like(p, i - 1) for i, p in enumerate(pieces)])
@@ -836,7 +929,8 @@ def synthetic_prompt(model, family, shots, seed=0):
 def benchmark_prompt(backbone, args, shots):
     """The Table 6 input with `shots` ICDs: synthetic (--random-weights), else the first --split item of --task."""
     if backbone.processor is None:
-        batch = synthetic_prompt(backbone.model, backbone.family, shots, args.seed)
+        query_text = MID_QUERY_TEXT if args.random_weights == "mid" else QUERY_TEXT
+        batch = synthetic_prompt(backbone.model, backbone.family, shots, args.seed, query_text)
     else:
         query = D.load_task(args.task, args.split, args.data_root)[:1]
         icds = D.demonstrations([query[0].id], D.load_task(args.task, "train", args.data_root), shots, args.seed) \
@@ -858,69 +952,146 @@ def median_ms(run, device):
     return 1000 * statistics.median(times[WARMUP:])
 
 
-def measure(backbone, inputs, new_tokens):
-    """FLOPs (torch.utils.flop_counter, every matmul / conv / attention kernel of one generate call, which also
-    serves as warm-up) and the median latency in ms (median_ms), each call generating exactly new_tokens tokens
-    (min_new_tokens = max_new_tokens)."""
-    run = lambda: generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
+def best_of_medians(runs, device):
+    """{name: best of BEST_OF medians (median_ms) of runs[name]()}, every run measured once per round, so that a busy
+    machine slows each of them alike and their ratios within one call stay meaningful."""
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(BEST_OF):
+        for name, run in runs.items():
+            best[name] = min(best[name], run(lambda f: median_ms(f, device)))
+    return best
+
+
+@contextlib.contextmanager
+def run_as(model, method):
+    """The model as one Table 6 row runs it. method None: the backbone (zero-shot, n-shot ICL); "loaded": the adapter
+    of --checkpoint; else a fresh `method` adapter of model.METHODS (its default sizes) attached through model.attach
+    with every parameter drawn at random, so that no zero-initialised factor hides a cost, and detached after."""
+    if method is None:
+        with M.without_adapter(model):
+            yield
+    elif method == "loaded":
+        yield
+    else:
+        with torch.no_grad():
+            for p in M.attach(model, method).parameters():
+                p.normal_(0, 0.02)
+        try:
+            yield
+        finally:
+            M.detach(model)
+
+
+def flops(backbone, inputs, new_tokens):
+    """FLOPs of one generate call of exactly new_tokens tokens (torch.utils.flop_counter: every matmul / conv /
+    attention kernel); also a warm-up."""
     with FlopCounterMode(display=False) as counter:
-        run()
-    return counter.get_total_flops(), median_ms(run, device_of(backbone.model))
+        generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
+    return counter.get_total_flops()
 
 
 def benchmark(backbone, args):
-    """Table 6: FLOPs and per-query latency of zero-shot, the attached adapter (none attached: every method of
-    model.METHODS in turn, at its default sizes; weights do not change the cost) and 8/16/32-shot ICL, each with
-    its ratio to zero-shot. Writes benchmark.json."""
-    new_tokens = D.TASKS[args.task].max_new_tokens
-    attached = getattr(backbone.model, "icl_settings", {}).get("method")
-    methods = [attached] if attached else list(M.METHODS)
-    settings = [("zero-shot", 0, None)] + [(m, 0, m) for m in methods] + [(f"{s}-shot", s, None) for s in BENCH_SHOTS]
-    rows = []
-    for name, shots, method in settings:
+    """Table 6: per query, FLOPs and latency of the prefill (one new token) and of generating --new-tokens tokens for
+    zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and --bench-shots-shot ICL, each
+    with its ratio to zero-shot. Latency: best of BEST_OF medians of REPEATS, all settings interleaved. Writes
+    benchmark.json."""
+    new_tokens = args.new_tokens or D.TASKS[args.task].max_new_tokens
+    loaded = getattr(backbone.model, "icl_settings", {}).get("method")
+    methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
+    settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
+        [(f"{s}-shot", None, s) for s in args.bench_shots]
+    rows, runs = [], {}
+    for name, method, shots in tqdm(settings, desc="FLOPs", unit="setting"):
         inputs = benchmark_prompt(backbone, args, shots)
-        if method and not attached:
-            M.attach(backbone.model, method)
-        with M.without_adapter(backbone.model) if method is None else contextlib.nullcontext():
-            flops, ms = measure(backbone, inputs, new_tokens)
-        if method and not attached:
-            M.detach(backbone.model)
-        rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1], "tflops": flops / 1e12, "ms": ms})
-    print(f"{backbone.name} on {device_of(backbone.model)}, {new_tokens} new tokens per query, "
-          f"median of {REPEATS} runs")
-    print(f"{'setting':<17} {'tokens':>7} {'TFLOPs':>10} {'x':>6} {'ms':>9} {'x':>6}")
+        with run_as(backbone.model, method):
+            rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1],
+                         "prefill_tflops": flops(backbone, inputs, 1) / 1e12,
+                         "tflops": flops(backbone, inputs, new_tokens) / 1e12})
+        for part, k in (("prefill", 1), ("generate", new_tokens)):
+            runs[name, part] = lambda timer, m=method, i=inputs, k=k: _in_setting(
+                backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
+    ms = best_of_medians(runs, device_of(backbone.model))
     for r in rows:
-        r["tflops_ratio"], r["ms_ratio"] = r["tflops"] / rows[0]["tflops"], r["ms"] / rows[0]["ms"]
-        print(f"{r['setting']:<17} {r['prompt_tokens']:>7} {r['tflops']:>10.4g} {r['tflops_ratio']:>6.2f} "
-              f"{r['ms']:>9.2f} {r['ms_ratio']:>6.2f}")
+        r["prefill_ms"], r["ms"] = ms[r["setting"], "prefill"], ms[r["setting"], "generate"]
+        for key in ("prefill_tflops", "prefill_ms", "tflops", "ms"):
+            r[key + "_ratio"] = r[key] / rows[0][key]
+    print(f"{backbone.name} on {device_of(backbone.model)}, {torch.get_num_threads()} threads; prefill (1 new token) "
+          f"and {new_tokens} new tokens per query; latency: best of {BEST_OF} medians of {REPEATS} runs")
+    print(f"{'setting':<12} {'tokens':>7} | prefill {'TFLOPs':>9} {'x':>6} {'ms':>9} {'x':>6} | "
+          f"generate {'TFLOPs':>9} {'x':>6} {'ms':>9} {'x':>6}")
+    for r in rows:
+        print(f"{r['setting']:<12} {r['prompt_tokens']:>7} | {'':7} {r['prefill_tflops']:>9.4g} "
+              f"{r['prefill_tflops_ratio']:>6.3f} {r['prefill_ms']:>9.2f} {r['prefill_ms_ratio']:>6.3f} | {'':8} "
+              f"{r['tflops']:>9.4g} {r['tflops_ratio']:>6.3f} {r['ms']:>9.2f} {r['ms_ratio']:>6.3f}")
     path = os.path.join(args.out, "benchmark.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"model": backbone.name, "device": str(device_of(backbone.model)), "new_tokens": new_tokens,
-                   "rows": rows}, f, indent=2)
+        json.dump({"model": backbone.name, "device": str(device_of(backbone.model)), "threads": torch.get_num_threads(),
+                   "new_tokens": new_tokens, "rows": rows}, f, indent=2)
     print(f"-> {path}")
     return rows
 
 
-def attention_benchmark(T=512, heads=32, head_dim=128, rank=4, n=8):
-    """One attention layer at Idefics2-8B's head sizes: median ms of plain SDPA, Hyper-ICL's fused path (Eq 5-8 as
-    one dot product over d_h + r), its T x T reference, and HiFICL, each with its ratio to plain SDPA. The fused
-    path must stay close to plain SDPA; the reference shows what materialising S~ costs."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v = (torch.randn(1, heads, T, head_dim, device=device, dtype=dtype) for _ in range(3))
-    hyper, hificl = (m.to(device) for m in (HyperICL(heads, head_dim, rank), HiFICL(heads, head_dim, n, rank)))
-    scale = head_dim ** -0.5
-    runs = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "hyper-icl": lambda: hyper(q, k, v, None, scale),
-            "hyper-icl reference": lambda: hyper.reference(q, k, v, None, scale),
-            "hificl": lambda: hificl(q, k, v, None, scale)}
+def peak_memory_mb(run, device="cpu"):
+    """Peak of the memory run() allocates beyond what is live before it, in MiB. CPU: from torch.profiler's allocation
+    records (profile_memory: every allocation and free of torch's CPU allocator, in time order), summed up in order;
+    CUDA: torch.cuda.max_memory_allocated."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2 ** 20
+
+
+def attention_benchmark(model, T=2048):
+    """One decoder self-attention of `model` (its first layer's module and head sizes) at T query and key tokens,
+    causal, batch 1: latency (best of BEST_OF medians) and peak memory (peak_memory_mb) of the stock SDPA forward, of
+    every method of model.METHODS through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA.
+    Returns {name: (ms, MiB)}."""
+    attn = M.decoder_self_attentions(model)[0]
+    cfg, device = attn.config, device_of(model)
+    dtype = next(model.parameters()).dtype
+    _, heads, head_dim = M.attention_shape(model)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
+    forward = lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling)
+    reference = lambda: attn.icl_adapter.reference(q, *(repeat_kv(x, heads // kv_heads) for x in (k, v)), None,
+                                                   attn.scaling)
+    paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
+        ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
+    runs, memory = {}, {}
     with torch.no_grad():
-        ms = {name: median_ms(run, device) for name, run in runs.items()}
-    print(f"one attention layer, {heads} heads x {head_dim}, T = {T}, {dtype} on {device}, median of {REPEATS}")
-    for name, t in ms.items():
-        print(f"{name:<20} {t:>9.2f} ms {t / ms['sdpa']:>6.2f}x")
-    return ms
+        for name, method, run in paths:
+            with run_as(model, method):
+                memory[name] = peak_memory_mb(run, device)
+            runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
+        ms = best_of_medians(runs, device)
+    print(f"one attention layer: {heads} heads ({kv_heads} key/value) x {head_dim}, T = {T}, {dtype} on {device}, "
+          f"{torch.get_num_threads()} threads; best of {BEST_OF} medians of {REPEATS}; peak memory: "
+          + ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
+             "torch.profiler's allocation records"))
+    for name in ms:
+        print(f"{name:<20} {ms[name]:>9.2f} ms {ms[name] / ms['sdpa']:>6.2f}x {memory[name]:>10.1f} MiB "
+              f"{memory[name] / memory['sdpa']:>6.2f}x")
+    return {name: (ms[name], memory[name]) for name in ms}
+
+
+def _in_setting(model, method, run):
+    """run() under run_as(model, method)."""
+    with run_as(model, method):
+        return run()
 
 
 # -----------------------------------------------------------------------------
@@ -1065,11 +1236,12 @@ def parse_args(argv=None):
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--benchmark", action="store_true", help="Table 6: FLOPs and latency of zero-shot, the adapter "
-                      "(--checkpoint, else a fresh one of every --method of train.py, a row each) and 8/16/32-shot "
-                      "ICL on one query")
-    mode.add_argument("--benchmark-attention", action="store_true", help="one attention layer at Idefics2-8B's "
-                      "head sizes: plain SDPA vs Hyper-ICL's fused path, its T x T reference, and HiFICL")
+    mode.add_argument("--benchmark", action="store_true", help="Table 6: prefill and generation FLOPs and latency of "
+                      "zero-shot, the adapter (--checkpoint, else every method of model.METHODS, fresh) and "
+                      "--bench-shots-shot ICL on one query, relative to zero-shot")
+    mode.add_argument("--benchmark-attention", action="store_true", help="one decoder attention layer of the backbone "
+                      "(see --random-weights) at --attention-tokens tokens: latency and peak memory of plain SDPA, of "
+                      "every method of model.METHODS and of Hyper-ICL's T x T reference, relative to SDPA")
     mode.add_argument("--gates", action="store_true", help="Table 10: gate statistics and Corr(g, Delta A) of a "
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
@@ -1096,22 +1268,37 @@ def parse_args(argv=None):
     p.add_argument("--chair", action="store_true", help="also CHAIR_s, CHAIR_i and object Recall (Table 5) of the "
                    "captions, from coco/annotations/instances_{train,val}2014.json under --data-root (coco, "
                    "toy-caption)")
-    p.add_argument("--random-weights", action="store_true", help="with --benchmark: the real-size backbone from its "
-                   "published config (model.PUBLISHED), random weights, bf16 on CUDA, synthetic prompts; no download")
+    p.add_argument("--random-weights", nargs="?", const="published", choices=["published", "mid"],
+                   help="with --benchmark / --benchmark-attention: a backbone of --model's family with random weights "
+                   "and synthetic prompts, no download. 'published' (the default when no size is named): the real "
+                   "size (model.PUBLISHED), bf16 on CUDA (--benchmark-attention: one layer of its attention sizes, "
+                   "also on CPU); 'mid': 8 decoder layers x 1024, 16 heads, 4 key/value heads (model.mid_model), "
+                   f"float32, a {MID_QUERY_TEXT}-token query, meant for CPUs")
+    p.add_argument("--new-tokens", type=int, help="--benchmark: tokens generated per query (default: --task's "
+                                                 "generation length; 8 with --random-weights mid)")
+    p.add_argument("--bench-shots", type=int, nargs="*", default=list(BENCH_SHOTS),
+                   help="--benchmark: the n-shot ICL rows (default: %(default)s; none when given without values)")
+    p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark-attention: query and key tokens "
+                                                                      "(default: %(default)s)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+    p.add_argument("--repeats", type=int, help=f"benchmarks: timed runs per median (default: {REPEATS}, after "
+                                              f"{WARMUP} warm-up runs)")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
     args = p.parse_args(argv)
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0}.items():
         if getattr(args, name) is not None and getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
-    if args.random_weights and not args.benchmark:
-        p.error("--random-weights only makes sense with --benchmark")
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task not in ("coco", "toy-caption"):
         p.error(f"--chair scores COCO captions against COCO instance annotations (coco, toy-caption), not {args.task}")
-    if args.random_weights and not torch.cuda.is_available():
-        p.error("--random-weights runs a real-size backbone and needs a CUDA GPU")
+    if args.random_weights and not (args.benchmark or args.benchmark_attention):
+        p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
+    if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
+        p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
+    if args.random_weights == "mid" and args.new_tokens is None:
+        args.new_tokens = 8
     default = default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
@@ -1120,7 +1307,8 @@ def parse_args(argv=None):
         args.checkpoint = default
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
-    name = os.path.basename(args.model.rstrip("/")) + ("-random-weights" if args.random_weights else "")
+    name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
+                                                       if args.random_weights else "")
     args.out = args.out or (f"runs/compare-{name}-{args.task}" if args.compare else os.path.dirname(args.checkpoint)
                             if args.checkpoint else f"runs/eval-{name}-{args.task}")
     return args
@@ -1217,12 +1405,30 @@ def write_comparison(args, rows):
     print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
 
 
+def attention_model(args):
+    """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
+    mid-size model or a one-layer model with the published attention sizes (model.grown_twin)."""
+    family = M.family_of(args.model)
+    if args.random_weights == "mid":
+        return M.mid_model(family)[0]
+    if args.random_weights == "published":
+        text = M.PUBLISHED[family]().get_text_config()
+        sizes = {k: getattr(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+                 if getattr(text, k, None)}
+        return M.grown_twin(family, num_hidden_layers=1, intermediate_size=64, **sizes)[0]
+    return M.load_backbone(args.model).model
+
+
 def main(argv=None):
     """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help.
 
     Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
     """
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global REPEATS
+    REPEATS = args.repeats or REPEATS
     with train.processes():
         return run(args)
 
@@ -1230,12 +1436,15 @@ def main(argv=None):
 def run(args):
     """Do what the flags ask (main's body)."""
     if args.benchmark_attention:
-        return attention_benchmark()
+        return attention_benchmark(attention_model(args), args.attention_tokens)
     if args.compare:
         return compare(args)
     if args.random_weights:
         family = M.family_of(args.model)
-        backbone = M.Backbone(M.published_model(family, device="cuda"), None, family, f"{family} (random weights)")
+        model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
+            M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
+        size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
+        backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
     else:
         backbone = M.load_backbone(args.model)
     setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")

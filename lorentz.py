@@ -2,8 +2,9 @@
 
 Hidden states are layer-normalised (Eq 12), read as tangent vectors at the origin o of the hyperboloid
 H = {p in R^{d+1}: <p, p>_L = -1/kappa, p0 > 0} (Eq 10-11), mapped onto it by exp_o (Eq 13-14), and the
-student is pulled towards the teacher by the mean squared geodesic distance (Eq 15-16); the Euclidean
-L2-anchor of Table 4 and the relative delta-hyperbolicity of Appendix C (Eq 18) sit beside it.
+student is pulled towards the teacher by the mean squared geodesic distance (Eq 15-16, per query, then over
+the batch); the Euclidean L2-anchor of Table 4 and the relative delta-hyperbolicity of Appendix C (Eq 18) sit
+beside it.
 Numerics: after LN, |u| ~ sqrt(d), so a = sqrt(kappa)|u| is ~20 at kappa = 0.1 and ~64 at kappa = 1
 (d = 4096). The explicit points then have p0 ~ e^a, and Eq 15's argument -kappa<P', P>_L is the
 difference of two numbers near e^(a+b): float32 cancels most digits and overflows at large a. The loss
@@ -124,22 +125,35 @@ def _per_layer_tokens(states, mask):
     return torch.stack([h[mask] for h in states])
 
 
+def mean_per_query(per_token, mask):
+    """Eq 16's averaging: (1/L) sum_l (1/T_b) sum_i per_token for each query b, then the mean over the queries.
+
+    per_token: [L, N], one value per layer and masked token (row-major order of mask); mask: bool [B, T].
+    Every query weighs the same, however many tokens it has; queries without masked tokens are left out.
+    """
+    counts = mask.sum(1)
+    query = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]  # the query of each token
+    return (per_token.mean(0) / counts[query]).sum() / (counts > 0).sum()
+
+
 def hyperbolic_anchor_loss(student, teacher, mask, kappa):
-    """L_H-anchor (Eq 16): mean over layers and masked tokens of d_L^2 between LN'd student and teacher states.
+    """L_H-anchor (Eq 16): d_L^2 between LN'd student and teacher states, averaged over each query's layers and
+    masked tokens, then over the queries (mean_per_query: a long query weighs no more than a short one).
 
     student, teacher: L x [B, T, d] or [L, B, T, d]; mask: bool [B, T], True for the tokens to align
     (the query tokens). Returns a scalar (float32 for bf16/fp16 states). No detach: the caller decides.
     """
     s = layer_norm(_per_layer_tokens(student, mask))
     t = layer_norm(_per_layer_tokens(teacher, mask))
-    return tangent_distance(s, t, kappa).square().mean()
+    return mean_per_query(tangent_distance(s, t, kappa).square(), mask)
 
 
 def euclidean_anchor_loss(student, teacher, mask):
-    """L2-anchor (Table 4): Eq 16 with the squared Euclidean distance of the LN'd states. Shapes as above."""
+    """L2-anchor (Table 4): Eq 16 with the squared Euclidean distance of the LN'd states, averaged the same way
+    (mean_per_query). Shapes as above."""
     s = layer_norm(_per_layer_tokens(student, mask))
     t = layer_norm(_per_layer_tokens(teacher, mask))
-    return (s - t).square().sum(-1).mean()
+    return mean_per_query((s - t).square().sum(-1), mask)
 
 
 def delta_hyperbolicity(dist, n_samples=1000, generator=None):

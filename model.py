@@ -12,6 +12,7 @@ Tiny twins (`tiny-idefics2`, ...) are the real model and processor classes built
 random weights and a byte-level BPE tokenizer trained locally, so every code path of the real model runs offline.
 """
 import contextlib
+import copy
 import hashlib
 import io
 import json
@@ -249,7 +250,7 @@ def steer(model, layer, vector, positions=None, add=False, decoding=False):
 
 
 @contextlib.contextmanager
-def layer_outputs(model, store, positions=None):
+def layer_states_at(model, store, positions=None):
     """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
     [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
     def record(layer):
@@ -314,6 +315,24 @@ def head_contribution(model, layer, head, value):
     _, _, head_dim = attention_shape(model)
     w = decoder_self_attentions(model)[layer].o_proj.weight[:, head * head_dim:(head + 1) * head_dim]
     return value.to(w.device, w.dtype) @ w.T
+
+
+LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], whose last entry is after the final norm
+
+
+def layer_outputs(model, forward=None, **inputs):
+    """model(**inputs) and P^(1), ..., P^(L), the output of each decoder layer (Eq 16 aligns these), read by forward
+    hooks on the decoder layers: (output, L x [B, T, d]). Unlike `output_hidden_states`, whose last entry is the L-th
+    output after the model's final norm, every P^(l) here is the layer's own output. forward: what runs the model
+    (a wrapper of it, such as DistributedDataParallel; default the model itself)."""
+    states = []
+    record = lambda layer, args, out: states.append(out[0] if isinstance(out, tuple) else out)
+    hooks = [layer.register_forward_hook(record) for layer in model.get_decoder().layers]
+    try:
+        return (forward or model)(**inputs), states
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 # ------------------------------------------------------------------------------------------------ save and load
@@ -952,3 +971,28 @@ def published_model(family, device="meta", dtype=torch.bfloat16):
     with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
         model = FAMILIES[family].model_cls._from_config(PUBLISHED[family](), dtype=dtype)
     return freeze(model)
+
+
+MID_TEXT = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=64)
+
+
+def grown_twin(family, seed=0, **text):
+    """The tiny twin of `family` with its text decoder's config changed by `text` (hidden_size=..., ...), seeded random
+    weights, float32; keys the family's text model lacks (num_key_value_heads for Idefics, head_dim where it is
+    derived) are left out. The vision side stays toy-sized. Returns (model, processor)."""
+    twin, processor = TINY_BUILDERS[family](seed)
+    config = copy.deepcopy(twin.config)
+    decoder = config.get_text_config()
+    decoder.update({k: v for k, v in text.items() if hasattr(decoder, k)})
+    if getattr(decoder, "layer_types", None):
+        decoder.layer_types = decoder.layer_types[:1] * decoder.num_hidden_layers
+    if hasattr(getattr(config, "perceiver_config", None), "hidden_size"):  # Idefics2's perceiver feeds the decoder
+        config.perceiver_config.hidden_size = decoder.hidden_size
+    return freeze(_seeded(type(twin), config, seed)), processor
+
+
+def mid_model(family, seed=0):
+    """A mid-size backbone of `family` for CPU benchmarks: the twin grown to MID_TEXT (8 layers x 1024, 16 heads of
+    64, 4 key/value heads where the family groups them), so latency is the decoder's. Returns (model, processor)."""
+    return grown_twin(family, seed, **MID_TEXT)

@@ -1,8 +1,9 @@
 """Training: distil what a frozen teacher does with demonstrations into an adapter the student runs without them.
 
 Hyper-ICL (Eq 16-17): the teacher (backbone, no adapter, no gradient) reads [ICDs; query + target]; the student
-(backbone + adapter) reads [query + target]; loss = L_H-anchor over every decoder layer's hidden states at the
-query's tokens + lambda * cross-entropy on the target. HiFICL: cross-entropy only, no teacher.
+(backbone + adapter) reads [query + target]; loss = L_H-anchor over every decoder layer's own output
+(model.layer_outputs) at the query's tokens + lambda * cross-entropy on the target. HiFICL: cross-entropy only,
+no teacher.
 
 The teacher's states depend only on the query and its (fixed) ICDs, so they are computed once, in the first
 epoch, and read back from a cache in later ones; the cache key covers the backbone's weights, the task, the
@@ -193,10 +194,12 @@ def to(batch, device):
 # ------------------------------------------------------------------------------------------- teacher states
 
 def teacher_key(backbone_id, args, query, icds):
-    """The cache key of one query's teacher states: backbone, task, query, its ICDs and the prompt format."""
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format and the
+    version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are
+    never read."""
     item = lambda it: [it.id, it.image_path, it.question, it.target]
     spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
-            "prompts": data.PROMPTS, "separator": data.SEPARATOR}
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -210,8 +213,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device):
             for d, p in zip(icds, pieces)]
     batch = to(data.collate(rows, backbone.processor, backbone.family), device)
     with M.without_adapter(backbone.model), autocast(device):
-        hidden = backbone.model(**data.model_inputs(batch), output_hidden_states=True).hidden_states[1:]
-    states = torch.stack(hidden)                                          # [L, B, W, d]
+        states = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch))[1])  # [L, B, W, d]
     return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
 
@@ -316,8 +318,10 @@ def losses(backbone, args, student, teacher, model=None):
     """
     answers = (student["labels"][:, 1:] != -100).sum()
     with autocast(student["input_ids"].device):
-        out = (model or backbone.model)(**data.model_inputs(student),
-                                        output_hidden_states=args.anchor not in ("none", "kl"))
+        if args.anchor in ("none", "kl"):
+            out = (model or backbone.model)(**data.model_inputs(student))
+        else:
+            out, hidden = M.layer_outputs(backbone.model, forward=model, **data.model_inputs(student))
     parts = {"sup": share(supervised_loss(out.logits, student["labels"]), answers)}
     if args.anchor == "none":
         parts["loss"] = parts["sup"]
@@ -325,11 +329,11 @@ def losses(backbone, args, student, teacher, model=None):
     if args.anchor == "kl":
         anchor = share(answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature), answers)
         return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
-    hidden = torch.stack(out.hidden_states[1:])
+    hidden = torch.stack(hidden)
     anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
               else euclidean_anchor_loss(hidden, teacher, student["align"]) if args.anchor == "euclidean"
               else layerwise_mse(hidden, teacher, student["align"]))
-    anchor = share(anchor, student["align"].sum())  # a mean over the aligned tokens (per query: count the queries)
+    anchor = share(anchor, student["align"].any(1).sum())  # a mean over the queries (Eq 16, per query)
     return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
 
 

@@ -170,12 +170,16 @@ def states(seed, L, B, T, d):
 
 
 def loop_mean(student, teacher, mask, per_token):
-    """(1/L) sum_l mean over the masked (b, i) of per_token(LN h'_i^(l), LN h_i^(l)), one token at a time."""
-    layers = []
-    for s, t in zip(student, teacher):
-        per = [per_token(layer_norm(s[b, i]), layer_norm(t[b, i])) for b, i in mask.nonzero().tolist()]
-        layers.append(sum(per) / len(per))
-    return sum(layers) / len(layers)
+    """Eq 16 one token at a time: per query b, (1/L) sum_l (1/T_b) sum_i per_token(LN h'_i^(l), LN h_i^(l)); then the
+    mean over the queries that have masked tokens."""
+    queries = []
+    for b in range(mask.shape[0]):
+        tokens = mask[b].nonzero().flatten().tolist()
+        if tokens:
+            layers = [sum(per_token(layer_norm(s[b, i]), layer_norm(t[b, i])) for i in tokens) / len(tokens)
+                      for s, t in zip(student, teacher)]
+            queries.append(sum(layers) / len(layers))
+    return sum(queries) / len(queries)
 
 
 @given(seeds, st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.integers(1, 8), kappas)

@@ -94,7 +94,7 @@ def test_vqa_accuracy_takes_leave_one_out_values(answers, prediction):
     ("The dog's ball", ["the", "dog", "'s", "ball"]),
     ("Don't", ["do", "n't"]),
     ("black-and-white cat", ["black-and-white", "cat"]),
-    ('"Hi" (there) -- ok...', ["hi", "there", "ok"]),
+    ('"Hi" (there) -- ok...', ["hi", "-lrb-", "there", "-rrb-", "ok"]),  # brackets kept as -lrb- -rrb-
     ("1,000 people at 2.5 pm!", ["1,000", "people", "at", "2.5", "pm"]),
 ])
 def test_tokenize_caption(raw, expected):

@@ -205,7 +205,7 @@ def test_zero_function_vector_and_own_state_leave_the_model_unchanged(backbone):
         tokens = E.generate(backbone, inputs, 4)
     assert torch.equal(tokens, E.generate(backbone, inputs, 4))
     states = {}
-    with M.layer_outputs(model, states):
+    with M.layer_states_at(model, states):
         model(**inputs)
     for l in range(2):  # a task vector equal to the states already there changes nothing
         with M.steer(model, l, states[l][0]):

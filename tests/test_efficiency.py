@@ -1,0 +1,64 @@
+"""Zero-shot cost: HiFICL's maskless paths, the benchmark sizes, every registered method benchmarked, peak memory.
+Benchmarks are measurements: nothing here asserts a latency."""
+import pytest
+import torch
+
+import adapters
+import evaluate as E
+import model as M
+from adapters import HiFICL
+
+
+@pytest.mark.parametrize("T, S", [(6, 6), (1, 6), (1, 1)])
+def test_hificl_without_padding_builds_no_mask_and_equals_the_masked_path(T, S, monkeypatch):
+    torch.manual_seed(0)
+    adapter = HiFICL(2, 8, n=3, rank=2).double()
+    torch.nn.init.normal_(adapter.V_B)
+    q, k, v = torch.randn(2, 2, T, 8, dtype=torch.float64), *torch.randn(2, 2, 2, S, 8, dtype=torch.float64)
+    causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    want = adapter(q, k, v, causal, 8 ** -0.5)                    # the explicit [B, 1, T, n + S] mask
+    monkeypatch.setattr(adapters, "causal_mask", lambda *a: pytest.fail("a mask was built"))
+    torch.testing.assert_close(adapter(q, k, v, None, 8 ** -0.5), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+def test_grown_twin_has_the_asked_decoder_and_runs(family):
+    model, _ = M.grown_twin(family, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                            num_hidden_layers=3, intermediate_size=64)
+    assert M.attention_shape(model) == (3, 6, 16)
+    inputs = E.synthetic_prompt(model, family, 0, query_text=5)
+    assert model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False).shape[1] == \
+        inputs["input_ids"].shape[1] + 2
+
+
+class Extra(HiFICL):
+    """Stands for a method another branch registers."""
+
+
+def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
+    monkeypatch.setattr(M, "METHODS", {**M.METHODS, "extra": Extra})
+    monkeypatch.setattr(E, "REPEATS", 1)
+    monkeypatch.setattr(E, "BEST_OF", 1)
+    rows = E.main(["--benchmark", "--model", "tiny-idefics2", "--task", "toy-vqa", "--bench-shots",
+                   "--out", str(tmp_path)])
+    assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS]
+    assert all(r["tflops_ratio"] > 1 for r in rows[1:])         # each row really ran its adapter
+    assert not hasattr(M.load_backbone("tiny-idefics2").model, "icl_settings")
+    ms = E.attention_benchmark(M.load_backbone("tiny-idefics2").model, T=8)
+    assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"]
+
+
+def test_peak_memory_counts_allocations():
+    mib = E.peak_memory_mb(lambda: torch.ones(16, 2 ** 20) + 1)  # two 64 MiB tensors live at once
+    assert 128 <= mib < 130
+
+
+def test_fused_paths_form_no_t_by_t_tensor(monkeypatch):
+    monkeypatch.setattr(E, "REPEATS", 1)
+    monkeypatch.setattr(E, "BEST_OF", 1)
+    model = M.load_backbone("tiny-idefics2").model
+    T, (_, heads, _) = 512, M.attention_shape(model)
+    one_score_matrix = heads * T * T * 4 / 2 ** 20               # MiB of one float32 [1, H, T, T] tensor
+    result = E.attention_benchmark(model, T=T)
+    for name, (_, mib) in result.items():
+        assert (mib > one_score_matrix) == (name == "hyper-icl reference"), (name, mib, one_score_matrix)
