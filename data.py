@@ -585,7 +585,7 @@ def generated(root, write):
     if os.path.isdir(root):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(root))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}-", dir=os.path.dirname(root))
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp made it private

@@ -385,9 +385,9 @@ def fingerprint(backbone):
     the adapters act in), rounded to bf16, so the same checkpoint loaded in float32 or bf16, by name or by path,
     gives the same fingerprint, and tiny twins of different seeds differ.
     """
+    own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = decoder_self_attentions(backbone.model)
-    params = [*list(backbone.model.parameters())[:4], *(p for attn in (attns[0], attns[-1])
-                                                         for n, p in attn.named_parameters() if "icl_adapter" not in n)]
+    params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
     h = hashlib.sha256(backbone.family.encode())
     for p in params:
         h.update(str(tuple(p.shape)).encode())

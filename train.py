@@ -235,7 +235,7 @@ def run_teacher_logits(backbone, kind, queries, icds, pieces, device):
     return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
 
 
-def read_teacher(path, what):
+def read_teacher(path, what="states"):
     """One query's cached teacher tensor `what` ("states" or "logits"), or None when there is no file; an unreadable
     file (truncated by a crash or a full disk) is reported and None returned, so it is computed again."""
     if not os.path.exists(path):

@@ -151,7 +151,7 @@ def test_seed_missing_key_is_named(seed_root):
 def test_split_by_image(task, capsys):
     pool, rest = D.load_task(task, "train"), D.load_task(task, "val")
     assert "training pool" in capsys.readouterr().out
-    root = D.generated_root(task, D.TOY_WRITERS[task])
+    root = D.generated(D.toy_folder(task), D.TOY_WRITERS[task])
     everything = D.read_mme(root, D.TOY_MME_SUBTASKS) if task == "toy-mme" else D.read_seed(root)
     assert sorted(it.id for it in pool + rest) == sorted(it.id for it in everything)
     assert not {it.image_path for it in pool} & {it.image_path for it in rest}  # no image on both sides
