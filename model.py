@@ -217,6 +217,16 @@ def without_adapter(model):
 
 # ------------------------------------------------------------------------- hooks for in-context vectors (TV, FV)
 
+@contextlib.contextmanager
+def hooked(*handles):
+    """Keep the given forward (pre-)hooks registered for a while: each handle is removed on exit."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _rows_at(h, positions):
     """(row index, position index) selecting position positions[b] of each row b (the last one when None)."""
     rows = torch.arange(h.shape[0], device=h.device)
@@ -242,11 +252,8 @@ def steer(model, layer, vector, positions=None, add=False, decoding=False):
         h = h.clone()
         h[rows, cols] = vector.to(h.device, h.dtype) + (h[rows, cols] if add else 0)
         return (h, *output[1:]) if isinstance(output, tuple) else h
-    handle = model.get_decoder().layers[layer].register_forward_hook(hook)
-    try:
+    with hooked(model.get_decoder().layers[layer].register_forward_hook(hook)):
         yield
-    finally:
-        handle.remove()
 
 
 @contextlib.contextmanager
@@ -259,12 +266,8 @@ def layer_states_at(model, store, positions=None):
             if h.shape[1] > 1:
                 store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
         return hook
-    handles = [m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers)]
-    try:
+    with hooked(*(m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers))):
         yield store
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -280,12 +283,9 @@ def head_outputs(model, store, positions=None):
                 rows, cols = _rows_at(x, positions)
                 store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
         return hook
-    handles = [a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(decoder_self_attentions(model))]
-    try:
+    attns = decoder_self_attentions(model)
+    with hooked(*(a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(attns))):
         yield store
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextlib.contextmanager
@@ -302,11 +302,8 @@ def set_head_output(model, layer, head, value, positions=None):
         x = x.clone()
         x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.device, x.dtype)
         return (x, *inputs[1:])
-    handle = decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)
-    try:
+    with hooked(decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)):
         yield
-    finally:
-        handle.remove()
 
 
 def head_contribution(model, layer, head, value):
@@ -327,12 +324,8 @@ def layer_outputs(model, forward=None, **inputs):
     (a wrapper of it, such as DistributedDataParallel; default the model itself)."""
     states = []
     record = lambda layer, args, out: states.append(out[0] if isinstance(out, tuple) else out)
-    hooks = [layer.register_forward_hook(record) for layer in model.get_decoder().layers]
-    try:
+    with hooked(*(layer.register_forward_hook(record) for layer in model.get_decoder().layers)):
         return (forward or model)(**inputs), states
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 # ------------------------------------------------------------------------------------------------ save and load
