@@ -294,9 +294,8 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     _, again = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
     assert cache["hits"] == 3 and torch.equal(again, teacher)
     with torch.no_grad():  # the student as its own teacher: the distillation loss vanishes
-        out = plain.model(**train.data.model_inputs(student), output_hidden_states=True)
-    own = (out.logits[train.answer_positions(student["labels"])] if anchor == "kl"
-           else torch.stack(out.hidden_states[1:]))
+        out, states = M.layer_outputs(plain.model, **train.data.model_inputs(student))
+    own = out.logits[train.answer_positions(student["labels"])] if anchor == "kl" else torch.stack(states)
     if anchor == "kl":
         assert teacher.shape == own.shape  # one row per answer position, in the student's order
     assert parts["anchor"] > 0 and train.losses(plain, args, student, own)["anchor"].abs() < 1e-6

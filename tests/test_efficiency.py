@@ -42,7 +42,8 @@ def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
     rows = E.main(["--benchmark", "--model", "tiny-idefics2", "--task", "toy-vqa", "--bench-shots",
                    "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS]
-    assert all(r["tflops_ratio"] > 1 for r in rows[1:])         # each row really ran its adapter
+    # each row really ran its adapter (LIVE's elementwise shift has no FLOPs FlopCounterMode counts)
+    assert all(r["tflops_ratio"] > 1 for r in rows[1:] if r["setting"] != "live")
     assert not hasattr(M.load_backbone("tiny-idefics2").model, "icl_settings")
     ms = E.attention_benchmark(M.load_backbone("tiny-idefics2").model, T=8)
     assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"]

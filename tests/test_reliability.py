@@ -221,7 +221,7 @@ def test_evaluate_rejects_bad_flags(flag, value, capsys):
 # ------------------------------------------------------------------------------------------------------- data
 
 def vqa_root(tmp_path, questions, annotations, split="val"):
-    folder = tmp_path / "toy" / "vqav2"
+    folder = tmp_path / data.TOY_DIR / "vqav2"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"v2_OpenEnded_mscoco_{split}2014_questions.json").write_text(json.dumps(questions))
     (folder / f"v2_mscoco_{split}2014_annotations.json").write_text(json.dumps(annotations))
@@ -248,8 +248,8 @@ def test_malformed_dataset_json_names_the_file_and_entry(tmp_path, questions, an
 
 
 def test_karpathy_file_of_the_wrong_shape_names_the_file(tmp_path):
-    (tmp_path / "toy" / "coco").mkdir(parents=True)
-    (tmp_path / "toy" / "coco" / "dataset_coco.json").write_text(json.dumps([{"split": "test"}]))
+    (tmp_path / data.TOY_DIR / "coco").mkdir(parents=True)
+    (tmp_path / data.TOY_DIR / "coco" / "dataset_coco.json").write_text(json.dumps([{"split": "test"}]))
     with pytest.raises(ValueError, match="dataset_coco.json should be a JSON object with a list under 'images'"):
         data.load_task("toy-caption", "val", str(tmp_path))
 
