@@ -203,36 +203,28 @@ def teacher_key(backbone_id, args, query, icds):
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-@torch.no_grad()
-def run_teacher(backbone, kind, queries, icds, pieces, device):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens.
-
-    Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens).
-    """
-    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, d), p)
-            for d, p in zip(icds, pieces)]
-    batch = to(data.collate(rows, backbone.processor, backbone.family), device)
-    with M.without_adapter(backbone.model), autocast(device):
-        states = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch))[1])  # [L, B, W, d]
-    return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
-
-
 def answer_positions(labels):
     """Bool [B, W]: the positions whose logits predict an answer token (labels -100 elsewhere; next-token shift)."""
     return F.pad(labels[:, 1:] != -100, (0, 1))
 
 
 @torch.no_grad()
-def run_teacher_logits(backbone, kind, queries, icds, pieces, device):
-    """LIVE's teacher: the frozen backbone on [ICDs; query + target]; per query its logits at the answer positions,
-    [n_answer, V] in float32."""
+def run_teacher(backbone, kind, queries, icds, pieces, device, what="states"):
+    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens.
+
+    Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens); with
+    what="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
+    """
     rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, d), p)
             for d, p in zip(icds, pieces)]
     batch = to(data.collate(rows, backbone.processor, backbone.family), device)
     with M.without_adapter(backbone.model), autocast(device):
-        logits = backbone.model(**data.model_inputs(batch)).logits
-    answer = answer_positions(batch["labels"])
-    return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
+        if what == "logits":
+            logits = backbone.model(**data.model_inputs(batch)).logits
+            answer = answer_positions(batch["labels"])
+            return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
+        states = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch))[1])  # [L, B, W, d]
+    return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
 
 def read_teacher(path, what="states"):
@@ -250,14 +242,14 @@ def read_teacher(path, what="states"):
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
     stored once otherwise)."""
-    what, run = ("logits", run_teacher_logits) if args.anchor == "kl" else ("states", run_teacher)
+    what = "logits" if args.anchor == "kl" else "states"
     keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
     paths = [os.path.join(args.teacher_cache, k + ("-logits" if what == "logits" else "") + ".safetensors")
              for k in keys]
     states = {} if args.no_teacher_cache else {i: read_teacher(p, what) for i, p in enumerate(paths)}
     missing = [i for i in range(len(queries)) if states.get(i) is None]
-    fresh = run(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
-                [pieces[i] for i in missing], device) if missing else []
+    fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
+                        [pieces[i] for i in missing], device, what) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     for i, s in zip(missing, fresh):
@@ -316,7 +308,7 @@ def losses(backbone, args, student, teacher, model=None):
     model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
     Each part is this process's share of its mean over the global micro-batch (`share`).
     """
-    answers = (student["labels"][:, 1:] != -100).sum()
+    answers = answer_positions(student["labels"]).sum()
     with autocast(student["input_ids"].device):
         if args.anchor in ("none", "kl"):
             out = (model or backbone.model)(**data.model_inputs(student))
