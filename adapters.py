@@ -1,8 +1,9 @@
 """What is learned inside self-attention: Hyper-ICL's gated low-rank logit bias and HiFICL's virtual key-values.
 
 Both act on one attention layer, all heads at once, with the tensors the attention kernel sees:
-q: [B, H, T, d_h] (after rotary embedding), k, v: [B, H, S, d_h] (grouped key/value heads already repeated to H),
-mask: bool [B, 1, T, S] (True = may attend) or None for plain causal attention, scaling = 1/sqrt(d_h).
+q: [B, H, T, d_h] (after rotary embedding), k, v: [B, H_kv, S, d_h] with H a multiple of H_kv (grouped-query
+attention: query heads h of one group share key/value head h // (H / H_kv), never copied), mask: bool [B, 1, T, S]
+(True = may attend) or None for plain causal attention, scaling = 1/sqrt(d_h).
 
 Also here: the attention decomposition of Eq 1-2, the identity both methods start from.
 """
@@ -24,11 +25,45 @@ def full_mask(mask, T, S, device):
 
 
 def sdpa(q, k, v, mask, scale):
-    """scaled_dot_product_attention with our mask convention (None = causal; decoding steps see everything)."""
+    """scaled_dot_product_attention with our mask convention (None = causal; decoding steps see everything) and
+    grouped key/value heads shared by their query heads inside the kernel (enable_gqa), as transformers' own call."""
     T, S = q.shape[-2], k.shape[-2]
     if mask is None and T > 1 and T != S:
         mask = causal_mask(T, S, q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def per_query_head(x, heads):
+    """[B, H_kv, S, d] -> [B, heads, S, d]: each key/value head repeated for its group (the references only)."""
+    return x.repeat_interleave(heads // x.shape[1], 1)
+
+
+def virtual_key_attention(q, k, v, log_Z1, mask, scaling):
+    """Eq 2 in one fused call: attention over [k_D; K] where one virtual key k_D, with value 0, has the logit log Z1
+    (a float [B, H, T] per query and head) and the real keys keep the model's mask. Returns ((1 - mu) SA(q, K, V), mu,
+    1 - mu), each [B, H, T, *], mu = Z1 / (Z1 + Z2), Z2 = sum over the keys the query may see of exp(q.k scaling).
+
+    q gains a column log Z1 / scaling; the virtual key is the unit vector on it (real keys hold 0 there), so it is one
+    key shared by every query head and K stays grouped. Two value columns mark the virtual and the real keys: the
+    kernel returns mu and 1 - mu there, each with its own relative precision. Under plain causal attention (mask None)
+    a leading dummy query row lines the kernel's own causal mask up with [k_D; K]; a decoding step (T = 1) sees every
+    key; otherwise the model's bool mask gains one always-true column. No T x S tensor is formed.
+    """
+    batch, H, T, d_h = q.shape
+    H_kv, S = k.shape[1], k.shape[-2]
+    width, lead = -(-(d_h + 2) // 8) * 8, int(mask is None and T > 1)   # fused kernels take multiples of 8
+    q_aug = q.new_zeros(batch, H, lead + T, width)
+    k_aug, v_aug = (x.new_zeros(batch, H_kv, 1 + S, width) for x in (k, v))
+    q_aug[..., lead:, :d_h], q_aug[..., lead:, d_h] = q, (log_Z1 / scaling).to(q.dtype)
+    k_aug[..., 0, d_h] = 1
+    k_aug[..., 1:, :d_h] = k
+    v_aug[..., 0, d_h] = 1                                # virtual key: its weight mu
+    v_aug[..., 1:, :d_h], v_aug[..., 1:, d_h + 1] = v, 1  # real keys: (1 - mu) SA and their weight 1 - mu
+    if mask is not None:
+        mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], -1)
+    out = sdpa(q_aug, k_aug, v_aug, mask, scale=scaling)[..., lead:, :]
+    return out[..., :d_h], out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]
 
 
 # ------------------------------------------------------------------------------------ Eq 1-2: the decomposition
@@ -92,13 +127,10 @@ class HyperICL(nn.Module):
         u = F.layer_norm(q.to(dtype), q.shape[-1:])
         return torch.sigmoid(torch.einsum("bhtd,hd->bht", u, self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
 
-    def low_rank(self, q, k):
-        """Eq 6: A = Q U_q and B = K U_k, each [B, H, *, r]."""
-        return q @ self.U_q.to(q.dtype), k @ self.U_k.to(k.dtype)
-
     def reference(self, q, k, v, mask, scaling):
         """Eq 3-8 written out: forms the T x S logits S~ (readable; the fast path must match it)."""
-        A, B = self.low_rank(q, k)
+        k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
+        A, B = q @ self.U_q.to(q.dtype), k @ self.U_k.to(k.dtype)              # Eq 6
         S = q @ k.transpose(-1, -2) * scaling                                   # Eq 3
         Delta = A @ B.transpose(-1, -2) / math.sqrt(self.rank)                  # Eq 7
         S_tilde = S + self.gate(q).to(S.dtype) * Delta                          # Eq 5
@@ -108,21 +140,20 @@ class HyperICL(nn.Module):
         return P @ v                                                            # Eq 8
 
     def forward(self, q, k, v, mask, scaling):
-        """Eq 3-8 inside fused attention: S~ = scaling [Q, g A / (scaling sqrt(r))] [K, B]^T, one dot product over
-        d_h + r, so no T x S tensor is formed. Q and K enter the kernel untouched and with the model's own scale, so
-        where Delta = 0 (at initialisation) the kernel computes exactly what the base model's does, in bf16 too.
+        """Eq 3-8 inside fused attention. Delta = (Q U_q)(K U_k)^T / sqrt(r) = (Q U_q U_k^T) K^T / sqrt(r), so
 
-        Zero columns add nothing to a dot product, so q/k and v are zero-padded to one head size, a multiple of 8,
-        which the fused (flash / memory-efficient) kernels accept; the output is sliced back to d_h.
+            S~ = S + Diag(g) Delta = scaling Q~ K^T,   Q~ = Q + Diag(g) (Q U_q) U_k^T / (scaling sqrt(r)):
+
+        the logit bias is a gated rank-r change of each query. The kernel gets Q~ and the model's own K and V (grouped
+        heads shared, as in the base model's call): no T x S tensor, no copy of the keys or the cache, no wider head.
+        Where Delta = 0 (U_k = 0 at initialisation) Q~ = Q exactly, so the kernel computes what the base model's
+        does, in bf16 too; otherwise Q~ is rounded once to the model's dtype, as Q itself was.
         """
-        A, B = self.low_rank(q, k)
-        d_h, r = q.shape[-1], self.rank
-        width = -(-(d_h + r) // 8) * 8
-        q_aug, k_aug, v_pad = (x.new_zeros(*x.shape[:-1], width) for x in (q, k, v))
-        q_aug[..., :d_h], q_aug[..., d_h:d_h + r] = q, self.gate(q).to(q.dtype) * A / (scaling * math.sqrt(r))
-        k_aug[..., :d_h], k_aug[..., d_h:d_h + r] = k, B
-        v_pad[..., :d_h] = v
-        return sdpa(q_aug, k_aug, v_pad, mask, scale=scaling)[..., :d_h]
+        g = self.gate(q)                                                        # Eq 9, float32 (or float64)
+        A = q @ self.U_q.to(q.dtype)                                            # Eq 6
+        offset = A @ (self.U_k.transpose(-1, -2) / (scaling * math.sqrt(self.rank))).to(q.dtype)
+        q_tilde = torch.addcmul(q.to(g.dtype), g, offset.to(g.dtype))          # Q + Diag(g) Q U_q U_k^T / ...
+        return sdpa(q_tilde.to(q.dtype), k, v, mask, scale=scaling)
 
 
 # --------------------------------------------------------------------------- HiFICL: low-rank virtual key-values
@@ -150,26 +181,17 @@ class HiFICL(nn.Module):
         return (self.K_A @ self.K_B).to(dtype), (self.V_A @ self.V_B).to(dtype)
 
     def forward(self, q, k, v, mask, scaling):
-        """Joint attention over [K_learn; K] and [V_learn; V] in one fused call.
-
-        Without padding (mask None) no mask is formed. The virtual keys stand before the sequence, so every query sees
-        the keys of [K_learn; K] up to its own position counted from the end: causal attention aligned at the lower
-        right. In a prefill (T = S) n zero query rows are put before the queries, which makes the query and key
-        lengths equal, so SDPA's own causal path is exactly that; their outputs are dropped. A decoding step (T = 1)
-        sees every key. Otherwise (padding, or a chunk of T < S queries) the explicit mask is built.
+        """Joint attention over [K_learn; K] and [V_learn; V] by Eq 2:
+        (1 - mu) SA(q, K, V) + mu SA(q, K_learn, V_learn), mu = Z1 / (Z1 + Z2). The T x n virtual part is computed
+        directly (float32 or float64); the real keys go through one fused call that also returns mu
+        (virtual_key_attention: one virtual key with logit log Z1 = logsumexp(q K_learn^T scaling)), with K and V
+        grouped as the model keeps them.
         """
-        batch, T, S = q.shape[0], q.shape[-2], k.shape[-2]
-        K_learn, V_learn = (x.expand(batch, -1, -1, -1) for x in self.virtual(q.dtype))
-        n = K_learn.shape[-2]
-        keys, values = torch.cat([K_learn, k], -2), torch.cat([V_learn, v], -2)
-        if mask is None and T == S:
-            q = torch.cat([q.new_zeros(*q.shape[:-2], n, q.shape[-1]), q], -2)
-            return sdpa(q, keys, values, None, scale=scaling)[..., n:, :]
-        if mask is None and T == 1:
-            return sdpa(q, keys, values, None, scale=scaling)
-        seen = full_mask(mask, T, S, q.device).expand(batch, 1, T, S)
-        mask = torch.cat([seen.new_ones(batch, 1, T, n), seen], -1)
-        return sdpa(q, keys, values, mask, scale=scaling)
+        K_learn, V_learn = self.virtual(torch.promote_types(q.dtype, torch.float32))
+        logits_D = q.to(K_learn.dtype) @ K_learn.transpose(-1, -2) * scaling    # [B, H, T, n]
+        first, mu, _ = virtual_key_attention(q, k, v, torch.logsumexp(logits_D, -1), mask, scaling)
+        SA_D = logits_D.softmax(-1) @ V_learn                                  # SA(q, K_learn, V_learn)
+        return torch.addcmul(first.to(SA_D.dtype), mu.to(SA_D.dtype), SA_D).to(q.dtype)
 
 
 # ------------------------------------------------------------- baselines: static gates, output level, MimIC, LIVE
@@ -235,34 +257,15 @@ class MimIC(nn.Module):
         return (torch.einsum("bhtd,hd->bht", q.to(dtype), self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
 
     def forward(self, q, k, v, mask, scaling):
-        """One fused SDPA over [virtual key; K]: the virtual key's logit is log Z1 (q gains a column log Z1 / scaling,
-        the virtual key is the unit vector on it, real keys have 0 there). Two extra value columns mark the virtual
-        key and the real keys, so the kernel returns (1 - mu) SA, mu and 1 - mu; SA = first / (1 - mu), each read
-        with the kernel's own relative precision. Under plain causal attention (mask None) a leading dummy query row
-        lines the kernel's own causal mask up with [virtual key; K], so no mask tensor is formed at all; otherwise
-        the model's bool mask gains one always-true column.
+        """SA(q, K, V) + mu s in one fused call over [virtual key; K] with the virtual key's logit log Z1
+        (virtual_key_attention), SA = (1 - mu) SA / (1 - mu), each read with the kernel's own relative precision.
         A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere nothing is clamped: if
         Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and training stops on it.
         """
-        batch, H, T, d_h = q.shape
-        S = k.shape[-2]
-        width = -(-(d_h + 2) // 8) * 8
-        q_aug, k_aug, v_aug = (x.new_zeros(batch, H, n, width) for x, n in ((q, T + 1), (k, S + 1), (v, S + 1)))
-        q_aug[..., 1:, :d_h], q_aug[..., 1:, d_h] = q, (self.log_Z1(q)[..., 0] / scaling).to(q.dtype)
-        k_aug[..., 0, d_h] = 1
-        k_aug[..., 1:, :d_h] = k
-        v_aug[..., 0, d_h] = 1                     # virtual key: its weight mu
-        v_aug[..., 1:, :d_h], v_aug[..., 1:, d_h + 1] = v, 1  # real keys: (1 - mu) SA and their weight 1 - mu
-        if mask is None:   # row 0 is the dummy query: row i + 1 sees [virtual; K_0..K_i] under the causal mask
-            out = sdpa(q_aug, k_aug, v_aug, None, scale=scaling)[..., 1:, :]
-        else:
-            mask = mask.expand(batch, 1, T, S)
-            out = sdpa(q_aug[..., 1:, :], k_aug, v_aug, torch.cat([mask.new_ones(batch, 1, T, 1), mask], -1),
-                       scale=scaling)
-        mu, rest = out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]
+        first, mu, rest = virtual_key_attention(q, k, v, self.log_Z1(q)[..., 0], mask, scaling)
         if mask is not None:  # a row that sees no real key: (1 - mu) SA = 0, so SA = 0
             rest = rest.masked_fill(~mask.any(-1, keepdim=True), 1)
-        return out[..., :d_h] / rest + mu * self.s.to(q.dtype)[:, None]
+        return torch.addcmul(first / rest, mu, self.s.to(q.dtype)[:, None])
 
 
 class LIVE(nn.Module):

@@ -13,6 +13,7 @@ the analyses of the appendices (Table 9, Table 10).
 """
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -29,7 +30,6 @@ import torch
 from safetensors.torch import load_file, save
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
-from transformers.integrations.sdpa_attention import repeat_kv
 
 import data as D
 import lorentz
@@ -874,14 +874,13 @@ def load_vector(backbone, args):
 # -----------------------------------------------------------------------------
 # efficiency (Table 6): FLOPs and latency of one query, zero-shot vs adapter vs n-shot ICL
 
-WARMUP, REPEATS = 1, 10  # the FLOP count (Table 6) or the peak-memory run (attention) warms up too
+ROUNDS = 10  # latency: rounds of timed runs; the FLOP count (Table 6) or the peak-memory run (attention) warms up
 BENCH_SHOTS = (8, 16, 32)
 # Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
 # LLaMA-style tokenizer splits them: BOS + the instruction line; one ICD's "Question: ... Short answer: ..." + end
 # token + newline (about 20 for a VQAv2 question); the query's question without the answer.
 PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
 MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's share of the cost shows on a CPU
-BEST_OF = 3  # latency: the best of this many medians, every setting measured once per round
 
 
 def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
@@ -939,27 +938,49 @@ def benchmark_prompt(backbone, args, shots):
     return D.model_inputs(batch, device_of(backbone.model))
 
 
-def median_ms(run, device):
-    """Median wall time of run() in ms over REPEATS calls after WARMUP more (synchronising the GPU around each)."""
+def keep_freed_memory():
+    """CPU benchmarks: glibc's malloc keeps freed blocks (up to 32 MiB each) for reuse instead of handing them back to
+    the system, so that a run does not page-fault its activations in again. Measured on the mid-size prefill: about
+    60,000 page faults and 8% of the time per run before, none after, and less run-to-run noise. Changes nothing
+    where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(-3, 32 * 2 ** 20)   # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the heap, not from mmap
+    libc.mallopt(-1, 2 ** 31 - 1)    # M_TRIM_THRESHOLD: the heap's free top is never given back
+
+
+def paired_latency(runs, device):
+    """Latency of every runs[name] relative to the first (the reference: zero-shot, plain SDPA) on a machine whose
+    speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
+    Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
+    on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
+    the median and quartiles over rounds of the ratio (the reference's are 1)."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
-    times = []
-    for _ in range(WARMUP + REPEATS):
+
+    def timer(f):
         sync()
         start = time.perf_counter()
-        run()
+        f()
         sync()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[WARMUP:])
+        return time.perf_counter() - start
 
-
-def best_of_medians(runs, device):
-    """{name: best of BEST_OF medians (median_ms) of runs[name]()}, every run measured once per round, so that a busy
-    machine slows each of them alike and their ratios within one call stay meaningful."""
-    best = dict.fromkeys(runs, math.inf)
-    for _ in range(BEST_OF):
-        for name, run in runs.items():
-            best[name] = min(best[name], run(lambda f: median_ms(f, device)))
-    return best
+    (reference, *others), times = list(runs), {name: [] for name in runs}
+    ratios = {name: [] for name in others}
+    with tqdm(total=ROUNDS * (2 * len(others) + 1), desc="latency", unit="run") as bar:
+        for _ in range(ROUNDS):
+            times[reference].append(runs[reference](timer))
+            for name in others:
+                times[name].append(runs[name](timer))
+                times[reference].append(runs[reference](timer))
+                ratios[name].append(times[name][-1] / statistics.mean(times[reference][-2:]))
+                bar.update(2)
+            bar.update()
+    quartiles = {name: torch.tensor(r, dtype=torch.float64).quantile(torch.tensor([.5, .25, .75], dtype=torch.float64))
+                 for name, r in ratios.items()}
+    return {name: (1000 * statistics.median(t), *(quartiles[name].tolist() if name in quartiles else (1.0,) * 3))
+            for name, t in times.items()}
 
 
 @contextlib.contextmanager
@@ -993,41 +1014,51 @@ def flops(backbone, inputs, new_tokens):
 def benchmark(backbone, args):
     """Table 6: per query, FLOPs and latency of the prefill (one new token) and of generating --new-tokens tokens for
     zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and --bench-shots-shot ICL, each
-    with its ratio to zero-shot. Latency: best of BEST_OF medians of REPEATS, all settings interleaved. Writes
-    benchmark.json."""
+    with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one decoder attention layer
+    at --attention-tokens tokens (attention_call). Latency: paired_latency, every setting against zero-shot runs
+    on both sides. Writes benchmark.json."""
     new_tokens = args.new_tokens or D.TASKS[args.task].max_new_tokens
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
         [(f"{s}-shot", None, s) for s in args.bench_shots]
-    rows, runs = [], {}
-    for name, method, shots in tqdm(settings, desc="FLOPs", unit="setting"):
+    device, (attention, _, _) = device_of(backbone.model), attention_call(backbone.model, args.attention_tokens)
+    rows, runs = [], {"prefill": {}, "generate": {}}
+    for name, method, shots in tqdm(settings, desc="FLOPs, memory", unit="setting"):
         inputs = benchmark_prompt(backbone, args, shots)
         with run_as(backbone.model, method):
             rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1],
                          "prefill_tflops": flops(backbone, inputs, 1) / 1e12,
-                         "tflops": flops(backbone, inputs, new_tokens) / 1e12})
+                         "tflops": flops(backbone, inputs, new_tokens) / 1e12,
+                         "attention_mib": None if shots else attention_memory(attention, device)})
         for part, k in (("prefill", 1), ("generate", new_tokens)):
-            runs[name, part] = lambda timer, m=method, i=inputs, k=k: _in_setting(
+            runs[part][name] = lambda timer, m=method, i=inputs, k=k: _in_setting(
                 backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
-    ms = best_of_medians(runs, device_of(backbone.model))
+    for part, key in (("prefill", "prefill_ms"), ("generate", "ms")):
+        for r, (ms, ratio, q1, q3) in zip(rows, paired_latency(runs[part], device).values()):
+            r[key], r[key + "_ratio"], r[key + "_quartiles"] = ms, ratio, [q1, q3]
     for r in rows:
-        r["prefill_ms"], r["ms"] = ms[r["setting"], "prefill"], ms[r["setting"], "generate"]
-        for key in ("prefill_tflops", "prefill_ms", "tflops", "ms"):
-            r[key + "_ratio"] = r[key] / rows[0][key]
-    print(f"{backbone.name} on {device_of(backbone.model)}, {torch.get_num_threads()} threads; prefill (1 new token) "
-          f"and {new_tokens} new tokens per query; latency: best of {BEST_OF} medians of {REPEATS} runs")
-    print(f"{'setting':<12} {'tokens':>7} | prefill {'TFLOPs':>9} {'x':>6} {'ms':>9} {'x':>6} | "
-          f"generate {'TFLOPs':>9} {'x':>6} {'ms':>9} {'x':>6}")
+        for key in ("prefill_tflops", "tflops", "attention_mib"):
+            r[key + "_ratio"] = r[key] / rows[0][key] if r[key] is not None else None
+    print(f"{backbone.name} on {device}, {torch.get_num_threads()} threads; prefill (1 new token) and {new_tokens} new "
+          f"tokens per query; latency: median ms, and the median [quartiles] over {ROUNDS} rounds of the time over "
+          f"zero-shot runs on both sides; attention: peak memory of one decoder attention layer at "
+          f"{args.attention_tokens} tokens")
+    print(f"{'setting':<17} {'tokens':>6} | prefill {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | "
+          f"generate {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | attention {'MiB':>7} {'x':>5}")
+    latency = lambda r, key: f"{r[key]:>8.1f} {r[key + '_ratio']:>6.3f} [{r[key + '_quartiles'][0]:.3f}, " \
+        f"{r[key + '_quartiles'][1]:.3f}]"
     for r in rows:
-        print(f"{r['setting']:<12} {r['prompt_tokens']:>7} | {'':7} {r['prefill_tflops']:>9.4g} "
-              f"{r['prefill_tflops_ratio']:>6.3f} {r['prefill_ms']:>9.2f} {r['prefill_ms_ratio']:>6.3f} | {'':8} "
-              f"{r['tflops']:>9.4g} {r['tflops_ratio']:>6.3f} {r['ms']:>9.2f} {r['ms_ratio']:>6.3f}")
+        memory = f"{r['attention_mib']:>7.1f} {r['attention_mib_ratio']:>5.2f}" if r["attention_mib"] is not None \
+            else f"{'-':>7} {'-':>5}"
+        print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {r['prefill_tflops']:>8.4g} "
+              f"{r['prefill_tflops_ratio']:>6.3f} {latency(r, 'prefill_ms')} | {'':8} {r['tflops']:>8.4g} "
+              f"{r['tflops_ratio']:>6.3f} {latency(r, 'ms')} | {'':9} {memory}")
     path = os.path.join(args.out, "benchmark.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"model": backbone.name, "device": str(device_of(backbone.model)), "threads": torch.get_num_threads(),
-                   "new_tokens": new_tokens, "rows": rows}, f, indent=2)
+        json.dump({"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
+                   "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, f, indent=2)
     print(f"-> {path}")
     return rows
 
@@ -1054,38 +1085,51 @@ def peak_memory_mb(run, device="cpu"):
     return peak / 2 ** 20
 
 
-def attention_benchmark(model, T=2048):
-    """One decoder self-attention of `model` (its first layer's module and head sizes) at T query and key tokens,
-    causal, batch 1: latency (best of BEST_OF medians) and peak memory (peak_memory_mb) of the stock SDPA forward, of
-    every method of model.METHODS through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA.
-    Returns {name: (ms, MiB)}."""
+def attention_call(model, T):
+    """One decoder self-attention of `model` (its first layer's module and head sizes) on random q [1, H, T, d_h] and
+    k, v [1, H_kv, T, d_h], causal: (forward, reference, sizes), closures running model.calibrated_attention (the
+    module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, and the sizes in
+    words."""
     attn = M.decoder_self_attentions(model)[0]
-    cfg, device = attn.config, device_of(model)
-    dtype = next(model.parameters()).dtype
+    device, dtype = device_of(model), next(model.parameters()).dtype
     _, heads, head_dim = M.attention_shape(model)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv_heads = getattr(attn.config, "num_key_value_heads", None) or heads
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
-    forward = lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling)
-    reference = lambda: attn.icl_adapter.reference(q, *(repeat_kv(x, heads // kv_heads) for x in (k, v)), None,
-                                                   attn.scaling)
+    return (lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling),
+            lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling),
+            f"{heads} heads ({kv_heads} key/value) x {head_dim}")
+
+
+def attention_memory(run, device):
+    """peak_memory_mb of run() without autograd (the adapter's parameters would otherwise keep its activations)."""
+    with torch.no_grad():
+        return peak_memory_mb(run, device)
+
+
+def attention_benchmark(model, T=2048):
+    """One decoder self-attention of `model` at T query and key tokens (attention_call), batch 1: latency
+    (paired_latency) and peak memory (peak_memory_mb) of the stock SDPA forward, of every method of model.METHODS
+    through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns {name: (ms, MiB)}."""
+    device, dtype = device_of(model), next(model.parameters()).dtype
+    forward, reference, sizes = attention_call(model, T)
     paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
         ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
     runs, memory = {}, {}
     with torch.no_grad():
         for name, method, run in paths:
             with run_as(model, method):
-                memory[name] = peak_memory_mb(run, device)
+                memory[name] = attention_memory(run, device)
             runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
-        ms = best_of_medians(runs, device)
-    print(f"one attention layer: {heads} heads ({kv_heads} key/value) x {head_dim}, T = {T}, {dtype} on {device}, "
-          f"{torch.get_num_threads()} threads; best of {BEST_OF} medians of {REPEATS}; peak memory: "
-          + ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
-             "torch.profiler's allocation records"))
-    for name in ms:
-        print(f"{name:<20} {ms[name]:>9.2f} ms {ms[name] / ms['sdpa']:>6.2f}x {memory[name]:>10.1f} MiB "
+        latency = paired_latency(runs, device)
+    print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
+          f"median ms, and the median [quartiles] over {ROUNDS} rounds of the time over SDPA runs on both sides; "
+          "peak memory: " + ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
+                             "torch.profiler's allocation records"))
+    for name, (ms, ratio, q1, q3) in latency.items():
+        print(f"{name:<20} {ms:>9.2f} ms {ratio:>6.2f}x [{q1:.2f}, {q3:.2f}] {memory[name]:>10.1f} MiB "
               f"{memory[name] / memory['sdpa']:>6.2f}x")
-    return {name: (ms[name], memory[name]) for name in ms}
+    return {name: (latency[name][0], memory[name]) for name in latency}
 
 
 def _in_setting(model, method, run):
@@ -1278,15 +1322,15 @@ def parse_args(argv=None):
                                                  "generation length; 8 with --random-weights mid)")
     p.add_argument("--bench-shots", type=int, nargs="*", default=list(BENCH_SHOTS),
                    help="--benchmark: the n-shot ICL rows (default: %(default)s; none when given without values)")
-    p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark-attention: query and key tokens "
-                                                                      "(default: %(default)s)")
+    p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark (peak memory of one attention "
+                   "layer) and --benchmark-attention: query and key tokens (default: %(default)s)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
-    p.add_argument("--repeats", type=int, help=f"benchmarks: timed runs per median (default: {REPEATS}, after "
-                                              f"{WARMUP} warm-up runs)")
+    p.add_argument("--rounds", type=int, help=f"benchmarks: rounds of timed runs, each setting once per round "
+                   f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
     args = p.parse_args(argv)
-    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0}.items():
+    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1}.items():
         if getattr(args, name) is not None and getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
     if args.icds == "rices" and not args.shots:
@@ -1427,14 +1471,16 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    global REPEATS
-    REPEATS = args.repeats or REPEATS
+    global ROUNDS
+    ROUNDS = args.rounds or ROUNDS
     with train.processes():
         return run(args)
 
 
 def run(args):
     """Do what the flags ask (main's body)."""
+    if args.benchmark or args.benchmark_attention:
+        keep_freed_memory()
     if args.benchmark_attention:
         return attention_benchmark(attention_model(args), args.attention_tokens)
     if args.compare:

@@ -31,7 +31,7 @@ from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditi
                           IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
                           LlavaOnevisionProcessor, LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil)
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from PIL import Image
 from tqdm import tqdm
@@ -98,8 +98,7 @@ def calibrated_attention(module, query, key, value, attention_mask, scaling=None
     if adapter is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: adapters are per query head
-    out = adapter(query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, scaling)
+    out = adapter(query, key, value, attention_mask, scaling)  # grouped key/value heads stay grouped
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters import HiFICL, HyperICL, decompose, decompose_hificl, joint_attention
+from adapters import (HiFICL, HyperICL, MimIC, OutputLevel, StaticGate, StaticGateHead, decompose, decompose_hificl,
+                      joint_attention)
 
 
 def rand(*shape, seed=0, dtype=torch.float64):
@@ -137,3 +138,36 @@ def test_hificl_is_the_joint_softmax_under_the_models_mask(T, extra, n, r, seed,
 
 def test_hificl_parameter_count():
     assert sum(p.numel() for p in HiFICL(32, 128, 8, 8).parameters()) == 32 * 2 * 8 * (8 + 128)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cls=st.sampled_from([HyperICL, StaticGate, StaticGateHead, OutputLevel, MimIC, HiFICL]),
+       H_kv=st.integers(1, 3), groups=st.integers(1, 3), T=st.integers(1, 5), extra=st.integers(0, 4),
+       seed=st.integers(0, 2**16), padded=st.booleans())
+def test_grouped_key_value_heads_equal_the_same_heads_repeated(cls, H_kv, groups, T, extra, seed, padded):
+    """Grouped-query attention: K and V of H_kv heads, shared inside the kernel, give what the same keys copied to
+    every query head give (head h reads key/value head h // groups); the repeated form is the one checked above
+    against the explicit formulas."""
+    H, S, d_h = H_kv * groups, T + extra, 8
+    torch.manual_seed(seed)
+    adapter = cls(H, d_h).double()
+    for p in adapter.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    q, k, v = rand(2, H, T, d_h, seed=seed), rand(2, H_kv, S, d_h, seed=seed + 1), rand(2, H_kv, S, d_h, seed=seed + 2)
+    mask = padding_mask(2, T, S, seed) if padded else None
+    head = torch.arange(H) // groups
+    grouped, repeated = adapter(q, k, v, mask, d_h ** -0.5), adapter(q, k[:, head], v[:, head], mask, d_h ** -0.5)
+    torch.testing.assert_close(grouped, repeated, rtol=1e-10, atol=1e-10)
+    if cls in (HyperICL, StaticGate, StaticGateHead):
+        torch.testing.assert_close(adapter.reference(q, k, v, mask, d_h ** -0.5), adapter(q, k, v, mask, d_h ** -0.5),
+                                   rtol=1e-10, atol=1e-10)
+
+
+def test_hyper_icl_fast_path_bf16_relative_error():
+    """bf16: Q~ = Q + Diag(g) Q U_q U_k^T / (scaling sqrt r) is rounded once; against the float64 reference."""
+    adapter = random_hyper_icl(4, 64, 4, seed=5)
+    q, k, v = (rand(2, 4, 33, 64, seed=s) for s in (1, 2, 3))
+    mask = padding_mask(2, 33, 33, seed=6)
+    want = adapter.reference(q, k, v, mask, 0.125)
+    fast = adapter.to(torch.bfloat16)(*(x.to(torch.bfloat16) for x in (q, k, v)), mask, 0.125).double()
+    assert ((fast - want).norm() / want.norm()).item() <= 2e-2

@@ -37,8 +37,7 @@ class Extra(HiFICL):
 
 def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
     monkeypatch.setattr(M, "METHODS", {**M.METHODS, "extra": Extra})
-    monkeypatch.setattr(E, "REPEATS", 1)
-    monkeypatch.setattr(E, "BEST_OF", 1)
+    monkeypatch.setattr(E, "ROUNDS", 1)
     rows = E.main(["--benchmark", "--model", "tiny-idefics2", "--task", "toy-vqa", "--bench-shots",
                    "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS]
@@ -55,8 +54,7 @@ def test_peak_memory_counts_allocations():
 
 
 def test_fused_paths_form_no_t_by_t_tensor(monkeypatch):
-    monkeypatch.setattr(E, "REPEATS", 1)
-    monkeypatch.setattr(E, "BEST_OF", 1)
+    monkeypatch.setattr(E, "ROUNDS", 1)
     model = M.load_backbone("tiny-idefics2").model
     T, (_, heads, _) = 512, M.attention_shape(model)
     one_score_matrix = heads * T * T * 4 / 2 ** 20               # MiB of one float32 [1, H, T, T] tensor

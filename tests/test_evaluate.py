@@ -109,8 +109,7 @@ def test_batched_generation_matches_one_at_a_time(family):
 # efficiency (Table 6)
 
 def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(E, "REPEATS", 1)
-    monkeypatch.setattr(E, "BEST_OF", 1)
+    monkeypatch.setattr(E, "ROUNDS", 1)
     rows = E.main([*TINY, "--benchmark", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     names = ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
@@ -147,8 +146,7 @@ def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
     """--random-weights end to end on CPU, the real-size backbone replaced by the tiny twin (synthetic prompts)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(M, "published_model", lambda family, device: M.load_backbone("tiny-" + family).model)
-    monkeypatch.setattr(E, "REPEATS", 1)
-    monkeypatch.setattr(E, "BEST_OF", 1)
+    monkeypatch.setattr(E, "ROUNDS", 1)
     rows = E.main(["--benchmark", "--random-weights", "--model", "llava-interleave", "--task", "toy-vqa",
                    "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]
@@ -216,8 +214,7 @@ def test_middle_layers():
 
 
 def test_attention_benchmark_runs_every_path(monkeypatch, capsys):
-    monkeypatch.setattr(E, "REPEATS", 1)
-    monkeypatch.setattr(E, "BEST_OF", 1)
+    monkeypatch.setattr(E, "ROUNDS", 1)
     ms = E.attention_benchmark(M.load_backbone("tiny-idefics2").model, T=16)
     assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"] and all(t > 0 and m > 0 for t, m in ms.values())
     assert "hyper-icl reference" in capsys.readouterr().out
