@@ -26,16 +26,21 @@ def full_mask(mask, T, S, device):
 
 def sdpa(q, k, v, mask, scale):
     """scaled_dot_product_attention with our mask convention (None = causal; decoding steps see everything) and
-    grouped key/value heads shared by their query heads inside the kernel (enable_gqa), as transformers' own call."""
+    grouped key/value heads shared by their query heads inside the kernel (enable_gqa). On CPU the fused kernel takes
+    them with or without a mask; on a GPU only flash attention does (half precision, no mask), and the others would
+    fall back to the math kernel, which forms T x S scores, so there the heads are repeated first, as transformers'
+    own call does."""
     T, S = q.shape[-2], k.shape[-2]
     if mask is None and T > 1 and T != S:
         mask = causal_mask(T, S, q.device)
+    if q.device.type != "cpu" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
+        k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 def per_query_head(x, heads):
-    """[B, H_kv, S, d] -> [B, heads, S, d]: each key/value head repeated for its group (the references only)."""
+    """[B, H_kv, S, d] -> [B, heads, S, d]: each key/value head repeated for its group."""
     return x.repeat_interleave(heads // x.shape[1], 1)
 
 
@@ -50,16 +55,14 @@ def virtual_key_attention(q, k, v, log_Z1, mask, scaling):
     a leading dummy query row lines the kernel's own causal mask up with [k_D; K]; a decoding step (T = 1) sees every
     key; otherwise the model's bool mask gains one always-true column. No T x S tensor is formed.
     """
-    batch, H, T, d_h = q.shape
-    H_kv, S = k.shape[1], k.shape[-2]
-    width, lead = -(-(d_h + 2) // 8) * 8, int(mask is None and T > 1)   # fused kernels take multiples of 8
-    q_aug = q.new_zeros(batch, H, lead + T, width)
-    k_aug, v_aug = (x.new_zeros(batch, H_kv, 1 + S, width) for x in (k, v))
-    q_aug[..., lead:, :d_h], q_aug[..., lead:, d_h] = q, (log_Z1 / scaling).to(q.dtype)
-    k_aug[..., 0, d_h] = 1
-    k_aug[..., 1:, :d_h] = k
-    v_aug[..., 0, d_h] = 1                                # virtual key: its weight mu
-    v_aug[..., 1:, :d_h], v_aug[..., 1:, d_h + 1] = v, 1  # real keys: (1 - mu) SA and their weight 1 - mu
+    d_h, lead = q.shape[-1], int(mask is None and q.shape[-2] > 1)
+    width = -(-(d_h + 2) // 8) * 8                         # fused kernels take head sizes in multiples of 8
+    pad = lambda x, rows: F.pad(x, (0, width - d_h, rows, 0))   # zero columns after d_h, zero rows before
+    q_aug, k_aug, v_aug = pad(q, lead), pad(k, 1), pad(v, 1)
+    q_aug[..., lead:, d_h] = (log_Z1 / scaling).to(q.dtype)
+    k_aug[..., 0, d_h] = 1                                 # the virtual key: the unit vector on column d_h
+    v_aug[..., 0, d_h] = 1                                 # its value marks its weight, mu
+    v_aug[..., 1:, d_h + 1] = 1                            # real keys: (1 - mu) SA and their weight, 1 - mu
     if mask is not None:
         mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], -1)
     out = sdpa(q_aug, k_aug, v_aug, mask, scale=scaling)[..., lead:, :]

@@ -977,10 +977,12 @@ def paired_latency(runs, device):
                 ratios[name].append(times[name][-1] / statistics.mean(times[reference][-2:]))
                 bar.update(2)
             bar.update()
-    quartiles = {name: torch.tensor(r, dtype=torch.float64).quantile(torch.tensor([.5, .25, .75], dtype=torch.float64))
-                 for name, r in ratios.items()}
-    return {name: (1000 * statistics.median(t), *(quartiles[name].tolist() if name in quartiles else (1.0,) * 3))
-            for name, t in times.items()}
+    result = {reference: (1000 * statistics.median(times[reference]), 1.0, 1.0, 1.0)}
+    for name in others:
+        median, q1, q3 = torch.tensor(ratios[name], dtype=torch.float64).quantile(
+            torch.tensor([.5, .25, .75], dtype=torch.float64)).tolist()
+        result[name] = (1000 * statistics.median(times[name]), median, q1, q3)
+    return result
 
 
 @contextlib.contextmanager

@@ -61,3 +61,18 @@ def test_fused_paths_form_no_t_by_t_tensor(monkeypatch):
     result = E.attention_benchmark(model, T=T)
     for name, (_, mib) in result.items():
         assert (mib > one_score_matrix) == (name == "hyper-icl reference"), (name, mib, one_score_matrix)
+
+
+def test_paired_latency_cancels_a_drifting_machine(monkeypatch):
+    """A machine that slows down by 10% per run: every setting's ratio to the zero-shot runs on both sides of it is
+    still its true 1.5x (2x), while the ratio of its median time to the reference's median is not."""
+    monkeypatch.setattr(E, "ROUNDS", 3)
+    clock = iter(1.1 ** i for i in range(100))                       # the machine's slowness at each run
+    runs = {"zero-shot": lambda timer: next(clock), "a": lambda timer: 1.5 * next(clock),
+            "b": lambda timer: 2 * next(clock)}
+    result = E.paired_latency(runs, "cpu")
+    ms, ratio, q1, q3 = result["a"]
+    assert ratio == pytest.approx(1.5 * 2 * 1.1 / (1 + 1.1 ** 2)) and (q1, q3) == pytest.approx((ratio, ratio))  # 1.493
+    assert result["b"][1] == pytest.approx(2 * 2 * 1.1 / (1 + 1.1 ** 2))
+    assert result["zero-shot"][1:] == (1.0, 1.0, 1.0)
+    assert abs(ms / result["zero-shot"][0] - 1.5) > 0.05
