@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
-from PIL import Image
 
 import evaluate
 import model as M
 import train
 from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
+from test_model import TEXTS, assert_cached_decoding_equals_full_forward, prompts
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
@@ -143,20 +143,6 @@ def plain(backbone):
         M.detach(backbone.model)
 
 
-TEXTS = ["Question: What colour is the shape? Short answer:", "Question: How many? Short answer:"]
-
-
-def prompts(backbone, texts, positions=True):
-    """A left-padded batch, one image per prompt (determined by the prompt), through the processor."""
-    p = backbone.processor
-    p.tokenizer.padding_side = "left"
-    imgs = [[Image.new("RGB", (28, 28), (7 * len(t) % 255, 200, 90))] for t in texts]
-    batch = p(text=["<image>" + t for t in texts], images=imgs, return_tensors="pt", padding=True)
-    if positions:
-        batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    return batch
-
-
 def perturb(model, seed=0):
     """Move every adapter parameter away from its initialisation (as training would)."""
     torch.manual_seed(seed)
@@ -212,16 +198,7 @@ def test_padding_invariance(plain, method):
 def test_cached_decoding_equals_full_forward(plain, method):
     M.attach(plain.model, method, **SIZES[method])
     perturb(plain.model, seed=1)
-    batch = prompts(plain, TEXTS, positions=False)
-    with torch.no_grad():
-        out = plain.model.generate(**batch, max_new_tokens=3, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True)
-        steps = torch.stack(out.logits, 1)                                   # [B, 3, V]
-        mask = torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, -3:])], 1)
-        full = dict(batch, input_ids=out.sequences, attention_mask=mask,
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-        logits = plain.model(**full).logits[:, -4:-1]
-    torch.testing.assert_close(steps, logits, rtol=1e-4, atol=1e-4)
+    assert_cached_decoding_equals_full_forward(plain, new_tokens=3)
 
 
 @pytest.mark.parametrize("method", BASELINES)

@@ -99,24 +99,29 @@ def test_padding_invariance_with_trained_adapter(plain, method, sizes):
             torch.testing.assert_close(together[i, -length:], alone, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method,sizes", [("hyper-icl", dict(rank=4)), ("hificl", dict(n=3, rank=2))])
-def test_cached_decoding_equals_full_forward(plain, method, sizes):
-    """generate() runs the adapter on one new query token against the KV cache; it must match a full forward."""
-    M.attach(plain.model, method, **sizes)
-    randomise(plain.model, seed=1)
-    batch = prompts(plain, TEXTS, positions=False)
+def assert_cached_decoding_equals_full_forward(backbone, new_tokens):
+    """generate() runs the attached adapter on one new query token at a time against the KV cache; its logits must
+    match one full forward over the prompts and the generated tokens."""
+    batch = prompts(backbone, TEXTS, positions=False)
     with torch.no_grad():
-        out = plain.model.generate(**batch, max_new_tokens=4, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True)
-        steps = torch.stack(out.logits, 1)                                   # [B, 4, V]
-        full = dict(batch, input_ids=out.sequences,
-                    attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, -4:])], 1))
+        out = backbone.model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True)
+        steps = torch.stack(out.logits, 1)                                   # [B, new_tokens, V]
+        full = dict(batch, input_ids=out.sequences, attention_mask=torch.cat(
+            [batch["attention_mask"], torch.ones_like(out.sequences[:, -new_tokens:])], 1))
         if "image_attention_mask" in batch:                                  # Idefics: new tokens see the image
             last = batch["image_attention_mask"][:, -1:]
-            full["image_attention_mask"] = torch.cat([batch["image_attention_mask"]] + [last] * 4, 1)
+            full["image_attention_mask"] = torch.cat([batch["image_attention_mask"]] + [last] * new_tokens, 1)
         full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        logits = plain.model(**full).logits[:, -5:-1]
+        logits = backbone.model(**full).logits[:, -new_tokens - 1:-1]
     torch.testing.assert_close(steps, logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method,sizes", [("hyper-icl", dict(rank=4)), ("hificl", dict(n=3, rank=2))])
+def test_cached_decoding_equals_full_forward(plain, method, sizes):
+    M.attach(plain.model, method, **sizes)
+    randomise(plain.model, seed=1)
+    assert_cached_decoding_equals_full_forward(plain, new_tokens=4)
 
 
 def test_only_adapter_parameters_train(plain):
