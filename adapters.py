@@ -5,68 +5,15 @@ q: [B, H, T, d_h] (after rotary embedding), k, v: [B, H_kv, S, d_h] with H a mul
 attention: query heads h of one group share key/value head h // (H / H_kv), never copied), mask: bool [B, 1, T, S]
 (True = may attend) or None for plain causal attention, scaling = 1/sqrt(d_h).
 
-Also here: the attention decomposition of Eq 1-2, the identity both methods start from.
+First the attention decomposition of Eq 1-2, the identity both methods start from; then Hyper-ICL, HiFICL,
+the baselines (static gates, output level, MimIC, LIVE, LoRA) and METHODS, which names them all; the kernel
+helpers last.
 """
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-def causal_mask(T, S, device):
-    """Bool [T, S]: query i (the last T of S positions) may attend key j <= S - T + i."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
-
-
-def full_mask(mask, T, S, device):
-    """The explicit bool mask that `mask` (None = plain causal) stands for, broadcastable to [B, 1, T, S]."""
-    return causal_mask(T, S, device) if mask is None else mask
-
-
-def sdpa(q, k, v, mask, scale):
-    """scaled_dot_product_attention with our mask convention (None = causal; decoding steps see everything) and
-    grouped key/value heads shared by their query heads inside the kernel (enable_gqa). On CPU the fused kernel takes
-    them with or without a mask; on a GPU only flash attention does (half precision, no mask), and the others would
-    fall back to the math kernel, which forms T x S scores, so there the heads are repeated first, as transformers'
-    own call does."""
-    T, S = q.shape[-2], k.shape[-2]
-    if mask is None and T > 1 and T != S:
-        mask = causal_mask(T, S, q.device)
-    if q.device.type != "cpu" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
-        k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def per_query_head(x, heads):
-    """[B, H_kv, S, d] -> [B, heads, S, d]: each key/value head repeated for its group."""
-    return x.repeat_interleave(heads // x.shape[1], 1)
-
-
-def virtual_key_attention(q, k, v, log_Z1, mask, scaling):
-    """Eq 2 in one fused call: attention over [k_D; K] where one virtual key k_D, with value 0, has the logit log Z1
-    (a float [B, H, T] per query and head) and the real keys keep the model's mask. Returns ((1 - mu) SA(q, K, V), mu,
-    1 - mu), each [B, H, T, *], mu = Z1 / (Z1 + Z2), Z2 = sum over the keys the query may see of exp(q.k scaling).
-
-    q gains a column log Z1 / scaling; the virtual key is the unit vector on it (real keys hold 0 there), so it is one
-    key shared by every query head and K stays grouped. Two value columns mark the virtual and the real keys: the
-    kernel returns mu and 1 - mu there, each with its own relative precision. Under plain causal attention (mask None)
-    a leading dummy query row lines the kernel's own causal mask up with [k_D; K]; a decoding step (T = 1) sees every
-    key; otherwise the model's bool mask gains one always-true column. No T x S tensor is formed.
-    """
-    d_h, lead = q.shape[-1], int(mask is None and q.shape[-2] > 1)
-    width = -(-(d_h + 2) // 8) * 8                         # fused kernels take head sizes in multiples of 8
-    pad = lambda x, rows: F.pad(x, (0, width - d_h, rows, 0))   # zero columns after d_h, zero rows before
-    q_aug, k_aug, v_aug = pad(q, lead), pad(k, 1), pad(v, 1)
-    q_aug[..., lead:, d_h] = (log_Z1 / scaling).to(q.dtype)
-    k_aug[..., 0, d_h] = 1                                 # the virtual key: the unit vector on column d_h
-    v_aug[..., 0, d_h] = 1                                 # its value marks its weight, mu
-    v_aug[..., 1:, d_h + 1] = 1                            # real keys: (1 - mu) SA and their weight, 1 - mu
-    if mask is not None:
-        mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], -1)
-    out = sdpa(q_aug, k_aug, v_aug, mask, scale=scaling)[..., lead:, :]
-    return out[..., :d_h], out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]
 
 
 # ------------------------------------------------------------------------------------ Eq 1-2: the decomposition
@@ -289,3 +236,83 @@ class LIVE(nn.Module):
         x = h.to(torch.promote_types(h.dtype, torch.float32))
         shifted = x + self.alpha.to(x.dtype) * self.v.to(x.dtype)
         return (shifted * (x.norm(dim=-1, keepdim=True) / shifted.norm(dim=-1, keepdim=True))).to(h.dtype)
+
+
+# ----------------------------------------------------------------------------- LoRA, and every method by name
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # matched as module-name suffixes, as peft does
+
+
+def lora_config(rank=16):
+    """LoRA (Hu et al. 2022) as the paper's baseline: rank 16, alpha = 2 r, on every module named q/k/v/o_proj,
+    i.e. the attention layers of the vision encoder (whose out_proj is not so named), the perceiver and the text
+    decoder (self- and Idefics' cross-attention). These are MimIC's public LoRA settings (src/config/peft/lora.yaml),
+    and give the paper's counts: 17.6 M on Idefics2-8B, 25.0 M on Idefics-9B. No dropout (the backbone runs in eval
+    mode for every method). B = 0 at initialisation: the base model.
+    """
+    from peft import LoraConfig  # imported here: peft takes seconds to import and only LoRA needs it
+    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
+
+
+# Every learnable method, by --method name: a class (or, for LoRA, a config builder) taking the method's sizes.
+# Attention-level methods sit on the decoder's self-attention (model.calibrated_attention), LIVE on its MLPs (a forward
+# hook), LoRA on the linear layers named in LORA_TARGETS (peft).
+METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, "static-layer-head": StaticGateHead,
+           "output-level": OutputLevel, "mimic": MimIC, "live": LIVE, "lora": lora_config}
+
+
+# --------------------------------------------------------------- kernel helpers: masks, SDPA, one virtual key
+
+def causal_mask(T, S, device):
+    """Bool [T, S]: query i (the last T of S positions) may attend key j <= S - T + i."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+
+
+def full_mask(mask, T, S, device):
+    """The explicit bool mask that `mask` (None = plain causal) stands for, broadcastable to [B, 1, T, S]."""
+    return causal_mask(T, S, device) if mask is None else mask
+
+
+def sdpa(q, k, v, mask, scale):
+    """scaled_dot_product_attention with our mask convention (None = causal; decoding steps see everything) and
+    grouped key/value heads shared by their query heads inside the kernel (enable_gqa). On CPU the fused kernel takes
+    them with or without a mask; on a GPU only flash attention does (half precision, no mask), and the others would
+    fall back to the math kernel, which forms T x S scores, so there the heads are repeated first, as transformers'
+    own call does."""
+    T, S = q.shape[-2], k.shape[-2]
+    if mask is None and T > 1 and T != S:
+        mask = causal_mask(T, S, q.device)
+    if q.device.type != "cpu" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
+        k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def per_query_head(x, heads):
+    """[B, H_kv, S, d] -> [B, heads, S, d]: each key/value head repeated for its group."""
+    return x.repeat_interleave(heads // x.shape[1], 1)
+
+
+def virtual_key_attention(q, k, v, log_Z1, mask, scaling):
+    """Eq 2 in one fused call: attention over [k_D; K] where one virtual key k_D, with value 0, has the logit log Z1
+    (a float [B, H, T] per query and head) and the real keys keep the model's mask. Returns ((1 - mu) SA(q, K, V), mu,
+    1 - mu), each [B, H, T, *], mu = Z1 / (Z1 + Z2), Z2 = sum over the keys the query may see of exp(q.k scaling).
+
+    q gains a column log Z1 / scaling; the virtual key is the unit vector on it (real keys hold 0 there), so it is one
+    key shared by every query head and K stays grouped. Two value columns mark the virtual and the real keys: the
+    kernel returns mu and 1 - mu there, each with its own relative precision. Under plain causal attention (mask None)
+    a leading dummy query row lines the kernel's own causal mask up with [k_D; K]; a decoding step (T = 1) sees every
+    key; otherwise the model's bool mask gains one always-true column. No T x S tensor is formed.
+    """
+    d_h, lead = q.shape[-1], int(mask is None and q.shape[-2] > 1)
+    width = -(-(d_h + 2) // 8) * 8                         # fused kernels take head sizes in multiples of 8
+    pad = lambda x, rows: F.pad(x, (0, width - d_h, rows, 0))   # zero columns after d_h, zero rows before
+    q_aug, k_aug, v_aug = pad(q, lead), pad(k, 1), pad(v, 1)
+    q_aug[..., lead:, d_h] = (log_Z1 / scaling).to(q.dtype)
+    k_aug[..., 0, d_h] = 1                                 # the virtual key: the unit vector on column d_h
+    v_aug[..., 0, d_h] = 1                                 # its value marks its weight, mu
+    v_aug[..., 1:, d_h + 1] = 1                            # real keys: (1 - mu) SA and their weight, 1 - mu
+    if mask is not None:
+        mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], -1)
+    out = sdpa(q_aug, k_aug, v_aug, mask, scale=scaling)[..., lead:, :]
+    return out[..., :d_h], out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]

@@ -1258,7 +1258,8 @@ def parse_args(argv=None):
     p.add_argument("--model", default="toy-idefics2",
                    help="backbone: idefics2, idefics, llava-interleave, llava-onevision (the paper's checkpoints), "
                         "tiny-<family> (offline twin, random weights), toy-idefics2 (meta-trained to learn in "
-                        "context, built on first use), or a local path (default: %(default)s)")
+                        "context: the shipped reference), a toy backbone's file (train.py --build-toy), or a local "
+                        "path (default: %(default)s)")
     p.add_argument("--task", default="toy-icl-colour", choices=list(D.TASKS), help="benchmark (default: %(default)s)")
     p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors). Default: "
                                         f"{default_checkpoint('<model>', '<task>')} if it exists "
@@ -1371,8 +1372,20 @@ def evaluate_with_baselines(backbone, args, items, setting):
         done.append(evaluate(backbone, args, items, setting))
     metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in done[0])
     print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
-          f"{len(items)} items)")
+          f"{len(items)} items)" + no_icl_verdict(done[1], metric, items))
     return done[-1] if args.checkpoint else done[0]
+
+
+def no_icl_verdict(icl, metric, items, margin=5.0):
+    """What the summary line adds where N-shot ICL is at chance (at most the most frequent answer's share of the
+    items + margin points): then the backbone does not learn in context and no score beside it shows anything."""
+    if metric == "cider":
+        return ""
+    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
+    if icl[metric] > chance + margin:
+        return ""
+    return (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always the most "
+            "frequent answer, + 5): this backbone does not learn in context, so nothing here can be distilled")
 
 
 # -----------------------------------------------------------------------------

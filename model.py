@@ -14,11 +14,8 @@ random weights and a byte-level BPE tokenizer trained locally, so every code pat
 import contextlib
 import copy
 import hashlib
-import io
 import json
-import math
 import os
-import random
 import secrets
 import time
 from dataclasses import dataclass
@@ -33,32 +30,11 @@ from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditi
                           LlavaOnevisionProcessor, LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from PIL import Image
-from tqdm import tqdm
 
 import data
-from adapters import LIVE, HiFICL, HyperICL, MimIC, OutputLevel, StaticGate, StaticGateHead
+from adapters import LIVE, METHODS, lora_config
 
 ATTN_NAME = "icl"  # the attention implementation name our adapters run under
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # matched as module-name suffixes, as peft does
-
-
-def lora_config(rank=16):
-    """LoRA (Hu et al. 2022) as the paper's baseline: rank 16, alpha = 2 r, on every module named q/k/v/o_proj,
-    i.e. the attention layers of the vision encoder (whose out_proj is not so named), the perceiver and the text
-    decoder (self- and Idefics' cross-attention). These are MimIC's public LoRA settings (src/config/peft/lora.yaml),
-    and give the paper's counts: 17.6 M on Idefics2-8B, 25.0 M on Idefics-9B. No dropout (the backbone runs in eval
-    mode for every method). B = 0 at initialisation: the base model.
-    """
-    from peft import LoraConfig  # imported here: peft takes seconds to import and only LoRA needs it
-    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
-
-
-# Every learnable method, by --method name: a class (or, for LoRA, a config builder) taking the method's sizes.
-# Attention-level methods sit on the decoder's self-attention (calibrated_attention), LIVE on its MLPs (a forward
-# hook), LoRA on the linear layers named in LORA_TARGETS (peft).
-METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, "static-layer-head": StaticGateHead,
-           "output-level": OutputLevel, "mimic": MimIC, "live": LIVE, "lora": lora_config}
 
 
 @dataclass(frozen=True)
@@ -123,7 +99,7 @@ def attach(model, method="hyper-icl", **sizes):
 
     sizes: the method's sizes (rank=..., and n=... for HiFICL; none for MimIC and LIVE). Returns adapters(model).
     Attention-level methods: one adapter per decoder self-attention, reached through calibrated_attention. LIVE: one
-    per decoder layer, a forward hook on its MLP. LoRA: peft's layers injected in place of LORA_TARGETS.
+    per decoder layer, a forward hook on its MLP. LoRA: peft's layers injected in place of adapters.LORA_TARGETS.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
@@ -464,6 +440,8 @@ def detach(model):
 
 def family_of(name):
     """The family of a backbone name: a short name, `tiny-<family>`, or a hub id / local path of a family."""
+    if is_toy_file(name):
+        return "idefics2"
     short = name.removeprefix("tiny-").removeprefix("toy-")
     if short in FAMILIES:
         return short
@@ -477,8 +455,8 @@ def family_of(name):
         if spec.hub_id == name:
             return family
     raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, "
-                     f"{sorted('tiny-' + f for f in FAMILIES)}, {sorted(TOY_BUILDERS)}, or a local path of one of "
-                     "those families")
+                     f"{sorted('tiny-' + f for f in FAMILIES)}, toy-idefics2, a toy backbone's .safetensors file, or a "
+                     "local path of one of those families")
 
 
 def freeze(model):
@@ -489,10 +467,11 @@ def freeze(model):
 
 def load_backbone(name, device=None, dtype=None, seed=0):
     """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
-    weights), or `toy-idefics2` (meta-trained to learn in context, built on first use and cached)."""
+    weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
+    (train.py --build-toy)."""
     family = family_of(name)
-    if name in TOY_BUILDERS:
-        model, processor = TOY_BUILDERS[name]()
+    if name == "toy-idefics2" or is_toy_file(name):
+        model, processor = toy_idefics2(None if name == "toy-idefics2" else name)
         return Backbone(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name)
     if name.startswith("tiny-"):
         model, processor = TINY_BUILDERS[family](seed)
@@ -703,19 +682,18 @@ TINY_BUILDERS = {"idefics2": tiny_idefics2, "idefics": tiny_idefics, "llava-inte
 
 # ------------------------------------------------------------- toy-idefics2: a small backbone that learns in context
 #
-# The real Idefics2 class and processor at a size a CPU meta-trains in minutes (about 1 M parameters), trained from
-# scratch on episodes of the toy-icl world (data.py): images of 42 x 42 (one 14-px vision patch per grid cell), 9
-# perceiver latents per image, a tokenizer in which every answer is one token. A curriculum (DESIGN.md, "An offline
-# world"): first single images whose question names the attribute (perception), then episodes of 0..8 demonstrations
-# with the uninformative question (in-context learning), some batches still naming it. The weights are cached in
-# ~/.cache/hyper-icl/toy-idefics2/<recipe hash>.safetensors with a checksum of the weights in its metadata.
+# The real Idefics2 class and processor at a size a CPU meta-trains in minutes (about 1 M parameters): images of
+# 42 x 42 (one 14-px vision patch per grid cell), 9 perceiver latents per image, a tokenizer in which every answer is
+# one token. train.py meta-trains it on episodes of the toy-icl world (train.build_toy). Every result of the project
+# that needs it uses one reference copy, the same bytes everywhere: TOY_REFERENCE, checked against TOY_SHA256 on every
+# load. A copy built on another machine differs in its last bits (another CPU sums in another order) and, since the
+# in-context phase transition depends on them, possibly in whether it learns in context at all; so a build is only
+# ever used when named (--model <its file>), never in place of the reference.
 
 TOY_CORPUS = " ".join([data.PROMPTS["vqa"]["instruction"], data.ICL_QUESTION, *data.ICL_NAMED.values(),
                        "Question: Short answer:", *(a for v in data.ICL_ATTRIBUTES.values() for a in v)] * 8)
-TOY_RECIPE = dict(seed=0, named_steps=300, episode_steps=900, named_batch=32, episode_batch=16, lr=2e-3, warmup=100,
-                  named_fraction=0.3, max_shots=8, scenes=4096, probe_every=200, version=1,
-                  episode_tasks={"colour": 1, "background": 2})  # colour, the target, is the rarer task in episodes
-TOY_CACHE = os.path.expanduser("~/.cache/hyper-icl/toy-idefics2")
+TOY_REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "toy-idefics2.safetensors")
+TOY_SHA256 = "b9ec5eaa2eaebc2439fe7f288ef77581248ca797c9e0434d473133b25ae6ef7e"  # weights_digest of TOY_REFERENCE
 
 
 def toy_processor():
@@ -730,11 +708,11 @@ def toy_processor():
                              "shortest_edge": side}), tok, image_seq_len=9)
 
 
-def toy_model(processor, seed):
+def toy_model(processor, seed=0):
     """The untrained toy Idefics2: text 128 wide x 4 layers, vision 64 x 2, perceiver latents drawn N(0, 0.02).
 
     Idefics2 initialises its perceiver latents to ones; from there images differ by a fraction of a percent of an
-    image token's size and training stalls at "knows the task, ignores the image" (DESIGN.md).
+    image token's size and training stalls at "knows the task, ignores the image".
     """
     tok = processor.tokenizer
     config = Idefics2Config(
@@ -753,110 +731,8 @@ def toy_model(processor, seed):
     return model
 
 
-def toy_scenes(processor, n, rng):
-    """n scenes of the meta-training world and their pixels (through the processor, once): (scenes, pixel dicts)."""
-    scenes = [data.icl_scene(rng) for _ in range(n)]
-    images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
-    out = processor.image_processor(images, return_tensors="pt")
-    return scenes, [{"pixel_values": out["pixel_values"][i], "pixel_attention_mask": out["pixel_attention_mask"][i]}
-                    for i in range(n)]
-
-
-def toy_batch(processor, text, scenes, pixels, episodes):
-    """A batch of episodes [(attribute, question, scene indices)]: rows of ICDs then the query (the last index),
-    labels on every answer (data.icl_episode)."""
-    rows = []
-    for attribute, question, picks in episodes:
-        pieces = [{**text[question, scenes[i][attribute], k == len(picks) - 1], "images": pixels[i]}
-                  for k, i in enumerate(picks)]
-        rows.append(data.icl_episode(processor, pieces))
-    return data.collate(rows, processor, "idefics2")
-
-
-def draw_episodes(recipe, rng, n_scenes, named):
-    """One step's episodes: single images with named questions (phase 1, named None; attributes equally often),
-    else rows of the same number (0..max_shots, drawn per batch: no padding) of ICDs + a query, named or not, the
-    attribute drawn with the weights recipe["episode_tasks"] (without demonstrations the backbone then answers the
-    more frequent attribute, as a pretrained model falls back on its prior)."""
-    shots = 0 if named is None else rng.randint(0, recipe["max_shots"])
-    names = list(data.ICL_ATTRIBUTES)
-    weights = [1] * len(names) if named is None else [recipe["episode_tasks"][a] for a in names]
-    episodes = []
-    for _ in range(recipe["named_batch" if named is None else "episode_batch"]):
-        attribute = rng.choices(names, weights)[0]
-        question = data.ICL_QUESTION if named is False else data.ICL_NAMED[attribute]
-        episodes.append((attribute, question, rng.sample(range(n_scenes), shots + 1)))
-    return episodes
-
-
-@torch.no_grad()
-def probe(model, processor, text, scenes, pixels, shots, named=False, n=32):
-    """Accuracy of the query's answer token (argmax, teacher-forced) with `shots` ICDs, per attribute."""
-    rng, accuracy = random.Random(1234), {}
-    for attribute in data.ICL_ATTRIBUTES:
-        question = data.ICL_NAMED[attribute] if named else data.ICL_QUESTION
-        episodes = [(attribute, question, rng.sample(range(len(scenes)), shots + 1)) for _ in range(n)]
-        batch = toy_batch(processor, text, scenes, pixels, episodes)
-        logits = model(**data.model_inputs(batch)).logits
-        last = batch["labels"].shape[1] - 1 - torch.flip(batch["labels"] != -100, [1]).int().argmax(1)  # end token
-        rows = torch.arange(n)
-        answer = batch["input_ids"][rows, last - 1]       # every answer is one token, then the end token
-        accuracy[attribute] = (logits[rows, last - 2].argmax(-1) == answer).float().mean().item()
-    return accuracy
-
-
-def meta_train(recipe, log=print):
-    """Meta-train the toy Idefics2 from scratch (deterministic for recipe["seed"] on one thread).
-
-    Phase 1 (recipe["named_steps"]): single images, the question names the attribute. Phase 2
-    (recipe["episode_steps"]): episodes of 0..max_shots ICDs + a query of a random attribute, the uninformative
-    question (named in a `named_fraction` of batches). AdamW, linear warm-up then cosine. Returns (model, processor,
-    learning curve: a list of {step, loss, named, 0-shot, 8-shot} probe rows on scenes not trained on; "named" is
-    zero-shot with the question that names the attribute, i.e. perception).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread: bit-identical weights run to run (and faster on a busy machine)
-    try:
-        processor = toy_processor()
-        model = toy_model(processor, recipe["seed"]).train()
-        rng = random.Random(recipe["seed"])
-        text = data.icl_text_pieces(processor)
-        scenes, pixels = toy_scenes(processor, recipe["scenes"], rng)
-        probe_set = toy_scenes(processor, max(64, recipe["scenes"] // 8), random.Random(recipe["seed"] + 1))
-        total = recipe["named_steps"] + recipe["episode_steps"]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"])
-        w = recipe["warmup"]
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min((s + 1) / w, 0.5 * (
-            1 + math.cos(math.pi * max(0, s - w) / max(1, total - w)))))
-        curve, losses = [], []
-        for step in (bar := tqdm(range(total), desc="meta-training toy-idefics2", dynamic_ncols=True)):
-            named = None if step < recipe["named_steps"] else rng.random() < recipe["named_fraction"]
-            batch = toy_batch(processor, text, scenes, pixels, draw_episodes(recipe, rng, len(scenes), named))
-            loss = model(**data.model_inputs(batch), labels=batch["labels"]).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if (step + 1) % recipe["probe_every"] == 0:
-                model.eval()
-                row = {"step": step + 1, "loss": sum(losses) / len(losses),
-                       "named": probe(model, processor, text, *probe_set, 0, named=True),
-                       **{f"{k}-shot": probe(model, processor, text, *probe_set, k) for k in (0, 8)}}
-                model.train()
-                curve.append(row)
-                losses = []
-                log(f"step {row['step']}: loss {row['loss']:.3f}  " + "  ".join(f"{k}: " + " ".join(
-                    f"{a} {v:.2f}" for a, v in row[k].items()) for k in ("named", "0-shot", "8-shot")))
-        return model.eval(), processor, curve
-    finally:
-        torch.set_num_threads(threads)
-
-
 def weights_digest(tensors):
-    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): the cached file's checksum."""
+    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): a toy backbone's checksum."""
     h = hashlib.sha256()
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -865,60 +741,41 @@ def weights_digest(tensors):
     return h.hexdigest()
 
 
-def toy_path(recipe=TOY_RECIPE, cache=None):
-    """Where the backbone of `recipe` is cached: a file named by the hash of the recipe."""
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(cache or TOY_CACHE, f"toy-idefics2-{key}.safetensors")
-
-
-def read_toy(path):
-    """The cached weights at `path` after checking them against the checksum in their metadata (ValueError if not)."""
+def read_toy(path, sha256=None):
+    """The weights of the toy backbone file at `path`, checked against the checksum in its metadata (and against
+    `sha256` when given); a ValueError naming the file if they do not match or it cannot be read."""
     try:
         with safe_open(path, "pt") as f:
             expected = (f.metadata() or {}).get("sha256")
         tensors = load_file(path)
-    except Exception as e:  # a truncated or foreign file: safetensors raises its own error types
-        raise ValueError(f"cannot read it ({e})") from e
-    if expected != weights_digest(tensors):
-        raise ValueError("its weights do not match their checksum")
+    except Exception as e:  # a missing, truncated or foreign file: safetensors raises its own error types
+        raise ValueError(f"toy backbone {path} cannot be read ({e})") from e
+    digest = weights_digest(tensors)
+    if digest != expected or sha256 not in (None, digest):
+        raise ValueError(f"toy backbone {path}: its weights do not match their checksum; restore the reference with "
+                         "`git checkout tests/data` or build another with `python train.py --build-toy`")
     return tensors
 
 
-def recipe_of(path):
-    """The recipe a cached or shipped toy backbone was built with (from its metadata)."""
+def toy_metadata(path):
+    """What a toy backbone file records of its build: recipe (with the accepted seed), probe, learning curve."""
     with safe_open(path, "pt") as f:
-        return json.loads(f.metadata()["recipe"])
+        return {k: json.loads(v) for k, v in (f.metadata() or {}).items() if k != "sha256"}
 
 
-def build_toy(path, recipe=TOY_RECIPE):
-    """Meta-train the toy backbone and write it atomically to `path` (checksum, recipe and learning curve in the
-    metadata: the same bytes for the same recipe). Returns (model, processor)."""
-    start = time.perf_counter()
-    model, processor, curve = meta_train(recipe, log=tqdm.write)
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    meta = {"sha256": weights_digest(tensors), "recipe": json.dumps(recipe), "curve": json.dumps(curve)}
-    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
-    print(f"toy-idefics2: built in {time.perf_counter() - start:.0f} s -> {path}")
-    return model, processor
+def toy_idefics2(path=None):
+    """The meta-trained toy Idefics2 and its processor: the reference copy (checked against TOY_SHA256), or the
+    build at `path` (train.py --build-toy)."""
+    tensors = read_toy(path or TOY_REFERENCE, None if path else TOY_SHA256)
+    processor = toy_processor()
+    model = toy_model(processor)
+    model.load_state_dict(tensors)
+    return model.eval(), processor
 
 
-def toy_idefics2(recipe=TOY_RECIPE, cache=None):
-    """The meta-trained toy Idefics2 and its processor: from the cache if intact, else built (and cached) now."""
-    path = toy_path(recipe, cache)
-    if os.path.exists(path):
-        try:
-            processor = toy_processor()
-            model = toy_model(processor, recipe["seed"])
-            model.load_state_dict(read_toy(path))
-            return model, processor
-        except ValueError as e:
-            print(f"toy-idefics2: the cached backbone {path} is unusable ({e}); rebuilding it")
-    else:
-        print(f"toy-idefics2: no cached backbone at {path}; building it (about 10 minutes on one CPU thread, once)")
-    return build_toy(path, recipe)
-
-
-TOY_BUILDERS = {"toy-idefics2": toy_idefics2}
+def is_toy_file(name):
+    """Whether a backbone name is a toy backbone's file (a build of train.py --build-toy)."""
+    return name.endswith(".safetensors")
 
 
 # ------------------------------------------------------------------------------ published sizes (no download)

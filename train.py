@@ -19,6 +19,7 @@ without --resume or --overwrite.
 import argparse
 import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -34,7 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
+from PIL import Image
 from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
 
 import data
 import lorentz
@@ -49,7 +52,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     p.add_argument("--model", default="toy-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
                    "llava-onevision, tiny-<one of those> (offline twin, random weights), toy-idefics2 (meta-trained "
-                   "to learn in context, built on first use), or a local checkpoint path")
+                   "to learn in context: the shipped reference copy), a toy backbone's file (--build-toy), or a local "
+                   "checkpoint path")
     p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-* need no download; "
                    "toy-icl-* can only be solved from demonstrations)")
     p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
@@ -105,12 +109,19 @@ def parse_args(argv=None):
                        "that holds a run is refused)")
     p.add_argument("--benchmark", action="store_true", help="time this run with and without teacher reuse "
                    "and print the ratio (writes to temporary folders)")
+    build = p.add_argument_group("building the toy backbone (instead of training an adapter)")
+    build.add_argument("--build-toy", action="store_true", help="meta-train a toy-idefics2 from scratch, seeds --seed, "
+                       "--seed + 1, ... until one learns in context on held-out episodes; write it to --out (default "
+                       f"{TOY_BUILD_OUT}); use it with --model <that file>")
+    build.add_argument("--build-tries", type=int, default=3, help="seeds to try before giving up")
+    build.add_argument("--threads", type=int, default=1, help="CPU threads of the build (one: the same bytes on the "
+                       "same machine; about 4 minutes)")
     args = p.parse_args(argv)
     if args.rank is None:
         args.rank = {"hificl": 8, "lora": 16}.get(args.method, 4)
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
-                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0}
+                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0, "build_tries": 1, "threads": 1}
     for name, least in at_least.items():
         if getattr(args, name) is not None and getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
@@ -118,7 +129,7 @@ def parse_args(argv=None):
         p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
     if not args.temperature > 0:
         p.error(f"--temperature must be > 0 (got {args.temperature})")
-    args.out = args.out or default_out(args.model, args.task, args.method)
+    args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     return args
 
@@ -423,6 +434,160 @@ def anchor_regime(args, student, teacher):
     return regime
 
 
+# ------------------------------------------------------- toy-idefics2: meta-training a backbone that learns in context
+#
+# From scratch, on the toy-icl world (data.py), with a curriculum: first single images whose question names the
+# attribute (perception), then episodes of 0..8 demonstrations with the uninformative question (in-context
+# learning), some batches still naming it. Without demonstrations the model falls back on the more frequent task of
+# the episodes (background), as a pretrained model falls back on its prior; with them it answers the task they show.
+# Whether a build learns in context is a phase transition that the last bits of the weights can tip (another CPU,
+# another thread count): 900 episode steps left some seeds on the prior task for good, 1,800 (a slower cosine decay)
+# let every measured seed through (README). So every build is probed on held-out episodes and used only if it
+# learns in context (ACCEPT); otherwise the next seed is tried.
+
+TOY_RECIPE = dict(seed=0, named_steps=300, episode_steps=1800, named_batch=32, episode_batch=16, lr=2e-3, warmup=100,
+                  named_fraction=0.3, max_shots=8, scenes=4096, probe_every=200, version=2,
+                  episode_tasks={"colour": 1, "background": 2})  # colour, the target, is the rarer task in episodes
+TOY_TARGET = "colour"
+TOY_BUILD_OUT = os.path.join("runs", "toy-idefics2", "backbone.safetensors")
+ACCEPT = {"8-shot": 0.9, "0-shot": 0.3}  # the target task's accuracy on held-out episodes: at least / at most
+PROBE_EPISODES = 128  # per attribute and number of shots in the acceptance probe (32 in the learning curve)
+
+
+def toy_scenes(processor, n, rng):
+    """n scenes of the meta-training world and their pixels (through the processor, once): (scenes, pixel dicts)."""
+    scenes = [data.icl_scene(rng) for _ in range(n)]
+    images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
+    out = processor.image_processor(images, return_tensors="pt")
+    return scenes, [{"pixel_values": out["pixel_values"][i], "pixel_attention_mask": out["pixel_attention_mask"][i]}
+                    for i in range(n)]
+
+
+def toy_batch(processor, text, scenes, pixels, episodes):
+    """A batch of episodes [(attribute, question, scene indices)]: rows of ICDs then the query (the last index),
+    labels on every answer (data.icl_episode)."""
+    rows = []
+    for attribute, question, picks in episodes:
+        pieces = [{**text[question, scenes[i][attribute], k == len(picks) - 1], "images": pixels[i]}
+                  for k, i in enumerate(picks)]
+        rows.append(data.icl_episode(processor, pieces))
+    return data.collate(rows, processor, "idefics2")
+
+
+def draw_episodes(recipe, rng, n_scenes, named):
+    """One step's episodes: single images with named questions (phase 1, named None; attributes equally often),
+    else rows of the same number (0..max_shots, drawn per batch: no padding) of ICDs + a query, named or not, the
+    attribute drawn with the weights recipe["episode_tasks"]."""
+    shots = 0 if named is None else rng.randint(0, recipe["max_shots"])
+    names = list(data.ICL_ATTRIBUTES)
+    weights = [1] * len(names) if named is None else [recipe["episode_tasks"][a] for a in names]
+    episodes = []
+    for _ in range(recipe["named_batch" if named is None else "episode_batch"]):
+        attribute = rng.choices(names, weights)[0]
+        question = data.ICL_QUESTION if named is False else data.ICL_NAMED[attribute]
+        episodes.append((attribute, question, rng.sample(range(n_scenes), shots + 1)))
+    return episodes
+
+
+@torch.no_grad()
+def probe(model, processor, text, scenes, pixels, shots, named=False, n=32):
+    """Accuracy of the query's answer token (argmax, teacher-forced) with `shots` ICDs, per attribute."""
+    rng, accuracy = random.Random(1234), {}
+    for attribute in data.ICL_ATTRIBUTES:
+        question = data.ICL_NAMED[attribute] if named else data.ICL_QUESTION
+        episodes = [(attribute, question, rng.sample(range(len(scenes)), shots + 1)) for _ in range(n)]
+        batch = toy_batch(processor, text, scenes, pixels, episodes)
+        logits = model(**data.model_inputs(batch)).logits
+        last = batch["labels"].shape[1] - 1 - torch.flip(batch["labels"] != -100, [1]).int().argmax(1)  # end token
+        rows = torch.arange(n)
+        answer = batch["input_ids"][rows, last - 1]       # every answer is one token, then the end token
+        accuracy[attribute] = (logits[rows, last - 2].argmax(-1) == answer).float().mean().item()
+    return accuracy
+
+
+def probe_row(model, processor, text, probe_set, n=32):
+    """Perception (zero-shot, named question), zero-shot and 8-shot accuracy per attribute on held-out scenes."""
+    model.eval()
+    row = {"named": probe(model, processor, text, *probe_set, 0, named=True, n=n),
+           **{f"{k}-shot": probe(model, processor, text, *probe_set, k, n=n) for k in (0, 8)}}
+    model.train()
+    return row
+
+
+def describe_probe(row):
+    return "  ".join(f"{k}: " + " ".join(f"{a} {v:.2f}" for a, v in row[k].items()) for k in ("named", "0-shot", "8-shot"))
+
+
+def meta_train(recipe, threads=1, log=print):
+    """Meta-train the toy Idefics2 from scratch (bit-identical for recipe["seed"] on one thread of one machine).
+
+    Phase 1 (recipe["named_steps"]): single images, the question names the attribute. Phase 2
+    (recipe["episode_steps"]): episodes of 0..max_shots ICDs + a query of a random attribute, the uninformative
+    question (named in a `named_fraction` of batches). AdamW, the warm-up cosine schedule of adapter training.
+    Returns (model, processor, learning curve, acceptance probe): probe rows on scenes never trained on.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        processor = M.toy_processor()
+        model = M.toy_model(processor, recipe["seed"]).train()
+        rng = random.Random(recipe["seed"])
+        text = data.icl_text_pieces(processor)
+        scenes, pixels = toy_scenes(processor, recipe["scenes"], rng)
+        probe_set = toy_scenes(processor, max(64, recipe["scenes"] // 8), random.Random(recipe["seed"] + 1))
+        total = recipe["named_steps"] + recipe["episode_steps"]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"])
+        scheduler = cosine_with_warmup(optimizer, total, recipe["warmup"])
+        curve, losses = [], []
+        for step in (bar := tqdm(range(total), desc=f"meta-training toy-idefics2 (seed {recipe['seed']})",
+                                 dynamic_ncols=True)):
+            named = None if step < recipe["named_steps"] else rng.random() < recipe["named_fraction"]
+            batch = toy_batch(processor, text, scenes, pixels, draw_episodes(recipe, rng, len(scenes), named))
+            loss = model(**data.model_inputs(batch), labels=batch["labels"]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if (step + 1) % recipe["probe_every"] == 0:
+                curve.append({"step": step + 1, "loss": sum(losses) / len(losses),
+                              **probe_row(model, processor, text, probe_set)})
+                losses = []
+                log(f"step {step + 1}: loss {curve[-1]['loss']:.3f}  " + describe_probe(curve[-1]))
+        return model.eval(), processor, curve, probe_row(model, processor, text, probe_set, n=PROBE_EPISODES)
+    finally:
+        torch.set_num_threads(before)
+
+
+def learns_in_context(row, accept=ACCEPT):
+    """Whether an acceptance probe shows in-context learning of the target task (ACCEPT's bounds)."""
+    return row["8-shot"][TOY_TARGET] >= accept["8-shot"] and row["0-shot"][TOY_TARGET] <= accept["0-shot"]
+
+
+def build_toy(path, recipe=TOY_RECIPE, tries=3, threads=1, accept=ACCEPT):
+    """Meta-train toy-idefics2 with seeds recipe["seed"], +1, ... until a build passes the acceptance probe; write
+    that one atomically to `path` (checksum, recipe with the accepted seed, probe and curve in the metadata).
+    A ValueError if none of the `tries` passes: then nothing is written. Returns (model, processor)."""
+    for seed in range(recipe["seed"], recipe["seed"] + tries):
+        start = time.perf_counter()
+        model, processor, curve, final = meta_train({**recipe, "seed": seed}, threads, log=tqdm.write)
+        passed = learns_in_context(final, accept)
+        print(f"toy-idefics2 seed {seed} ({time.perf_counter() - start:.0f} s, {threads} thread(s)): "
+              + describe_probe(final) + (" -> accepted" if passed else " -> does not learn in context, rejected"))
+        if passed:
+            tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+            meta = {"sha256": M.weights_digest(tensors), "recipe": json.dumps({**recipe, "seed": seed}),
+                    "probe": json.dumps(final), "curve": json.dumps(curve), "threads": json.dumps(threads)}
+            M.atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+            print(f"toy-idefics2: -> {path} (use it with --model {path})")
+            return model, processor
+    raise ValueError(f"no toy-idefics2 build learned in context in {tries} tries (seeds {recipe['seed']}.."
+                     f"{recipe['seed'] + tries - 1}: 8-shot {TOY_TARGET} below {accept['8-shot']} or 0-shot above "
+                     f"{accept['0-shot']}); nothing was written. Try other seeds (--seed) or more (--build-tries)")
+
+
 # ------------------------------------------------------------------------------------------------ checkpoints
 
 def checkpoint(args, backbone, optimizer, scheduler, progress):
@@ -467,11 +632,9 @@ def restore(args, backbone, optimizer, scheduler):
 
 # ------------------------------------------------------------------------------------------------------- loop
 
-def cosine_with_warmup(optimizer, total, warmup):
-    """Linear warm-up over the first `warmup` fraction of steps, then cosine decay to 0 (Section 4.1)."""
-    w = max(1, round(warmup * total))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / w if s < w else
-                                             0.5 * (1 + math.cos(math.pi * (s - w) / max(1, total - w))))
+def cosine_with_warmup(optimizer, total, warmup_steps):
+    """Linear warm-up over `warmup_steps`, then cosine decay to 0 (Section 4.1): transformers' schedule."""
+    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total)
 
 
 def check_finite(parts, step):
@@ -496,7 +659,8 @@ def train(args):
     student_model = data_parallel(backbone.model, args, len(queries)) if world > 1 else None
     batches_per_epoch = math.ceil(len(queries) / args.batch_size)
     steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)
-    scheduler = cosine_with_warmup(optimizer, steps_per_epoch * args.epochs, args.warmup)
+    total = steps_per_epoch * args.epochs
+    scheduler = cosine_with_warmup(optimizer, total, max(1, round(args.warmup * total)))
     os.makedirs(args.teacher_cache, exist_ok=True)
     progress = {"step": 0, "best": math.inf, "history": []}
     if args.resume:
@@ -634,8 +798,17 @@ def benchmark(args):
     return times
 
 
+def build(args):
+    """train.py --build-toy: a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)."""
+    if os.path.exists(args.out) and not args.overwrite:
+        raise ValueError(f"{args.out} exists; pass --overwrite to replace it, or another --out")
+    return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.build_toy:
+        return build(args)
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)

@@ -14,7 +14,7 @@ import model as M
 import train
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "data", "toy-idefics2.safetensors")
-SMALL_RECIPE = {**M.TOY_RECIPE, "named_steps": 2, "episode_steps": 2, "named_batch": 4, "episode_batch": 2,
+SMALL_RECIPE = {**train.TOY_RECIPE, "named_steps": 2, "episode_steps": 2, "named_batch": 4, "episode_batch": 2,
                 "scenes": 64, "probe_every": 10**6}
 
 
@@ -64,56 +64,87 @@ def test_every_answer_is_one_token():
         assert all(len(tok(" " + a, add_special_tokens=False)["input_ids"]) == 1 for a in answers)
 
 
-def test_the_builder_is_deterministic_and_the_cache_is_checked(tmp_path, capsys):
-    first, _ = M.toy_idefics2(SMALL_RECIPE, cache=str(tmp_path / "a"))
-    second, _ = M.toy_idefics2(SMALL_RECIPE, cache=str(tmp_path / "b"))
-    a, b = first.state_dict(), second.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    path = M.toy_path(SMALL_RECIPE, str(tmp_path / "a"))
-    assert M.weights_digest(M.read_toy(path)) == M.weights_digest(a)
-    assert M.recipe_of(path) == M.recipe_of(M.toy_path(SMALL_RECIPE, str(tmp_path / "b"))) == SMALL_RECIPE
-    assert "built in" in capsys.readouterr().out
-    cached, _ = M.toy_idefics2(SMALL_RECIPE, cache=str(tmp_path / "a"))  # read back, not rebuilt
-    assert all(torch.equal(cached.state_dict()[k], a[k]) for k in a) and "built" not in capsys.readouterr().out
-    blob = open(path, "rb").read()
+EVERY_BUILD = {"8-shot": 0.0, "0-shot": 1.0}  # acceptance bounds every build meets (SMALL_RECIPE learns nothing)
+
+
+def test_the_builder_is_deterministic_and_its_file_is_checked(tmp_path, capsys):
+    paths = [str(tmp_path / f"{k}.safetensors") for k in "ab"]
+    first, second = (train.build_toy(p, SMALL_RECIPE, accept=EVERY_BUILD)[0].state_dict() for p in paths)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert M.weights_digest(M.read_toy(paths[0])) == M.weights_digest(first)
+    meta = M.toy_metadata(paths[0])
+    assert meta["recipe"] == SMALL_RECIPE and set(meta["probe"]) == {"named", "0-shot", "8-shot"}
+    assert "seed 0" in capsys.readouterr().out
+    loaded, _ = M.toy_idefics2(paths[0])  # read back, not rebuilt
+    assert all(torch.equal(loaded.state_dict()[k], first[k]) for k in first) and "seed" not in capsys.readouterr().out
+    blob = open(paths[0], "rb").read()
     for damage in (blob[:len(blob) // 2], blob[:-8] + bytes(8)):  # truncated; weights changed
-        with open(path, "wb") as f:
+        with open(paths[0], "wb") as f:
             f.write(damage)
-        rebuilt, _ = M.toy_idefics2(SMALL_RECIPE, cache=str(tmp_path / "a"))
-        assert "unusable" in capsys.readouterr().out
-        assert all(torch.equal(rebuilt.state_dict()[k], a[k]) for k in a)
-        assert M.weights_digest(M.read_toy(path)) == M.weights_digest(a)  # and the file is whole again
+        with pytest.raises(ValueError, match=f"toy backbone {paths[0]}"):
+            M.load_backbone(paths[0])  # an error naming the file, never a silent rebuild
+
+
+def test_a_build_that_never_learns_in_context_is_retried_then_refused(tmp_path, monkeypatch, capsys):
+    """The builder's training replaced by one that returns an untrained model (it never learns in context): every
+    try is probed and rejected, the error names the seeds, and no file is left to be mistaken for a backbone."""
+    seeds = []
+
+    def never_learns(recipe, threads=1, log=print):
+        seeds.append(recipe["seed"])
+        processor = M.toy_processor()
+        model = M.toy_model(processor, recipe["seed"]).eval()
+        text, probe_set = D.icl_text_pieces(processor), train.toy_scenes(processor, 64, __import__("random").Random(1))
+        return model, processor, [], train.probe_row(model, processor, text, probe_set, n=16)
+
+    monkeypatch.setattr(train, "meta_train", never_learns)
+    out = tmp_path / "backbone.safetensors"
+    with pytest.raises(ValueError, match="no toy-idefics2 build learned in context in 3 tries .seeds 5..7"):
+        train.main(["--build-toy", "--seed", "5", "--out", str(out)])
+    assert seeds == [5, 6, 7] and capsys.readouterr().out.count("does not learn in context, rejected") == 3
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_interrupted_build_leaves_nothing_behind(tmp_path, monkeypatch):
     def interrupted(tensors, metadata=None):  # stopped while serialising, its temporary file already open
         raise KeyboardInterrupt
-    monkeypatch.setattr(M, "save", interrupted)
+    monkeypatch.setattr(train, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        M.toy_idefics2(SMALL_RECIPE, cache=str(tmp_path))
+        train.build_toy(str(tmp_path / "backbone.safetensors"), SMALL_RECIPE, accept=EVERY_BUILD)
     assert os.listdir(tmp_path) == []
+
+
+def test_the_default_backbone_is_the_shipped_reference(monkeypatch, tmp_path):
+    """toy-idefics2 is the shipped file, checked against model.TOY_SHA256: never built, never read from a cache."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(train, "meta_train", lambda *a, **k: pytest.fail("the default backbone must not be built"))
+    backbone = M.load_backbone("toy-idefics2")
+    assert M.weights_digest(backbone.model.state_dict()) == M.TOY_SHA256 and list(tmp_path.iterdir()) == []
+    meta = M.toy_metadata(SHIPPED)
+    assert train.learns_in_context(meta["probe"]) if "probe" in meta else meta["curve"][-1]["8-shot"]["colour"] >= .9
+    monkeypatch.setattr(M, "TOY_SHA256", "0" * 64)  # a reference whose bytes are not the pinned ones is refused
+    with pytest.raises(ValueError, match="do not match their checksum"):
+        M.load_backbone("toy-idefics2")
+
+
+def test_the_summary_says_when_the_backbone_does_not_learn_in_context(tmp_path, capsys):
+    """A random twin cannot use demonstrations: the default job's line says so instead of reporting zeros."""
+    E.main(["--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "16", "--batch-size", "16",
+            "--out", str(tmp_path)])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("0-shot") and "NOT A RESULT: 8-shot ICL is at chance" in line
+    assert "does not learn in context" in line
 
 
 # -----------------------------------------------------------------------------
 # efficacy: distillation on the shipped toy-idefics2 lifts zero-shot accuracy towards 8-shot ICL
-
-@pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
-    """The shipped toy-idefics2 (tests/data), placed where load_backbone looks for the current recipe."""
-    M.read_toy(SHIPPED)  # intact (raises otherwise)
-    if M.recipe_of(SHIPPED) != M.TOY_RECIPE:
-        pytest.fail(f"{SHIPPED} was built with another recipe than model.TOY_RECIPE; regenerate it (README)")
-    cache = tmp_path_factory.mktemp("cache")
-    shutil.copy(SHIPPED, M.toy_path(M.TOY_RECIPE, str(cache)))
-    return str(cache)
-
 
 EFFICACY = ["--model", "toy-idefics2", "--task", "toy-icl-colour"]
 
 
 @pytest.fixture
 def one_thread():
-    """One thread: on a shared 2-core machine about 10x faster than two (DESIGN.md)."""
+    """One thread: on a shared 2-core machine about 10x faster than two."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -124,10 +155,9 @@ def accuracy(out, flags):
     return E.main([*EFFICACY, "--n-eval", "60", "--batch-size", "30", "--out", out, *flags])["vqa_accuracy"]
 
 
-def test_distillation_lifts_zero_shot_to_eight_shot(shipped, one_thread, tmp_path, monkeypatch):
+def test_distillation_lifts_zero_shot_to_eight_shot(one_thread, tmp_path):
     """The anchor alone (lambda = 0: no label is seen) on 48 queries carries 8-shot behaviour into the zero-shot
     student. Fails if the adapter cannot move the logits (U_k frozen at 0) or the teacher sees no demonstrations."""
-    monkeypatch.setattr(M, "TOY_CACHE", shipped)
     out = str(tmp_path / "run")
     train.main([*EFFICACY, "--out", out, "--lam", "0", "--lr", "2e-2", "--n-train", "48", "--n-heldout", "8",
                 "--batch-size", "8", "--epochs", "16"])
