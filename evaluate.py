@@ -614,16 +614,18 @@ def with_option_text(item):
 
 
 @torch.no_grad()
-def option_logliks(backbone, items, icds=None):
+def option_logliks(backbone, items, icds=None, prompt="official"):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
 
     As the official code (which sums the per-token losses of each option, the answer model's end token included,
-    under the prompt "Question: {q} Answer:" without the options), log p(option) is the sum, not the mean, of the
-    log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
-    "choice-likelihood"); so it is not length-normalised. icds[i] (with their answer's text as the answer) precede
-    item i. All 4 x len(items) rows go through one left-padded forward pass.
+    under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
+    the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
+    "choice-likelihood"; prompt="project": "choice-likelihood-project", the project's earlier prompt); so it is not
+    length-normalised. icds[i] (with their answer's text as the answer) precede item i. All 4 x len(items) rows go
+    through one left-padded forward pass.
     """
-    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
+    proc, family = backbone.processor, backbone.family
+    kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
         prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
@@ -638,11 +640,11 @@ def option_logliks(backbone, items, icds=None):
     return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
 
 
-def rank_options(backbone, items, icds=None, batch_size=8):
+def rank_options(backbone, items, icds=None, batch_size=8, prompt="official"):
     """The letter of the option with the highest log-likelihood (option_logliks), per item."""
     letters = []
     for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
-        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None)
+        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None, prompt)
         letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
     return letters
 
@@ -672,19 +674,21 @@ def evaluate(backbone, args, items, setting, vector=None):
     kind = D.TASKS[args.task].kind
     likelihood = kind == "choice" and args.seed_protocol == "likelihood"
     with M.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
+        predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
             predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions) if args.chair else {}
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}" + (f"-{args.seed_protocol}"
-                                                                          if kind == "choice" else ""))
+                                                                          if kind == "choice" else "")
+                        + ("-project-prompt" if likelihood and args.seed_prompt == "project" else ""))
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
                metric: value, **vector_info, **extra}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
-        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
+        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)} | \
+            ({"prompt": args.seed_prompt} if likelihood else {})
     if train.process()[0] != 0:  # under torchrun the first process writes
         return metrics
     os.makedirs(args.out, exist_ok=True)
@@ -1286,7 +1290,9 @@ def parse_args(argv=None):
                                              "data.default_shots: 2 for MME and SEED)")
     train.add_icd_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
-                                              "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test)")
+                                              "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test); "
+                                              "MME and SEED-Bench: about N questions drawn by image, stratified by "
+                                              "subtask / dimension and seeded by --seed (data.stratified_subset)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
@@ -1296,6 +1302,9 @@ def parse_args(argv=None):
                         "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
                         "four options hovers around) or rank the four options by log-likelihood as the official "
                         "evaluation does (default: %(default)s)")
+    p.add_argument("--seed-prompt", default="official", choices=["official", "project"],
+                   help="--seed-protocol likelihood: the official prompt `Question: {q}\\nAnswer:` or the project's "
+                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: %(default)s)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1525,7 +1534,9 @@ def run(args):
                                                       not args.vector else ""))
     if args.benchmark:
         return benchmark(backbone, args)
-    items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+    items = D.load_task(args.task, args.split, args.data_root)
+    stratified = args.n_eval and D.TASKS[args.task].kind in ("yes-no", "choice")
+    items = D.stratified_subset(items, args.n_eval, args.seed) if stratified else items[:args.n_eval]
     if not items:
         raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if not (args.gates or args.hyperbolicity):
