@@ -387,9 +387,10 @@ def read_seed2(root):
     return items
 
 
-POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2, "toy-mme": 0.5, "toy-seed": 0.5, "toy-seed2": 0.5}  # share of each subtask's (dimension's)
+POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "toy-mme": 0.5, "toy-seed": 0.5}  # share of each subtask's (dimension's)
 # images in the training pool: MME's half (about 1,187 questions) holds the 1,000 training queries + 32 held out;
 # SEED-Bench's 14,233 image questions need a fifth for that, so most of it stays for evaluation
+POOL_FRACTION |= {"seed2": 0.2, "toy-seed2": 0.5}  # SEED-Bench-2's single-image part as SEED-Bench-1
 SPLIT_SEED = 0
 
 
@@ -425,13 +426,15 @@ def largest_remainder(total, sizes):
 def stratified_subset(items, n, seed=0):
     """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval).
 
-    The m = round(n x images / questions) images (n rounded to whole images: MME's n // 2 or so) are shared among
+    The m = round(n x images / questions) images (n rounded to whole images; MME: n / 2) are shared among
     the categories (an image's first question's) in proportion to their images (largest remainders), and each
     category's images are drawn with (seed, category); every question of a drawn image is kept, so both questions
     of an MME image are, and its results file is one official calculation.py accepts. Item order is kept.
     """
     if n <= 0:
         raise ValueError(f"--n-eval must be at least 1, got {n}")
+    if not items:
+        return items
     category = {}
     for it in items:
         category.setdefault(it.image_path, it.category)
