@@ -31,10 +31,19 @@ Layout of `data_root` (the --data-root flag); each task reads only its own files
                                                           data_type}], "question_type": {name: id}}
         SEED-Bench-image/{data_id}                        its images (dimensions 1-9; `.jpg`/`.png` is appended
                                                           when data_id has no extension)
+      seed-bench-2/
+        SEED-Bench_v2_level1_2_3.json                     SEED-Bench-2: {"questions": [{question, choice_a..d,
+                                                          answer, question_id "{dimension}_{k}", question_type_id,
+                                                          data_id, data_source, data_type, level, subpart,
+                                                          version}], "question_type": {name: id}}
+        cc3m-image/{data_id}                              data_source "cc3m" (cc3m-image.zip; dimensions 1-9,
+                                                          `.jpg`/`.png` appended as for SEED-Bench-1)
+        SEED-Bench-2-image/{data_id}                      data_source "SEED-Bench v2" (SEED-Bench-2-image.zip.*;
+                                                          data_id a path such as task10/...)
       toy-v2/                                             generated on first use (toy-vqa, toy-caption): itself a
                                                           data_root with coco/ and vqav2/ in the formats above
-      toy-mme/, toy-seed/                                 generated on first use: data_roots with mme/ and
-                                                          seed-bench/ in the formats above
+      toy-mme/, toy-seed/, toy-seed2/                     generated on first use: data_roots with mme/,
+                                                          seed-bench/ or seed-bench-2/ in the formats above
 
 Splits: for VQA, "train" and "val" are the official 2014 splits. For captions "train" is the Karpathy
 "train" + "restval" images and "val" is the Karpathy "test" images (the split caption results are reported on).
@@ -43,6 +52,10 @@ MME and SEED-Bench have no training split: each is split once, by image and with
 queries and the ICDs are drawn from it) and an evaluation part ("val") that shares no image with it. Both
 questions of an MME image stay together; POOL_FRACTION of each subtask's (dimension's) images go to the pool.
 SEED-Bench: only the image questions (dimensions 1-9) are read; the video dimensions 10-12 are skipped.
+SEED-Bench-2 (task seed2): only the single-image part (subpart "Single-Image & Text Comprehension", dimensions
+1-16); the multi-image, video, interleaved and generation dimensions 17-27 are skipped. Ids: "{d}_{k}" is
+d x 1,000,000 + k. `--n-eval N` on MME and SEED-Bench (stratified_subset) draws about N questions by image,
+stratified by subtask / dimension and seeded by --seed, keeping every question of a drawn image.
 
 Items. Each question (VQA) or image (captions) is one `Item`. VQA: `answers` are the ten human answers and the
 training target is VQAv2's `multiple_choice_answer`, or for OK-VQA the most frequent of the ten answers (ties go
@@ -123,6 +136,7 @@ TASKS = {
     "toy-vqa": Task("vqa", 5), "toy-caption": Task("caption", 20),
     "mme": Task("yes-no", 5, shots=2), "seed": Task("choice", 5, shots=2),  # the paper's 2-shot ICL (Table 2)
     "toy-mme": Task("yes-no", 5, shots=2), "toy-seed": Task("choice", 5, shots=2),
+    "seed2": Task("choice", 5, shots=2), "toy-seed2": Task("choice", 5, shots=2),  # SEED-Bench-2's single image
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
@@ -311,9 +325,72 @@ def read_seed(root):
     return items
 
 
+SEED2_FILE = "SEED-Bench_v2_level1_2_3.json"  # the official eval.py's --anno_path
+SEED2_FOLDERS = {"cc3m": "cc3m-image", "SEED-Bench v2": "SEED-Bench-2-image"}  # data_source -> image folder
+SEED2_SUBPART = "Single-Image & Text Comprehension"  # dimensions 1-16: one image, a text answer
+
+
+def seed2_id(question_id):
+    """An int id for a SEED-Bench-2 question_id "{dimension}_{k}": dimension x 1,000,000 + k."""
+    dimension, k = (int(x) for x in str(question_id).split("_"))
+    return dimension * 1_000_000 + k
+
+
+def seed2_image(root, listings, q):
+    """The path of a single-image SEED-Bench-2 question's image (cc3m's data_id may lack its extension), or None."""
+    folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
+    if q["data_source"] == "cc3m":
+        if folder not in listings:
+            listings[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        return seed_image(listings[folder], folder, q["data_id"])
+    path = os.path.join(folder, q["data_id"])
+    return path if os.path.isfile(path) else None
+
+
+def seed2_item(root, listings, q, names):
+    """One SEED-Bench-2 question as an Item; KeyError / ValueError / TypeError for a malformed one."""
+    answer, options = q["answer"].strip(), tuple(q[f"choice_{x}"].strip() for x in "abcd")
+    if answer not in tuple(SEED_LETTERS):
+        raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
+    if not isinstance(q["data_id"], str):
+        raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
+    image = seed2_image(root, listings, q)
+    if image is None:
+        raise FileNotFoundError(f"seed2: question {q['question_id']}: its image {q['data_id']!r} is not under "
+                                f"{os.path.join(root, 'seed-bench-2', SEED2_FOLDERS[q['data_source']])}")
+    return Item(seed2_id(q["question_id"]), image, q["question"].strip(), options, answer,
+                names[int(q["question_type_id"])])
+
+
+def read_seed2(root):
+    """SEED-Bench-2's single-image questions (subpart "Single-Image & Text Comprehension", dimensions 1-16, levels
+    L1-L2 as its eval.py's default) from root/seed-bench-2, in file order; prints the count per dimension. The
+    multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
+    which a single-image model cannot give, and are skipped."""
+    path = os.path.join(root, "seed-bench-2", SEED2_FILE)
+    obj, items, listings = read_json(path, "seed2"), [], {}
+    try:
+        names = {int(v): k for k, v in obj["question_type"].items()}
+        questions = [q for q in obj["questions"] if q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"seed2: {path} needs `questions` (with `subpart` and `level`) and a `question_type` "
+                         f"name -> id mapping ({e!r})") from e
+    for n, q in enumerate(questions):
+        try:
+            items.append(seed2_item(root, listings, q, names))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"seed2: question #{n} ({q.get('question_id')}) of the single-image part of {path} "
+                             f"is malformed: {e!r}") from e
+    counts = Counter(it.category for it in items)
+    print(f"seed2: {len(items)} single-image questions; " +
+          ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: obj["question_type"][k])))
+    return items
+
+
 POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "toy-mme": 0.5, "toy-seed": 0.5}  # share of each subtask's (dimension's)
 # images in the training pool: MME's half (about 1,187 questions) holds the 1,000 training queries + 32 held out;
 # SEED-Bench's 14,233 image questions need a fifth for that, so most of it stays for evaluation
+POOL_FRACTION |= {"seed2": 0.2, "toy-seed2": 0.5}  # SEED-Bench-2's single-image part as SEED-Bench-1
 SPLIT_SEED = 0
 
 
@@ -336,17 +413,55 @@ def pool_split(items, fraction, seed=SPLIT_SEED):
     return [it for it in items if it.image_path in pool], [it for it in items if it.image_path not in pool]
 
 
+def largest_remainder(total, sizes):
+    """Whole shares of `total` in proportion to sizes (Hamilton's method; ties go to the earlier size)."""
+    exact = [total * k / sum(sizes) for k in sizes]
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: shares[i] - exact[i])
+    for i in by_remainder[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def stratified_subset(items, n, seed=0):
+    """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval).
+
+    The m = round(n x images / questions) images (n rounded to whole images; MME: n / 2) are shared among
+    the categories (an image's first question's) in proportion to their images (largest remainders), and each
+    category's images are drawn with (seed, category); every question of a drawn image is kept, so both questions
+    of an MME image are, and its results file is one official calculation.py accepts. Item order is kept.
+    """
+    if n <= 0:
+        raise ValueError(f"--n-eval must be at least 1, got {n}")
+    if not items:
+        return items
+    category = {}
+    for it in items:
+        category.setdefault(it.image_path, it.category)
+    by_category = {}
+    for image, c in sorted(category.items(), key=lambda kv: (kv[1], kv[0])):
+        by_category.setdefault(c, []).append(image)
+    m = min(len(category), max(1, round(n * len(category) / len(items))))
+    shares = largest_remainder(m, [len(images) for images in by_category.values()])
+    chosen = {image for (c, images), k in zip(by_category.items(), shares)
+              for image in random.Random(f"n-eval:{seed}:{c}").sample(images, k)}
+    return [it for it in items if it.image_path in chosen]
+
+
+BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
+
+
 def load_benchmark(task, split, data_root=None):
     """MME / SEED-Bench (or their toy versions): the training pool ("train") or evaluation part ("val"); prints the
     sizes of both."""
     name = task.removeprefix("toy-")
     if task.startswith("toy-"):
         root = generated(toy_folder(task, data_root), TOY_WRITERS[task])
-        items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else read_seed(root)
+        items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else BENCHMARK_READERS[name](root)
     elif data_root is None:
         raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
     else:
-        items = read_mme(data_root) if name == "mme" else read_seed(data_root)
+        items = BENCHMARK_READERS[name](data_root)
     pool, rest = pool_split(items, POOL_FRACTION[task])
     count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
@@ -691,7 +806,57 @@ def write_toy_seed(root, seed=TOY_SEED):
                {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V1_DIMENSIONS)}})
 
 
-TOY_WRITERS = {"toy-mme": write_toy_mme, "toy-seed": write_toy_seed}
+SEED_V2_DIMENSIONS = SEED_V1_DIMENSIONS[:9] + (
+    "Celebrity Recognition", "Landmark Recognition", "Chart Understanding", "Visual Referring Expression",
+    "Science Knowledge", "Emotion Recognition", "Visual Mathematics", "Difference Spotting", "Meme Comprehension",
+    "Global Video Understanding", "Action Recognition", "Action Prediction", "Procedure Understanding",
+    "In-Context Captioning", "Interleaved Image-Text Analysis", "Text-to-Image Generation", "Next Image Prediction",
+    "Text-Image Creation")  # SEED-Bench-2's question_type ids 1-27 (its DATASET.md)
+TOY_SEED2_SKIPPED = [  # (question_type_id, data_type, subpart, level, data_id): questions read_seed2 leaves out
+    (17, "Multiple Images", "Multiple-Images & Text Comprehension", "L1", ["task17/a_1.png", "task17/a_2.png"]),
+    (19, "Video", "Video & Text Comprehension", "L1", [f"task19/v/{k}.png" for k in range(1, 9)]),
+    (25, "Image Generation", "Image Generation", "L3", [f"task25/image/0/{k}.jpg" for k in range(1, 5)])]
+
+
+def toy_seed2_question(dimension, scene, rng, data_id, source):
+    """One toy question in SEED-Bench-2's layout (toy_seed_question's content; dimension 16 asks the count)."""
+    question, right, wrong = toy_seed_question(5 if dimension == 16 else dimension, scene, rng)
+    options = [right] + list(wrong)
+    rng.shuffle(options)
+    return {"answer": SEED_LETTERS[options.index(right)], **{f"choice_{x}": o for x, o in zip("abcd", options)},
+            "data_id": data_id, "data_source": source, "data_type": "Single Image", "level": "L1",
+            "question": question, "question_type_id": dimension, "subpart": SEED2_SUBPART,
+            "version": "v1" if source == "cc3m" else "v2"}
+
+
+def write_toy_seed2(root, seed=TOY_SEED):
+    """A toy SEED-Bench-2: seed-bench-2/SEED-Bench_v2_level1_2_3.json in the official layout, cc3m-image/<data_id>.jpg
+    (dimensions 1-5, data_id without extension) and SEED-Bench-2-image/task16/... (dimension 16, data_id a path),
+    plus multi-image, video and generation questions that read_seed2 skips."""
+    rng, base = random.Random(seed), os.path.join(root, "seed-bench-2")
+    questions = []
+    for i in range(TOY_SEED_IMAGES):
+        scene, v2 = toy_scene(rng), i % 3 == 0
+        data_id = f"task16/toy/{i:04d}.png" if v2 else f"{1000 + i}_{rng.randrange(10**9)}"
+        path = os.path.join(base, "SEED-Bench-2-image", data_id) if v2 else \
+            os.path.join(base, "cc3m-image", data_id + ".jpg")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        draw_scene(scene).save(path)
+        dimension = 16 if v2 else rng.choice([1, 2, 3, 5] + ([4] if scene["side"] else []))
+        questions.append(toy_seed2_question(dimension, scene, rng, data_id, "SEED-Bench v2" if v2 else "cc3m"))
+    questions += [{"answer": "A", **{f"choice_{x}": x for x in "abcd"}, "data_id": data_id,
+                   "data_source": "SEED-Bench v2", "data_type": data_type, "level": level, "question": "Which?",
+                   "question_type_id": d, "subpart": subpart, "version": "v2"}
+                  for d, data_type, subpart, level, data_id in TOY_SEED2_SKIPPED]
+    per_dimension = Counter()
+    for q in questions:  # "{dimension}_{k}", k counting within the dimension, as the release numbers them
+        q["question_id"] = f"{q['question_type_id']}_{per_dimension[q['question_type_id']]}"
+        per_dimension[q["question_type_id"]] += 1
+    write_json(os.path.join(base, SEED2_FILE),
+               {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}})
+
+
+TOY_WRITERS = {"toy-mme": write_toy_mme, "toy-seed": write_toy_seed, "toy-seed2": write_toy_seed2}
 
 
 # ------------------------------------------------------------------- toy-icl: a world where demonstrations are needed
@@ -870,10 +1035,12 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
                    query="<image>Question: {question} Answer:", answer=" {answer}"),
     "choice": dict(instruction="Answer each question about its image with the letter of the correct option.\n",
                    query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
-    # SEED's likelihood protocol: as the official evaluation, the prompt has no options and an answer is an option's
-    # text (evaluate.option_logliks)
-    "choice-likelihood": dict(instruction="Answer each question about its image.\n",
-                              query="<image>Question: {question} Answer:", answer=" {answer}"),
+    # SEED's likelihood protocol: the official prompt (SEED-Bench's model/instruct_blip_interface.py,
+    # "Question: {question}\nAnswer:"), no instruction line and no options; an answer is an option's text
+    # (evaluate.option_logliks). "choice-likelihood-project" is the project's earlier prompt (--seed-prompt project).
+    "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
+    "choice-likelihood-project": dict(instruction="Answer each question about its image.\n",
+                                      query="<image>Question: {question} Answer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
 

@@ -186,7 +186,7 @@ _PTB_RULES = [(re.compile(tok), re.compile(ctx), out) for tok, ctx, out in [
     (rf"(?:{_ABBREV2})\.", "", None),                             # mr., st., u.s.
     (rf"{_APOS}\d\d", r"\s", None),                                # '90
     (rf"{_WORD}\.", "[,;:]", None),
-    ('"', "", "``"), ("<|>", "", None),
+    ('"', "", "``"), (r"</?[A-Za-z][\w:.-]*\s*/?>", "", None), ("<|>", "", None),  # <angle> is one SGML token
     (r"\{", "", "-LCB-"), (r"\}", "", "-RCB-"), (r"\[", "", "-LSB-"), (r"\]", "", "-RSB-"),
     (r"\(", "", "-LRB-"), (r"\)", "", "-RRB-"),
     ("-{3,4}", "", "--"), ("-+", "", None),
@@ -195,7 +195,6 @@ _PTB_RULES = [(re.compile(tok), re.compile(ctx), out) for tok, ctx, out in [
     (rf"[A-Za-z0-9][A-Za-z0-9.,]*(?:-(?:[A-Za-z](?:\.[A-Za-z])+\.|[A-Za-z0-9]+))+", "", None),  # x-ray, 2.5-inch
     (rf"{_THING}(?:-{_THING})*", "", None),
     (r"[A-Z]+(?:[+&][A-Z]+)+", "", None),                          # AT&T
-    (rf"{_REDAUX}|{_SREDAUX}", "", None),
     (rf"{_APOS_ETC}|''|[\u201A-\u201F\u0093\u0094\u2039\u203A\u00AB\u00BB]{{1,2}}", "", "''"),
     (r"\S", "", None)]]
 
@@ -223,12 +222,13 @@ def tokenize_caption(s):
     """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (longest match,
     re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed. Clitics are
     split ("dog's" -> dog 's, "don't" -> do n't) and so are "cannot" -> can not, "gonna" -> gon na, "gotta" ->
-    got ta; abbreviations keep their period ("u.s.", "st.", "etc."); numbers, times, fractions and dates stay whole
-    ("1,000", "2.5", "5:30", "1/2"), as do hyphenated words, "and/or", "'n'" and "'90s"; brackets become "-lrb-",
+    got ta; a clitic is one only before a non-letter ("'STOP'" is a quoted "stop", not 's top); abbreviations keep
+    their period ("u.s.", "st.", "etc."); numbers, times, fractions and dates stay whole ("1,000", "2.5", "5:30",
+    "1/2"), as do hyphenated words, "and/or", "'n'", "'90s" and SGML tags ("<angle>"); brackets become "-lrb-",
     "-rrb-", ... and are kept. Returns the list of tokens. Left out: PTB's sentence-final acronym rule (a single
     letter with a period before "The", "He", ... loses its period), which can look into the next caption of the
-    official tool's input file; URLs, e-mail addresses, phone numbers and SGML; characters no rule covers are kept
-    one by one, where PTB drops most of them."""
+    official tool's input file; URLs, e-mail addresses, phone numbers and SGML tags with attributes; characters no
+    rule covers are kept one by one, where PTB drops most of them."""
     return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
@@ -358,111 +358,129 @@ def seed_scores(items, predictions):
 # -----------------------------------------------------------------------------
 # CHAIR (Rohrbach et al. 2018, "Object Hallucination in Image Captioning"; Table 5)
 
-# The 80 COCO categories (the names of instances_*2014.json) and the words a caption may use for each, in singular
-# form (captions are singularised first). Written for this project after the synonym list of Rohrbach et al.: the
-# category name first, then its synonyms, multi-word ones included.
-COCO_SYNONYMS = {
-    "person": "person, people, man, woman, boy, girl, child, kid, baby, adult, lady, guy, gentleman, male, female, "
-              "player, rider, skier, snowboarder, surfer, skater, skateboarder, biker, cyclist, pedestrian, "
-              "passenger, driver, worker, chef, cook, baker, officer, policeman, cop, soldier, doctor, nurse, "
-              "student, teenager, teen, toddler, infant, mother, father, mom, dad, brother, sister, son, "
-              "daughter, bride, groom, cowboy, pitcher, batter, catcher, umpire, tourist, traveler, spectator, "
-              "customer, vendor, human",
-    "bicycle": "bicycle, bike, tricycle, unicycle",
-    "car": "car, automobile, taxi, cab, sedan, van, suv, jeep, minivan",
-    "motorcycle": "motorcycle, motorbike, motor bike, motor cycle, scooter, moped, dirt bike",
-    "airplane": "airplane, aeroplane, air plane, plane, jet, airliner, aircraft, jetliner",
-    "bus": "bus, trolley, minibus, double decker",
-    "train": "train, locomotive, tram, subway, railcar",
-    "truck": "truck, lorry",
-    "boat": "boat, ship, kayak, canoe, sailboat, yacht, ferry, raft, vessel, rowboat",
-    "traffic light": "traffic light, traffic signal, stop light, stoplight, street light",
-    "fire hydrant": "fire hydrant, hydrant",
-    "stop sign": "stop sign",
-    "parking meter": "parking meter",
-    "bench": "bench",
-    "bird": "bird, duck, goose, pigeon, seagull, gull, parrot, owl, eagle, hawk, swan, chicken, hen, rooster, "
-            "crow, sparrow, penguin, flamingo, pelican",
-    "cat": "cat, kitten, kitty",
-    "dog": "dog, puppy, pup, doggy, poodle, terrier, bulldog, retriever, labrador",
-    "horse": "horse, pony, foal, stallion, mare, colt",
-    "sheep": "sheep, lamb, goat",
-    "cow": "cow, cattle, bull, calf, ox, oxen, heifer",
-    "elephant": "elephant",
-    "bear": "bear, grizzly, cub",
-    "zebra": "zebra",
-    "giraffe": "giraffe",
-    "backpack": "backpack, knapsack, rucksack",
-    "umbrella": "umbrella, parasol",
-    "handbag": "handbag, purse, bag",
-    "tie": "tie, necktie, bow tie",
-    "suitcase": "suitcase, suit case, luggage, briefcase",
-    "frisbee": "frisbee, flying disc",
-    "skis": "skis, ski",
-    "snowboard": "snowboard",
-    "sports ball": "sports ball, ball, football, soccer ball, baseball, basketball, tennis ball, volleyball",
-    "kite": "kite",
-    "baseball bat": "baseball bat, bat",
-    "baseball glove": "baseball glove, glove, mitt",
-    "skateboard": "skateboard",
-    "surfboard": "surfboard, surf board, paddle board",
-    "tennis racket": "tennis racket, racket, racquet",
-    "bottle": "bottle",
-    "wine glass": "wine glass, glass",
-    "cup": "cup, mug, teacup",
-    "fork": "fork",
-    "knife": "knife",
-    "spoon": "spoon",
-    "bowl": "bowl",
-    "banana": "banana",
-    "apple": "apple",
-    "sandwich": "sandwich, burger, hamburger",
-    "orange": "orange",
-    "broccoli": "broccoli",
-    "carrot": "carrot",
-    "hot dog": "hot dog, hotdog",
-    "pizza": "pizza",
-    "donut": "donut, doughnut",
-    "cake": "cake, cupcake, cheesecake",
-    "chair": "chair, seat, stool, armchair",
-    "couch": "couch, sofa, loveseat",
-    "potted plant": "potted plant, plant, houseplant, flower pot",
-    "bed": "bed",
-    "dining table": "dining table, table, desk",
-    "toilet": "toilet, urinal, commode",
-    "tv": "tv, television, monitor",
-    "laptop": "laptop, laptop computer, computer",
-    "mouse": "mouse",
-    "remote": "remote, remote control, controller",
-    "keyboard": "keyboard",
-    "cell phone": "cell phone, mobile phone, phone, cellphone, smartphone, telephone",
-    "microwave": "microwave",
-    "oven": "oven, stove",
-    "toaster": "toaster",
-    "sink": "sink",
-    "refrigerator": "refrigerator, fridge, freezer",
-    "book": "book, novel",
-    "clock": "clock",
-    "vase": "vase",
-    "scissors": "scissors, scissor",
-    "teddy bear": "teddy bear, teddy, teddybear",
-    "hair drier": "hair drier, hair dryer, hairdryer, blow dryer",
-    "toothbrush": "toothbrush, tooth brush",
-}
-# Phrases read as another word before matching, as in Rohrbach et al.: an age qualifier or "passenger" before an
-# animal or a vehicle is not a person ("baby elephant" -> elephant), and a toilet seat is the toilet, not a chair.
+# The synonym list of Rohrbach et al. as published (data/synonyms.txt of github.com/LisaAnne/Hallucination, read by
+# their utils/chair.py): one COCO category a line, its instances_*2014.json name first, then the words a caption may
+# use for it, in singular form (captions are singularised first). Kept byte for byte, repetitions and stray spaces
+# included; read_synonyms reads it.
+CHAIR_SYNONYMS_TXT = """\
+person, girl, boy, man, woman, kid, child, chef, baker, people, adult, rider, children, baby, worker, passenger, sister, biker, policeman, cop, officer, lady, cowboy, bride, groom, male, female, guy, traveler, mother, father, gentleman, pitcher, player, skier, snowboarder, skater, skateboarder, person, woman, guy, foreigner, child, gentleman, caller, offender, coworker, trespasser, patient, politician, soldier, grandchild, serviceman, walker, drinker, doctor, bicyclist, thief, buyer, teenager, student, camper, driver, solider, hunter, shopper, villager
+bicycle, bike, bicycle, bike, unicycle, minibike, trike
+car, automobile, van, minivan, sedan, suv, hatchback, cab, jeep, coupe, taxicab, limo, taxi
+motorcycle, scooter,  motor bike, motor cycle, motorbike, scooter, moped
+airplane, jetliner, plane, air plane, monoplane, aircraft, jet, jetliner, airbus, biplane, seaplane
+bus, minibus, trolley
+train, locomotive, tramway, caboose
+truck, pickup, lorry, hauler, firetruck
+boat, ship, liner, sailboat, motorboat, dinghy, powerboat, speedboat, canoe, skiff, yacht, kayak, catamaran, pontoon, houseboat, vessel, rowboat, trawler, ferryboat, watercraft, tugboat, schooner, barge, ferry, sailboard, paddleboat, lifeboat, freighter, steamboat, riverboat, battleship, steamship
+traffic light, street light, traffic signal, stop light, streetlight, stoplight
+fire hydrant, hydrant
+stop sign
+parking meter
+bench, pew
+bird, ostrich, owl, seagull, goose, duck, parakeet, falcon, robin, pelican, waterfowl, heron, hummingbird, mallard, finch, pigeon, sparrow, seabird, osprey, blackbird, fowl, shorebird, woodpecker, egret, chickadee, quail, bluebird, kingfisher, buzzard, willet, gull, swan, bluejay, flamingo, cormorant, parrot, loon, gosling, waterbird, pheasant, rooster, sandpiper, crow, raven, turkey, oriole, cowbird, warbler, magpie, peacock, cockatiel, lorikeet, puffin, vulture, condor, macaw, peafowl, cockatoo, songbird
+cat, kitten, feline, tabby
+dog, puppy, beagle, pup, chihuahua, schnauzer, dachshund, rottweiler, canine, pitbull, collie, pug, terrier, poodle, labrador, doggie, doberman, mutt, doggy, spaniel, bulldog, sheepdog, weimaraner, corgi, cocker, greyhound, retriever, brindle, hound, whippet, husky
+horse, colt, pony, racehorse, stallion, equine, mare, foal, palomino, mustang, clydesdale, bronc, bronco
+sheep, lamb, ram, lamb, goat, ewe
+cow, cattle, oxen, ox, calf, cattle, holstein, heifer, buffalo, bull, zebu, bison 
+elephant
+bear, panda
+zebra
+giraffe
+backpack, knapsack
+umbrella
+handbag, wallet, purse, briefcase
+tie, bow, bow tie
+suitcase, suit case, luggage
+frisbee
+skis, ski
+snowboard
+sports ball, ball
+kite
+baseball bat
+baseball glove
+skateboard
+surfboard, longboard, skimboard, shortboard, wakeboard
+tennis racket, racket
+bottle
+wine glass
+cup
+fork
+knife, pocketknife, knive
+spoon
+bowl, container
+banana
+apple
+sandwich, burger, sub, cheeseburger, hamburger
+orange
+broccoli
+carrot
+hot dog
+pizza
+donut, doughnut, bagel
+cake,  cheesecake, cupcake, shortcake, coffeecake, pancake
+chair, seat, stool
+couch, sofa, recliner, futon, loveseat, settee, chesterfield 
+potted plant, houseplant
+bed
+dining table, table, desk
+toilet, urinal, commode, toilet, lavatory, potty
+tv, monitor, televison, television
+laptop, computer, notebook, netbook, lenovo, macbook, laptop computer
+mouse
+remote
+keyboard
+cell phone, mobile phone, phone, cellphone, telephone, phon, smartphone, iPhone
+microwave
+oven, stovetop, stove, stove top oven
+toaster
+sink
+refrigerator, fridge, fridge, freezer
+book
+clock
+vase
+scissors
+teddy bear, teddybear
+hair drier, hairdryer
+toothbrush
+"""
+
+
+def read_synonyms(text):
+    """{category: "word, word, ..."} of a synonyms.txt (one category a line, its name first, ", " between words).
+
+    Each word is stripped and lowercased, where chair.py keeps it as split: its " motor bike", " cheesecake" (a
+    leading space) and "iPhone" (a capital, against lowercased captions) can never match there, and do here.
+    """
+    out = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        words = [w.strip().lower() for w in line.split(", ")]
+        if not all(words):
+            raise ValueError(f"synonyms line {n}: expected `category, word, ...`, got {line!r}")
+        out[words[0]] = ", ".join(dict.fromkeys(words))
+    return out
+
+
+COCO_SYNONYMS = read_synonyms(CHAIR_SYNONYMS_TXT)
+# Word pairs read as another word before matching, as chair.py's double_word_dict: an age qualifier or "passenger"
+# before an animal or a vehicle is not a person ("baby elephant" -> elephant), a toilet seat is the toilet, not a
+# chair, a bow tie a tie, and "train track" and "home plate" are no object (no train; "plate" is none anyway).
 TOY_SYNONYMS = {s: f"{s}, {alt}" for s, alt in D.SHAPES.items()}  # toy-caption's categories (data.toy_instances)
 _ANIMALS = ("bird", "cat", "dog", "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "animal", "cub")
 _READ_AS = {f"{q} {a}": a for q in ("baby", "adult") for a in _ANIMALS} | \
-    {"passenger jet": "jet", "passenger train": "train", "toilet seat": "toilet"}
-_IRREGULAR = {"people": "people", "children": "child", "mice": "mouse", "knives": "knife", "geese": "goose",
-              "oxen": "oxen", "calves": "calf", "feet": "foot", "teeth": "tooth", "wolves": "wolf", "leaves": "leaf",
-              "shelves": "shelf", "loaves": "loaf", "halves": "half", "wives": "wife"}
+    {"passenger jet": "jet", "passenger train": "train", "toilet seat": "toilet", "bow tie": "tie"} | \
+    {"train track": "train track", "home plate": "home plate"}  # chair.py's: no train, no object at all
+_IRREGULAR = {"taxis": "taxi", "scissors": "scissors", "tvs": "tv", "buffaloes": "buffalo", "flamingoes": "flamingo",
+              "pocketknives": "pocketknife", "people": "people", "children": "child", "mice": "mouse",
+              "knives": "knife", "geese": "goose", "oxen": "oxen", "calves": "calf", "feet": "foot", "teeth": "tooth",
+              "wolves": "wolf", "leaves": "leaf", "shelves": "shelf", "loaves": "loaf", "halves": "half",
+              "wives": "wife"}
 
 
 def singularize(word):
     """The singular of an English noun, by rule (irregular forms, -men, -ies, -(s|x|z|ch|sh)es, -s); words ending in
-    ss / us / is, and words of at most three letters, are kept (glass, bus, skis, yes)."""
+    ss / us / is, and words of at most three letters, are kept (glass, bus, tennis, yes) unless _IRREGULAR names
+    them (taxis -> taxi, as chair.py's singulariser reads it; tvs -> tv)."""
     if word in _IRREGULAR:
         return _IRREGULAR[word]
     if word.endswith("men") and word not in ("omen", "specimen"):
@@ -484,20 +502,19 @@ def chair_vocabulary(categories, synonyms=None):
 
 
 def caption_objects(caption, vocabulary):
-    """The object mentions of a caption, in order, with repetition: [(word, category)].
+    """The object mentions of a caption, in order, with repetition: [(word, category)], counted as chair.py counts.
 
-    Tokenised as for CIDEr, each word singularised, then the longest phrase of up to three words that is a synonym
-    (or a _READ_AS phrase) is taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy bear).
-    "seat" does not count when the caption mentions a toilet.
+    Tokenised as for CIDEr, each word singularised, then read left to right: two words that form a multi-word
+    synonym or a _READ_AS phrase are taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy
+    bear; "train tracks" no train), else the word alone. Only pairs are joined, as in chair.py, so "stove top oven"
+    is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet.
     """
     words, out, i = [singularize(w) for w in tokenize_caption(caption)], [], 0
     while i < len(words):
-        for n in (3, 2, 1):
-            phrase = " ".join(words[i:i + n])
-            if n == 1 or phrase in vocabulary or phrase in _READ_AS:
-                out.append(_READ_AS.get(phrase, phrase))
-                i += n
-                break
+        pair = " ".join(words[i:i + 2])
+        joined = i + 1 < len(words) and (pair in vocabulary or pair in _READ_AS)
+        out.append(_READ_AS.get(pair, pair) if joined else words[i])
+        i += 2 if joined else 1
     if "toilet" in out:
         out = [w for w in out if w != "seat"]
     return [(w, vocabulary[w]) for w in out if w in vocabulary]
@@ -597,16 +614,18 @@ def with_option_text(item):
 
 
 @torch.no_grad()
-def option_logliks(backbone, items, icds=None):
+def option_logliks(backbone, items, icds=None, prompt="official"):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
 
     As the official code (which sums the per-token losses of each option, the answer model's end token included,
-    under the prompt "Question: {q} Answer:" without the options), log p(option) is the sum, not the mean, of the
-    log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
-    "choice-likelihood"); so it is not length-normalised. icds[i] (with their answer's text as the answer) precede
-    item i. All 4 x len(items) rows go through one left-padded forward pass.
+    under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
+    the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
+    "choice-likelihood"; prompt="project": "choice-likelihood-project", the project's earlier prompt); so it is not
+    length-normalised. icds[i] (with their answer's text as the answer) precede item i. All 4 x len(items) rows go
+    through one left-padded forward pass.
     """
-    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
+    proc, family = backbone.processor, backbone.family
+    kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
         prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
@@ -621,11 +640,11 @@ def option_logliks(backbone, items, icds=None):
     return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
 
 
-def rank_options(backbone, items, icds=None, batch_size=8):
+def rank_options(backbone, items, icds=None, batch_size=8, prompt="official"):
     """The letter of the option with the highest log-likelihood (option_logliks), per item."""
     letters = []
     for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
-        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None)
+        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None, prompt)
         letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
     return letters
 
@@ -655,19 +674,21 @@ def evaluate(backbone, args, items, setting, vector=None):
     kind = D.TASKS[args.task].kind
     likelihood = kind == "choice" and args.seed_protocol == "likelihood"
     with M.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
+        predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
             predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions) if args.chair else {}
     stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}" + (f"-{args.seed_protocol}"
-                                                                          if kind == "choice" else ""))
+                                                                          if kind == "choice" else "")
+                        + ("-project-prompt" if likelihood and args.seed_prompt == "project" else ""))
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
                metric: value, **vector_info, **extra}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
-        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
+        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)} | \
+            ({"prompt": args.seed_prompt} if likelihood else {})
     if train.process()[0] != 0:  # under torchrun the first process writes
         return metrics
     os.makedirs(args.out, exist_ok=True)
@@ -1270,7 +1291,9 @@ def parse_args(argv=None):
                                              "data.default_shots: 2 for MME and SEED)")
     train.add_icd_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
-                                              "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test)")
+                                              "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test); "
+                                              "MME and SEED-Bench: about N questions drawn by image, stratified by "
+                                              "subtask / dimension and seeded by --seed (data.stratified_subset)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
@@ -1280,6 +1303,9 @@ def parse_args(argv=None):
                         "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
                         "four options hovers around) or rank the four options by log-likelihood as the official "
                         "evaluation does (default: %(default)s)")
+    p.add_argument("--seed-prompt", default="official", choices=["official", "project"],
+                   help="--seed-protocol likelihood: the official prompt `Question: {q}\\nAnswer:` or the project's "
+                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: %(default)s)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1521,7 +1547,9 @@ def run(args):
                                                       not args.vector else ""))
     if args.benchmark:
         return benchmark(backbone, args)
-    items = D.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+    items = D.load_task(args.task, args.split, args.data_root)
+    stratified = args.n_eval and D.TASKS[args.task].kind in ("yes-no", "choice")
+    items = D.stratified_subset(items, args.n_eval, args.seed) if stratified else items[:args.n_eval]
     if not items:
         raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if not (args.gates or args.hyperbolicity):

@@ -259,11 +259,12 @@ def plain_loglik(backbone, row):
     return sum(torch.log_softmax(logits[t - 1], -1)[ids[t]].item() for t in range(len(ids)) if labels[t] != -100)
 
 
-def test_likelihood_ranking_matches_plain_forward(backbone):
-    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
+@pytest.mark.parametrize("prompt, kind", [("official", "choice-likelihood"), ("project", "choice-likelihood-project")])
+def test_likelihood_ranking_matches_plain_forward(backbone, prompt, kind):
+    proc, family = backbone.processor, backbone.family
     items, pool = D.load_task("toy-seed", "val")[:2], D.load_task("toy-seed", "train")
     icds = D.demonstrations([it.id for it in items], pool, 1, seed=0)
-    got = E.option_logliks(backbone, items, icds)
+    got = E.option_logliks(backbone, items, icds, prompt)
     end = proc.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     expected = torch.zeros(2, 4, dtype=torch.float64)
     for i, (it, ds) in enumerate(zip(items, icds)):
@@ -275,7 +276,7 @@ def test_likelihood_ranking_matches_plain_forward(backbone):
             expected[i, k] = plain_loglik(backbone, row)
     assert len(set(expected.flatten().tolist())) == 8  # the options do differ
     torch.testing.assert_close(got.double(), expected, atol=2e-4, rtol=1e-5)
-    assert E.rank_options(backbone, items, icds) == ["ABCD"[k] for k in expected.argmax(-1).tolist()]
+    assert E.rank_options(backbone, items, icds, prompt=prompt) == ["ABCD"[k] for k in expected.argmax(-1).tolist()]
 
 
 @pytest.mark.parametrize("task, protocol", [("toy-mme", "generate"), ("toy-seed", "likelihood")])

@@ -133,6 +133,107 @@ def test_unknown_task_and_split_list_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="--data-root"):
         data.load_task("vqav2", "val")
 
+# ------------------------------------------------------------------------------------- SEED-Bench-2, --n-eval
+
+
+def seed2_question(qid, dimension, data_id, source="cc3m", answer="B", **extra):
+    """A question in SEED-Bench-2's official layout (its DATASET.md)."""
+    return {"answer": answer, "choice_a": "One", "choice_b": "Two ", "choice_c": "Three", "choice_d": "Four",
+            "data_id": data_id, "data_source": source, "data_type": "Single Image", "level": "L1",
+            "question": " How many towels are in the image?", "question_id": qid, "question_type_id": dimension,
+            "subpart": "Single-Image & Text Comprehension", "version": "v1" if source == "cc3m" else "v2", **extra}
+
+
+def write_seed2(root, questions):
+    base = os.path.join(root, "seed-bench-2")
+    write_image(os.path.join(base, "cc3m-image", "1454426_2591111986.jpg"))
+    write_image(os.path.join(base, "SEED-Bench-2-image", "task13", "img", "0.png"))
+    names = ["Scene Understanding", "Instance Identity", "Instance Attributes", "Instance Location",
+             "Instances Counting"] + [f"dim{k}" for k in range(6, 28)]
+    data.write_json(os.path.join(base, data.SEED2_FILE),
+                    {"questions": questions, "question_type": {n: k + 1 for k, n in enumerate(names)}})
+
+
+def test_seed2_reads_the_single_image_part_of_the_official_layout(tmp_path, capsys):
+    multi = dict(data_type="Multiple Images", subpart="Multiple-Images & Text Comprehension")
+    write_seed2(tmp_path, [
+        seed2_question("5_0", 5, "1454426_2591111986"),                              # cc3m, no extension
+        seed2_question("13_7", 13, "task13/img/0.png", "SEED-Bench v2", answer="D"),  # a path under v2's folder
+        seed2_question("17_0", 17, ["task17/a_1.png", "task17/a_2.png"], "SEED-Bench v2", **multi),   # skipped
+        seed2_question("25_0", 25, ["task25/1.jpg"], "SEED-Bench v2", level="L3", subpart="Image Generation")])
+    items = data.read_seed2(str(tmp_path))
+    assert [(it.id, it.category, it.target) for it in items] == [(5_000_000, "Instances Counting", "B"),
+                                                                  (13_000_007, "dim13", "D")]
+    assert items[0].image_path == os.path.join(str(tmp_path), "seed-bench-2", "cc3m-image", "1454426_2591111986.jpg")
+    assert items[1].image_path.endswith(os.path.join("SEED-Bench-2-image", "task13", "img", "0.png"))
+    assert items[0].answers == ("One", "Two", "Three", "Four")                   # stripped, as SEED-Bench-1's
+    assert items[0].question == "How many towels are in the image?"
+    assert "seed2: 2 single-image questions; Instances Counting 1, dim13 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("question, message", [
+    (seed2_question("5_0", 5, "missing_id"), "its image 'missing_id' is not under"),
+    (seed2_question("5_0", 5, "1454426_2591111986", answer="E"), "answer 'E' is not one of A, B, C, D"),
+    (seed2_question("5_0", 5, ["a.jpg"]), "needs one data_id"),
+    ({k: v for k, v in seed2_question("5_0", 5, "x").items() if k != "choice_c"}, "malformed.*choice_c"),
+])
+def test_seed2_bad_question_names_it(tmp_path, question, message):
+    write_seed2(tmp_path, [question])
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        data.read_seed2(str(tmp_path))
+
+
+def test_toy_seed2_is_selectable_like_seed(tmp_path):
+    val, train = data.load_task("toy-seed2", "val", tmp_path), data.load_task("toy-seed2", "train", tmp_path)
+    assert len(val) + len(train) == data.TOY_SEED_IMAGES     # the skipped multi-image / video / L3 ones are not read
+    assert {it.category for it in val + train} >= {"Visual Mathematics", "Scene Understanding"}
+    assert not {it.image_path for it in val} & {it.image_path for it in train}
+    assert data.default_shots("seed2", "idefics2") == 2 and data.TASKS["seed2"].kind == "choice"
+
+
+def test_likelihood_prompt_is_the_official_one():
+    item = Item(1, "x.jpg", "What is it?", ("a", "b", "c", "d"), "A", "Scene Understanding")
+    assert data.PROMPTS["choice-likelihood"]["instruction"] == ""
+    assert data.prompt_text("choice-likelihood", item) == "<image>Question: What is it?\nAnswer:"
+    assert data.prompt_text("choice-likelihood-project", item) == "<image>Question: What is it? Answer:"
+
+
+def test_largest_remainder_by_hand():
+    assert data.largest_remainder(5, [3, 3, 4]) == [2, 1, 2]   # 1.5 1.5 2.0: the first .5 gets the spare one
+    assert data.largest_remainder(10, [1, 1, 1]) == [4, 3, 3]
+    assert data.largest_remainder(7, [10, 0, 4]) == [5, 0, 2]   # 5.0 0 2.0
+
+
+def mme_like(images_per_subtask):
+    """Two questions per image, subtask by subtask, as read_mme gives them."""
+    return [Item(2 * k + j, f"/{c}/{k}.jpg", f"q{j}", ("Yes",), "Yes", c)
+            for c, n in images_per_subtask.items() for k in range(n) for j in range(2)]
+
+
+def test_stratified_subset_keeps_both_questions_of_an_image_and_every_subtask():
+    items = mme_like({"existence": 30, "count": 30, "OCR": 20})  # 160 questions on 80 images
+    subset = data.stratified_subset(items, 17, seed=0)
+    # m = round(17 x 80 / 160) = 8 images, shared 30:30:20 -> 3, 3, 2 (exact 3, 3, 2)
+    assert len(subset) == 16
+    per_image = {}
+    for it in subset:
+        per_image.setdefault(it.image_path, []).append(it.question)
+    assert all(qs == ["q0", "q1"] for qs in per_image.values())
+    assert [sum(it.category == c for it in subset) for c in ("existence", "count", "OCR")] == [6, 6, 4]
+    assert subset == [it for it in items if it in subset]             # the reader's order
+    assert data.stratified_subset(items, 17, seed=0) == subset        # seeded
+    assert data.stratified_subset(items, 17, seed=1) != subset
+    assert data.stratified_subset(items, 500, seed=0) == items        # more than there are: all
+    with pytest.raises(ValueError, match="--n-eval must be at least 1"):
+        data.stratified_subset(items, 0)
+
+
+def test_stratified_subset_of_single_question_images_is_exact():
+    items = [Item(k, f"/{k}.jpg", "q", ("a",) * 4, "A", "dim1" if k < 90 else "dim2") for k in range(100)]
+    subset = data.stratified_subset(items, 10, seed=3)
+    assert len(subset) == 10 and sum(it.category == "dim2" for it in subset) == 1   # 9 : 1 as 90 : 10
+
+
 # ---------------------------------------------------------------------------------------------------------- toy
 
 

@@ -80,6 +80,18 @@ def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, f
         assert saved["cider"] >= 0
 
 
+def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_path):
+    metrics = E.main(["--model", "tiny-idefics2", "--task", "toy-mme", "--shots", "0", "--n-eval", "13",
+                      "--out", str(tmp_path)])
+    # the evaluation part holds 144 questions on 72 images, 12 per subtask: round(13 x 72 / 144) = 6 images
+    # (round half to even), one per subtask, both of its questions
+    assert metrics["n"] == 12 and set(metrics["mme"]["subtasks"]) == set(D.TOY_MME_SUBTASKS)
+    for subtask in D.TOY_MME_SUBTASKS:
+        with open(tmp_path / "toy-mme-val-0-shot.mme" / f"{subtask}.txt") as f:
+            images = [line.split("\t")[0] for line in f]
+        assert len(images) == 2 and images[0] == images[1]  # calculation.py reads an image's two lines in a row
+
+
 def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch, checkpoint, capsys):
     monkeypatch.chdir(tmp_path)
     assert E.main([*TINY, "--n-eval", "2"])["setting"] == "0-shot"

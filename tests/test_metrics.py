@@ -5,6 +5,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import evaluate as E
 from evaluate import cider_d, multiple_choice_accuracy, normalize_vqa_answer, tokenize_caption, vqa_accuracy
 
 # -----------------------------------------------------------------------------
@@ -96,6 +97,11 @@ def test_vqa_accuracy_takes_leave_one_out_values(answers, prediction):
     ("black-and-white cat", ["black-and-white", "cat"]),
     ('"Hi" (there) -- ok...', ["hi", "-lrb-", "there", "-rrb-", "ok"]),  # brackets kept as -lrb- -rrb-
     ("1,000 people at 2.5 pm!", ["1,000", "people", "at", "2.5", "pm"]),
+    ("A sign reading 'STOP' in red.", ["a", "sign", "reading", "stop", "in", "red"]),  # a quote, not the clitic 's
+    ("a 'Stop' sign", ["a", "stop", "sign"]),
+    ("He'S here, it's 's'", ["he", "'s", "here", "it", "'s", "'s"]),  # before a non-letter 's is still the clitic
+    ("An <angle> view", ["an", "<angle>", "view"]),                   # an SGML tag is one token
+    ("a < b > c", ["a", "<", "b", ">", "c"]),                          # not a tag: a space after "<"
 ])
 def test_tokenize_caption(raw, expected):
     assert tokenize_caption(raw) == expected
@@ -214,3 +220,71 @@ def test_multiple_choice_single(pred, answer, correct):
 
 def test_multiple_choice_accuracy_mean():
     assert multiple_choice_accuracy(["A", "yes", "C", "no"], ["A", "no", "b", "no"]) == 0.5
+
+
+# -----------------------------------------------------------------------------
+# CHAIR as chair.py counts it (Rohrbach et al.'s utils/chair.py and data/synonyms.txt)
+
+VOCAB = E.chair_vocabulary(E.COCO_SYNONYMS)
+
+
+def test_chair_synonyms_are_the_published_list():
+    assert len(E.COCO_SYNONYMS) == 80 and len(E.CHAIR_SYNONYMS_TXT.splitlines()) == 80
+    assert list(E.COCO_SYNONYMS)[:3] == ["person", "bicycle", "car"] and list(E.COCO_SYNONYMS)[-1] == "toothbrush"
+    for word, category in [("bagel", "donut"), ("briefcase", "handbag"), ("wallet", "handbag"), ("pickup", "truck"),
+                           ("bison", "cow"), ("panda", "bear"), ("sub", "sandwich"), ("notebook", "laptop"),
+                           ("container", "bowl"), ("villager", "person"), ("husky", "dog"), ("steamship", "boat")]:
+        assert VOCAB[word] == category
+    for word in ("surfer", "batter", "umpire", "baseball", "football", "bat", "glove", "glass", "plant", "bag",
+                 "cub", "grizzly", "hair dryer", "double decker"):  # the project's old list had them; chair.py not
+        assert word not in VOCAB
+    assert len(VOCAB) == 403  # chair.py's 403 distinct words, " motor bike", " cheesecake", "iPhone" as stripped
+
+
+def test_read_synonyms_strips_and_lowercases_and_rejects_empty_words():
+    assert E.read_synonyms("motorcycle, scooter,  motor bike\ncell phone, iPhone") == \
+        {"motorcycle": "motorcycle, scooter, motor bike", "cell phone": "cell phone, iphone"}
+    with pytest.raises(ValueError, match="synonyms line 2"):
+        E.read_synonyms("cat, kitten\ndog, , puppy")
+
+
+@pytest.mark.parametrize("caption, mentions", [
+    ("A train on the train tracks.", [("train", "train")]),           # "train track" is no train (chair.py's pair)
+    ("A double decker bus.", [("bus", "bus")]),                       # one bus, "double decker" is no synonym
+    ("A baseball player at home plate.", [("player", "person")]),    # "baseball" is no ball
+    ("Two taxis near a cab.", [("taxi", "car"), ("cab", "car")]),     # taxis -> taxi, as chair.py singularises
+    ("A stove top oven.", [("stove", "oven"), ("oven", "oven")]),     # only pairs are joined: two ovens
+    ("A man in a bow tie.", [("man", "person"), ("tie", "tie")]),     # bow tie is read as tie
+    ("A passenger jet and baby birds.", [("jet", "airplane"), ("bird", "bird")]),  # no passenger, no baby
+    ("A seat in the toilet.", [("toilet", "toilet")]),                # a toilet's seat is no chair
+    ("A hot dog and teddy bears.", [("hot dog", "hot dog"), ("teddy bear", "teddy bear")]),
+    ("Wine glasses and a cell phone.", [("wine glass", "wine glass"), ("cell phone", "cell phone")]),
+    ("People, women and children.", [("people", "person"), ("woman", "person"), ("child", "person")]),
+])
+def test_caption_objects_follow_chair_py(caption, mentions):
+    assert E.caption_objects(caption, VOCAB) == mentions
+
+
+# Where the project deliberately counts otherwise than chair.py (README, "CHAIR"): the caption, chair.py's mentions
+# (worked out by hand from its code: pattern.en's singularize and synonyms.txt split on ", "), the project's.
+CHAIR_PY_DIFFERENCES = [
+    ("A bus.", [], [("bus", "bus")]),                                 # pattern: bus -> "bu"; "buses" -> bus both
+    ("A minibus and an airbus.", [], [("minibus", "bus"), ("airbus", "airplane")]),  # -> "minibu", "airbu"
+    ("Two ties.", [], [("tie", "tie")]),                              # pattern: ties -> "ty"
+    ("Two canoes.", [], [("canoe", "boat")]),                         # pattern: canoes -> "cano"
+    ("A motor bike.", [], [("motor bike", "motorcycle")]),            # synonyms.txt: " motor bike" (leading space)
+    ("A cheesecake.", [], [("cheesecake", "cake")]),                  # " cheesecake"
+    ("An iPhone.", [], [("iphone", "cell phone")]),                   # "iPhone" against a lowercased caption
+]
+
+
+@pytest.mark.parametrize("caption, chair_py, ours", CHAIR_PY_DIFFERENCES)
+def test_chair_deliberate_differences_from_chair_py(caption, chair_py, ours):
+    assert E.caption_objects(caption, VOCAB) == ours != chair_py
+
+
+def test_chair_counts_a_singular_bus():
+    captions = {1: "A bus on the street.", 2: "A dog and two buses."}
+    result, wrong = E.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB)
+    assert wrong == {1: ["bus"], 2: ["bus"]}
+    assert result["chair_s"] == 1.0 and result["chair_i"] == pytest.approx(2 / 3)  # chair.py: 1/2 and 1/2
