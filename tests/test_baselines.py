@@ -9,7 +9,7 @@ import evaluate
 import model as M
 import train
 from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
-from test_model import TEXTS, assert_cached_decoding_equals_full_forward, prompts
+from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),

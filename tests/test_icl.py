@@ -2,7 +2,6 @@
 checked cache), and the efficacy of distillation on it (fails when the adapter or the teacher is broken)."""
 import io
 import os
-import shutil
 
 import pytest
 import torch
