@@ -19,7 +19,6 @@ import json
 import math
 import os
 import random
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from PIL import Image
 from tqdm import tqdm
 
 import data
+from data import atomic_write, remove_stale_tmp, weights_digest  # re-exported: the writers live in data.py
 from adapters import LIVE, HiFICL, HyperICL, MimIC, OutputLevel, StaticGate, StaticGateHead
 
 ATTN_NAME = "icl"  # the attention implementation name our adapters run under
@@ -333,41 +333,6 @@ def _describe(backbone_name, model):
     """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
     layers, heads, head_dim = attention_shape(model)
     return {**model.icl_settings, "backbone": backbone_name, "layers": layers, "heads": heads, "head_dim": head_dim}
-
-
-def atomic_write(path, write):
-    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
-
-    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
-    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
-
-
-def remove_stale_tmp(folder):
-    """Delete the temporary files that interrupted atomic_writes left in `folder` (those older than STALE_TMP_S)."""
-    if not os.path.isdir(folder):
-        return
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
-            os.remove(path)
 
 
 def fingerprint(backbone):
@@ -855,16 +820,6 @@ def meta_train(recipe, log=print):
         torch.set_num_threads(threads)
 
 
-def weights_digest(tensors):
-    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): the cached file's checksum."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 def toy_path(recipe=TOY_RECIPE, cache=None):
     """Where the backbone of `recipe` is cached: a file named by the hash of the recipe."""
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
@@ -905,6 +860,7 @@ def build_toy(path, recipe=TOY_RECIPE):
 def toy_idefics2(recipe=TOY_RECIPE, cache=None):
     """The meta-trained toy Idefics2 and its processor: from the cache if intact, else built (and cached) now."""
     path = toy_path(recipe, cache)
+    remove_stale_tmp(os.path.dirname(path))
     if os.path.exists(path):
         try:
             processor = toy_processor()
