@@ -58,6 +58,10 @@ by `load_image` when the item's image is first used.
 MME and SEED-Bench are checked harder when read (one directory listing per folder): an MME line that is not
 `question<TAB>Yes|No` names the file and line, a question file without its image or with other than two questions
 names the file, and a SEED-Bench question that is malformed or whose image is missing names the question and file.
+Every reader also refuses, naming the file and entry: a null or empty question or option, a duplicate question id,
+a SEED-Bench question_type_id outside the file's mapping (only the known video dimensions are skipped), a COCO
+instances file without categories or with an unknown category id, and text that is not UTF-8 (a byte-order mark is
+stripped). An image over PIL's decompression-bomb limit is an OSError naming the item, path and pixel count.
 
 Prompts (one table, PROMPTS, below): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` followed by a newline, then the query as
@@ -413,6 +417,8 @@ def read_seed(root):
     try:
         names = {int(v): k for k, v in obj["question_type"].items()}
         questions = obj["questions"]
+        if not isinstance(questions, list):
+            raise TypeError(f"`questions` is {type(questions).__name__}, not a list")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
     seen = set()

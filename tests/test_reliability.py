@@ -1,5 +1,6 @@
 """Nothing lost, nothing silently wrong: kills during epoch scoring, SIGTERM, overwritten runs, adapters on the wrong
-backbone, corrupt and truncated files, a full disk, bad flags, over-long prompts, malformed dataset JSON.
+backbone, corrupt and truncated files, a full disk, bad flags, over-long prompts, malformed dataset JSON; and (part 2)
+two processes on one folder, evaluation files killed while written, bad caches, bad input files, fail-fast order.
 
 Every run names --model and --task (never the defaults) and is tiny: 8 training queries, 2 steps per epoch."""
 import dataclasses
@@ -423,6 +424,14 @@ def seed_root(tmp_path, change):
 def test_seed_bench_questions_are_checked_when_read(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         data.read_seed(seed_root(tmp_path, change))
+
+
+def test_seed_bench_questions_that_are_not_a_list_name_the_file(tmp_path):
+    root = seed_root(tmp_path, lambda qs: None)
+    path = os.path.join(root, "seed-bench", "SEED-Bench.json")
+    open(path, "w").write(json.dumps({"questions": 5, "question_type": {"Scene Understanding": 1}}))
+    with pytest.raises(ValueError, match=rf"seed: {path} needs `questions`.*not a list"):
+        data.read_seed(root)
 
 
 @pytest.mark.parametrize("question, message", [(None, "its question is None"), ("  ", "its question is '  '")])
