@@ -1400,8 +1400,8 @@ def parse_args(argv=None):
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
-    args.out = args.out or (f"runs/compare-{name}-{args.task}" if args.compare else
-                            os.path.dirname(args.checkpoint) or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
+    args.out = args.out or (f"runs/compare-{name}-{args.task}" if args.compare else os.path.dirname(args.checkpoint)
+                            or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
     train.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args
 
@@ -1415,7 +1415,7 @@ def check_train_args(p, args):
         p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
     try:
         with contextlib.redirect_stderr(io.StringIO()) as err:
-            train.parse_args(["--model", args.model, "--task", args.task, *flags])
+            train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as compare adds
     except SystemExit:
         p.error(f"--train-args {args.train_args!r}: train.py says: "
                 + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])

@@ -11,7 +11,7 @@ query, its ICDs and the prompt format, so a change of any of them recomputes. No
 `<out>/last.pt` (adapter, optimiser, schedule, step) is written atomically every epoch, every --save-every steps
 and on Ctrl-C or SIGTERM, and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
 on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
-without --resume or --overwrite.
+without --resume or --overwrite, and one process at a time holds a folder (`locked`).
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data

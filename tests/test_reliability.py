@@ -359,8 +359,8 @@ def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warn
     stale.write_bytes(b"half")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
     from safetensors.torch import save
-    for bad in (good[:len(good) // 2], save({"features": torch.ones(2, 4)}), save({"features": torch.ones(3, 4,
-                                                                                                       dtype=torch.half)})):
+    wrong = (save({"features": torch.ones(2, 4)}), save({"features": torch.ones(3, 4, dtype=torch.half)}))
+    for bad in (good[:len(good) // 2], *wrong):
         path.write_bytes(bad)
         assert torch.equal(data.image_features(encode, "enc", items, tmp_path), first)
         assert f"warning: cache file {path} is unusable" in capsys.readouterr().out
