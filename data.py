@@ -71,6 +71,10 @@ by `load_image` when the item's image is first used.
 MME and SEED-Bench are checked harder when read (one directory listing per folder): an MME line that is not
 `question<TAB>Yes|No` names the file and line, a question file without its image or with other than two questions
 names the file, and a SEED-Bench question that is malformed or whose image is missing names the question and file.
+Every reader also refuses, naming the file and entry: a null or empty question or option, a duplicate question id,
+a SEED-Bench question_type_id outside the file's mapping (only the known video dimensions are skipped), a COCO
+instances file without categories or with an unknown category id, and text that is not UTF-8 (a byte-order mark is
+stripped). An image over PIL's decompression-bomb limit is an OSError naming the item, path and pixel count.
 
 Prompts (one table, PROMPTS, below): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` followed by a newline, then the query as
@@ -99,14 +103,17 @@ import json
 import math
 import os
 import random
+import secrets
 import shutil
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 from tqdm import tqdm
 from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
@@ -147,6 +154,98 @@ def default_shots(task, family):
     """ICDs per query: the task's own number (MME, SEED: 2, as the paper runs them) or the backbone's (paper)."""
     return TASKS[task].shots if TASKS[task].shots is not None else DEFAULT_SHOTS[family]
 
+# -------------------------------------------------------------------------------------------------------- files
+# The writes every script makes (model.py and evaluate.py use them too): atomic, their leftovers cleaned up, and the
+# caches checked when read.
+
+def atomic_write(path, write):
+    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
+
+    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
+    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
+
+
+def remove_stale_tmp(folder):
+    """Delete what interrupted writes left in `folder`: *.tmp files (atomic_write) and folders (`generated`) older
+    than STALE_TMP_S."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def weights_digest(tensors):
+    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): a cached file's checksum."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def write_cache(path, tensors, key):
+    """Write tensors to a cache file atomically, with their settings key and checksum in the metadata."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    meta = {"key": key, "sha256": weights_digest(tensors)}
+    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+
+
+def read_cache(path, key, shapes):
+    """The tensors of a cache file written by write_cache, or None when there is none or it is unusable.
+
+    shapes: {name: (shape, dtype)}; a dimension None may have any size, a dtype None any. A file that is unreadable
+    (truncated, foreign), holds other tensors, shapes or dtypes, another settings key or bytes that do not match its
+    checksum is reported in one line and None returned, so the caller computes it again.
+    """
+    if not os.path.exists(path):
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+    except Exception as e:  # a truncated or foreign file: safetensors raises its own error types
+        return cache_warning(path, f"unreadable: {str(e)[:80]}")
+    if set(tensors) != set(shapes):
+        return cache_warning(path, f"holds {sorted(tensors)}, expected {sorted(shapes)}")
+    for name, (shape, dtype) in shapes.items():
+        t = tensors[name]
+        if len(t.shape) != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)) or \
+                dtype is not None and t.dtype != dtype:
+            return cache_warning(path, f"{name} is {tuple(t.shape)} {t.dtype}, expected "
+                                       f"{tuple('*' if s is None else s for s in shape)} {dtype or ''}".rstrip())
+    if meta.get("key") != key:
+        return cache_warning(path, "it was written for other settings")
+    if meta.get("sha256") != weights_digest(tensors):
+        return cache_warning(path, "its bytes do not match their checksum")
+    return tensors
+
+
+def cache_warning(path, why):
+    """Report an unusable cache file in one line; returns None (read_cache's answer for it)."""
+    tqdm.write(f"warning: cache file {path} is unusable ({why}); computing it again")
+    return None
+
 # ------------------------------------------------------------------------------------------------------ readers
 
 VQA_FILES = {  # dataset -> (folder, questions file, annotations file); {} is the split
@@ -160,11 +259,36 @@ def read_json(path, dataset):
     """Parse a JSON file; a missing or malformed file is an error naming the path and the dataset."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{dataset}: expected the file {path} (see the data_root layout in data.py)")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{dataset}: {path} is not valid JSON ({e})") from e
+    try:
+        return json.loads(read_text(path, dataset))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{dataset}: {path} is not valid JSON ({e})") from e
+
+
+def read_text(path, dataset):
+    """A UTF-8 text file's contents, a byte-order mark stripped; undecodable bytes are an error naming the file."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{dataset}: {path} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
+                         "save it as UTF-8") from e
+
+
+def text_field(record, name):
+    """record[name] as a stripped string; null, empty or not a string is a ValueError naming the field."""
+    value = record[name]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"its {name} is {value!r}; it must be non-empty text")
+    return value.strip()
+
+
+def unique_id(seen, qid, what):
+    """Record an item id; one seen before is a ValueError (every prediction line must name one item)."""
+    if qid in seen:
+        raise ValueError(f"duplicate {what} {qid!r}")
+    seen.add(qid)
 
 
 def records(path, dataset, key):
@@ -183,6 +307,8 @@ def entry(path, dataset, n, record):
     except (KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}) has a missing or malformed field "
                          f"({type(e).__name__}: {e})") from e
+    except ValueError as e:
+        raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}): {e}") from e
 
 
 def coco_image(root, split, image_id):
@@ -205,12 +331,13 @@ def read_vqa(root, split, dataset):
             answers = tuple(x["answer"] for x in a["answers"])
             target = a["multiple_choice_answer"] if dataset == "vqav2" else most_frequent(answers)
             annotations[a["question_id"]] = answers, target
-    items = []
+    items, seen = [], set()
     for n, q in enumerate(questions):
         with entry(qpath, dataset, n, q):
             if q["question_id"] not in annotations:
-                raise ValueError(f"{dataset}: question {q['question_id']} in {qpath} has no annotation in {apath}")
-            items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), q["question"],
+                raise ValueError(f"question {q['question_id']} in {qpath} has no annotation in {apath}")
+            unique_id(seen, q["question_id"], "question_id")
+            items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), text_field(q, "question"),
                               *annotations[q["question_id"]]))
     return items
 
@@ -256,14 +383,13 @@ def mme_files(folder):
 def read_mme_questions(path):
     """The (question, Yes|No) lines of one MME question file: exactly two, blank lines skipped."""
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            fields = line.rstrip("\r\n").split("\t")
-            if len(fields) != 2 or fields[1].strip().lower() not in ("yes", "no"):
-                raise ValueError(f"mme: {path} line {n}: expected `question<TAB>Yes|No`, got {line.strip()!r}")
-            pairs.append((fields[0].strip(), fields[1].strip().capitalize()))
+    for n, line in enumerate(read_text(path, "mme").split("\n"), 1):
+        if not line.strip():
+            continue
+        fields = line.rstrip("\r").split("\t")
+        if len(fields) != 2 or not fields[0].strip() or fields[1].strip().lower() not in ("yes", "no"):
+            raise ValueError(f"mme: {path} line {n}: expected `question<TAB>Yes|No`, got {line.strip()!r}")
+        pairs.append((fields[0].strip(), fields[1].strip().capitalize()))
     if len(pairs) != 2:
         raise ValueError(f"mme: {path} has {len(pairs)} questions; MME asks two about each image")
     return pairs
@@ -305,20 +431,27 @@ def read_seed(root):
     try:
         names = {int(v): k for k, v in obj["question_type"].items()}
         questions = obj["questions"]
+        if not isinstance(questions, list):
+            raise TypeError(f"`questions` is {type(questions).__name__}, not a list")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
+    seen = set()
     for n, q in enumerate(questions):
         where = f"question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'}) in {path}"
         try:
+            if int(q["question_type_id"]) not in names:
+                raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
             if int(q["question_type_id"]) not in SEED_IMAGE_DIMENSIONS:
                 continue
-            options = tuple(q[f"choice_{x}"].strip() for x in "abcd")
+            options = tuple(text_field(q, f"choice_{x}") for x in "abcd")
             qid, answer, dimension = int(q["question_id"]), q["answer"].strip(), names[int(q["question_type_id"])]
             if answer not in tuple(SEED_LETTERS):
                 raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
+            text_field(q, "question")
+            unique_id(seen, qid, "question_id")
             image = seed_image(images, folder, q["data_id"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"seed: {where} is malformed: {e!r}") from e
+            raise ValueError(f"seed: {where} is malformed: {e if type(e) is ValueError else repr(e)}") from e
         if image is None:
             raise FileNotFoundError(f"seed: question {qid} in {path}: its image {q['data_id']!r} is not in {folder}")
         items.append(Item(qid, image, q["question"].strip(), options, answer, dimension))
@@ -472,6 +605,8 @@ def load_task(task, split, data_root=None):
     """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
+        raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
     if TASKS[task].kind in ("yes-no", "choice"):
@@ -505,12 +640,17 @@ def read_instances(items):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
                                     "annotations_trainval2014.zip)")
-        coco = read_json(path, "coco instances")
-        names = {c["id"]: c["name"] for c in coco["categories"]}
+        names = {}
+        for n, c in enumerate(records(path, "coco instances", "categories")):
+            with entry(path, "coco instances", n, c):
+                names[c["id"]] = c["name"]
         categories |= set(names.values())
         per_image = {}
-        for a in coco["annotations"]:
-            per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
+        for n, a in enumerate(records(path, "coco instances", "annotations")):
+            with entry(path, "coco instances", n, a):
+                if a["category_id"] not in names:
+                    raise ValueError(f"category_id {a['category_id']!r} is not among the file's categories")
+                per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
         for it in items:
             if os.path.dirname(it.image_path) == folder_path:
                 objects[it.id] = per_image.get(it.id, set())
@@ -522,6 +662,8 @@ def load_image(item):
     try:
         with Image.open(item.image_path) as im:
             return im.convert("RGB")
+    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
+        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
     except OSError as e:
         raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
 
@@ -700,7 +842,8 @@ def generated(root, write):
     if os.path.isdir(root):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}-", dir=os.path.dirname(root))
+    remove_stale_tmp(os.path.dirname(root))
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}-", suffix=".tmp", dir=os.path.dirname(root))
     try:
         write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp made it private
@@ -993,9 +1136,12 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
     """
     stat = lambda p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None
     spec = {"encoder": encoder_id, "items": [[it.id, it.image_path, stat(it.image_path)] for it in items]}
-    path = os.path.join(cache_dir, hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:32] + ".safetensors")
-    if os.path.exists(path):
-        return load_file(path)["features"]
+    key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+    path = os.path.join(cache_dir, key[:32] + ".safetensors")
+    remove_stale_tmp(cache_dir)
+    cached = read_cache(path, key, {"features": ((len(items), None), torch.float32)})
+    if cached is not None:
+        return cached["features"]
     paths = list(dict.fromkeys(it.image_path for it in items))
     by_path = {it.image_path: it for it in items}  # an item that shows each image
     feats = []
@@ -1003,8 +1149,7 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
         feats.append(encode([load_image(by_path[p]) for p in paths[i:i + batch_size]]).float().cpu())
     row = {p: k for k, p in enumerate(paths)}
     features = torch.cat(feats)[[row[it.image_path] for it in items]].contiguous()
-    from model import atomic_write  # here, not at the top: model.py imports data.py
-    atomic_write(path, lambda f: f.write(save({"features": features})))
+    write_cache(path, {"features": features}, key)
     return features
 
 

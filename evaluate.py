@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import os
@@ -27,7 +28,6 @@ import time
 from collections import Counter
 
 import torch
-from safetensors.torch import load_file, save
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -678,9 +678,7 @@ def evaluate(backbone, args, items, setting, vector=None):
             predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions) if args.chair else {}
-    stem = os.path.join(args.out, f"{args.task}-{args.split}-{setting}" + (f"-{args.seed_protocol}"
-                                                                          if kind == "choice" else "")
-                        + ("-project-prompt" if likelihood and args.seed_prompt == "project" else ""))
+    stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
                metric: value, **vector_info, **extra}
@@ -691,14 +689,15 @@ def evaluate(backbone, args, items, setting, vector=None):
             ({"prompt": args.seed_prompt} if likelihood else {})
     if train.process()[0] != 0:  # under torchrun the first process writes
         return metrics
-    os.makedirs(args.out, exist_ok=True)
-    with open(stem + ".predictions.jsonl", "w") as f:
-        for it, p in zip(items, predictions):
-            f.write(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n")
+    lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
+                    for it, p in zip(items, predictions)).encode()
+    D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
-        write_mme_results(os.path.join(args.out, f"{args.task}-{args.split}-{setting}.mme"), items, predictions)
-    with open(stem + ".metrics.json", "w") as f:
-        json.dump(metrics, f, indent=2)
+        write_mme_results(stem + ".mme", items, predictions)
+    # last, and naming the predictions it scores: a kill in between leaves old metrics whose hash does not match
+    metrics |= {"predictions": os.path.basename(stem) + ".predictions.jsonl",
+                "predictions_sha256": hashlib.sha256(lines).hexdigest()}
+    write_json(stem + ".metrics.json", metrics)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
           + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
     if kind == "yes-no":
@@ -711,6 +710,33 @@ def evaluate(backbone, args, items, setting, vector=None):
     return metrics
 
 
+def result_name(args, setting, n, vector_info):
+    """The file name (no extension) of an evaluation's results: everything that changes them besides the folder.
+
+    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and file
+    key>][-<checkpoint key>]-seed<seed>-n<items>. A checkpoint outside the folder adds a hash of its path.
+    """
+    short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
+    parts = [args.task, args.split, setting]
+    if D.TASKS[args.task].kind == "choice":
+        parts.append(args.seed_protocol)
+        if args.seed_protocol == "likelihood" and args.seed_prompt == "project":
+            parts.append("project-prompt")
+    if args.icds == "rices" and args.shots and args.rices_encoder:
+        parts.append("encoder-" + short(args.rices_encoder))
+    if vector_info:
+        key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
+        parts.append(f"layer{vector_info['vector_layer']}-{key}")
+    if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
+        parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
+    return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
+
+
+def write_json(path, obj):
+    """obj as indented JSON at path, written atomically (data.atomic_write)."""
+    D.atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+
+
 def write_mme_results(folder, items, predictions):
     """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
     <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
@@ -721,8 +747,7 @@ def write_mme_results(folder, items, predictions):
         row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n"
         lines.setdefault(it.category, []).append(row)
     for subtask, rows in lines.items():
-        with open(os.path.join(folder, subtask + ".txt"), "w") as f:
-            f.writelines(rows)
+        D.atomic_write(os.path.join(folder, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
 
 
 # -----------------------------------------------------------------------------
@@ -834,14 +859,30 @@ def heldout_losses(backbone, batches, vectors, add):
     return torch.tensor(losses)
 
 
-def vector_path(backbone, args, shots):
-    """Where a vector is saved: runs/vectors/<model>-<task>-<tv|fv>-<hash of everything it depends on>."""
+def vector_key(backbone, args, shots):
+    """The hash of everything a vector depends on (its settings key)."""
     spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
                 sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-{key}.safetensors"
-    return os.path.join("runs", "vectors", name)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def vector_path(backbone, args, shots):
+    """Where a vector is saved: <out>/vectors/<model>-<task>-<tv|fv>-<hash of everything it depends on>."""
+    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-" \
+        f"{vector_key(backbone, args, shots)[:12]}.safetensors"
+    return os.path.join(args.out, "vectors", name)
+
+
+def vector_shapes(backbone, args):
+    """What a saved vector file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it."""
+    layers, heads, _ = M.attention_shape(backbone.model)
+    shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
+              "losses": ((layers,), None)}
+    if args.vector == "fv":
+        shapes |= {"mean_heads": ((layers, heads, None), None), "aie": ((layers, heads), None),
+                   "heads": ((args.fv_heads, 2), None)}
+    return shapes
 
 
 def compute_vector(backbone, args, shots):
@@ -875,13 +916,14 @@ def load_vector(backbone, args):
                          f"0..{layers - 1}")
     if args.vector == "fv" and not 0 < args.fv_heads <= layers * heads:
         raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
-    path = vector_path(backbone, args, shots)
-    if os.path.exists(path):
-        saved = load_file(path)
+    path, key = vector_path(backbone, args, shots), vector_key(backbone, args, shots)
+    D.remove_stale_tmp(os.path.dirname(path))
+    saved = D.read_cache(path, key, vector_shapes(backbone, args))
+    if saved is not None:
         print(f"{args.vector}: read {path}")
     else:
         saved = compute_vector(backbone, args, shots)
-        M.atomic_write(path, lambda f: f.write(save({k: v.contiguous() for k, v in saved.items()})))
+        D.write_cache(path, saved, key)
         print(f"{args.vector}: computed and saved to {path}")
     layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
     info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
@@ -1078,10 +1120,8 @@ def benchmark(backbone, args):
               f"{r['prefill_tflops_ratio']:>6.3f} {latency(r, 'prefill_ms')} | {'':8} {r['tflops']:>8.4g} "
               f"{r['tflops_ratio']:>6.3f} {latency(r, 'ms')} | {'':9} {memory}")
     path = os.path.join(args.out, "benchmark.json")
-    os.makedirs(args.out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
-                   "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, f, indent=2)
+    write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
+                      "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows})
     print(f"-> {path}")
     return rows
 
@@ -1327,7 +1367,7 @@ def parse_args(argv=None):
     p.add_argument("--vector", choices=["tv", "fv"], help="evaluate zero-shot with a training-free in-context vector "
                    "(Table 1): tv = task vector (Hendel et al. 2023), fv = function vector (Todd et al. 2024), "
                    "computed once from --vector-sets ICL prompts of --shots ICDs (default: the paper's) of the "
-                   "training split and saved under runs/vectors/")
+                   "training split and saved under <out>/vectors/")
     p.add_argument("--vector-layer", type=int, help="decoder layer (0-based) the vector goes in (default: the one "
                    "with the lowest target loss on --vector-heldout training queries)")
     p.add_argument("--vector-sets", type=int, default=VECTOR_SETS, help="ICL prompts averaged into the vector "
@@ -1359,9 +1399,15 @@ def parse_args(argv=None):
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
     args = p.parse_args(argv)
-    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1}.items():
+    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
+                        "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
+                        "threads": 1}.items():
         if getattr(args, name) is not None and getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
+    if any(n < 0 for n in args.bench_shots):
+        p.error(f"--bench-shots must be at least 0 (got {args.bench_shots})")
+    if args.compare:
+        check_train_args(p, args)
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task not in ("coco", "toy-caption"):
@@ -1383,8 +1429,24 @@ def parse_args(argv=None):
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
     args.out = args.out or (f"runs/compare-{name}-{args.task}" if args.compare else os.path.dirname(args.checkpoint)
-                            if args.checkpoint else f"runs/eval-{name}-{args.task}")
+                            or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
+    train.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args
+
+
+def check_train_args(p, args):
+    """--compare's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
+    parser error (naming the flag) if they do not parse."""
+    try:
+        flags = shlex.split(args.train_args)
+    except ValueError as e:
+        p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as compare adds
+    except SystemExit:
+        p.error(f"--train-args {args.train_args!r}: train.py says: "
+                + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
 
 
 def evaluate_with_baselines(backbone, args, items, setting):
@@ -1442,6 +1504,7 @@ def compare(args):
         (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size)] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
+    D.load_task(args.task, args.split, args.data_root)  # the data is read and checked before any model loads
     hidden = M.load_backbone(args.model).model.config.get_text_config().hidden_size
     rows = []
     for n in COMPARE_SHOTS:
@@ -1471,10 +1534,8 @@ def write_comparison(args, rows):
              "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
     seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
     lines += [f"| {r['setting']} | {r[metric]:.1f} | {r['params']:,} | {seconds(r)} |" for r in rows]
-    with open(os.path.join(args.out, "compare.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, "compare.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    D.atomic_write(os.path.join(args.out, "compare.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    write_json(os.path.join(args.out, "compare.json"), rows)
     icl = [r for r in rows if r["shots"] is not None]
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     ax.plot([r["shots"] for r in icl], [r[metric] for r in icl], "o-", color="black", label="n-shot ICL")
@@ -1485,7 +1546,7 @@ def write_comparison(args, rows):
            xticks=COMPARE_SHOTS, title=f"{args.model}, {args.task}", ylim=(0, 101) if metric == "vqa_accuracy" else None)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "compare.png"))
+    D.atomic_write(os.path.join(args.out, "compare.png"), lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
     print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
 
@@ -1514,8 +1575,18 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     global ROUNDS
     ROUNDS = args.rounds or ROUNDS
-    with train.processes():
+    with train.processes(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):
+        D.remove_stale_tmp(args.out)
         return run(args)
+
+
+def eval_items(args):
+    """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
+    stratified by subtask / dimension, data.stratified_subset; otherwise the first N)."""
+    items = D.load_task(args.task, args.split, args.data_root)
+    if args.n_eval and D.TASKS[args.task].kind in ("yes-no", "choice"):
+        return D.stratified_subset(items, args.n_eval, args.seed)
+    return items[:args.n_eval]
 
 
 def run(args):
@@ -1526,6 +1597,9 @@ def run(args):
         return attention_benchmark(attention_model(args), args.attention_tokens)
     if args.compare:
         return compare(args)
+    items = None if args.benchmark else eval_items(args)
+    if items == []:
+        raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if args.random_weights:
         family = M.family_of(args.model)
         model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
@@ -1547,11 +1621,6 @@ def run(args):
                                                       not args.vector else ""))
     if args.benchmark:
         return benchmark(backbone, args)
-    items = D.load_task(args.task, args.split, args.data_root)
-    stratified = args.n_eval and D.TASKS[args.task].kind in ("yes-no", "choice")
-    items = D.stratified_subset(items, args.n_eval, args.seed) if stratified else items[:args.n_eval]
-    if not items:
-        raise ValueError(f"{args.task} has no {args.split} items to evaluate")
     if not (args.gates or args.hyperbolicity):
         if default_job:
             return evaluate_with_baselines(backbone, args, items, setting)
@@ -1560,9 +1629,7 @@ def run(args):
     if train.process()[0] != 0:
         return result
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-    os.makedirs(args.out, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"model": args.model, "checkpoint": args.checkpoint, **result}, f, indent=2)
+    write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result})
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
     return result
 

@@ -16,8 +16,6 @@ import copy
 import hashlib
 import json
 import os
-import secrets
-import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import data
+from data import atomic_write, weights_digest
 from adapters import LIVE, METHODS, lora_config
 
 ATTN_NAME = "icl"  # the attention implementation name our adapters run under
@@ -309,41 +308,6 @@ def _describe(backbone_name, model):
     """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
     layers, heads, head_dim = attention_shape(model)
     return {**model.icl_settings, "backbone": backbone_name, "layers": layers, "heads": heads, "head_dim": head_dim}
-
-
-def atomic_write(path, write):
-    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
-
-    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
-    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-    try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
-
-
-def remove_stale_tmp(folder):
-    """Delete the temporary files that interrupted atomic_writes left in `folder` (those older than STALE_TMP_S)."""
-    if not os.path.isdir(folder):
-        return
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
-            os.remove(path)
 
 
 def fingerprint(backbone):
@@ -729,16 +693,6 @@ def toy_model(processor, seed=0):
     with torch.no_grad():
         model.model.connector.perceiver_resampler.latents.normal_(0, 0.02)
     return model
-
-
-def weights_digest(tensors):
-    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): a toy backbone's checksum."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def read_toy(path, sha256=None):

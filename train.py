@@ -11,13 +11,14 @@ query, its ICDs and the prompt format, so a change of any of them recomputes. No
 `<out>/last.pt` (adapter, optimiser, schedule, step) is written atomically every epoch, every --save-every steps
 and on Ctrl-C or SIGTERM, and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
 on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
-without --resume or --overwrite.
+without --resume or --overwrite, and one process at a time holds a folder (`locked`).
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
 """
 import argparse
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -33,8 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 from PIL import Image
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -129,9 +129,25 @@ def parse_args(argv=None):
         p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
     if not args.temperature > 0:
         p.error(f"--temperature must be > 0 (got {args.temperature})")
+    if not 0 <= args.warmup < 1:
+        p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
+    for name, value in {"lr": args.lr, "clip": args.clip}.items():
+        if not value > 0:
+            p.error(f"--{name} must be > 0 (got {value})")
+    for name, value in {"weight-decay": args.weight_decay, "lam": args.lam}.items():
+        if not value >= 0:
+            p.error(f"--{name} must be >= 0 (got {value})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
+    check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache, "--rices-cache": args.rices_cache})
     return args
+
+
+def check_folders(p, folders):
+    """A parser error for each of {flag: path} that names an existing file where a folder must be (or made)."""
+    for flag, path in folders.items():
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"{flag} {path} is a file; it must be a folder")
 
 
 # Each method's own loss (the rest distil with Eq 16): HiFICL and LoRA the task loss only, MimIC its layer-wise
@@ -238,16 +254,20 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, what="states"):
     return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
 
-def read_teacher(path, what="states"):
-    """One query's cached teacher tensor `what` ("states" or "logits"), or None when there is no file; an unreadable
-    file (truncated by a crash or a full disk) is reported and None returned, so it is computed again."""
-    if not os.path.exists(path):
-        return None
-    try:
-        return load_file(path)[what]
-    except (SafetensorError, KeyError, OSError) as e:
-        tqdm.write(f"warning: teacher cache file {path} is unreadable ({e}); computing its states again")
-        return None
+def read_teacher(path, key, shape, what="states"):
+    """One query's cached teacher tensor `what` ("states" or "logits") of `shape` (None: any size), or None when
+    there is no file; an unusable one (truncated by a crash, another shape, key or checksum) is reported and None
+    returned, so it is computed again (data.read_cache)."""
+    cached = data.read_cache(path, key + what, {what: (shape, None)})
+    return None if cached is None else cached[what]
+
+
+def teacher_shape(backbone, piece, what):
+    """The shape of a query's teacher tensor: states [L, T_q, d]; logits [answer tokens, vocabulary (any)]."""
+    if what == "logits":
+        return sum(label != -100 for label in piece["labels"]), None
+    return M.attention_shape(backbone.model)[0], len(piece["input_ids"]), \
+        backbone.model.config.get_text_config().hidden_size
 
 
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
@@ -257,7 +277,8 @@ def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
     paths = [os.path.join(args.teacher_cache, k + ("-logits" if what == "logits" else "") + ".safetensors")
              for k in keys]
-    states = {} if args.no_teacher_cache else {i: read_teacher(p, what) for i, p in enumerate(paths)}
+    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, teacher_shape(backbone, pieces[i], what), what)
+                                               for i, (p, k) in enumerate(zip(paths, keys))}
     missing = [i for i in range(len(queries)) if states.get(i) is None]
     fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
                         [pieces[i] for i in missing], device, what) if missing else []
@@ -266,7 +287,7 @@ def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     for i, s in zip(missing, fresh):
         states[i] = s
         if not args.no_teacher_cache:
-            M.atomic_write(paths[i], lambda f: f.write(save({what: s.contiguous()})))
+            data.write_cache(paths[i], {what: s}, keys[i] + what)
     return [states[i] for i in range(len(queries))]
 
 
@@ -578,9 +599,9 @@ def build_toy(path, recipe=TOY_RECIPE, tries=3, threads=1, accept=ACCEPT):
               + describe_probe(final) + (" -> accepted" if passed else " -> does not learn in context, rejected"))
         if passed:
             tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-            meta = {"sha256": M.weights_digest(tensors), "recipe": json.dumps({**recipe, "seed": seed}),
+            meta = {"sha256": data.weights_digest(tensors), "recipe": json.dumps({**recipe, "seed": seed}),
                     "probe": json.dumps(final), "curve": json.dumps(curve), "threads": json.dumps(threads)}
-            M.atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+            data.atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
             print(f"toy-idefics2: -> {path} (use it with --model {path})")
             return model, processor
     raise ValueError(f"no toy-idefics2 build learned in context in {tries} tries (seeds {recipe['seed']}.."
@@ -598,7 +619,7 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
         "adapter": M.adapters(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
         "rng": torch.get_rng_state(), "processes": process()[1]}
-    M.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
+    data.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",
@@ -649,9 +670,9 @@ def train(args):
     """Run the distillation; returns the final adapter's parameters (a dict of tensors)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    backbone = M.load_backbone(args.model, device=device)
     kind = data.TASKS[args.task].kind
-    queries, heldout, pool, shots = split_pool(args, backbone.family)
+    queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))  # the data first: it fails fast
+    backbone = M.load_backbone(args.model, device=device)
     icds = dict(zip((q.id for q in queries), choose_demonstrations(backbone, args, queries, pool, shots)))
     params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -745,8 +766,8 @@ def claim(args):
         return
     for f in found if args.overwrite else []:
         os.remove(os.path.join(args.out, f))
-    M.remove_stale_tmp(args.out)
-    M.remove_stale_tmp(args.teacher_cache)
+    data.remove_stale_tmp(args.out)
+    data.remove_stale_tmp(args.teacher_cache)
 
 
 def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
@@ -775,7 +796,7 @@ def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
 
 def finish_files(args, progress, cache):
     """history.json and the summary line (the first process's job)."""
-    M.atomic_write(os.path.join(args.out, "history.json"),
+    data.atomic_write(os.path.join(args.out, "history.json"),
                    lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
     best = os.path.join(args.out, "adapter.safetensors")
     print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
@@ -805,6 +826,37 @@ def build(args):
     return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads)
 
 
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def locked(folder):
+    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid.
+
+    A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
+    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind.
+    Under torchrun the first process holds it for all of them.
+    """
+    if process()[0] != 0:
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ValueError(f"{folder} is in use by another run (pid {holder}); wait for it to finish or choose "
+                         "another --out") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.build_toy:
@@ -812,7 +864,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)
-    with processes():
+    with processes(), locked(args.out):
         claim(args)
         return train(args)
 

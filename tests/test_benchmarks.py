@@ -288,11 +288,11 @@ def test_evaluate_toy_benchmarks(backbone, tmp_path, task, protocol):
     if task == "toy-mme":
         assert metrics["accuracy"] == metrics["mme"]["accuracy"]
         assert set(metrics["mme"]["subtasks"]) == {"existence"}
-        with open(tmp_path / "toy-mme-val-2-shot.mme" / "existence.txt") as f:
+        with open(tmp_path / "toy-mme-val-2-shot-seed0-n4.mme" / "existence.txt") as f:
             lines = [line.rstrip("\n").split("\t") for line in f]
         assert [(name, q, a) for name, q, a, _ in lines] == [
             (os.path.basename(it.image_path), it.question, it.target) for it in items]
     else:
         assert metrics["protocol"] == "likelihood" and metrics["accuracy"] == metrics["seed_bench"]["accuracy"]
-        with open(tmp_path / "toy-seed-val-2-shot-likelihood.predictions.jsonl") as f:
+        with open(tmp_path / "toy-seed-val-2-shot-likelihood-seed0-n4.predictions.jsonl") as f:
             assert all(json.loads(line)["prediction"] in "ABCD" for line in f)

@@ -58,7 +58,7 @@ def test_two_processes_train_the_adapter_one_process_trains(two, tmp_path):
     for a, b in zip(history_two, history_one):
         assert a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-6)
     files = sorted(os.listdir(two / "run"))
-    assert files == ["adapter.safetensors", "history.json", "last.pt"]   # rank 0 alone wrote, atomically
+    assert files == [".lock", "adapter.safetensors", "history.json", "last.pt"]   # rank 0 alone wrote, atomically
 
 
 def test_a_resume_with_another_number_of_processes_is_refused(two, tmp_path):
@@ -94,7 +94,7 @@ def test_two_processes_write_the_predictions_and_metrics_of_one(tmp_path, monkey
     script.write_text(ECHO_SCRIPT.format(root=ROOT))
     two = torchrun(str(script), *flags, "--out", str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
-    stem = "toy-vqa-val-1-shot"
+    stem = "toy-vqa-val-1-shot-seed0-n7"
     for name in (stem + ".predictions.jsonl", stem + ".metrics.json"):
         assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text(), name
     answers = [json.loads(line)["prediction"] for line in (tmp_path / "one" / (stem + ".predictions.jsonl")).open()]

@@ -51,11 +51,13 @@ def test_postprocess(generated, answer):
 # -----------------------------------------------------------------------------
 # evaluation
 
-def read_outputs(out, stem):
-    with open(os.path.join(out, stem + ".predictions.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    with open(os.path.join(out, stem + ".metrics.json")) as f:
-        return records, json.load(f)
+def read_outputs(out, stem, n):
+    """The records and metrics of the one evaluation named <stem>[-checkpoint-<hash>]-seed0-n<n> in `out`."""
+    (name,) = [f for f in os.listdir(out) if f.startswith(stem) and f.endswith(f"-seed0-n{n}.metrics.json")]
+    with open(os.path.join(out, name)) as f:
+        metrics = json.load(f)
+    with open(os.path.join(out, metrics["predictions"])) as f:
+        return [json.loads(line) for line in f], metrics
 
 
 @pytest.mark.parametrize("task, flags, setting", [
@@ -67,8 +69,8 @@ def read_outputs(out, stem):
 def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, flags, setting):
     flags = [checkpoint if f is None else f for f in flags]
     metrics = E.main(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4", "--out", str(tmp_path), *flags])
-    records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}")
     n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
+    records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}-", n)
     items = D.load_task(task, "val")[:n]
     assert saved == metrics and saved["n"] == n == len(records) and saved["setting"] == setting
     assert [r["id"] for r in records] == [it.id for it in items]
@@ -102,7 +104,7 @@ def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch
         dst.write(src.read())
     metrics = E.main([*TINY, "--n-eval", "2"])
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == default
-    assert os.path.isfile(os.path.join(os.path.dirname(default), "toy-vqa-val-hyper-icl.metrics.json"))
+    assert os.path.isfile(os.path.join(os.path.dirname(default), "toy-vqa-val-hyper-icl-seed0-n2.metrics.json"))
 
 
 @pytest.mark.parametrize("family", sorted(M.FAMILIES))

@@ -70,7 +70,7 @@ def test_the_builder_is_deterministic_and_its_file_is_checked(tmp_path, capsys):
     paths = [str(tmp_path / f"{k}.safetensors") for k in "ab"]
     first, second = (train.build_toy(p, SMALL_RECIPE, accept=EVERY_BUILD)[0].state_dict() for p in paths)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-    assert M.weights_digest(M.read_toy(paths[0])) == M.weights_digest(first)
+    assert D.weights_digest(M.read_toy(paths[0])) == D.weights_digest(first)
     meta = M.toy_metadata(paths[0])
     assert meta["recipe"] == SMALL_RECIPE and set(meta["probe"]) == {"named", "0-shot", "8-shot"}
     assert "seed 0" in capsys.readouterr().out
@@ -118,7 +118,7 @@ def test_the_default_backbone_is_the_shipped_reference(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(train, "meta_train", lambda *a, **k: pytest.fail("the default backbone must not be built"))
     backbone = M.load_backbone("toy-idefics2")
-    assert M.weights_digest(backbone.model.state_dict()) == M.TOY_SHA256 and list(tmp_path.iterdir()) == []
+    assert D.weights_digest(backbone.model.state_dict()) == M.TOY_SHA256 and list(tmp_path.iterdir()) == []
     meta = M.toy_metadata(SHIPPED)
     assert train.learns_in_context(meta["probe"]) if "probe" in meta else meta["curve"][-1]["8-shot"]["colour"] >= .9
     monkeypatch.setattr(M, "TOY_SHA256", "0" * 64)  # a reference whose bytes are not the pinned ones is refused

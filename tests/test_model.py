@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+import data as D
 import model as M
 
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
@@ -144,13 +145,13 @@ def test_unknown_backbone_lists_the_valid_names():
 
 def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
     path = tmp_path / "f.bin"
-    M.atomic_write(path, lambda f: f.write(b"good"))
+    D.atomic_write(path, lambda f: f.write(b"good"))
 
     def crash(f):
         f.write(b"ha")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        M.atomic_write(path, crash)
+        D.atomic_write(path, crash)
     assert path.read_bytes() == b"good" and os.listdir(tmp_path) == ["f.bin"]
 
 

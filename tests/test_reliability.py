@@ -1,5 +1,6 @@
 """Nothing lost, nothing silently wrong: kills during epoch scoring, SIGTERM, overwritten runs, adapters on the wrong
-backbone, corrupt and truncated files, a full disk, bad flags, over-long prompts, malformed dataset JSON.
+backbone, corrupt and truncated files, a full disk, bad flags, over-long prompts, malformed dataset JSON; and (part 2)
+two processes on one folder, evaluation files killed while written, bad caches, bad input files, fail-fast order.
 
 Every run names --model and --task (never the defaults) and is tiny: 8 training queries, 2 steps per epoch."""
 import dataclasses
@@ -113,7 +114,7 @@ def test_stale_temporary_files_are_removed_and_files_follow_the_umask(tmp_path):
     for umask in (0o022, 0o002):
         previous = os.umask(umask)
         try:
-            M.atomic_write(tmp_path / f"f{umask}", lambda f: f.write(b"x"))
+            data.atomic_write(tmp_path / f"f{umask}", lambda f: f.write(b"x"))
         finally:
             os.umask(previous)
         assert os.stat(tmp_path / f"f{umask}").st_mode & 0o777 == 0o666 & ~umask
@@ -134,7 +135,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(whole, tmp_path, m
         M.save_adapter(tmp_path / "adapter.safetensors", backbone)
     assert e.value.__cause__.errno == errno.ENOSPC
     with pytest.raises(OSError, match=r"could not write .*last.pt \(No space left on device\)"):
-        M.atomic_write(tmp_path / "last.pt", lambda f: torch.save({"x": torch.zeros(1000)}, f))
+        data.atomic_write(tmp_path / "last.pt", lambda f: torch.save({"x": torch.zeros(1000)}, f))
     monkeypatch.undo()
     assert (tmp_path / "adapter.safetensors").read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["adapter.safetensors"]
@@ -186,11 +187,12 @@ def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tm
     good = open(path, "rb").read()
     open(path, "wb").write(good[:len(good) // 3])                          # as a crash or a full disk leaves it
     again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
-    assert f"warning: teacher cache file {path} is unreadable" in capsys.readouterr().out
+    assert f"warning: cache file {path} is unusable (unreadable" in capsys.readouterr().out
     assert cache == {"id": cache["id"], "hits": 1, "misses": 3}
     for a, b in zip(fresh, again):                                         # batched alone now: float noise only
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert torch.equal(train.read_teacher(path), again[1])                 # and stored again
+    key = train.teacher_key(cache["id"], args, queries[1], icds[1])
+    assert torch.equal(train.read_teacher(path, key, again[1].shape), again[1])  # and stored again
 
 
 # ----------------------------------------------------------------------------------------------------- flags
@@ -273,3 +275,296 @@ def test_a_prompt_longer_than_the_context_names_its_item():
                                          "positions"):
         data.prompt_batch(backbone.processor, backbone.family, "vqa", [item, long])
     data.prompt_batch(backbone.processor, backbone.family, "vqa", [item])  # a normal one still passes
+
+
+# ============================================================================ part 2: the newer surface (issue 24)
+# ---------------------------------------------------------------------------------------------- one run a folder
+
+HOLD = "import pathlib, sys, time, train; train.train = lambda args: (pathlib.Path(sys.argv[1]).touch(), " \
+       "time.sleep(120)); train.main(sys.argv[2:])"
+
+
+def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_holder(tmp_path):
+    """Two real processes: the first holds --out (its training replaced by a sleep); train.py and evaluate.py on the
+    same folder stop with one line naming the folder and the first one's pid; a kill -9 releases the folder."""
+    out, ready = tmp_path / "run", tmp_path / "ready"
+    first = subprocess.Popen([sys.executable, "-c", HOLD, str(ready), *flags(tmp_path, "run")], cwd=ROOT)
+    try:
+        while not ready.exists():
+            assert first.poll() is None, "the first run ended early"
+            time.sleep(0.2)
+        second = [[sys.executable, "train.py", *flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
+                  [sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "toy-vqa", "--shots", "0",
+                   "--out", str(out)]]
+        for argv in second:
+            cli = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+            assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-2000:]
+            assert cli.stderr.strip().splitlines()[-1] == f"error: {out} is in use by another run (pid " \
+                                                          f"{first.pid}); wait for it to finish or choose another --out"
+        assert not (out / "last.pt").exists()                              # the second run wrote nothing there
+    finally:
+        first.kill()
+        first.wait()
+    with train.locked(str(out)):                                            # the killed holder's lock is gone
+        pass
+
+
+# ------------------------------------------------------------------------------------------ evaluation files
+
+EVAL = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-eval", "3", "--batch-size", "3", "--shots", "1"]
+KILL_AT_FIRST_PREDICTION = "import json, os, signal, sys, evaluate; dumps = json.dumps; json.dumps = lambda o, " \
+    "*a, **k: os.kill(os.getpid(), signal.SIGKILL) if isinstance(o, dict) and 'prediction' in o else " \
+    "dumps(o, *a, **k); evaluate.main(sys.argv[1:])"
+
+
+def read_result(out, name):
+    metrics = json.loads((out / f"{name}.metrics.json").read_text())
+    return metrics, (out / metrics["predictions"]).read_bytes()
+
+
+def test_metrics_name_their_predictions_and_a_kill_while_writing_leaves_the_old_pair(tmp_path):
+    import hashlib
+    evaluate.main([*EVAL, "--out", str(tmp_path)])
+    name = "toy-vqa-val-1-shot-seed0-n3"
+    metrics, predictions = read_result(tmp_path, name)
+    assert metrics["predictions"] == f"{name}.predictions.jsonl"
+    assert metrics["predictions_sha256"] == hashlib.sha256(predictions).hexdigest()
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_FIRST_PREDICTION, *EVAL, "--out", str(tmp_path)], cwd=ROOT)
+    assert killed.returncode == -signal.SIGKILL
+    assert read_result(tmp_path, name) == (metrics, predictions)             # the old pair, whole and together
+
+
+def test_results_of_other_seeds_and_protocols_are_other_files(tmp_path):
+    for seed in ("0", "1"):
+        evaluate.main([*EVAL, "--seed", seed, "--out", str(tmp_path)])
+    names = sorted(f for f in os.listdir(tmp_path) if f.endswith(".metrics.json"))
+    assert names == ["toy-vqa-val-1-shot-seed0-n3.metrics.json", "toy-vqa-val-1-shot-seed1-n3.metrics.json"]
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-seed", "--shots", "2", "--icds", "rices",
+                                "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
+    assert evaluate.result_name(args, "2-shot-rices", 5, {}).startswith("toy-seed-val-2-shot-rices-likelihood-encoder-")
+    info = {"vector_file": "x/m-toy-vqa-tv-0123456789ab.safetensors", "vector_layer": 1}
+    assert evaluate.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "toy-vqa-val-tv-layer1-0123456789ab-" \
+                                                                               "seed0-n3"
+
+
+# ---------------------------------------------------------------------------------------------------- caches
+
+def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warning(tmp_path, capsys):
+    items = data.load_task("toy-vqa", "train")[:3]
+    encode = lambda images: torch.ones(len(images), 4)
+    first = data.image_features(encode, "enc", items, tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    good = path.read_bytes()
+    stale = tmp_path / "x.safetensors.1a2b.tmp"
+    stale.write_bytes(b"half")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    from safetensors.torch import save
+    wrong = (save({"features": torch.ones(2, 4)}), save({"features": torch.ones(3, 4, dtype=torch.half)}))
+    for bad in (good[:len(good) // 2], *wrong):
+        path.write_bytes(bad)
+        assert torch.equal(data.image_features(encode, "enc", items, tmp_path), first)
+        assert f"warning: cache file {path} is unusable" in capsys.readouterr().out
+        data.image_features(encode, "enc", items, tmp_path)
+        assert capsys.readouterr().out == ""                                 # written again, whole
+    assert not stale.exists()
+
+
+def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_out(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    backbone = M.load_backbone("tiny-idefics2")
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--vector", "tv", "--shots", "1",
+                                "--vector-sets", "2", "--vector-heldout", "2", "--out", str(tmp_path / "out")])
+    calls = []
+    fake = lambda *a: calls.append(1) or {"vectors": torch.ones(2, 32), "losses": torch.tensor([1.0, 0.5])}
+    monkeypatch.setattr(evaluate, "compute_vector", fake)
+    evaluate.load_vector(backbone, args)
+    path = evaluate.vector_path(backbone, args, 1)
+    assert path.startswith(str(tmp_path / "out" / "vectors")) and not (tmp_path / "runs").exists()
+    good = open(path, "rb").read()
+    from safetensors.torch import save
+    for bad in (good[:len(good) // 2], save({"vectors": torch.ones(1, 32), "losses": torch.ones(1)})):
+        open(path, "wb").write(bad)
+        steering, _ = evaluate.load_vector(backbone, args)
+        assert steering["layer"] == 1 and f"warning: cache file {path} is unusable" in capsys.readouterr().out
+    assert len(calls) == 3
+
+
+def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys):
+    args = train.parse_args(flags(tmp_path, "run"))
+    backbone = M.load_backbone("tiny-idefics2")
+    queries = data.load_task("toy-vqa", "train")[:1]
+    icds = data.demonstrations([q.id for q in queries], data.load_task("toy-vqa", "train"), 1, 0)
+    pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
+    cache = {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
+    (fresh,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    key = train.teacher_key(cache["id"], args, queries[0], icds[0])
+    path = os.path.join(args.teacher_cache, key + ".safetensors")
+    data.write_cache(path, {"states": fresh[:, :-1]}, key + "states")      # a right key, a wrong shape
+    (again,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    assert again.shape == fresh.shape and "is unusable (states is " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ input files
+
+def seed_root(tmp_path, change):
+    root = data.generated(data.toy_folder("toy-seed", str(tmp_path)), data.write_toy_seed)
+    path = os.path.join(root, "seed-bench", "SEED-Bench.json")
+    obj = json.load(open(path))
+    change(obj["questions"])
+    open(path, "w").write(json.dumps(obj))
+    return root
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda qs: qs[0].update(choice_b=""), r"question #0 .* its choice_b is ''"),
+    (lambda qs: qs[0].update(question=None), r"question #0 .* its question is None"),
+    (lambda qs: qs[1].update(question_id=qs[0]["question_id"]), r"question #1 .* duplicate question_id"),
+    (lambda qs: qs[3].update(question_type_id=42), r"question #3 .* question_type_id 42 is not in its question_type"),
+])
+def test_seed_bench_questions_are_checked_when_read(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        data.read_seed(seed_root(tmp_path, change))
+
+
+def test_seed_bench_questions_that_are_not_a_list_name_the_file(tmp_path):
+    root = seed_root(tmp_path, lambda qs: None)
+    path = os.path.join(root, "seed-bench", "SEED-Bench.json")
+    open(path, "w").write(json.dumps({"questions": 5, "question_type": {"Scene Understanding": 1}}))
+    with pytest.raises(ValueError, match=rf"seed: {path} needs `questions`.*not a list"):
+        data.read_seed(root)
+
+
+@pytest.mark.parametrize("question, message", [(None, "its question is None"), ("  ", "its question is '  '")])
+def test_a_null_or_empty_question_names_the_file_and_entry(tmp_path, question, message):
+    root = vqa_root(tmp_path, {"questions": [{**QUESTION, "question": question}]}, {"annotations": [ANNOTATION]})
+    with pytest.raises(ValueError, match=rf"vqav2: entry 0 of .*questions.json .*: {message}"):
+        data.load_task("toy-vqa", "val", str(root))
+
+
+def test_duplicate_vqa_question_ids_are_an_error(tmp_path):
+    root = vqa_root(tmp_path, {"questions": [QUESTION, QUESTION]}, {"annotations": [ANNOTATION]})
+    with pytest.raises(ValueError, match=r"entry 1 of .*questions.json .*duplicate question_id 7"):
+        data.load_task("toy-vqa", "val", str(root))
+
+
+def mme_file(tmp_path):
+    root = data.generated(data.toy_folder("toy-mme", str(tmp_path)), data.write_toy_mme)
+    return root, os.path.join(root, "mme", "existence", "0000.txt")
+
+
+def test_undecodable_text_names_the_file_and_a_byte_order_mark_is_stripped(tmp_path):
+    root, path = mme_file(tmp_path)
+    text = open(path, "rb").read()
+    open(path, "wb").write(b"\xef\xbb\xbf" + text)
+    assert data.read_mme(root, ("existence",))[0].question == text.decode().split("\t")[0]
+    open(path, "wb").write(text.replace(b"Is", b"\xff\xfe", 1))
+    with pytest.raises(ValueError, match=rf"mme: {path} is not UTF-8 text \(byte 0"):
+        data.read_mme(root, ("existence",))
+    seed = seed_root(tmp_path, lambda qs: None)
+    json_path = os.path.join(seed, "seed-bench", "SEED-Bench.json")
+    raw = open(json_path, "rb").read()
+    open(json_path, "wb").write(b"\xef\xbb\xbf" + raw)
+    assert data.read_seed(seed)
+    open(json_path, "wb").write(raw.replace(b"What", b"Wh\xe0t", 1))
+    with pytest.raises(ValueError, match=rf"seed: {json_path} is not UTF-8 text"):
+        data.read_seed(seed)
+
+
+def test_an_mme_line_without_a_question_is_an_error(tmp_path):
+    root, path = mme_file(tmp_path)
+    open(path, "w").write("\tYes\nIs it red?\tNo\n")
+    with pytest.raises(ValueError, match=rf"mme: {path} line 1: expected"):
+        data.read_mme(root, ("existence",))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda coco: coco.pop("categories"), r"instances_val2014.json should be a JSON object with a list under "
+                                          r"'categories'"),
+    (lambda coco: coco["annotations"][0].update(category_id=99), r"entry 0 of .*instances_val2014.json .*: "
+                                                                 r"category_id 99 is not among the file's categories"),
+])
+def test_coco_instances_without_categories_or_with_unknown_ones_are_named(tmp_path, change, message):
+    items = data.load_task("toy-caption", "val", str(tmp_path))[:2]
+    path = data.instances_path(os.path.join(tmp_path, data.TOY_DIR), "val2014")
+    coco = json.load(open(path))
+    change(coco)
+    open(path, "w").write(json.dumps(coco))
+    with pytest.raises(ValueError, match=message):
+        data.read_instances(items)
+
+
+def test_an_oversized_image_is_refused_by_name_with_its_size(tmp_path):
+    import io
+    import struct
+    import zlib
+    from PIL import Image
+    small = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(small, format="PNG")
+    ihdr = b"IHDR" + struct.pack(">II", 20000, 20000) + small.getvalue()[24:29]
+    png = small.getvalue()[:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + small.getvalue()[33:]
+    (tmp_path / "big.png").write_bytes(png)                                # a 1 x 1 PNG whose header says 20000 x 20000
+    with pytest.raises(OSError, match=r"item 3: its image .*big.png is too large to read \(Image size \(400000000 "
+                                      r"pixels\)"):
+        data.load_image(data.Item(3, str(tmp_path / "big.png"), "q", ("a",), "a"))
+
+
+def test_a_data_root_or_cache_that_is_a_file_is_named(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match=f"--data-root {tmp_path / 'file'} is a file"):
+        data.load_task("toy-vqa", "train", str(tmp_path / "file"))
+    for parse, flag in ((train.parse_args, "--rices-cache"), (evaluate.parse_args, "--rices-cache"),
+                        (train.parse_args, "--out"), (evaluate.parse_args, "--out")):
+        with pytest.raises(SystemExit):
+            parse(["--model", "tiny-idefics2", "--task", "toy-vqa", flag, str(tmp_path / "file")])
+        assert f"error: {flag} {tmp_path / 'file'} is a file; it must be a folder" in capsys.readouterr().err
+
+
+def test_stale_temporary_folders_of_a_killed_generation_are_removed(tmp_path):
+    stale = tmp_path / ".toy-v2-1a2b.tmp"
+    (stale / "coco").mkdir(parents=True)
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    data.load_task("toy-vqa", "val", str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == [data.TOY_DIR]
+
+
+# ----------------------------------------------------------------------------------------------------- flags
+
+@pytest.mark.parametrize("flag, value", [("--warmup", "2"), ("--warmup", "1"), ("--warmup", "-0.1"),
+                                         ("--lr", "0"), ("--clip", "0"), ("--lam", "-1"), ("--weight-decay", "-1")])
+def test_train_rejects_fractions_and_rates_out_of_range(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args([*TINY, flag, value])
+    assert e.value.code == 2 and f"error: {flag} must be" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--vector-sets", "0"), ("--vector-heldout", "0"), ("--fv-heads", "0"),
+                                         ("--fv-trials", "0"), ("--vector-layer", "-1"), ("--new-tokens", "0"),
+                                         ("--attention-tokens", "0"), ("--threads", "0"), ("--bench-shots", "-8")])
+def test_evaluate_rejects_counts_out_of_range(flag, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", flag, value])
+    assert e.value.code == 2 and f"error: {flag} must be at least" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("train_args, message", [
+    ("--epochs '1", "cannot be split into flags (No closing quotation)"),
+    ("--epochs 0", "train.py says: --epochs must be at least 1 (got 0)"),
+    ("--no-such-flag", "train.py says: unrecognized arguments: --no-such-flag")])
+def test_compare_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
+    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--compare", f"--train-args={train_args}"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------- fail fast
+
+def test_bad_data_is_reported_before_the_backbone_loads(tmp_path, monkeypatch):
+    root = vqa_root(tmp_path, {"questions": [{**QUESTION, "question": None}]}, {"annotations": [ANNOTATION]})
+    vqa_root(tmp_path, {"questions": [{**QUESTION, "question": None}]}, {"annotations": [ANNOTATION]}, split="train")
+    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("the backbone was loaded first"))
+    with pytest.raises(ValueError, match="its question is None"):
+        train.main([*flags(tmp_path, "run"), "--data-root", str(root)])
+    with pytest.raises(ValueError, match="its question is None"):
+        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--data-root", str(root), "--shots", "0",
+                       "--out", str(tmp_path / "eval")])
