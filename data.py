@@ -1,100 +1,25 @@
-"""Data: the benchmarks in their official on-disk formats, a toy task, demonstrations, prompts, batches.
+"""Data: what the teacher and the student read, the demonstrations, and the benchmarks in their official formats.
 
-Layout of `data_root` (the --data-root flag); each task reads only its own files:
+Items. Each question (VQA, MME, SEED-Bench) or image (captions) is one `Item`: VQA `answers` are the ten human
+answers and the target VQAv2's `multiple_choice_answer` (OK-VQA: the most frequent answer); captions have no
+question, all references as answers and the first as target; MME the answer Yes or No, SEED-Bench the four options
+and the answer's letter, `category` the subtask / dimension.
 
-    data_root/
-      coco/
-        train2014/COCO_train2014_{image_id:012d}.jpg     COCO images (VQAv2, OK-VQA and COCO Caption share them)
-        val2014/COCO_val2014_{image_id:012d}.jpg
-        dataset_coco.json                                 COCO Caption, Karpathy split; an image is
-                                                          coco/{filepath}/{filename}
-        annotations/instances_{train,val}2014.json        COCO instance annotations (read only by CHAIR,
-                                                          evaluate.py --chair)
-      vqav2/
-        v2_OpenEnded_mscoco_{train,val}2014_questions.json
-        v2_mscoco_{train,val}2014_annotations.json
-      ok-vqa/
-        OpenEnded_mscoco_{train,val}2014_questions.json
-        mscoco_{train,val}2014_annotations.json
-      flickr30k/
-        dataset_flickr30k.json                            Flickr30k, Karpathy split
-        flickr30k-images/{filename}
-      mme/                                                MME: the 14 subtask folders of the official
-                                                          MME_Benchmark_release_version/, two layouts:
-        {artwork,celebrity,landmark,posters,scene}/images/{name}.jpg and questions_answers_YN/{name}.txt
-        {existence,count,position,color,OCR,commonsense_reasoning,numerical_calculation,text_translation,
-         code_reasoning}/{name}.jpg or .png beside {name}.txt
-                                                          {name}.txt: two lines `question<TAB>Yes|No`
-      seed-bench/
-        SEED-Bench.json                                   SEED-Bench-1: {"questions": [{question, choice_a..d,
-                                                          answer, question_id, question_type_id, data_id,
-                                                          data_type}], "question_type": {name: id}}
-        SEED-Bench-image/{data_id}                        its images (dimensions 1-9; `.jpg`/`.png` is appended
-                                                          when data_id has no extension)
-      seed-bench-2/
-        SEED-Bench_v2_level1_2_3.json                     SEED-Bench-2: {"questions": [{question, choice_a..d,
-                                                          answer, question_id "{dimension}_{k}", question_type_id,
-                                                          data_id, data_source, data_type, level, subpart,
-                                                          version}], "question_type": {name: id}}
-        cc3m-image/{data_id}                              data_source "cc3m" (cc3m-image.zip; dimensions 1-9,
-                                                          `.jpg`/`.png` appended as for SEED-Bench-1)
-        SEED-Bench-2-image/{data_id}                      data_source "SEED-Bench v2" (SEED-Bench-2-image.zip.*;
-                                                          data_id a path such as task10/...)
-      toy-v2/                                             generated on first use (toy-vqa, toy-caption): itself a
-                                                          data_root with coco/ and vqav2/ in the formats above
-      toy-mme/, toy-seed/, toy-seed2/                     generated on first use: data_roots with mme/,
-                                                          seed-bench/ or seed-bench-2/ in the formats above
+Prompts (PROMPTS): an instruction line, then each in-context demonstration (ICD) as
+`<image>Question: {q} Short answer: {a}<end>` and a newline, then the query as `<image>Question: {q} Short answer:`.
+`<end>`, which closes every answer and is part of the training label, is Idefics2's `<end_of_utterance>`, Idefics'
+eos `</s>` (a base model pretrained on web documents, not dialogues) and the LLaVA models' eos (plain interleaved
+text, no chat turns). All four processors expand the same `<image>` placeholder.
 
-Splits: for VQA, "train" and "val" are the official 2014 splits. For captions "train" is the Karpathy
-"train" + "restval" images and "val" is the Karpathy "test" images (the split caption results are reported on).
-MME and SEED-Bench have no training split: each is split once, by image and with a fixed seed (SPLIT_SEED, not
---seed, so train.py and evaluate.py agree), into a training pool ("train": the training queries, the held-out
-queries and the ICDs are drawn from it) and an evaluation part ("val") that shares no image with it. Both
-questions of an MME image stay together; POOL_FRACTION of each subtask's (dimension's) images go to the pool.
-SEED-Bench: only the image questions (dimensions 1-9) are read; the video dimensions 10-12 are skipped.
-SEED-Bench-2 (task seed2): only the single-image part (subpart "Single-Image & Text Comprehension", dimensions
-1-16); the multi-image, video, interleaved and generation dimensions 17-27 are skipped. Ids: "{d}_{k}" is
-d x 1,000,000 + k. `--n-eval N` on MME and SEED-Bench (stratified_subset) draws about N questions by image,
-stratified by subtask / dimension and seeded by --seed, keeping every question of a drawn image.
+Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the teacher's has m ICDs, the
+student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
+concatenations of those ids, so the query's ids are identical in teacher and student; rows are left-padded, so the
+query + target (T tokens) are the last T positions of both (`align`). LLaVA-OneVision encodes every image in its
+single-image mode, so the query image gets the same tokens with and without ICDs.
 
-Items. Each question (VQA) or image (captions) is one `Item`. VQA: `answers` are the ten human answers and the
-training target is VQAv2's `multiple_choice_answer`, or for OK-VQA the most frequent of the ten answers (ties go
-to the one given first). Captions: `question` is None, `answers` are all reference captions and the target is
-the first reference. The toy tasks are read as VQAv2 and COCO Caption. MME: `answers` = (Yes or No,), the
-target the same, `category` the subtask. SEED-Bench: `answers` are the four options (choice_a..choice_d), the
-target is the answer's letter, `category` the dimension's name.
-
-Errors. A missing file names the path and the dataset it belongs to; malformed JSON, a question without an
-annotation or an image without captions names the file and item. Images are not opened when a task is read
-(that would read 100k+ files): an unreadable or missing image is an OSError naming the item and the path, raised
-by `load_image` when the item's image is first used.
-MME and SEED-Bench are checked harder when read (one directory listing per folder): an MME line that is not
-`question<TAB>Yes|No` names the file and line, a question file without its image or with other than two questions
-names the file, and a SEED-Bench question that is malformed or whose image is missing names the question and file.
-Every reader also refuses, naming the file and entry: a null or empty question or option, a duplicate question id,
-a SEED-Bench question_type_id outside the file's mapping (only the known video dimensions are skipped), a COCO
-instances file without categories or with an unknown category id, and text that is not UTF-8 (a byte-order mark is
-stripped). An image over PIL's decompression-bomb limit is an OSError naming the item, path and pixel count.
-
-Prompts (one table, PROMPTS, below): an instruction line, then each in-context demonstration (ICD) as
-`<image>Question: {q} Short answer: {a}<end>` followed by a newline, then the query as
-`<image>Question: {q} Short answer:` (captions: `<image>Caption: {c}`; MME `... Answer: Yes`; SEED-Bench the
-options A.-D. on their own lines after the question, then `Answer: B`). `<end>`, which closes every answer and is
-part of the training label, is Idefics2's `<end_of_utterance>`; Idefics (v1) base, pretrained on web documents
-rather than dialogues, ends an answer with its eos `</s>` (its processor also ends cross-attention to the last
-image there); the LLaVA models get plain interleaved text (no chat turns) and an answer ends with the tokenizer's
-eos, the token their generation stops on. All four processors
-expand the same `<image>` placeholder.
-
-Batches (Section 3, teacher and student). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the
-teacher's has m ICDs, the student's none. `start` is the tokenizer's BOS where it has one (Qwen2 has none).
-Each piece (instruction, one ICD, the query with its target) is tokenised once, with its image, by the family's
-own processor, and rows are concatenations of those token ids, so the query's ids are identical in teacher and
-student. Rows are left-padded, so the query + target (T tokens, `query_len`) are the last T positions of both.
-Idefics2, Idefics and LLaVA-Interleave expand `<image>` to a fixed number of tokens per image. LLaVA-OneVision
-encodes every image in its single-image any-resolution mode (the model's default when `batch_num_images` is not
-given), so the query image gets the same tokens with and without ICDs; its multi-image mode would encode the
-query image differently in the teacher.
+Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
+the README ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy datasets and the
+project's file writes (atomic, with checked caches).
 """
 import contextlib
 import hashlib
@@ -118,7 +43,7 @@ from safetensors.torch import load_file, save
 from tqdm import tqdm
 from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
                                                             incremental_to_binary_attention_mask)
-
+# -------------------------------------------------------------------------------------------------- items and tasks
 
 @dataclass(frozen=True)
 class Item:
@@ -154,99 +79,372 @@ def default_shots(task, family):
     """ICDs per query: the task's own number (MME, SEED: 2, as the paper runs them) or the backbone's (paper)."""
     return TASKS[task].shots if TASKS[task].shots is not None else DEFAULT_SHOTS[family]
 
-# -------------------------------------------------------------------------------------------------------- files
-# The writes every script makes (model.py and evaluate.py use them too): atomic, their leftovers cleaned up, and the
-# caches checked when read.
 
-def atomic_write(path, write):
-    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
+# ---------------------------------------------------------------------------------------------------------- prompts
 
-    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
-    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
+PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its answer), the answer
+    "vqa": dict(instruction="Answer each question about its image with a short answer.\n",
+                query="<image>Question: {question} Short answer:", answer=" {answer}"),
+    "caption": dict(instruction="Describe each image in one sentence.\n", query="<image>Caption:", answer=" {answer}"),
+    "yes-no": dict(instruction="Answer each question about its image with yes or no.\n",  # MME
+                   query="<image>Question: {question} Answer:", answer=" {answer}"),
+    "choice": dict(instruction="Answer each question about its image with the letter of the correct option.\n",
+                   query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
+    # SEED's likelihood protocol: the official prompt (SEED-Bench's model/instruct_blip_interface.py,
+    # "Question: {question}\nAnswer:"), no instruction line and no options; an answer is an option's text
+    # (evaluate.option_logliks). "choice-likelihood-project" is the project's earlier prompt (--seed-prompt project).
+    "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
+    "choice-likelihood-project": dict(instruction="Answer each question about its image.\n",
+                                      query="<image>Question: {question} Answer:", answer=" {answer}"),
+}
+SEPARATOR = "\n"  # after each ICD
+
+
+def end_token(processor, family):
+    """The token that closes an answer: Idefics2's <end_of_utterance>, else the tokenizer's eos."""
+    return "<end_of_utterance>" if family == "idefics2" else processor.tokenizer.eos_token
+
+
+def options_text(item):
+    """The options of a multiple-choice item, one line each: "\nA. {choice_a}\nB. {choice_b}..."."""
+    return "".join(f"\n{letter}. {option}" for letter, option in zip(SEED_LETTERS, item.answers))
+
+
+def prompt_text(kind, item):
+    """The query text of an item, its image placeholder first (for "choice", the options after the question)."""
+    return PROMPTS[kind]["query"].format(question=item.question, options=options_text(item) if kind == "choice" else "")
+
+
+def answer_text(processor, family, kind, answer):
+    """The answer text that follows a query: the answer, then the family's end token."""
+    return PROMPTS[kind]["answer"].format(answer=answer) + end_token(processor, family)
+
+
+# ------------------------------------------------------- batches: what the teacher and the student read (Section 3)
+
+def teacher_student_batch(processor, family, kind, queries, icds):
+    """The teacher batch ([ICDs; query + target], no adapter) and the student batch ([query + target]).
+
+    icds[i] are the ICDs of queries[i] (from `demonstrations`). Each query is tokenised once and its ids are
+    reused in both rows, so teacher and student agree on the `align` positions token for token.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    pieces = [encode_query(processor, family, kind, q) for q in queries]
+    teacher = [join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)]
+    student = [join(encode_prefix(processor, family, kind, []), p) for p in pieces]
+    return collate(teacher, processor, family), collate(student, processor, family)
+
+
+def prompt_batch(processor, family, kind, queries, icds=None):
+    """Prompts for generation, left-padded, without targets: zero-shot / adapter (icds None) or n-shot ICL."""
+    icds = icds or [[] for _ in queries]
+    return collate([encode(processor, family, kind, d, q, with_target=False) for d, q in zip(icds, queries)],
+                   processor, family)
+
+
+def encode_piece(processor, family, text, image):
+    """Token ids and image tensors of one piece of a row (text starting with `<image>`), by the family's processor.
+
+    Returns {"input_ids": list[int], "images": {name: tensor}}, each tensor's first dimension over the piece's
+    images: Idefics2 pixel_values [n, 3, H, W] and pixel_attention_mask [n, H, W] (n = 5 with image splitting,
+    else 1); Idefics and LLaVA-Interleave pixel_values [1, 3, H, W]; LLaVA-OneVision pixel_values
+    [1, patches, 3, H, W] and image_sizes [1, 2].
+    """
+    if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
+        out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
+        return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
+    out = processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
+    names = {"idefics2": ("pixel_values", "pixel_attention_mask"), "llava-interleave": ("pixel_values",),
+             "llava-onevision": ("pixel_values", "image_sizes")}[family]
+    squeeze = family == "idefics2"  # its tensors carry a batch dimension over the images of a prompt
+    return {"input_ids": out["input_ids"][0].tolist(), "images": {k: out[k][0] if squeeze else out[k] for k in names}}
+
+
+def encode_query(processor, family, kind, query, with_target=True):
+    """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels.
+
+    Labels are -100 on the prompt and the token ids themselves on the answer + end token (the model shifts them).
+
+    Training target: VQAv2 multiple_choice_answer, OK-VQA the most frequent answer, captions the first reference
+    (`query.target`). The answer's ids are read off the tokenisation of the whole piece, so they are the tokens
+    the model would generate after the prompt.
+    """
+    image, prompt = load_image(query), prompt_text(kind, query)
+    piece = encode_piece(processor, family, prompt, image)
+    ids = piece["input_ids"]
+    if with_target:
+        piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image)
+        if piece["input_ids"][:len(ids)] != ids:
+            raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
+    return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):], "id": query.id}
+
+
+def encode_prefix(processor, family, kind, icds):
+    """The row before the query: BOS (if the tokenizer has one), the instruction line, then each ICD."""
+    tok = processor.tokenizer
+    ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + \
+        tok(PROMPTS[kind]["instruction"], add_special_tokens=False)["input_ids"]
+    pieces = [encode_piece(processor, family, prompt_text(kind, d) + answer_text(processor, family, kind, d.target)
+                           + SEPARATOR, load_image(d)) for d in icds]
+    return {"input_ids": ids + [i for p in pieces for i in p["input_ids"]], "images": [p["images"] for p in pieces]}
+
+
+def join(prefix, query):
+    """One row: the prefix, then the query piece. Labels only on the answer; query_len = the query's tokens."""
+    return {"input_ids": prefix["input_ids"] + query["input_ids"],
+            "labels": [-100] * len(prefix["input_ids"]) + query["labels"],
+            "images": prefix["images"] + [query["images"]], "query_len": len(query["input_ids"]), "id": query["id"]}
+
+
+def encode(processor, family, kind, icds, query, with_target=True):
+    """One row [BOS, instruction, ICDs, query (+ target)] as lists: input_ids, labels, images, query_len."""
+    return join(encode_prefix(processor, family, kind, icds), encode_query(processor, family, kind, query, with_target))
+
+
+def pad_stack(tensors):
+    """Stack tensors of equal rank, zero-padding every dimension at its end to the largest size."""
+    shape = [max(sizes) for sizes in zip(*(t.shape for t in tensors))]
+    out = tensors[0].new_zeros(len(tensors), *shape)
+    for o, t in zip(out, tensors):
+        o[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+def image_inputs(rows, processor, family, input_ids):
+    """The image tensors of a batch, in the form the family's forward takes (images in row order)."""
+    per_image = {k: [[x for p in r["images"] for x in p[k]] for r in rows] for k in rows[0]["images"][0]}
+    if family == "idefics2":  # [B, images, 3, H, W]; padding images are all zero, which the model drops
+        return {k: pad_stack([pad_stack(v) for v in v_rows]) for k, v_rows in per_image.items()}
+    if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
+        pixel_values = pad_stack([pad_stack(v) for v in per_image["pixel_values"]])
+        latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
+        mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
+        return {"pixel_values": pixel_values, "image_attention_mask": mask}
+    return {k: pad_stack([x for v in v_rows for x in v]) for k, v_rows in per_image.items()}  # LLaVA: [all images, ...]
+
+
+def left_pad(seq, width, fill):
+    """seq preceded by `fill` up to `width`."""
+    return [fill] * (width - len(seq)) + list(seq)
+
+
+def collate(rows, processor, family):
+    """Left-pad rows into a batch: input_ids, attention_mask, position_ids, labels, align, and the image tensors.
+
+    position_ids count real tokens only (0 on padding); align marks each row's last query_len positions (the
+    query + target, the tokens teacher and student share); labels are -100 except on the answer + end token.
+    A row longer than the model's context (the tokenizer's model_max_length) is an error naming its item.
+    """
+    for r in rows:
+        if len(r["input_ids"]) > processor.tokenizer.model_max_length:
+            raise ValueError(f"item {r['id']}: its prompt has {len(r['input_ids'])} tokens, more than the model's "
+                             f"{processor.tokenizer.model_max_length} positions; shorten its question (or use fewer "
+                             "demonstrations)")
+    width, pad = max(len(r["input_ids"]) for r in rows), processor.tokenizer.pad_token_id
+    input_ids = torch.tensor([left_pad(r["input_ids"], width, pad) for r in rows])
+    attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), width, 0) for r in rows])
+    align = torch.tensor([left_pad([True] * r["query_len"], width, False) for r in rows])
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "align": align,
+            **image_inputs(rows, processor, family, input_ids)}
+
+
+def model_inputs(batch, device=None):
+    """A batch as the backbone's forward keyword arguments (all but "labels" and "align"), on `device` if given."""
+    return {k: v.to(device) for k, v in batch.items() if k not in ("labels", "align")}
+
+
+# --------------------------------------------------------------------------------- demonstrations: random, or RICES
+
+def query_seed(seed, query_id):
+    """A stable 64-bit seed for one query (hashlib, so it does not change between Python processes)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{query_id}".encode()).digest()[:8], "little")
+
+
+def demonstrations(query_ids, support, m, seed):
+    """m ICDs per query, drawn at random from the support set, never the query itself (same id).
+
+    The draw for a query depends only on (seed, query id, support set), not on which other queries are drawn
+    for or in what order, so a teacher run for a query is reproducible.
+    """
+    if len(support) <= m:
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+    icds = []
+    for qid in query_ids:
+        picks = random.Random(query_seed(seed, qid)).sample(range(len(support)), m + 1)  # one spare for the query
+        icds.append([support[i] for i in picks if support[i].id != qid][:m])
+    return icds
+
+
+def choose_demonstrations(backbone, args, queries, support, shots):
+    """The ICDs of each query: random (demonstrations) or RICES (rices_demonstrations on the features of
+    image_encoder, cached by image_features)."""
+    ids = [q.id for q in queries]
+    if args.icds == "random":
+        return demonstrations(ids, support, shots, args.seed)
+    encode, encoder_id = image_encoder(backbone, args.rices_encoder)
+    features = lambda items: image_features(encode, encoder_id, items, args.rices_cache)
+    return rices_demonstrations(ids, features(queries), support, features(support), shots)
+
+
+def rices_demonstrations(query_ids, query_features, support, support_features, m):
+    """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar.
+
+    Never the query itself (same id). Order: least to most similar, so the most similar ICD is the last one, right
+    before the query. Equal similarities rank in support order. Returns m ICDs per query, as `demonstrations` does.
+    """
+    if len(support) <= m:
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+    sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
+    ids = torch.tensor([it.id for it in support])
+    if sim.isnan().any():
+        raise ValueError("RICES: the image features contain NaN")
+    sim[ids[None, :] == torch.tensor(query_ids)[:, None]] = -math.inf  # the query is never its own ICD
+    order = torch.argsort(-sim, dim=-1, stable=True)[:, :m]  # most similar first
+    return [[support[j] for j in reversed(row.tolist())] for row in order]
+
+
+def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
+    """Each item's image features under a frozen encoder, [len(items), d] float32, computed once and cached.
+
+    encode(list of PIL images) -> [n, d]. Each distinct image is encoded once, in batches, with a progress bar. The
+    cache file is named by a hash of encoder_id and of every item's id, image path, file size and modification
+    time, so a change of the encoder or of the data is a different file (recomputed, never a stale read).
+    """
+    stat = lambda p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None
+    spec = {"encoder": encoder_id, "items": [[it.id, it.image_path, stat(it.image_path)] for it in items]}
+    key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+    path = os.path.join(cache_dir, key[:32] + ".safetensors")
+    remove_stale_tmp(cache_dir)
+    cached = read_cache(path, key, {"features": ((len(items), None), torch.float32)})
+    if cached is not None:
+        return cached["features"]
+    paths = list(dict.fromkeys(it.image_path for it in items))
+    by_path = {it.image_path: it for it in items}  # an item that shows each image
+    feats = []
+    for i in tqdm(range(0, len(paths), batch_size), desc=f"image features ({encoder_id})", unit="batch"):
+        feats.append(encode([load_image(by_path[p]) for p in paths[i:i + batch_size]]).float().cpu())
+    row = {p: k for k, p in enumerate(paths)}
+    features = torch.cat(feats)[[row[it.image_path] for it in items]].contiguous()
+    write_cache(path, {"features": features}, key)
+    return features
+
+
+def image_encoder(backbone, hub_id=None):
+    """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
+
+    Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
+    CLIP checkpoint (clip_encoder).
+    """
+    if hub_id:
+        return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
+    h = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
+    for p in vision_tower_params(backbone):
+        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
+    return (lambda images: vision_tower_features(backbone, images)), encoder_id
+
+
+@torch.no_grad()
+def vision_tower_features(backbone, images):
+    """The backbone's own vision tower, pooled: the mean of its last hidden states over an image's patches.
+
+    images: PIL images. Returns [n, d_vision] float32. Idefics2 images are encoded whole (no splitting) and only
+    their real (unpadded) patches are averaged; LLaVA-OneVision's base tile is the whole image, resized.
+    """
+    model, family = backbone.model, backbone.family
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    process = backbone.processor.image_processor
+    if family == "idefics2":
+        out = process([[im] for im in images], do_image_splitting=False, return_tensors="pt")
+        pixels, mask = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0]
+        p = model.config.vision_config.patch_size
+        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]: any real pixel
+        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real)
+        hidden = hidden.last_hidden_state
+        keep = real.flatten(1)[..., None].to(hidden.dtype)
+        return ((hidden * keep).sum(1) / keep.sum(1)).float()
+    out = process(images, return_tensors="pt")
+    pixels = out if torch.is_tensor(out) else out["pixel_values"]  # Idefics' processor returns the tensor itself
+    if family == "llava-onevision":
+        pixels = pixels[:, 0]
+    tower = model.model.vision_model if family == "idefics" else model.model.vision_tower
+    return tower(pixel_values=pixels.to(device, dtype)).last_hidden_state.mean(1).float()
+
+
+def vision_tower_params(backbone):
+    """The parameters of the backbone's vision tower."""
+    inner = backbone.model.model
+    return list((inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters())
+
+
+def clip_encoder(hub_id, device="cpu"):
+    """A CLIP checkpoint's image encoder (hub id or local path), loaded with transformers: images -> its projected
+    image embedding [n, d] float32. A checkpoint that cannot be loaded is a ValueError naming it."""
+    from transformers import AutoImageProcessor, AutoModel
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        clip, process = AutoModel.from_pretrained(hub_id).to(device).eval(), AutoImageProcessor.from_pretrained(hub_id)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the RICES image encoder {hub_id!r} ({e}); leave out --rices-encoder to use the "
+                         "backbone's own vision tower, which works offline") from e
+
+    @torch.no_grad()
+    def encode(images):
+        out = clip.get_image_features(pixel_values=process(images, return_tensors="pt")["pixel_values"].to(device))
+        return (out if torch.is_tensor(out) else out.pooler_output).float()
+    return encode
+
+
+# ---------------------------------------------------------------------------------- readers of the official formats
+
+def load_task(task, split, data_root=None):
+    """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
+        raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
+    if TASKS[task].kind in ("yes-no", "choice"):
+        return load_benchmark(task, split, data_root)
+    if task.startswith("toy-icl-"):
+        return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
+    if task.startswith("toy-"):
+        root = toy_root(data_root)
+        return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
+    if data_root is None:
+        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+    reader = read_vqa if TASKS[task].kind == "vqa" else read_karpathy
+    return reader(data_root, split, task)
+
+
+def load_benchmark(task, split, data_root=None):
+    """MME / SEED-Bench (or their toy versions): the training pool ("train") or evaluation part ("val"); prints the
+    sizes of both."""
+    name = task.removeprefix("toy-")
+    if task.startswith("toy-"):
+        root = generated(toy_folder(task, data_root), TOY_WRITERS[task])
+        items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else BENCHMARK_READERS[name](root)
+    elif data_root is None:
+        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+    else:
+        items = BENCHMARK_READERS[name](data_root)
+    pool, rest = pool_split(items, POOL_FRACTION[task])
+    count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
+    print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
+    return pool if split == "train" else rest
+
+
+def load_image(item):
+    """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
+    try:
+        with Image.open(item.image_path) as im:
+            return im.convert("RGB")
+    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
+        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
     except OSError as e:
-        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
 
-
-STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
-
-
-def remove_stale_tmp(folder):
-    """Delete what interrupted writes left in `folder`: *.tmp files (atomic_write) and folders (`generated`) older
-    than STALE_TMP_S."""
-    if not os.path.isdir(folder):
-        return
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
-def weights_digest(tensors):
-    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): a cached file's checksum."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def write_cache(path, tensors, key):
-    """Write tensors to a cache file atomically, with their settings key and checksum in the metadata."""
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    meta = {"key": key, "sha256": weights_digest(tensors)}
-    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
-
-
-def read_cache(path, key, shapes):
-    """The tensors of a cache file written by write_cache, or None when there is none or it is unusable.
-
-    shapes: {name: (shape, dtype)}; a dimension None may have any size, a dtype None any. A file that is unreadable
-    (truncated, foreign), holds other tensors, shapes or dtypes, another settings key or bytes that do not match its
-    checksum is reported in one line and None returned, so the caller computes it again.
-    """
-    if not os.path.exists(path):
-        return None
-    try:
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(path)
-    except Exception as e:  # a truncated or foreign file: safetensors raises its own error types
-        return cache_warning(path, f"unreadable: {str(e)[:80]}")
-    if set(tensors) != set(shapes):
-        return cache_warning(path, f"holds {sorted(tensors)}, expected {sorted(shapes)}")
-    for name, (shape, dtype) in shapes.items():
-        t = tensors[name]
-        if len(t.shape) != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)) or \
-                dtype is not None and t.dtype != dtype:
-            return cache_warning(path, f"{name} is {tuple(t.shape)} {t.dtype}, expected "
-                                       f"{tuple('*' if s is None else s for s in shape)} {dtype or ''}".rstrip())
-    if meta.get("key") != key:
-        return cache_warning(path, "it was written for other settings")
-    if meta.get("sha256") != weights_digest(tensors):
-        return cache_warning(path, "its bytes do not match their checksum")
-    return tensors
-
-
-def cache_warning(path, why):
-    """Report an unusable cache file in one line; returns None (read_cache's answer for it)."""
-    tqdm.write(f"warning: cache file {path} is unusable ({why}); computing it again")
-    return None
-
-# ------------------------------------------------------------------------------------------------------ readers
 
 VQA_FILES = {  # dataset -> (folder, questions file, annotations file); {} is the split
     "vqav2": ("vqav2", "v2_OpenEnded_mscoco_{}2014_questions.json", "v2_mscoco_{}2014_annotations.json"),
@@ -359,6 +557,41 @@ def read_karpathy(root, split, dataset):
             raise ValueError(f"{dataset}: image {image_id} ({im['filename']}) in {path} has no captions")
         items.append(Item(image_id, image_path, None, captions, captions[0]))
     return items
+
+
+def instances_path(root, folder):
+    """The official COCO instance annotations of one image folder ("train2014" / "val2014") under data_root."""
+    return os.path.join(root, "coco", "annotations", f"instances_{folder}.json")
+
+
+def read_instances(items):
+    """The COCO objects in each item's image, from the official instances files of the folders the images are in.
+
+    items: caption items (their id is the COCO image id). Returns ({item id: set of category names}, all category
+    names the files declare). A missing file is an error naming its path (CHAIR needs it).
+    """
+    objects, categories = {}, set()
+    for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
+        root = os.path.dirname(os.path.dirname(folder_path))
+        path = instances_path(root, os.path.basename(folder_path))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
+                                    "annotations_trainval2014.zip)")
+        names = {}
+        for n, c in enumerate(records(path, "coco instances", "categories")):
+            with entry(path, "coco instances", n, c):
+                names[c["id"]] = c["name"]
+        categories |= set(names.values())
+        per_image = {}
+        for n, a in enumerate(records(path, "coco instances", "annotations")):
+            with entry(path, "coco instances", n, a):
+                if a["category_id"] not in names:
+                    raise ValueError(f"category_id {a['category_id']!r} is not among the file's categories")
+                per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
+        for it in items:
+            if os.path.dirname(it.image_path) == folder_path:
+                objects[it.id] = per_image.get(it.id, set())
+    return objects, categories
 
 
 MME_PERCEPTION = ("existence", "count", "position", "color", "posters", "celebrity", "scene", "landmark", "artwork",
@@ -519,11 +752,15 @@ def read_seed2(root):
           ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: obj["question_type"][k])))
     return items
 
+BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
 
-POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "toy-mme": 0.5, "toy-seed": 0.5}  # share of each subtask's (dimension's)
-# images in the training pool: MME's half (about 1,187 questions) holds the 1,000 training queries + 32 held out;
-# SEED-Bench's 14,233 image questions need a fifth for that, so most of it stays for evaluation
-POOL_FRACTION |= {"seed2": 0.2, "toy-seed2": 0.5}  # SEED-Bench-2's single-image part as SEED-Bench-1
+
+# The share of each subtask's (dimension's) images in the training pool: MME's half (about 1,187 questions) holds
+# the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
+# stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
+POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2, "toy-mme": 0.5, "toy-seed": 0.5, "toy-seed2": 0.5}
+
+
 SPLIT_SEED = 0
 
 
@@ -581,93 +818,110 @@ def stratified_subset(items, n, seed=0):
     return [it for it in items if it.image_path in chosen]
 
 
-BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
+# ----------------------------------------------------------------- toy-icl: a world where demonstrations are needed
+#
+# Every question is the same uninformative "What is it?"; which attribute of the image is asked (the colour of its
+# squares or of the background) is readable only from the demonstrations' image-answer pairs. One VQAv2
+# dataset per attribute, task `toy-icl-<attribute>`, in ~/.cache/hyper-icl/toy-icl/<attribute> (or
+# data_root/toy-icl/<attribute>). Images are 42 x 42, a 3 x 3 grid of 14-px cells: one vision patch per cell of
+# the toy backbone (model.py), which is meta-trained on scenes of its own drawing, never on these files.
+
+ICL_QUESTION = "What is it?"
+ICL_ATTRIBUTES = {"colour": ("red", "green", "blue", "yellow"), "background": ("white", "grey", "black", "purple")}
+ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
+ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
+ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
+ICL_SIDE, ICL_CELL = 42, 14
 
 
-def load_benchmark(task, split, data_root=None):
-    """MME / SEED-Bench (or their toy versions): the training pool ("train") or evaluation part ("val"); prints the
-    sizes of both."""
-    name = task.removeprefix("toy-")
-    if task.startswith("toy-"):
-        root = generated(toy_folder(task, data_root), TOY_WRITERS[task])
-        items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else BENCHMARK_READERS[name](root)
-    elif data_root is None:
-        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
-    else:
-        items = BENCHMARK_READERS[name](data_root)
-    pool, rest = pool_split(items, POOL_FRACTION[task])
-    count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
-    print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
-    return pool if split == "train" else rest
+def icl_scene(rng):
+    """1-4 shapes of one kind and colour in distinct cells; each shape's margins (size, place) and the shade vary."""
+    count = rng.randint(1, 4)
+    return dict(colour=rng.choice(ICL_ATTRIBUTES["colour"]), background=rng.choice(ICL_ATTRIBUTES["background"]),
+                count=str(count), cells=rng.sample(range(9), count),
+                margins=[[rng.randint(1, 2) for _ in range(4)] for _ in range(count)],
+                shade=[rng.randint(-15, 15) for _ in range(3)])
 
 
-def load_task(task, split, data_root=None):
-    """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
-        raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
-    if TASKS[task].kind in ("yes-no", "choice"):
-        return load_benchmark(task, split, data_root)
-    if task.startswith("toy-icl-"):
-        return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
-    if task.startswith("toy-"):
-        root = toy_root(data_root)
-        return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
-    if data_root is None:
-        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
-    reader = read_vqa if TASKS[task].kind == "vqa" else read_karpathy
-    return reader(data_root, split, task)
+def icl_jpeg(scene):
+    """The scene drawn on a light background and encoded as a JPEG (4:4:4, quality 95): the bytes of its file."""
+    im = Image.new("RGB", (ICL_SIDE, ICL_SIDE), ICL_BACKGROUNDS[scene["background"]])
+    draw = ImageDraw.Draw(im)
+    fill = tuple(max(0, min(255, c + s)) for c, s in zip(COLOURS[scene["colour"]], scene["shade"]))
+    for cell, (left, top, right, bottom) in zip(scene["cells"], scene["margins"]):
+        x, y = cell % 3 * ICL_CELL, cell // 3 * ICL_CELL
+        x0, y0, x1, y1 = x + left, y + top, x + ICL_CELL - 1 - right, y + ICL_CELL - 1 - bottom
+        draw.rectangle((x0, y0, x1, y1), fill=fill)
+    buffer = io.BytesIO()
+    im.save(buffer, format="JPEG", quality=95, subsampling=0)
+    return buffer.getvalue()
 
 
-def instances_path(root, folder):
-    """The official COCO instance annotations of one image folder ("train2014" / "val2014") under data_root."""
-    return os.path.join(root, "coco", "annotations", f"instances_{folder}.json")
+def icl_text_pieces(processor):
+    """Every piece a meta-training episode is made of, as ids and labels: {(question, answer, last): piece}.
 
-
-def read_instances(items):
-    """The COCO objects in each item's image, from the official instances files of the folders the images are in.
-
-    items: caption items (their id is the COCO image id). Returns ({item id: set of category names}, all category
-    names the files declare). A missing file is an error naming its path (CHAIR needs it).
+    A piece is `<image>Question: q Short answer: a<end>` (+ the separator unless `last`, the query), tokenised once
+    by the processor (its ids do not depend on the image) exactly as data.PROMPTS writes evaluation prompts, with
+    labels on the answer + end token.
     """
-    objects, categories = {}, set()
-    for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
-        root = os.path.dirname(os.path.dirname(folder_path))
-        path = instances_path(root, os.path.basename(folder_path))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
-                                    "annotations_trainval2014.zip)")
-        names = {}
-        for n, c in enumerate(records(path, "coco instances", "categories")):
-            with entry(path, "coco instances", n, c):
-                names[c["id"]] = c["name"]
-        categories |= set(names.values())
-        per_image = {}
-        for n, a in enumerate(records(path, "coco instances", "annotations")):
-            with entry(path, "coco instances", n, a):
-                if a["category_id"] not in names:
-                    raise ValueError(f"category_id {a['category_id']!r} is not among the file's categories")
-                per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
-        for it in items:
-            if os.path.dirname(it.image_path) == folder_path:
-                objects[it.id] = per_image.get(it.id, set())
-    return objects, categories
+    blank = Image.new("RGB", (ICL_SIDE, ICL_SIDE))
+    ids = lambda text: encode_piece(processor, "idefics2", text, blank)["input_ids"]
+    pieces = {}
+    for attribute, answers in ICL_ATTRIBUTES.items():
+        for question, answer, last in [(q, a, l) for q in (ICL_QUESTION, ICL_NAMED[attribute]) for a in answers
+                                       for l in (False, True)]:
+            prompt = prompt_text("vqa", Item(0, "", question, (answer,), answer))
+            with_answer = prompt + answer_text(processor, "idefics2", "vqa", answer)
+            p, a = ids(prompt), ids(with_answer)
+            full = a if last else ids(with_answer + SEPARATOR)
+            if a[:len(p)] != p or full[:len(a)] != a:
+                raise ValueError(f"the answer {answer!r} does not tokenise as a continuation of its prompt")
+            pieces[question, answer, last] = {"input_ids": full, "labels": [-100] * len(p) + a[len(p):] +
+                                              [-100] * (len(full) - len(a))}
+    return pieces
 
 
-def load_image(item):
-    """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
-    try:
-        with Image.open(item.image_path) as im:
-            return im.convert("RGB")
-    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
-        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
-    except OSError as e:
-        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
+def icl_episode(processor, pieces):
+    """A meta-training row: BOS, the instruction, then the pieces (ICDs, the query last; each with its "images"),
+    labels on every answer, so one row trains every number of demonstrations up to its own."""
+    start = encode_prefix(processor, "idefics2", "vqa", [])["input_ids"]
+    return {"input_ids": start + [i for p in pieces for i in p["input_ids"]],
+            "labels": [-100] * len(start) + [i for p in pieces for i in p["labels"]],
+            "images": [p["images"] for p in pieces], "query_len": len(pieces[-1]["input_ids"])}
 
-# -------------------------------------------------------------------------------------------------------- toy
+
+def write_toy_icl(root, attribute):
+    """Write the toy-icl-<attribute> dataset under `root` in the official VQAv2 + COCO formats."""
+    rng = random.Random(f"toy-icl:{attribute}")  # str seeds hash with sha512: the same in every process
+    _, qfile, afile = VQA_FILES["vqav2"]
+    for split, n_images in ICL_SIZES.items():
+        os.makedirs(os.path.join(root, "coco", f"{split}2014"))
+        questions, annotations = [], []
+        for i in range(n_images):
+            image_id, scene = (i + 1 if split == "train" else 100_000 + i), icl_scene(rng)
+            with open(coco_image(root, split, image_id), "wb") as f:
+                f.write(icl_jpeg(scene))
+            answer, qid = scene[attribute], image_id * 1000
+            questions.append({"image_id": image_id, "question": ICL_QUESTION, "question_id": qid})
+            annotations.append({"question_id": qid, "image_id": image_id, "question_type": "what is",
+                                "answer_type": "number" if attribute == "count" else "other",
+                                "multiple_choice_answer": answer,
+                                "answers": [{"answer": answer, "answer_confidence": "yes", "answer_id": k + 1}
+                                            for k in range(10)]})
+        header = {"info": {"description": f"hyper-icl toy-icl-{attribute}"}, "license": {}, "data_type": "mscoco",
+                  "data_subtype": f"{split}2014"}
+        write_json(os.path.join(root, "vqav2", qfile.format(split)),
+                   {**header, "task_type": "Open-Ended", "questions": questions})
+        write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
+
+
+def toy_icl_root(attribute, data_root=None):
+    """The data_root of toy-icl-<attribute> (data_root/toy-icl/<attribute>, or under ~/.cache/hyper-icl/)."""
+    folder = os.path.join(toy_folder("toy-icl", data_root), attribute)
+    return generated(folder, lambda tmp: write_toy_icl(tmp, attribute))
+
+
+# ----------------------------------------------------------------------------- toy datasets in the official formats
 
 TOY_SIZES = {"train": 300, "val": 100}  # images per split; one question and five captions each
 TOY_SEED = 0
@@ -1002,343 +1256,94 @@ def write_toy_seed2(root, seed=TOY_SEED):
 TOY_WRITERS = {"toy-mme": write_toy_mme, "toy-seed": write_toy_seed, "toy-seed2": write_toy_seed2}
 
 
-# ------------------------------------------------------------------- toy-icl: a world where demonstrations are needed
-#
-# Every question is the same uninformative "What is it?"; which attribute of the image is asked (the colour of its
-# squares or of the background) is readable only from the demonstrations' image-answer pairs. One VQAv2
-# dataset per attribute, task `toy-icl-<attribute>`, in ~/.cache/hyper-icl/toy-icl/<attribute> (or
-# data_root/toy-icl/<attribute>). Images are 42 x 42, a 3 x 3 grid of 14-px cells: one vision patch per cell of
-# the toy backbone (model.py), which is meta-trained on scenes of its own drawing, never on these files.
+# -------------------------------------------------------------------------- files: atomic writes and checked caches
+# The writes every script makes (model.py and evaluate.py use them too): atomic, their leftovers cleaned up, and the
+# caches checked when read.
 
-ICL_QUESTION = "What is it?"
-ICL_ATTRIBUTES = {"colour": ("red", "green", "blue", "yellow"), "background": ("white", "grey", "black", "purple")}
-ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
-ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
-ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
-ICL_SIDE, ICL_CELL = 42, 14
+def atomic_write(path, write):
+    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
 
-
-def icl_scene(rng):
-    """1-4 shapes of one kind and colour in distinct cells; each shape's margins (size, place) and the shade vary."""
-    count = rng.randint(1, 4)
-    return dict(colour=rng.choice(ICL_ATTRIBUTES["colour"]), background=rng.choice(ICL_ATTRIBUTES["background"]),
-                count=str(count), cells=rng.sample(range(9), count),
-                margins=[[rng.randint(1, 2) for _ in range(4)] for _ in range(count)],
-                shade=[rng.randint(-15, 15) for _ in range(3)])
-
-
-def icl_jpeg(scene):
-    """The scene drawn on a light background and encoded as a JPEG (4:4:4, quality 95): the bytes of its file."""
-    im = Image.new("RGB", (ICL_SIDE, ICL_SIDE), ICL_BACKGROUNDS[scene["background"]])
-    draw = ImageDraw.Draw(im)
-    fill = tuple(max(0, min(255, c + s)) for c, s in zip(COLOURS[scene["colour"]], scene["shade"]))
-    for cell, (left, top, right, bottom) in zip(scene["cells"], scene["margins"]):
-        x, y = cell % 3 * ICL_CELL, cell // 3 * ICL_CELL
-        x0, y0, x1, y1 = x + left, y + top, x + ICL_CELL - 1 - right, y + ICL_CELL - 1 - bottom
-        draw.rectangle((x0, y0, x1, y1), fill=fill)
-    buffer = io.BytesIO()
-    im.save(buffer, format="JPEG", quality=95, subsampling=0)
-    return buffer.getvalue()
-
-
-def write_toy_icl(root, attribute):
-    """Write the toy-icl-<attribute> dataset under `root` in the official VQAv2 + COCO formats."""
-    rng = random.Random(f"toy-icl:{attribute}")  # str seeds hash with sha512: the same in every process
-    _, qfile, afile = VQA_FILES["vqav2"]
-    for split, n_images in ICL_SIZES.items():
-        os.makedirs(os.path.join(root, "coco", f"{split}2014"))
-        questions, annotations = [], []
-        for i in range(n_images):
-            image_id, scene = (i + 1 if split == "train" else 100_000 + i), icl_scene(rng)
-            with open(coco_image(root, split, image_id), "wb") as f:
-                f.write(icl_jpeg(scene))
-            answer, qid = scene[attribute], image_id * 1000
-            questions.append({"image_id": image_id, "question": ICL_QUESTION, "question_id": qid})
-            annotations.append({"question_id": qid, "image_id": image_id, "question_type": "what is",
-                                "answer_type": "number" if attribute == "count" else "other",
-                                "multiple_choice_answer": answer,
-                                "answers": [{"answer": answer, "answer_confidence": "yes", "answer_id": k + 1}
-                                            for k in range(10)]})
-        header = {"info": {"description": f"hyper-icl toy-icl-{attribute}"}, "license": {}, "data_type": "mscoco",
-                  "data_subtype": f"{split}2014"}
-        write_json(os.path.join(root, "vqav2", qfile.format(split)),
-                   {**header, "task_type": "Open-Ended", "questions": questions})
-        write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
-
-
-def toy_icl_root(attribute, data_root=None):
-    """The data_root of toy-icl-<attribute> (data_root/toy-icl/<attribute>, or under ~/.cache/hyper-icl/)."""
-    folder = os.path.join(toy_folder("toy-icl", data_root), attribute)
-    return generated(folder, lambda tmp: write_toy_icl(tmp, attribute))
-
-
-def icl_text_pieces(processor):
-    """Every piece a meta-training episode is made of, as ids and labels: {(question, answer, last): piece}.
-
-    A piece is `<image>Question: q Short answer: a<end>` (+ the separator unless `last`, the query), tokenised once
-    by the processor (its ids do not depend on the image) exactly as data.PROMPTS writes evaluation prompts, with
-    labels on the answer + end token.
+    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
+    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
     """
-    blank = Image.new("RGB", (ICL_SIDE, ICL_SIDE))
-    ids = lambda text: encode_piece(processor, "idefics2", text, blank)["input_ids"]
-    pieces = {}
-    for attribute, answers in ICL_ATTRIBUTES.items():
-        for question, answer, last in [(q, a, l) for q in (ICL_QUESTION, ICL_NAMED[attribute]) for a in answers
-                                       for l in (False, True)]:
-            prompt = prompt_text("vqa", Item(0, "", question, (answer,), answer))
-            with_answer = prompt + answer_text(processor, "idefics2", "vqa", answer)
-            p, a = ids(prompt), ids(with_answer)
-            full = a if last else ids(with_answer + SEPARATOR)
-            if a[:len(p)] != p or full[:len(a)] != a:
-                raise ValueError(f"the answer {answer!r} does not tokenise as a continuation of its prompt")
-            pieces[question, answer, last] = {"input_ids": full, "labels": [-100] * len(p) + a[len(p):] +
-                                              [-100] * (len(full) - len(a))}
-    return pieces
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
-def icl_episode(processor, pieces):
-    """A meta-training row: BOS, the instruction, then the pieces (ICDs, the query last; each with its "images"),
-    labels on every answer, so one row trains every number of demonstrations up to its own."""
-    start = encode_prefix(processor, "idefics2", "vqa", [])["input_ids"]
-    return {"input_ids": start + [i for p in pieces for i in p["input_ids"]],
-            "labels": [-100] * len(start) + [i for p in pieces for i in p["labels"]],
-            "images": [p["images"] for p in pieces], "query_len": len(pieces[-1]["input_ids"])}
-
-# ----------------------------------------------------------------------------------------------- demonstrations
+STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
 
 
-def query_seed(seed, query_id):
-    """A stable 64-bit seed for one query (hashlib, so it does not change between Python processes)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{query_id}".encode()).digest()[:8], "little")
+def remove_stale_tmp(folder):
+    """Delete what interrupted writes left in `folder`: *.tmp files (atomic_write) and folders (`generated`) older
+    than STALE_TMP_S."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def demonstrations(query_ids, support, m, seed):
-    """m ICDs per query, drawn at random from the support set, never the query itself (same id).
+def weights_digest(tensors):
+    """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): a cached file's checksum."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
-    The draw for a query depends only on (seed, query id, support set), not on which other queries are drawn
-    for or in what order, so a teacher run for a query is reproducible.
+
+def write_cache(path, tensors, key):
+    """Write tensors to a cache file atomically, with their settings key and checksum in the metadata."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    meta = {"key": key, "sha256": weights_digest(tensors)}
+    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+
+
+def read_cache(path, key, shapes):
+    """The tensors of a cache file written by write_cache, or None when there is none or it is unusable.
+
+    shapes: {name: (shape, dtype)}; a dimension None may have any size, a dtype None any. A file that is unreadable
+    (truncated, foreign), holds other tensors, shapes or dtypes, another settings key or bytes that do not match its
+    checksum is reported in one line and None returned, so the caller computes it again.
     """
-    if len(support) <= m:
-        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
-    icds = []
-    for qid in query_ids:
-        picks = random.Random(query_seed(seed, qid)).sample(range(len(support)), m + 1)  # one spare for the query
-        icds.append([support[i] for i in picks if support[i].id != qid][:m])
-    return icds
+    if not os.path.exists(path):
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+    except Exception as e:  # a truncated or foreign file: safetensors raises its own error types
+        return cache_warning(path, f"unreadable: {str(e)[:80]}")
+    if set(tensors) != set(shapes):
+        return cache_warning(path, f"holds {sorted(tensors)}, expected {sorted(shapes)}")
+    for name, (shape, dtype) in shapes.items():
+        t = tensors[name]
+        if len(t.shape) != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)) or \
+                dtype is not None and t.dtype != dtype:
+            return cache_warning(path, f"{name} is {tuple(t.shape)} {t.dtype}, expected "
+                                       f"{tuple('*' if s is None else s for s in shape)} {dtype or ''}".rstrip())
+    if meta.get("key") != key:
+        return cache_warning(path, "it was written for other settings")
+    if meta.get("sha256") != weights_digest(tensors):
+        return cache_warning(path, "its bytes do not match their checksum")
+    return tensors
 
 
-def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
-    """Each item's image features under a frozen encoder, [len(items), d] float32, computed once and cached.
-
-    encode(list of PIL images) -> [n, d]. Each distinct image is encoded once, in batches, with a progress bar. The
-    cache file is named by a hash of encoder_id and of every item's id, image path, file size and modification
-    time, so a change of the encoder or of the data is a different file (recomputed, never a stale read).
-    """
-    stat = lambda p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None
-    spec = {"encoder": encoder_id, "items": [[it.id, it.image_path, stat(it.image_path)] for it in items]}
-    key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()
-    path = os.path.join(cache_dir, key[:32] + ".safetensors")
-    remove_stale_tmp(cache_dir)
-    cached = read_cache(path, key, {"features": ((len(items), None), torch.float32)})
-    if cached is not None:
-        return cached["features"]
-    paths = list(dict.fromkeys(it.image_path for it in items))
-    by_path = {it.image_path: it for it in items}  # an item that shows each image
-    feats = []
-    for i in tqdm(range(0, len(paths), batch_size), desc=f"image features ({encoder_id})", unit="batch"):
-        feats.append(encode([load_image(by_path[p]) for p in paths[i:i + batch_size]]).float().cpu())
-    row = {p: k for k, p in enumerate(paths)}
-    features = torch.cat(feats)[[row[it.image_path] for it in items]].contiguous()
-    write_cache(path, {"features": features}, key)
-    return features
-
-
-def rices_demonstrations(query_ids, query_features, support, support_features, m):
-    """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar.
-
-    Never the query itself (same id). Order: least to most similar, so the most similar ICD is the last one, right
-    before the query. Equal similarities rank in support order. Returns m ICDs per query, as `demonstrations` does.
-    """
-    if len(support) <= m:
-        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
-    sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
-    ids = torch.tensor([it.id for it in support])
-    if sim.isnan().any():
-        raise ValueError("RICES: the image features contain NaN")
-    sim[ids[None, :] == torch.tensor(query_ids)[:, None]] = -math.inf  # the query is never its own ICD
-    order = torch.argsort(-sim, dim=-1, stable=True)[:, :m]  # most similar first
-    return [[support[j] for j in reversed(row.tolist())] for row in order]
-
-# ------------------------------------------------------------------------------------------------------ prompts
-
-
-PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its answer), the answer
-    "vqa": dict(instruction="Answer each question about its image with a short answer.\n",
-                query="<image>Question: {question} Short answer:", answer=" {answer}"),
-    "caption": dict(instruction="Describe each image in one sentence.\n", query="<image>Caption:", answer=" {answer}"),
-    "yes-no": dict(instruction="Answer each question about its image with yes or no.\n",  # MME
-                   query="<image>Question: {question} Answer:", answer=" {answer}"),
-    "choice": dict(instruction="Answer each question about its image with the letter of the correct option.\n",
-                   query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
-    # SEED's likelihood protocol: the official prompt (SEED-Bench's model/instruct_blip_interface.py,
-    # "Question: {question}\nAnswer:"), no instruction line and no options; an answer is an option's text
-    # (evaluate.option_logliks). "choice-likelihood-project" is the project's earlier prompt (--seed-prompt project).
-    "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
-    "choice-likelihood-project": dict(instruction="Answer each question about its image.\n",
-                                      query="<image>Question: {question} Answer:", answer=" {answer}"),
-}
-SEPARATOR = "\n"  # after each ICD
-
-
-def end_token(processor, family):
-    """The token that closes an answer: Idefics2's <end_of_utterance>, else the tokenizer's eos."""
-    return "<end_of_utterance>" if family == "idefics2" else processor.tokenizer.eos_token
-
-
-def options_text(item):
-    """The options of a multiple-choice item, one line each: "\nA. {choice_a}\nB. {choice_b}..."."""
-    return "".join(f"\n{letter}. {option}" for letter, option in zip(SEED_LETTERS, item.answers))
-
-
-def prompt_text(kind, item):
-    """The query text of an item, its image placeholder first (for "choice", the options after the question)."""
-    return PROMPTS[kind]["query"].format(question=item.question, options=options_text(item) if kind == "choice" else "")
-
-
-def answer_text(processor, family, kind, answer):
-    """The answer text that follows a query: the answer, then the family's end token."""
-    return PROMPTS[kind]["answer"].format(answer=answer) + end_token(processor, family)
-
-# ------------------------------------------------------------------------------------------------------ batches
-
-
-def encode_piece(processor, family, text, image):
-    """Token ids and image tensors of one piece of a row (text starting with `<image>`), by the family's processor.
-
-    Returns {"input_ids": list[int], "images": {name: tensor}}, each tensor's first dimension over the piece's
-    images: Idefics2 pixel_values [n, 3, H, W] and pixel_attention_mask [n, H, W] (n = 5 with image splitting,
-    else 1); Idefics and LLaVA-Interleave pixel_values [1, 3, H, W]; LLaVA-OneVision pixel_values
-    [1, patches, 3, H, W] and image_sizes [1, 2].
-    """
-    if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
-        out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
-        return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
-    out = processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
-    names = {"idefics2": ("pixel_values", "pixel_attention_mask"), "llava-interleave": ("pixel_values",),
-             "llava-onevision": ("pixel_values", "image_sizes")}[family]
-    squeeze = family == "idefics2"  # its tensors carry a batch dimension over the images of a prompt
-    return {"input_ids": out["input_ids"][0].tolist(), "images": {k: out[k][0] if squeeze else out[k] for k in names}}
-
-
-def encode_query(processor, family, kind, query, with_target=True):
-    """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels.
-
-    Labels are -100 on the prompt and the token ids themselves on the answer + end token (the model shifts them).
-
-    Training target: VQAv2 multiple_choice_answer, OK-VQA the most frequent answer, captions the first reference
-    (`query.target`). The answer's ids are read off the tokenisation of the whole piece, so they are the tokens
-    the model would generate after the prompt.
-    """
-    image, prompt = load_image(query), prompt_text(kind, query)
-    piece = encode_piece(processor, family, prompt, image)
-    ids = piece["input_ids"]
-    if with_target:
-        piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image)
-        if piece["input_ids"][:len(ids)] != ids:
-            raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
-    return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):], "id": query.id}
-
-
-def encode_prefix(processor, family, kind, icds):
-    """The row before the query: BOS (if the tokenizer has one), the instruction line, then each ICD."""
-    tok = processor.tokenizer
-    ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + \
-        tok(PROMPTS[kind]["instruction"], add_special_tokens=False)["input_ids"]
-    pieces = [encode_piece(processor, family, prompt_text(kind, d) + answer_text(processor, family, kind, d.target)
-                           + SEPARATOR, load_image(d)) for d in icds]
-    return {"input_ids": ids + [i for p in pieces for i in p["input_ids"]], "images": [p["images"] for p in pieces]}
-
-
-def join(prefix, query):
-    """One row: the prefix, then the query piece. Labels only on the answer; query_len = the query's tokens."""
-    return {"input_ids": prefix["input_ids"] + query["input_ids"],
-            "labels": [-100] * len(prefix["input_ids"]) + query["labels"],
-            "images": prefix["images"] + [query["images"]], "query_len": len(query["input_ids"]), "id": query["id"]}
-
-
-def encode(processor, family, kind, icds, query, with_target=True):
-    """One row [BOS, instruction, ICDs, query (+ target)] as lists: input_ids, labels, images, query_len."""
-    return join(encode_prefix(processor, family, kind, icds), encode_query(processor, family, kind, query, with_target))
-
-
-def pad_stack(tensors):
-    """Stack tensors of equal rank, zero-padding every dimension at its end to the largest size."""
-    shape = [max(sizes) for sizes in zip(*(t.shape for t in tensors))]
-    out = tensors[0].new_zeros(len(tensors), *shape)
-    for o, t in zip(out, tensors):
-        o[tuple(slice(0, n) for n in t.shape)] = t
-    return out
-
-
-def image_inputs(rows, processor, family, input_ids):
-    """The image tensors of a batch, in the form the family's forward takes (images in row order)."""
-    per_image = {k: [[x for p in r["images"] for x in p[k]] for r in rows] for k in rows[0]["images"][0]}
-    if family == "idefics2":  # [B, images, 3, H, W]; padding images are all zero, which the model drops
-        return {k: pad_stack([pad_stack(v) for v in v_rows]) for k, v_rows in per_image.items()}
-    if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
-        pixel_values = pad_stack([pad_stack(v) for v in per_image["pixel_values"]])
-        latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
-        mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
-        return {"pixel_values": pixel_values, "image_attention_mask": mask}
-    return {k: pad_stack([x for v in v_rows for x in v]) for k, v_rows in per_image.items()}  # LLaVA: [all images, ...]
-
-
-def left_pad(seq, width, fill):
-    """seq preceded by `fill` up to `width`."""
-    return [fill] * (width - len(seq)) + list(seq)
-
-
-def collate(rows, processor, family):
-    """Left-pad rows into a batch: input_ids, attention_mask, position_ids, labels, align, and the image tensors.
-
-    position_ids count real tokens only (0 on padding); align marks each row's last query_len positions (the
-    query + target, the tokens teacher and student share); labels are -100 except on the answer + end token.
-    A row longer than the model's context (the tokenizer's model_max_length) is an error naming its item.
-    """
-    for r in rows:
-        if len(r["input_ids"]) > processor.tokenizer.model_max_length:
-            raise ValueError(f"item {r['id']}: its prompt has {len(r['input_ids'])} tokens, more than the model's "
-                             f"{processor.tokenizer.model_max_length} positions; shorten its question (or use fewer "
-                             "demonstrations)")
-    width, pad = max(len(r["input_ids"]) for r in rows), processor.tokenizer.pad_token_id
-    input_ids = torch.tensor([left_pad(r["input_ids"], width, pad) for r in rows])
-    attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), width, 0) for r in rows])
-    align = torch.tensor([left_pad([True] * r["query_len"], width, False) for r in rows])
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "align": align,
-            **image_inputs(rows, processor, family, input_ids)}
-
-
-def model_inputs(batch, device=None):
-    """A batch as the backbone's forward keyword arguments (all but "labels" and "align"), on `device` if given."""
-    return {k: v.to(device) for k, v in batch.items() if k not in ("labels", "align")}
-
-
-def teacher_student_batch(processor, family, kind, queries, icds):
-    """The teacher batch ([ICDs; query + target], no adapter) and the student batch ([query + target]).
-
-    icds[i] are the ICDs of queries[i] (from `demonstrations`). Each query is tokenised once and its ids are
-    reused in both rows, so teacher and student agree on the `align` positions token for token.
-    """
-    pieces = [encode_query(processor, family, kind, q) for q in queries]
-    teacher = [join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)]
-    student = [join(encode_prefix(processor, family, kind, []), p) for p in pieces]
-    return collate(teacher, processor, family), collate(student, processor, family)
-
-
-def prompt_batch(processor, family, kind, queries, icds=None):
-    """Prompts for generation, left-padded, without targets: zero-shot / adapter (icds None) or n-shot ICL."""
-    icds = icds or [[] for _ in queries]
-    return collate([encode(processor, family, kind, d, q, with_target=False) for d, q in zip(icds, queries)],
-                   processor, family)
+def cache_warning(path, why):
+    """Report an unusable cache file in one line; returns None (read_cache's answer for it)."""
+    tqdm.write(f"warning: cache file {path} is unusable ({why}); computing it again")
+    return None

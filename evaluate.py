@@ -36,8 +36,238 @@ import lorentz
 import model as M
 import train
 
-# -----------------------------------------------------------------------------
-# metrics
+
+# ------------------ inference and scoring (Section 4.1: greedy decoding, batched, left-padded prompts from data.py)
+
+_ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
+
+
+def postprocess(text):
+    """The answer in a generated continuation: the one place answers are cleaned before scoring.
+
+    Generation stops at the family's end token (data.end_token) or eos, and special tokens are dropped when
+    decoding. The text is then stripped of leading whitespace, cut at the first newline or at the start of the next
+    prompt piece ("Question", "Short answer", "Caption", as in data.PROMPTS), and stripped of trailing whitespace.
+    Case, punctuation and articles are left to the metrics' own normalisation (vqaEval.py for VQA, the PTB
+    tokenizer for captions).
+    """
+    return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
+
+
+def device_of(model):
+    """The device the model's parameters are on."""
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
+    """Greedy decoding; stops at the family's end token or eos. Returns the new tokens only: [B, <= max_new_tokens]."""
+    stop = {}
+    if backbone.processor is not None:  # None for synthetic prompts (--random-weights): the config's eos then
+        tok = backbone.processor.tokenizer
+        end = tok.convert_tokens_to_ids(D.end_token(backbone.processor, backbone.family))
+        stop = dict(pad_token_id=tok.pad_token_id, eos_token_id=sorted({tok.eos_token_id, end}))
+    out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
+                                  min_new_tokens=min_new_tokens, **stop)
+    return out[:, inputs["input_ids"].shape[1]:]
+
+
+def predict(backbone, task, items, icds=None, batch_size=8):
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter).
+
+    Under torchrun each process answers every N-th batch; every process returns all answers, in item order.
+    """
+    kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
+    (rank, world), tok, answers = train.rank_and_world(), backbone.processor.tokenizer, {}
+    starts = range(0, len(items), batch_size)
+    for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
+        batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
+                               icds[i:i + batch_size] if icds else None)
+        tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
+        answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
+    answers = train.gathered(answers)
+    return [p for i in starts for p in answers[i]]
+
+
+def with_option_text(item):
+    """A SEED-Bench item whose target is its answer's option text (the likelihood protocol's ICDs)."""
+    return dataclasses.replace(item, target=item.answers[D.SEED_LETTERS.index(item.target)])
+
+
+@torch.no_grad()
+def option_logliks(backbone, items, icds=None, prompt="official"):
+    """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
+
+    As the official code (which sums the per-token losses of each option, the answer model's end token included,
+    under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
+    the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
+    "choice-likelihood"; prompt="project": "choice-likelihood-project", the project's earlier prompt); so it is not
+    length-normalised. icds[i] (with their answer's text as the answer) precede item i. All 4 x len(items) rows go
+    through one left-padded forward pass.
+    """
+    proc, family = backbone.processor, backbone.family
+    kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
+    rows = []
+    for it, ds in zip(items, icds or [[] for _ in items]):
+        prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
+        rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
+                 for o in it.answers]
+    batch, device = D.collate(rows, proc, family), device_of(backbone.model)
+    logits = backbone.model(**D.model_inputs(batch, device)).logits[:, :-1]
+    labels = batch["labels"][:, 1:].to(device)
+    answer = labels != -100                                   # position t predicts token t + 1
+    logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
+    per_row = torch.zeros(len(rows), device=device).index_add(0, answer.nonzero()[:, 0], logp)
+    return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
+
+
+def rank_options(backbone, items, icds=None, batch_size=8, prompt="official"):
+    """The letter of the option with the highest log-likelihood (option_logliks), per item."""
+    letters = []
+    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
+        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None, prompt)
+        letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
+    return letters
+
+
+def score(kind, items, predictions):
+    """The reported metric: VQA accuracy x 100 (vqaEval.py), CIDEr (CIDEr-D, pycocoevalcap) x 100 (Table 1), or the
+    accuracy in percent of MME (yes/no, parsed as its calculation.py) and SEED-Bench (option letters) (Table 2)."""
+    if kind in ("yes-no", "choice"):
+        return "accuracy", 100 * multiple_choice_accuracy(predictions, [it.target for it in items])
+    if kind == "vqa":
+        return "vqa_accuracy", 100 * sum(vqa_accuracy(p, it.answers) for it, p in zip(items, predictions)) / len(items)
+    cider, _ = cider_d({it.id: p for it, p in zip(items, predictions)}, {it.id: list(it.answers) for it in items})
+    return "cider", 100 * cider
+
+
+def evaluate(backbone, args, items, setting, vector=None):
+    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
+    function vector: `vector` as load_vector returns it) on --n-eval items.
+
+    Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
+    .metrics.json, prints one summary line and returns the metrics.
+    """
+    icds, (steering, vector_info) = None, vector or (None, {})
+    if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
+        support = D.load_task(args.task, "train", args.data_root)
+        icds = D.choose_demonstrations(backbone, args, items, support, args.shots)
+    kind = D.TASKS[args.task].kind
+    likelihood = kind == "choice" and args.seed_protocol == "likelihood"
+    with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
+        predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
+            predict(backbone, args.task, items, icds, args.batch_size)
+    metric, value = score(kind, items, predictions)
+    extra = chair_metrics(items, predictions) if args.chair else {}
+    stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
+    metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
+               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
+               metric: value, **vector_info, **extra}
+    if kind == "yes-no":
+        metrics["mme"] = mme_scores(items, predictions)
+    elif kind == "choice":
+        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)} | \
+            ({"prompt": args.seed_prompt} if likelihood else {})
+    if train.rank_and_world()[0] != 0:  # under torchrun the first process writes
+        return metrics
+    lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
+                    for it, p in zip(items, predictions)).encode()
+    D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
+    if kind == "yes-no":
+        write_mme_results(stem + ".mme", items, predictions)
+    # last, and naming the predictions it scores: a kill in between leaves old metrics whose hash does not match
+    metrics |= {"predictions": os.path.basename(stem) + ".predictions.jsonl",
+                "predictions_sha256": hashlib.sha256(lines).hexdigest()}
+    write_json(stem + ".metrics.json", metrics)
+    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
+          + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
+    if kind == "yes-no":
+        m = metrics["mme"]
+        print(f"MME perception {m['perception']:.2f}, cognition {m['cognition']:.2f}; " +
+              ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
+    elif kind == "choice":
+        print(f"SEED-Bench ({args.seed_protocol}): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
+    return metrics
+
+
+def result_name(args, setting, n, vector_info):
+    """The file name (no extension) of an evaluation's results: everything that changes them besides the folder.
+
+    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and file
+    key>][-<checkpoint key>]-seed<seed>-n<items>. A checkpoint outside the folder adds a hash of its path.
+    """
+    short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
+    parts = [args.task, args.split, setting]
+    if D.TASKS[args.task].kind == "choice":
+        parts.append(args.seed_protocol)
+        if args.seed_protocol == "likelihood" and args.seed_prompt == "project":
+            parts.append("project-prompt")
+    if args.icds == "rices" and args.shots and args.rices_encoder:
+        parts.append("encoder-" + short(args.rices_encoder))
+    if vector_info:
+        key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
+        parts.append(f"layer{vector_info['vector_layer']}-{key}")
+    if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
+        parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
+    return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
+
+
+def write_json(path, obj):
+    """obj as indented JSON at path, written atomically (data.atomic_write)."""
+    D.atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+
+
+def write_mme_results(folder, items, predictions):
+    """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
+    <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
+    os.makedirs(folder, exist_ok=True)
+    lines = {}
+    for it, p in zip(items, predictions):
+        pred = " ".join(p.split())  # no tab or newline may break the four columns
+        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n"
+        lines.setdefault(it.category, []).append(row)
+    for subtask, rows in lines.items():
+        D.atomic_write(os.path.join(folder, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
+
+
+def eval_items(args):
+    """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
+    stratified by subtask / dimension, data.stratified_subset; otherwise the first N)."""
+    items = D.load_task(args.task, args.split, args.data_root)
+    if args.n_eval and D.TASKS[args.task].kind in ("yes-no", "choice"):
+        return D.stratified_subset(items, args.n_eval, args.seed)
+    return items[:args.n_eval]
+
+
+def evaluate_with_baselines(backbone, args, items, setting):
+    """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
+    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter)."""
+    shots = D.default_shots(args.task, backbone.family)
+    with M.without_adapter(backbone.model):
+        done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
+                for n in (0, shots)]
+    if args.checkpoint:
+        done.append(evaluate(backbone, args, items, setting))
+    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in done[0])
+    print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
+          f"{len(items)} items)" + no_icl_verdict(done[1], metric, items))
+    return done[-1] if args.checkpoint else done[0]
+
+
+def no_icl_verdict(icl, metric, items, margin=5.0):
+    """What the summary line adds where N-shot ICL is at chance (at most the most frequent answer's share of the
+    items + margin points): then the backbone does not learn in context and no score beside it shows anything."""
+    if metric == "cider":
+        return ""
+    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
+    if icl[metric] > chance + margin:
+        return ""
+    return (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always the most "
+            "frequent answer, + 5): this backbone does not learn in context, so nothing here can be distilled")
+
+
+# -------------------------------------- metrics, as the official tools compute them (VQA, CIDEr-D, MME, SEED-Bench)
 
 # VQA answer normalisation tables, as in the official vqaEval.py (GT-Vision-Lab/VQA).
 # The official contraction table also holds capitalised keys (Im, Ive, Id've, I'dve) and identity
@@ -355,8 +585,7 @@ def seed_scores(items, predictions):
             "accuracy": 100 * sum(sum(v) for v in dims.values()) / len(items)}
 
 
-# -----------------------------------------------------------------------------
-# CHAIR (Rohrbach et al. 2018, "Object Hallucination in Image Captioning"; Table 5)
+# -------------------------------- CHAIR (Rohrbach et al. 2018, "Object Hallucination in Image Captioning"; Table 5)
 
 # The synonym list of Rohrbach et al. as published (data/synonyms.txt of github.com/LisaAnne/Hallucination, read by
 # their utils/chair.py): one COCO category a line, its instances_*2014.json name first, then the words a caption may
@@ -555,206 +784,10 @@ def chair_metrics(items, predictions):
     return {k: 100 * v for k, v in result.items()}
 
 
-# -----------------------------------------------------------------------------
-# inference (Section 4.1: greedy decoding, batched, left-padded prompts from data.py)
-
-_ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
-
-
-def postprocess(text):
-    """The answer in a generated continuation: the one place answers are cleaned before scoring.
-
-    Generation stops at the family's end token (data.end_token) or eos, and special tokens are dropped when
-    decoding. The text is then stripped of leading whitespace, cut at the first newline or at the start of the next
-    prompt piece ("Question", "Short answer", "Caption", as in data.PROMPTS), and stripped of trailing whitespace.
-    Case, punctuation and articles are left to the metrics' own normalisation (vqaEval.py for VQA, the PTB
-    tokenizer for captions).
-    """
-    return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
-
-
-def device_of(model):
-    """The device the model's parameters are on."""
-    return next(model.parameters()).device
-
-
-@torch.no_grad()
-def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
-    """Greedy decoding; stops at the family's end token or eos. Returns the new tokens only: [B, <= max_new_tokens]."""
-    stop = {}
-    if backbone.processor is not None:  # None for synthetic prompts (--random-weights): the config's eos then
-        tok = backbone.processor.tokenizer
-        end = tok.convert_tokens_to_ids(D.end_token(backbone.processor, backbone.family))
-        stop = dict(pad_token_id=tok.pad_token_id, eos_token_id=sorted({tok.eos_token_id, end}))
-    out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
-                                  min_new_tokens=min_new_tokens, **stop)
-    return out[:, inputs["input_ids"].shape[1]:]
-
-
-def predict(backbone, task, items, icds=None, batch_size=8):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter).
-
-    Under torchrun each process answers every N-th batch; every process returns all answers, in item order.
-    """
-    kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
-    (rank, world), tok, answers = train.process(), backbone.processor.tokenizer, {}
-    starts = range(0, len(items), batch_size)
-    for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
-        batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
-                               icds[i:i + batch_size] if icds else None)
-        tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
-        answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
-    answers = train.gathered(answers)
-    return [p for i in starts for p in answers[i]]
-
-
-def with_option_text(item):
-    """A SEED-Bench item whose target is its answer's option text (the likelihood protocol's ICDs)."""
-    return dataclasses.replace(item, target=item.answers[D.SEED_LETTERS.index(item.target)])
-
-
-@torch.no_grad()
-def option_logliks(backbone, items, icds=None, prompt="official"):
-    """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
-
-    As the official code (which sums the per-token losses of each option, the answer model's end token included,
-    under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
-    the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
-    "choice-likelihood"; prompt="project": "choice-likelihood-project", the project's earlier prompt); so it is not
-    length-normalised. icds[i] (with their answer's text as the answer) precede item i. All 4 x len(items) rows go
-    through one left-padded forward pass.
-    """
-    proc, family = backbone.processor, backbone.family
-    kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
-    rows = []
-    for it, ds in zip(items, icds or [[] for _ in items]):
-        prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
-        rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
-                 for o in it.answers]
-    batch, device = D.collate(rows, proc, family), device_of(backbone.model)
-    logits = backbone.model(**D.model_inputs(batch, device)).logits[:, :-1]
-    labels = batch["labels"][:, 1:].to(device)
-    answer = labels != -100                                   # position t predicts token t + 1
-    logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
-    per_row = torch.zeros(len(rows), device=device).index_add(0, answer.nonzero()[:, 0], logp)
-    return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
-
-
-def rank_options(backbone, items, icds=None, batch_size=8, prompt="official"):
-    """The letter of the option with the highest log-likelihood (option_logliks), per item."""
-    letters = []
-    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
-        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None, prompt)
-        letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
-    return letters
-
-
-def score(kind, items, predictions):
-    """The reported metric: VQA accuracy x 100 (vqaEval.py), CIDEr (CIDEr-D, pycocoevalcap) x 100 (Table 1), or the
-    accuracy in percent of MME (yes/no, parsed as its calculation.py) and SEED-Bench (option letters) (Table 2)."""
-    if kind in ("yes-no", "choice"):
-        return "accuracy", 100 * multiple_choice_accuracy(predictions, [it.target for it in items])
-    if kind == "vqa":
-        return "vqa_accuracy", 100 * sum(vqa_accuracy(p, it.answers) for it, p in zip(items, predictions)) / len(items)
-    cider, _ = cider_d({it.id: p for it, p in zip(items, predictions)}, {it.id: list(it.answers) for it in items})
-    return "cider", 100 * cider
-
-
-def evaluate(backbone, args, items, setting, vector=None):
-    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
-    function vector: `vector` as load_vector returns it) on --n-eval items.
-
-    Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
-    .metrics.json, prints one summary line and returns the metrics.
-    """
-    icds, (steering, vector_info) = None, vector or (None, {})
-    if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
-        support = D.load_task(args.task, "train", args.data_root)
-        icds = train.choose_demonstrations(backbone, args, items, support, args.shots)
-    kind = D.TASKS[args.task].kind
-    likelihood = kind == "choice" and args.seed_protocol == "likelihood"
-    with M.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
-            predict(backbone, args.task, items, icds, args.batch_size)
-    metric, value = score(kind, items, predictions)
-    extra = chair_metrics(items, predictions) if args.chair else {}
-    stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
-    metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
-               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
-               metric: value, **vector_info, **extra}
-    if kind == "yes-no":
-        metrics["mme"] = mme_scores(items, predictions)
-    elif kind == "choice":
-        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)} | \
-            ({"prompt": args.seed_prompt} if likelihood else {})
-    if train.process()[0] != 0:  # under torchrun the first process writes
-        return metrics
-    lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
-                    for it, p in zip(items, predictions)).encode()
-    D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
-    if kind == "yes-no":
-        write_mme_results(stem + ".mme", items, predictions)
-    # last, and naming the predictions it scores: a kill in between leaves old metrics whose hash does not match
-    metrics |= {"predictions": os.path.basename(stem) + ".predictions.jsonl",
-                "predictions_sha256": hashlib.sha256(lines).hexdigest()}
-    write_json(stem + ".metrics.json", metrics)
-    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
-          + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
-    if kind == "yes-no":
-        m = metrics["mme"]
-        print(f"MME perception {m['perception']:.2f}, cognition {m['cognition']:.2f}; " +
-              ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
-    elif kind == "choice":
-        print(f"SEED-Bench ({args.seed_protocol}): " +
-              ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
-    return metrics
-
-
-def result_name(args, setting, n, vector_info):
-    """The file name (no extension) of an evaluation's results: everything that changes them besides the folder.
-
-    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and file
-    key>][-<checkpoint key>]-seed<seed>-n<items>. A checkpoint outside the folder adds a hash of its path.
-    """
-    short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
-    parts = [args.task, args.split, setting]
-    if D.TASKS[args.task].kind == "choice":
-        parts.append(args.seed_protocol)
-        if args.seed_protocol == "likelihood" and args.seed_prompt == "project":
-            parts.append("project-prompt")
-    if args.icds == "rices" and args.shots and args.rices_encoder:
-        parts.append("encoder-" + short(args.rices_encoder))
-    if vector_info:
-        key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
-        parts.append(f"layer{vector_info['vector_layer']}-{key}")
-    if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
-        parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
-    return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
-
-
-def write_json(path, obj):
-    """obj as indented JSON at path, written atomically (data.atomic_write)."""
-    D.atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
-
-
-def write_mme_results(folder, items, predictions):
-    """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
-    <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
-    os.makedirs(folder, exist_ok=True)
-    lines = {}
-    for it, p in zip(items, predictions):
-        pred = " ".join(p.split())  # no tab or newline may break the four columns
-        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n"
-        lines.setdefault(it.category, []).append(row)
-    for subtask, rows in lines.items():
-        D.atomic_write(os.path.join(folder, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
-
-
-# -----------------------------------------------------------------------------
-# training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
+# ---- training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
 #
 # Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
-# prompt at the last prompt token of one decoder layer (model.steer: a forward hook); the FV, as Todd et al.'s code
+# prompt at the last prompt token of one decoder layer (steer: a forward hook); the FV, as Todd et al.'s code
 # does, also to each generated token. The layer is the one with the lowest target cross-entropy on queries held out
 # of the training split (never the evaluation split).
 
@@ -804,7 +837,7 @@ def icl_means(backbone, kind, queries, icds, batch_size):
     for i in tqdm(range(0, len(queries), batch_size), desc="ICL means", unit="batch"):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
                                icds[i:i + batch_size])
-        with M.layer_states_at(model, states), M.head_outputs(model, heads):
+        with layer_states_at(model, states), head_outputs(model, heads):
             model(**D.model_inputs(batch, device_of(model)))
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
     return mean(states), mean(heads)
@@ -829,7 +862,7 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
     aie = torch.zeros(layers, heads, dtype=torch.float64)
     for l, h in tqdm([(l, h) for l in range(layers) for h in range(heads)], desc="indirect effects", unit="head"):
         for (batch, positions), p0 in zip(batches, base):
-            with M.set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
+            with set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
                 aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
     return aie / len(queries)
 
@@ -839,19 +872,19 @@ def function_vector(model, mean_heads, aie, k):
     residual stream with its mean output (model.head_contribution). Returns ([d], the heads as [k, 2] (layer, head))."""
     top = aie.flatten().topk(k).indices
     heads = torch.stack([top // aie.shape[1], top % aie.shape[1]], 1)
-    fv = sum(M.head_contribution(model, l, h, mean_heads[l, h]) for l, h in heads.tolist())
+    fv = sum(head_contribution(model, l, h, mean_heads[l, h]) for l, h in heads.tolist())
     return fv.float().cpu(), heads
 
 
 @torch.no_grad()
-def heldout_losses(backbone, batches, vectors, add):
+def layer_losses(backbone, batches, vectors, add):
     """Per decoder layer l: the mean target cross-entropy of the held-out queries (zero-shot, teacher-forced) with
     vectors[l] put in at layer l and the last prompt token (replaced: TV; added: FV). The layer choice."""
     device, losses = device_of(backbone.model), []
     for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
         total = count = 0
         for batch, positions in batches:
-            with M.steer(backbone.model, l, vectors[l], positions, add):
+            with steer(backbone.model, l, vectors[l], positions, add):
                 logits = backbone.model(**D.model_inputs(batch, device)).logits
             total += train.supervised_loss(logits, batch["labels"].to(device)).item() * len(positions)
             count += len(positions)
@@ -902,7 +935,7 @@ def compute_vector(backbone, args, shots):
         fv, out["heads"] = function_vector(backbone.model, mean_heads, out["aie"], args.fv_heads)
         out |= {"mean_heads": mean_heads, "vectors": fv.expand(len(states), -1).contiguous()}
     batches = target_batches(backbone, kind, heldout, None, args.batch_size)
-    out["losses"] = heldout_losses(backbone, batches, out["vectors"], add=args.vector == "fv")
+    out["losses"] = layer_losses(backbone, batches, out["vectors"], add=args.vector == "fv")
     return out
 
 
@@ -927,15 +960,101 @@ def load_vector(backbone, args):
         print(f"{args.vector}: computed and saved to {path}")
     layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
     info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
-            "vector_sets": args.vector_sets, "heldout_losses": saved["losses"].tolist()}
+            "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist()}
     if args.vector == "fv":
         info["fv_heads"] = saved["heads"].tolist()
     fv = args.vector == "fv"
     return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
-# -----------------------------------------------------------------------------
-# efficiency (Table 6): FLOPs and latency of one query, zero-shot vs adapter vs n-shot ICL
+def _rows_at(h, positions):
+    """(row index, position index) selecting position positions[b] of each row b (the last one when None)."""
+    rows = torch.arange(h.shape[0], device=h.device)
+    return rows, torch.full_like(rows, h.shape[1] - 1) if positions is None else positions.to(h.device)
+
+
+@contextlib.contextmanager
+def steer(model, layer, vector, positions=None, add=False, decoding=False):
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
+    `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
+    Todd et al. 2024).
+
+    positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
+    prompt). Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding`
+    (Todd et al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens
+    see it through the KV cache). A forward hook on the layer module; nothing else changes.
+    """
+    def hook(module, inputs, output):
+        h = output[0] if isinstance(output, tuple) else output
+        if h.shape[1] == 1 and not decoding:
+            return None
+        rows, cols = _rows_at(h, positions)
+        h = h.clone()
+        h[rows, cols] = vector.to(h.device, h.dtype) + (h[rows, cols] if add else 0)
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+    with M.hooked(model.get_decoder().layers[layer].register_forward_hook(hook)):
+        yield
+
+
+@contextlib.contextmanager
+def layer_states_at(model, store, positions=None):
+    """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
+    [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
+    def record(layer):
+        def hook(module, inputs, output):
+            h = output[0] if isinstance(output, tuple) else output
+            if h.shape[1] > 1:
+                store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
+        return hook
+    with M.hooked(*(m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers))):
+        yield store
+
+
+@contextlib.contextmanager
+def head_outputs(model, store, positions=None):
+    """Record, per decoder layer, every head's output (the input of the output projection o_proj, head-major) at one
+    position per row (None: the last): store[l] gets a [B, H, d_h] tensor per forward pass over the prompt."""
+    _, heads, head_dim = M.attention_shape(model)
+
+    def record(layer):
+        def hook(module, inputs):
+            x = inputs[0]
+            if x.shape[1] > 1:
+                rows, cols = _rows_at(x, positions)
+                store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
+        return hook
+    attns = M.decoder_self_attentions(model)
+    with M.hooked(*(a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(attns))):
+        yield store
+
+
+@contextlib.contextmanager
+def set_head_output(model, layer, head, value, positions=None):
+    """Replace head `head`'s output at decoder layer `layer` (its slice of o_proj's input) by `value` [d_h] at one
+    position per row (None: the last), on forward passes over the prompt: Todd et al.'s activation patching."""
+    _, _, head_dim = M.attention_shape(model)
+
+    def hook(module, inputs):
+        x = inputs[0]
+        if x.shape[1] == 1:
+            return None
+        rows, cols = _rows_at(x, positions)
+        x = x.clone()
+        x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.device, x.dtype)
+        return (x, *inputs[1:])
+    with M.hooked(M.decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)):
+        yield
+
+
+def head_contribution(model, layer, head, value):
+    """What head `head` of layer `layer` adds to the residual stream when it outputs `value` [..., d_h]: its
+    columns of o_proj's weight times value (no bias: that belongs to no head). Returns [..., d]."""
+    _, _, head_dim = M.attention_shape(model)
+    w = M.decoder_self_attentions(model)[layer].o_proj.weight[:, head * head_dim:(head + 1) * head_dim]
+    return value.to(w.device, w.dtype) @ w.T
+
+
+# ------------------------- efficiency (Table 6): FLOPs and latency of one query, zero-shot vs adapter vs n-shot ICL
 
 ROUNDS = 10  # latency: rounds of timed runs; the FLOP count (Table 6) or the peak-memory run (attention) warms up
 BENCH_SHOTS = (8, 16, 32)
@@ -1201,8 +1320,21 @@ def _in_setting(model, method, run):
         return run()
 
 
-# -----------------------------------------------------------------------------
-# analyses: the query-adaptive gate (Appendix D, Table 10) and delta-hyperbolicity (Appendix C, Table 9)
+def attention_model(args):
+    """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
+    mid-size model or a one-layer model with the published attention sizes (model.grown_twin)."""
+    family = M.family_of(args.model)
+    if args.random_weights == "mid":
+        return M.mid_model(family)[0]
+    if args.random_weights == "published":
+        text = M.PUBLISHED[family]().get_text_config()
+        sizes = {k: getattr(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+                 if getattr(text, k, None)}
+        return M.grown_twin(family, num_hidden_layers=1, intermediate_size=64, **sizes)[0]
+    return M.load_backbone(args.model).model
+
+
+# ----------- analyses: the query-adaptive gate (Appendix D, Table 10) and delta-hyperbolicity (Appendix C, Table 9)
 
 def analysis_batches(backbone, args, items):
     """(teacher, student) prompt batches per --batch-size items: [ICDs; query] and [query], as model inputs, with
@@ -1242,7 +1374,7 @@ def gate_analysis(backbone, args, items):
     if model.icl_settings["method"] != "hyper-icl":
         raise ValueError(f"the gate analysis needs a Hyper-ICL adapter, not {model.icl_settings['method']!r}")
     hooks = [a.register_forward_pre_hook(lambda mod, inp: gates.append(mod.gate(inp[0])[..., 0]))
-             for a in M.adapters(model)]
+             for a in M.adapter_modules(model)]
     g_all, dA_all = [], []
     try:
         for teacher, student, lengths in analysis_batches(backbone, args, items):
@@ -1305,8 +1437,81 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
         {"layers": list(layers), "n": len(items)}
 
 
-# -----------------------------------------------------------------------------
-# command line
+# ----------------------------------- the comparison table (Table 1 rows, Fig 2 style plot) on one backbone and task
+
+COMPARE_SHOTS = (0, 1, 2, 4, 8)
+
+
+def compare_runs(hidden):
+    """The adapter rows: every method in model.METHODS (train.py's settings), Hyper-ICL's anchor ablations (Table 4),
+    and Hyper-ICL at kappa = 400 / d, where sqrt(kappa)|LN(h)| = 20 as at Idefics2-8B's width with kappa 0.1."""
+    kappa = f"{400 / hidden:.4g}"
+    return [(method, ["--method", method]) for method in M.METHODS] + [
+        ("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
+        ("hyper-icl, CE only", ["--anchor", "none"]),
+        ("hyper-icl, anchor only", ["--lam", "0"]),
+        (f"hyper-icl, kappa {kappa}", ["--kappa", kappa]),
+        (f"hyper-icl, anchor only, kappa {kappa}", ["--kappa", kappa, "--lam", "0"])]
+
+
+def compare(args):
+    """Run the comparison: n-shot ICL for n in COMPARE_SHOTS, then each adapter row trained by train.main and
+    evaluated by main on the same items. Writes <out>/compare.md (markdown table), compare.json and compare.png.
+    On CPU it runs on one thread: on a shared machine that was about 10x faster than two (and deterministic)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    common = ["--model", args.model, "--task", args.task, "--seed", str(args.seed)] + \
+        (["--data-root", args.data_root] if args.data_root else [])
+    scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size)] + \
+        (["--n-eval", str(args.n_eval)] if args.n_eval else [])
+    D.load_task(args.task, args.split, args.data_root)  # the data is read and checked before any model loads
+    hidden = M.load_backbone(args.model).model.config.get_text_config().hidden_size
+    rows = []
+    for n in COMPARE_SHOTS:
+        m = main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
+        rows.append({**m, "setting": "zero-shot" if n == 0 else f"{n}-shot ICL", "shots": n, "params": 0})
+    for name, flags in compare_runs(hidden):
+        out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()))
+        start = time.perf_counter()
+        adapter = train.main(common + shlex.split(args.train_args) + flags +
+                             ["--out", out, "--overwrite", "--teacher-cache", os.path.join(args.out, "teacher")])
+        seconds = time.perf_counter() - start
+        m = main(scoring + ["--checkpoint", os.path.join(out, "adapter.safetensors"), "--out", out])
+        rows.append({**m, "setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
+                     "train_seconds": seconds})
+    write_comparison(args, rows)
+    return rows
+
+
+def write_comparison(args, rows):
+    """compare.md (the table), compare.json (the rows) and compare.png (accuracy against shots, adapters as
+    horizontal lines, as the paper's Fig 2)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in rows[0])
+    lines = [f"{args.model} on {args.task}/{args.split} ({rows[0]['n']} items, seed {args.seed}); {metric} x 100",
+             "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
+    seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
+    lines += [f"| {r['setting']} | {r[metric]:.1f} | {r['params']:,} | {seconds(r)} |" for r in rows]
+    D.atomic_write(os.path.join(args.out, "compare.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    write_json(os.path.join(args.out, "compare.json"), rows)
+    icl = [r for r in rows if r["shots"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    ax.plot([r["shots"] for r in icl], [r[metric] for r in icl], "o-", color="black", label="n-shot ICL")
+    for i, r in enumerate(r for r in rows if r["shots"] is None):
+        ax.axhline(r[metric], color=plt.cm.tab10(i % 10), ls="--" if "," in r["setting"] else "-", lw=1.2,
+                   label=r["setting"])
+    ax.set(xlabel="demonstrations in the prompt (n)", ylabel=metric.replace("_", " ") + " x 100",
+           xticks=COMPARE_SHOTS, title=f"{args.model}, {args.task}", ylim=(0, 101) if metric == "vqa_accuracy" else None)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    D.atomic_write(os.path.join(args.out, "compare.png"), lambda f: fig.savefig(f, format="png"))
+    plt.close(fig)
+    print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
+
+
+# ----------------------------------------------------------------------------------------------------- command line
 
 def default_checkpoint(model, task):
     """Where a train.py run with the default --out and --method writes its best adapter."""
@@ -1449,122 +1654,6 @@ def check_train_args(p, args):
                 + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
 
 
-def evaluate_with_baselines(backbone, args, items, setting):
-    """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
-    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter)."""
-    shots = D.default_shots(args.task, backbone.family)
-    with M.without_adapter(backbone.model):
-        done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
-                for n in (0, shots)]
-    if args.checkpoint:
-        done.append(evaluate(backbone, args, items, setting))
-    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in done[0])
-    print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
-          f"{len(items)} items)" + no_icl_verdict(done[1], metric, items))
-    return done[-1] if args.checkpoint else done[0]
-
-
-def no_icl_verdict(icl, metric, items, margin=5.0):
-    """What the summary line adds where N-shot ICL is at chance (at most the most frequent answer's share of the
-    items + margin points): then the backbone does not learn in context and no score beside it shows anything."""
-    if metric == "cider":
-        return ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
-    if icl[metric] > chance + margin:
-        return ""
-    return (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always the most "
-            "frequent answer, + 5): this backbone does not learn in context, so nothing here can be distilled")
-
-
-# -----------------------------------------------------------------------------
-# the comparison table (Table 1 rows, Fig 2 style plot) on one backbone and task
-
-COMPARE_SHOTS = (0, 1, 2, 4, 8)
-
-
-def compare_runs(hidden):
-    """The adapter rows: every method in model.METHODS (train.py's settings), Hyper-ICL's anchor ablations (Table 4),
-    and Hyper-ICL at kappa = 400 / d, where sqrt(kappa)|LN(h)| = 20 as at Idefics2-8B's width with kappa 0.1."""
-    kappa = f"{400 / hidden:.4g}"
-    return [(method, ["--method", method]) for method in M.METHODS] + [
-        ("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
-        ("hyper-icl, CE only", ["--anchor", "none"]),
-        ("hyper-icl, anchor only", ["--lam", "0"]),
-        (f"hyper-icl, kappa {kappa}", ["--kappa", kappa]),
-        (f"hyper-icl, anchor only, kappa {kappa}", ["--kappa", kappa, "--lam", "0"])]
-
-
-def compare(args):
-    """Run the comparison: n-shot ICL for n in COMPARE_SHOTS, then each adapter row trained by train.main and
-    evaluated by main on the same items. Writes <out>/compare.md (markdown table), compare.json and compare.png.
-    On CPU it runs on one thread: on a shared machine that was about 10x faster than two (and deterministic)."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    common = ["--model", args.model, "--task", args.task, "--seed", str(args.seed)] + \
-        (["--data-root", args.data_root] if args.data_root else [])
-    scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size)] + \
-        (["--n-eval", str(args.n_eval)] if args.n_eval else [])
-    D.load_task(args.task, args.split, args.data_root)  # the data is read and checked before any model loads
-    hidden = M.load_backbone(args.model).model.config.get_text_config().hidden_size
-    rows = []
-    for n in COMPARE_SHOTS:
-        m = main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
-        rows.append({**m, "setting": "zero-shot" if n == 0 else f"{n}-shot ICL", "shots": n, "params": 0})
-    for name, flags in compare_runs(hidden):
-        out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()))
-        start = time.perf_counter()
-        adapter = train.main(common + shlex.split(args.train_args) + flags +
-                             ["--out", out, "--overwrite", "--teacher-cache", os.path.join(args.out, "teacher")])
-        seconds = time.perf_counter() - start
-        m = main(scoring + ["--checkpoint", os.path.join(out, "adapter.safetensors"), "--out", out])
-        rows.append({**m, "setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
-                     "train_seconds": seconds})
-    write_comparison(args, rows)
-    return rows
-
-
-def write_comparison(args, rows):
-    """compare.md (the table), compare.json (the rows) and compare.png (accuracy against shots, adapters as
-    horizontal lines, as the paper's Fig 2)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in rows[0])
-    lines = [f"{args.model} on {args.task}/{args.split} ({rows[0]['n']} items, seed {args.seed}); {metric} x 100",
-             "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
-    seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
-    lines += [f"| {r['setting']} | {r[metric]:.1f} | {r['params']:,} | {seconds(r)} |" for r in rows]
-    D.atomic_write(os.path.join(args.out, "compare.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    write_json(os.path.join(args.out, "compare.json"), rows)
-    icl = [r for r in rows if r["shots"] is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    ax.plot([r["shots"] for r in icl], [r[metric] for r in icl], "o-", color="black", label="n-shot ICL")
-    for i, r in enumerate(r for r in rows if r["shots"] is None):
-        ax.axhline(r[metric], color=plt.cm.tab10(i % 10), ls="--" if "," in r["setting"] else "-", lw=1.2,
-                   label=r["setting"])
-    ax.set(xlabel="demonstrations in the prompt (n)", ylabel=metric.replace("_", " ") + " x 100",
-           xticks=COMPARE_SHOTS, title=f"{args.model}, {args.task}", ylim=(0, 101) if metric == "vqa_accuracy" else None)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    D.atomic_write(os.path.join(args.out, "compare.png"), lambda f: fig.savefig(f, format="png"))
-    plt.close(fig)
-    print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
-
-
-def attention_model(args):
-    """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
-    mid-size model or a one-layer model with the published attention sizes (model.grown_twin)."""
-    family = M.family_of(args.model)
-    if args.random_weights == "mid":
-        return M.mid_model(family)[0]
-    if args.random_weights == "published":
-        text = M.PUBLISHED[family]().get_text_config()
-        sizes = {k: getattr(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-                 if getattr(text, k, None)}
-        return M.grown_twin(family, num_hidden_layers=1, intermediate_size=64, **sizes)[0]
-    return M.load_backbone(args.model).model
-
-
 def main(argv=None):
     """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help.
 
@@ -1575,18 +1664,9 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     global ROUNDS
     ROUNDS = args.rounds or ROUNDS
-    with train.processes(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):
+    with train.process_group(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):
         D.remove_stale_tmp(args.out)
         return run(args)
-
-
-def eval_items(args):
-    """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
-    stratified by subtask / dimension, data.stratified_subset; otherwise the first N)."""
-    items = D.load_task(args.task, args.split, args.data_root)
-    if args.n_eval and D.TASKS[args.task].kind in ("yes-no", "choice"):
-        return D.stratified_subset(items, args.n_eval, args.seed)
-    return items[:args.n_eval]
 
 
 def run(args):
@@ -1626,7 +1706,7 @@ def run(args):
             return evaluate_with_baselines(backbone, args, items, setting)
         return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
     result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
-    if train.process()[0] != 0:
+    if train.rank_and_world()[0] != 0:
         return result
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
     write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result})

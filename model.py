@@ -36,22 +36,6 @@ from adapters import LIVE, METHODS, lora_config
 ATTN_NAME = "icl"  # the attention implementation name our adapters run under
 
 
-@dataclass(frozen=True)
-class Family:
-    hub_id: str          # the checkpoint the paper uses
-    model_cls: type      # the transformers class that loads it
-
-
-FAMILIES = {
-    "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
-    "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
-    "llava-interleave": Family("llava-hf/llava-interleave-qwen-7b-hf", LlavaForConditionalGeneration),
-    "llava-onevision": Family("llava-hf/llava-onevision-qwen2-7b-ov-hf", LlavaOnevisionForConditionalGeneration),
-}
-CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-interleave",
-                "llava_onevision": "llava-onevision"}
-
-
 @dataclass
 class Backbone:
     """A loaded backbone: the model (frozen, eval mode), its processor, its family and the name it was loaded by."""
@@ -61,7 +45,7 @@ class Backbone:
     name: str
 
 
-# ----------------------------------------------------------------------------------------------- attention plug
+# ---------------------------------------------------------- the plug: an adapter inside each decoder self-attention
 
 def calibrated_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention for one layer (Eq 3-8): the module's adapter if it has one, else transformers' SDPA forward.
@@ -96,7 +80,7 @@ def attention_shape(model):
 def attach(model, method="hyper-icl", **sizes):
     """Attach a fresh `method` adapter (replacing any attached one) and route the backbone through it.
 
-    sizes: the method's sizes (rank=..., and n=... for HiFICL; none for MimIC and LIVE). Returns adapters(model).
+    sizes: the method's sizes (rank=..., and n=... for HiFICL; none for MimIC and LIVE). Returns adapter_modules(model).
     Attention-level methods: one adapter per decoder self-attention, reached through calibrated_attention. LIVE: one
     per decoder layer, a forward hook on its MLP. LoRA: peft's layers injected in place of adapters.LORA_TARGETS.
     """
@@ -119,9 +103,40 @@ def attach(model, method="hyper-icl", **sizes):
             attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
         decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
     model.icl_settings = {"method": method, **sizes}
-    adapted = adapters(model)
+    adapted = adapter_modules(model)
     adapted.requires_grad_(True)
     return adapted
+
+
+def detach(model):
+    """Remove the adapter and restore the backbone exactly as it was (stock SDPA attention, original modules)."""
+    method = model.icl_settings["method"]
+    if method == "lora":
+        for name, layer in lora_layers(model):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, layer.get_base_layer())
+        if hasattr(model, "peft_config"):
+            del model.peft_config
+    elif method == "live":
+        unhook_live(model)
+        for layer in model.get_decoder().layers:
+            del layer.mlp.icl_adapter
+    else:
+        attns = decoder_self_attentions(model)
+        for attn in attns:
+            del attn.icl_adapter
+        attns[0].config._attn_implementation = "sdpa"
+    del model.icl_settings
+
+
+def adapter_modules(model):
+    """The attached adapter: a Module holding exactly its trainable parameters (one entry per adapted module)."""
+    method = model.icl_settings["method"]
+    if method == "lora":
+        return torch.nn.ModuleList(torch.nn.ModuleList([m.lora_A, m.lora_B]) for _, m in lora_layers(model))
+    if method == "live":
+        return torch.nn.ModuleList(layer.mlp.icl_adapter for layer in model.get_decoder().layers)
+    return torch.nn.ModuleList(attn.icl_adapter for attn in decoder_self_attentions(model))
 
 
 def hook_live(model):
@@ -141,16 +156,6 @@ def lora_layers(model):
     """The (name, module) pairs of peft's LoRA layers in the model, in module order."""
     from peft.tuners.lora import LoraLayer
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
-
-
-def adapters(model):
-    """The attached adapter: a Module holding exactly its trainable parameters (one entry per adapted module)."""
-    method = model.icl_settings["method"]
-    if method == "lora":
-        return torch.nn.ModuleList(torch.nn.ModuleList([m.lora_A, m.lora_B]) for _, m in lora_layers(model))
-    if method == "live":
-        return torch.nn.ModuleList(layer.mlp.icl_adapter for layer in model.get_decoder().layers)
-    return torch.nn.ModuleList(attn.icl_adapter for attn in decoder_self_attentions(model))
 
 
 @contextlib.contextmanager
@@ -189,104 +194,7 @@ def without_adapter(model):
             hook_live(model)
 
 
-# ------------------------------------------------------------------------- hooks for in-context vectors (TV, FV)
-
-@contextlib.contextmanager
-def hooked(*handles):
-    """Keep the given forward (pre-)hooks registered for a while: each handle is removed on exit."""
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _rows_at(h, positions):
-    """(row index, position index) selecting position positions[b] of each row b (the last one when None)."""
-    rows = torch.arange(h.shape[0], device=h.device)
-    return rows, torch.full_like(rows, h.shape[1] - 1) if positions is None else positions.to(h.device)
-
-
-@contextlib.contextmanager
-def steer(model, layer, vector, positions=None, add=False, decoding=False):
-    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
-    `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
-    Todd et al. 2024).
-
-    positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
-    prompt). Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding`
-    (Todd et al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens
-    see it through the KV cache). A forward hook on the layer module; nothing else changes.
-    """
-    def hook(module, inputs, output):
-        h = output[0] if isinstance(output, tuple) else output
-        if h.shape[1] == 1 and not decoding:
-            return None
-        rows, cols = _rows_at(h, positions)
-        h = h.clone()
-        h[rows, cols] = vector.to(h.device, h.dtype) + (h[rows, cols] if add else 0)
-        return (h, *output[1:]) if isinstance(output, tuple) else h
-    with hooked(model.get_decoder().layers[layer].register_forward_hook(hook)):
-        yield
-
-
-@contextlib.contextmanager
-def layer_states_at(model, store, positions=None):
-    """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
-    [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
-    def record(layer):
-        def hook(module, inputs, output):
-            h = output[0] if isinstance(output, tuple) else output
-            if h.shape[1] > 1:
-                store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
-        return hook
-    with hooked(*(m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers))):
-        yield store
-
-
-@contextlib.contextmanager
-def head_outputs(model, store, positions=None):
-    """Record, per decoder layer, every head's output (the input of the output projection o_proj, head-major) at one
-    position per row (None: the last): store[l] gets a [B, H, d_h] tensor per forward pass over the prompt."""
-    _, heads, head_dim = attention_shape(model)
-
-    def record(layer):
-        def hook(module, inputs):
-            x = inputs[0]
-            if x.shape[1] > 1:
-                rows, cols = _rows_at(x, positions)
-                store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
-        return hook
-    attns = decoder_self_attentions(model)
-    with hooked(*(a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(attns))):
-        yield store
-
-
-@contextlib.contextmanager
-def set_head_output(model, layer, head, value, positions=None):
-    """Replace head `head`'s output at decoder layer `layer` (its slice of o_proj's input) by `value` [d_h] at one
-    position per row (None: the last), on forward passes over the prompt: Todd et al.'s activation patching."""
-    _, _, head_dim = attention_shape(model)
-
-    def hook(module, inputs):
-        x = inputs[0]
-        if x.shape[1] == 1:
-            return None
-        rows, cols = _rows_at(x, positions)
-        x = x.clone()
-        x[rows, cols, head * head_dim:(head + 1) * head_dim] = value.to(x.device, x.dtype)
-        return (x, *inputs[1:])
-    with hooked(decoder_self_attentions(model)[layer].o_proj.register_forward_pre_hook(hook)):
-        yield
-
-
-def head_contribution(model, layer, head, value):
-    """What head `head` of layer `layer` adds to the residual stream when it outputs `value` [..., d_h]: its
-    columns of o_proj's weight times value (no bias: that belongs to no head). Returns [..., d]."""
-    _, _, head_dim = attention_shape(model)
-    w = decoder_self_attentions(model)[layer].o_proj.weight[:, head * head_dim:(head + 1) * head_dim]
-    return value.to(w.device, w.dtype) @ w.T
-
+# ------------------------------------------------------------------ P^(l) of Eq 16: each decoder layer's own output
 
 LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], whose last entry is after the final norm
 
@@ -302,7 +210,17 @@ def layer_outputs(model, forward=None, **inputs):
         return (forward or model)(**inputs), states
 
 
-# ------------------------------------------------------------------------------------------------ save and load
+@contextlib.contextmanager
+def hooked(*handles):
+    """Keep the given forward (pre-)hooks registered for a while: each handle is removed on exit."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# -------------------------------------------------------------------------------------- saving and loading adapters
 
 def _describe(backbone_name, model):
     """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
@@ -332,7 +250,7 @@ def save_adapter(path, backbone):
     in the safetensors metadata."""
     settings = {**_describe(backbone.name, backbone.model), "family": backbone.family,
                 "fingerprint": fingerprint(backbone)}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in adapters(backbone.model).state_dict().items()}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_modules(backbone.model).state_dict().items()}
     atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
 
 
@@ -375,32 +293,27 @@ def load_adapter(path, backbone, method=None, force=False):
         print(f"warning: --force: loading adapter {path} onto {backbone.name!r} although its " + ", ".join(differ))
     attach(backbone.model, saved["method"], **{k: v for k, v in saved.items()
                                                if k not in (*shape, *IDENTITY, "method", "backbone")})
-    adapters(backbone.model).load_state_dict(load_file(path))
+    adapter_modules(backbone.model).load_state_dict(load_file(path))
     return saved
 
 
-def detach(model):
-    """Remove the adapter and restore the backbone exactly as it was (stock SDPA attention, original modules)."""
-    method = model.icl_settings["method"]
-    if method == "lora":
-        for name, layer in lora_layers(model):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, layer.get_base_layer())
-        if hasattr(model, "peft_config"):
-            del model.peft_config
-    elif method == "live":
-        unhook_live(model)
-        for layer in model.get_decoder().layers:
-            del layer.mlp.icl_adapter
-    else:
-        attns = decoder_self_attentions(model)
-        for attn in attns:
-            del attn.icl_adapter
-        attns[0].config._attn_implementation = "sdpa"
-    del model.icl_settings
+# ------------------------------------------------------------------------------------------------ loading backbones
+
+@dataclass(frozen=True)
+class Family:
+    hub_id: str          # the checkpoint the paper uses
+    model_cls: type      # the transformers class that loads it
 
 
-# ------------------------------------------------------------------------------------------------------ loading
+FAMILIES = {
+    "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
+    "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
+    "llava-interleave": Family("llava-hf/llava-interleave-qwen-7b-hf", LlavaForConditionalGeneration),
+    "llava-onevision": Family("llava-hf/llava-onevision-qwen2-7b-ov-hf", LlavaOnevisionForConditionalGeneration),
+}
+CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-interleave",
+                "llava_onevision": "llava-onevision"}
+
 
 def family_of(name):
     """The family of a backbone name: a short name, `tiny-<family>`, or a hub id / local path of a family."""
@@ -436,95 +349,28 @@ def load_backbone(name, device=None, dtype=None, seed=0):
     family = family_of(name)
     if name == "toy-idefics2" or is_toy_file(name):
         model, processor = toy_idefics2(None if name == "toy-idefics2" else name)
-        return Backbone(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name)
+        return with_context_limit(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name)
     if name.startswith("tiny-"):
         model, processor = TINY_BUILDERS[family](seed)
         device = device or "cpu"
-        return backbone(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
+        return with_context_limit(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
     from transformers import AutoProcessor
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = FAMILIES[family].hub_id if name == family else name
     model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     processor = AutoProcessor.from_pretrained(path)
-    return backbone(freeze(model), processor, family, name)
+    return with_context_limit(freeze(model), processor, family, name)
 
 
-def backbone(model, processor, family, name):
+def with_context_limit(model, processor, family, name):
     """A Backbone whose tokenizer knows the text model's context (model_max_length), which data.collate checks."""
     positions = model.config.get_text_config().max_position_embeddings
     processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
     return Backbone(model, processor, family, name)
 
 
-# ------------------------------------------------------------------------------- image encoders (for RICES)
-
-@torch.no_grad()
-def vision_tower_features(backbone, images):
-    """The backbone's own vision tower, pooled: the mean of its last hidden states over an image's patches.
-
-    images: PIL images. Returns [n, d_vision] float32. Idefics2 images are encoded whole (no splitting) and only
-    their real (unpadded) patches are averaged; LLaVA-OneVision's base tile is the whole image, resized.
-    """
-    model, family = backbone.model, backbone.family
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    process = backbone.processor.image_processor
-    if family == "idefics2":
-        out = process([[im] for im in images], do_image_splitting=False, return_tensors="pt")
-        pixels, mask = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0]
-        p = model.config.vision_config.patch_size
-        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]: any real pixel
-        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real)
-        hidden = hidden.last_hidden_state
-        keep = real.flatten(1)[..., None].to(hidden.dtype)
-        return ((hidden * keep).sum(1) / keep.sum(1)).float()
-    out = process(images, return_tensors="pt")
-    pixels = out if torch.is_tensor(out) else out["pixel_values"]  # Idefics' processor returns the tensor itself
-    if family == "llava-onevision":
-        pixels = pixels[:, 0]
-    tower = model.model.vision_model if family == "idefics" else model.model.vision_tower
-    return tower(pixel_values=pixels.to(device, dtype)).last_hidden_state.mean(1).float()
-
-
-def clip_encoder(hub_id, device="cpu"):
-    """A CLIP checkpoint's image encoder (hub id or local path), loaded with transformers: images -> its projected
-    image embedding [n, d] float32. A checkpoint that cannot be loaded is a ValueError naming it."""
-    from transformers import AutoImageProcessor, AutoModel
-    try:
-        clip, process = AutoModel.from_pretrained(hub_id).to(device).eval(), AutoImageProcessor.from_pretrained(hub_id)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the RICES image encoder {hub_id!r} ({e}); leave out --rices-encoder to use the "
-                         "backbone's own vision tower, which works offline") from e
-
-    @torch.no_grad()
-    def encode(images):
-        out = clip.get_image_features(pixel_values=process(images, return_tensors="pt")["pixel_values"].to(device))
-        return (out if torch.is_tensor(out) else out.pooler_output).float()
-    return encode
-
-
-def image_encoder(backbone, hub_id=None):
-    """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
-
-    Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
-    CLIP checkpoint (clip_encoder).
-    """
-    if hub_id:
-        return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
-    h = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
-    for p in vision_tower_params(backbone):
-        h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
-    encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
-    return (lambda images: vision_tower_features(backbone, images)), encoder_id
-
-
-def vision_tower_params(backbone):
-    """The parameters of the backbone's vision tower."""
-    inner = backbone.model.model
-    return list((inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters())
-
-
-# --------------------------------------------------------------------------------------------------- tiny twins
+# ------------------------------------------------------------------------------------------------------- tiny twins
 
 TINY_CORPUS = ("Answer the question about the image in a few words. Describe the image in one sentence. "
                "Question: What colour is the shape? Short answer: red green blue yellow purple orange white black "
@@ -644,7 +490,7 @@ TINY_BUILDERS = {"idefics2": tiny_idefics2, "idefics": tiny_idefics, "llava-inte
                  "llava-onevision": tiny_llava_onevision}
 
 
-# ------------------------------------------------------------- toy-idefics2: a small backbone that learns in context
+# ------------------------------------------------------------ toy-idefics2: a small backbone that learns in context
 #
 # The real Idefics2 class and processor at a size a CPU meta-trains in minutes (about 1 M parameters): images of
 # 42 x 42 (one 14-px vision patch per grid cell), 9 perceiver latents per image, a tokenizer in which every answer is
@@ -732,7 +578,7 @@ def is_toy_file(name):
     return name.endswith(".safetensors")
 
 
-# ------------------------------------------------------------------------------ published sizes (no download)
+# ------------------------------------------------------------------------------------ published sizes (no download)
 
 SIGLIP_384 = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
                   num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False)  # both LLaVA models

@@ -46,108 +46,14 @@ from model import fingerprint
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss
 
 
-def parse_args(argv=None):
-    class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-        """The module docstring as written, and every flag's default."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
-    p.add_argument("--model", default="toy-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
-                   "llava-onevision, tiny-<one of those> (offline twin, random weights), toy-idefics2 (meta-trained "
-                   "to learn in context: the shipped reference copy), a toy backbone's file (--build-toy), or a local "
-                   "checkpoint path")
-    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-* need no download; "
-                   "toy-icl-* can only be solved from demonstrations)")
-    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
-                   "(gated logit bias), static-layer / static-layer-head (its gate a learned constant per layer / per "
-                   "layer and head, Fig 3a), output-level (the same module on the attention output, Table 11), "
-                   "hificl (virtual key-values), mimic (MimIC), live (LIVE), lora (LoRA via peft); each trains with "
-                   "its own loss (see --anchor)")
-    p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
-                   "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
-    add_icd_flags(p)
-    p.add_argument("--n-train", type=int, default=1000, help="training queries (paper: 1000)")
-    p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
-                   "best epoch (by their loss; the evaluation split is never used)")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the training queries (paper: best epoch "
-                   "reported, count not stated)")
-    p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
-    p.add_argument("--lr", type=float, default=5e-3, help="AdamW learning rate, the same for every method (paper: "
-                   "5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, LIVE 1e-3 or "
-                   "5e-3 in its README runs)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
-    p.add_argument("--warmup", type=float, default=0.1, help="fraction of steps of linear warm-up before the "
-                   "cosine decay (paper: 0.1)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
-    p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl and its variants, 8 for "
-                   "hificl, 16 for lora; mimic and live have none)")
-    p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
-    p.add_argument("--kappa", type=float, default=0.1, help="curvature magnitude of the Lorentz model (paper: 0.1)")
-    p.add_argument("--lam", type=float, default=0.5, help="lambda, weight of the cross-entropy next to the "
-                   "distillation loss, which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with "
-                   "align_loss_weight 1, github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: "
-                   "hard_loss_weight 0.5 with the KL at weight 1, github.com/ForJadeForest/"
-                   "LIVE-Learnable-In-Context-Vector README and icv_src/icv_module.py)")
-    p.add_argument("--anchor", choices=["hyperbolic", "euclidean", "mse", "kl", "none"],
-                   help="the distillation loss (default: the method's own: hyperbolic for hyper-icl, static-* and "
-                   "output-level, mse for mimic, kl for live, none for hificl and lora). hyperbolic: Eq 16; "
-                   "euclidean: L2-anchor (Table 4); mse: MimIC's layer-wise MSE of the hidden states at the query "
-                   "tokens (MimIC src/shift_model.py); kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
-                   "at the answer positions (LIVE icv_src/icv_module.py); none: cross-entropy only")
-    p.add_argument("--temperature", type=float, default=1.0, help="T of --anchor kl (LIVE divides both logits by "
-                   "T and scales the KL by T^2; its value is not in LIVE's public files)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")
-    p.add_argument("--data-root", help="folder with the datasets (layout: see data.py / README)")
-    p.add_argument("--out", help="output folder (default runs/<model>-<task>-<method>)")
-    p.add_argument("--teacher-cache", help="folder of cached teacher states (default <out>/teacher)")
-    p.add_argument("--no-teacher-cache", action="store_true", help="recompute the teacher at every step")
-    p.add_argument("--save-every", type=int, default=50, help="also checkpoint every this many steps")
-    p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (the schedule still "
-                   "spans all epochs; --resume continues)")
-    again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true", help="continue from <out>/last.pt")
-    again.add_argument("--overwrite", action="store_true", help="replace the run in --out (without it, a folder "
-                       "that holds a run is refused)")
-    p.add_argument("--benchmark", action="store_true", help="time this run with and without teacher reuse "
-                   "and print the ratio (writes to temporary folders)")
-    build = p.add_argument_group("building the toy backbone (instead of training an adapter)")
-    build.add_argument("--build-toy", action="store_true", help="meta-train a toy-idefics2 from scratch, seeds --seed, "
-                       "--seed + 1, ... until one learns in context on held-out episodes; write it to --out (default "
-                       f"{TOY_BUILD_OUT}); use it with --model <that file>")
-    build.add_argument("--build-tries", type=int, default=3, help="seeds to try before giving up")
-    build.add_argument("--threads", type=int, default=1, help="CPU threads of the build (one: the same bytes on the "
-                       "same machine; about 4 minutes)")
-    args = p.parse_args(argv)
-    if args.rank is None:
-        args.rank = {"hificl": 8, "lora": 16}.get(args.method, 4)
-    args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
-    at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
-                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0, "build_tries": 1, "threads": 1}
-    for name, least in at_least.items():
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
-    if not args.kappa > 0:
-        p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
-    if not args.temperature > 0:
-        p.error(f"--temperature must be > 0 (got {args.temperature})")
-    if not 0 <= args.warmup < 1:
-        p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
-    for name, value in {"lr": args.lr, "clip": args.clip}.items():
-        if not value > 0:
-            p.error(f"--{name} must be > 0 (got {value})")
-    for name, value in {"weight-decay": args.weight_decay, "lam": args.lam}.items():
-        if not value >= 0:
-            p.error(f"--{name} must be >= 0 (got {value})")
-    args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
-    args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
-    check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache, "--rices-cache": args.rices_cache})
-    return args
-
-
-def check_folders(p, folders):
-    """A parser error for each of {flag: path} that names an existing file where a folder must be (or made)."""
-    for flag, path in folders.items():
-        if path and os.path.exists(path) and not os.path.isdir(path):
-            p.error(f"{flag} {path} is a file; it must be a folder")
+# The paper's settings (Section 4.1), the defaults of train.py's flags; --help lists every other flag.
+PAPER = dict(n_train=1000,   # training queries
+             lr=5e-3,        # AdamW, every method
+             warmup=0.1,     # fraction of the steps of linear warm-up, then cosine decay to 0
+             kappa=0.1,      # curvature magnitude of the Lorentz model (Eq 10)
+             lam=0.5,        # lambda: weight of the cross-entropy beside the anchor (Eq 17)
+             rank=4)         # r of U_q, U_k (Eq 6); HiFICL: n = 8 virtual pairs of rank 8 (DEFAULT_RANK)
+DEFAULT_RANK = {"hificl": 8, "lora": 16}  # LoRA: rank 16, MimIC's public setting
 
 
 # Each method's own loss (the rest distil with Eq 16): HiFICL and LoRA the task loss only, MimIC its layer-wise
@@ -162,34 +68,316 @@ def method_sizes(args):
     return {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
 
 
-def add_icd_flags(p):
-    """--icds, --rices-encoder, --rices-cache: how demonstrations are chosen (train.py's teacher, evaluate.py)."""
-    p.add_argument("--icds", default="random", choices=["random", "rices"], help="how a query's demonstrations are "
-                   "chosen from the training split: at random, or by RICES (the most similar images by cosine "
-                   "similarity of a frozen image encoder's pooled features, most similar right before the query)")
-    p.add_argument("--rices-encoder", help="RICES's image encoder: a CLIP checkpoint's hub id or path, loaded with "
-                   "transformers (default: the backbone's own vision tower, mean-pooled; works offline)")
-    p.add_argument("--rices-cache", default=os.path.expanduser("~/.cache/hyper-icl/rices"),
-                   help="folder of cached RICES image features, one file per encoder and item list")
+# ---------------------------------------------------------------------------------------------- the loss (Eq 10-17)
+
+def losses(backbone, args, student, teacher, model=None):
+    """The loss parts of Eq 17 (or the method's own distillation loss, --anchor) for one micro-batch:
+    {"anchor": distillation loss, "sup": L_sup, "loss": anchor + lambda L_sup}.
+
+    model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
+    Each part is this process's share of its mean over the global micro-batch (`share_of_global_mean`).
+    """
+    answers = answer_positions(student["labels"]).sum()
+    with autocast(student["input_ids"].device):
+        if args.anchor in ("none", "kl"):
+            out = (model or backbone.model)(**data.model_inputs(student))
+        else:
+            out, hidden = M.layer_outputs(backbone.model, forward=model, **data.model_inputs(student))
+    parts = {"sup": share_of_global_mean(supervised_loss(out.logits, student["labels"]), answers)}
+    if args.anchor == "none":
+        parts["loss"] = parts["sup"]
+        return parts
+    if args.anchor == "kl":
+        anchor = share_of_global_mean(answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature), answers)
+        return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
+    hidden = torch.stack(hidden)
+    anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
+              else euclidean_anchor_loss(hidden, teacher, student["align"]) if args.anchor == "euclidean"
+              else layerwise_mse(hidden, teacher, student["align"]))
+    anchor = share_of_global_mean(anchor, student["align"].any(1).sum())  # a mean over the queries (Eq 16, per query)
+    return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
 
 
-def choose_demonstrations(backbone, args, queries, support, shots):
-    """The ICDs of each query: random (data.demonstrations) or RICES (data.rices_demonstrations on the features of
-    model.image_encoder, cached by data.image_features)."""
-    ids = [q.id for q in queries]
-    if args.icds == "random":
-        return data.demonstrations(ids, support, shots, args.seed)
-    encode, encoder_id = M.image_encoder(backbone, args.rices_encoder)
-    features = lambda items: data.image_features(encode, encoder_id, items, args.rices_cache)
-    return data.rices_demonstrations(ids, features(queries), support, features(support), shots)
+def supervised_loss(logits, labels):
+    """L_sup: next-token cross-entropy on the target tokens (labels -100 elsewhere)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def default_out(model, task, method):
-    """The default output folder of a run: runs/<model>-<task>-<method>."""
-    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{task}-{method}")
+def layerwise_mse(student, teacher, align):
+    """MimIC's layer-wise loss: per query, the mean squared difference of the student's and teacher's states over
+    layers, query tokens and features; then the mean over queries. student, teacher: [L, B, W, d]; align: [B, W]."""
+    return torch.stack([(student[:, b, a] - teacher[:, b, a]).float().square().mean()
+                        for b, a in enumerate(align)]).mean()
 
 
-# ------------------------------------------------------------------------------------------------------ data
+def answer_kl(student_logits, teacher_logits, temperature):
+    """LIVE's loss: T^2 KL(softmax(teacher / T) || softmax(student / T)), the mean over answer positions.
+    Both [N, V] (N answer positions of the batch, in the same order)."""
+    t = F.log_softmax(teacher_logits.float() / temperature, -1)
+    s = F.log_softmax(student_logits.float() / temperature, -1)
+    return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
+
+
+def share_of_global_mean(mean, count):
+    """This process's share of a mean over the global micro-batch, from the mean over its `count` items.
+
+    Under torchrun each of N processes holds part of the micro-batch and DDP averages their gradients, so the mean
+    over the process's items is rescaled to mean * count * N / (global count): the average over the processes is
+    then the mean over the whole micro-batch, as one process computes it. Without torchrun: `mean` unchanged.
+    """
+    if not dist.is_initialized():
+        return mean
+    total = count.detach().float().clone()
+    dist.all_reduce(total)
+    return mean * count * dist.get_world_size() / total
+
+
+def anchor_regime(args, student, teacher):
+    """The anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)|, the noise floor (the
+    loss between the teacher states and their own rounding to the training dtype, and to bf16) and the loss between
+    the teacher states of different queries. Returns them as a dict of floats."""
+    align, dtype = student["align"], autocast_dtype(student["input_ids"].device)
+    loss = (lambda s, t: lorentz.hyperbolic_anchor_loss(s, t, align, args.kappa)) if args.anchor == "hyperbolic" \
+        else (lambda s, t: lorentz.euclidean_anchor_loss(s, t, align))
+    shuffled = teacher.roll(1, dims=1) if align.shape[0] > 1 and (align == align.roll(1, 0)).all() else None
+    regime = {"radius": (args.kappa * teacher.shape[-1]) ** 0.5,  # |LN(h)| = sqrt(d)
+              "floor": loss(teacher.to(dtype).float(), teacher).item(),
+              "floor_bf16": loss(teacher.to(torch.bfloat16).float(), teacher).item(),
+              "unrelated": loss(shuffled, teacher).item() if shuffled is not None else float("nan")}
+    unrelated = "" if shuffled is None else f"; between different queries' teacher states {regime['unrelated']:.4g}"
+    print(f"anchor ({args.anchor}, kappa {args.kappa}, d {teacher.shape[-1]}): sqrt(kappa)|LN(h)| = "
+          f"{regime['radius']:.1f}; noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, "
+          f"the training dtype) {regime['floor']:.4g}, to bfloat16 {regime['floor_bf16']:.4g}{unrelated}")
+    return regime
+
+
+# ------------------------------------------------------------------------------------------------------ the teacher
+
+def teacher_key(backbone_id, args, query, icds):
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format and the
+    version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are
+    never read."""
+    item = lambda it: [it.id, it.image_path, it.question, it.target]
+    spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def answer_positions(labels):
+    """Bool [B, W]: the positions whose logits predict an answer token (labels -100 elsewhere; next-token shift)."""
+    return F.pad(labels[:, 1:] != -100, (0, 1))
+
+
+@torch.no_grad()
+def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
+    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens.
+
+    Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens); with
+    output="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
+    """
+    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, d), p)
+            for d, p in zip(icds, pieces)]
+    batch = to_device(data.collate(rows, backbone.processor, backbone.family), device)
+    with M.without_adapter(backbone.model), autocast(device):
+        if output == "logits":
+            logits = backbone.model(**data.model_inputs(batch)).logits
+            answer = answer_positions(batch["labels"])
+            return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
+        states = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch))[1])  # [L, B, W, d]
+    return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
+
+
+def read_teacher(path, key, shape, output="states"):
+    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None when
+    there is no file; an unusable one (truncated by a crash, another shape, key or checksum) is reported and None
+    returned, so it is computed again (data.read_cache)."""
+    cached = data.read_cache(path, key + output, {output: (shape, None)})
+    return None if cached is None else cached[output]
+
+
+def teacher_shape(backbone, piece, output):
+    """The shape of a query's teacher tensor: states [L, T_q, d]; logits [answer tokens, vocabulary (any)]."""
+    if output == "logits":
+        return sum(label != -100 for label in piece["labels"]), None
+    return M.attention_shape(backbone.model)[0], len(piece["input_ids"]), \
+        backbone.model.config.get_text_config().hidden_size
+
+
+def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
+    """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
+    stored once otherwise)."""
+    output = "logits" if args.anchor == "kl" else "states"
+    keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
+    paths = [os.path.join(args.teacher_cache, k + ("-logits" if output == "logits" else "") + ".safetensors")
+             for k in keys]
+    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, teacher_shape(backbone, pieces[i], output), output)
+                                               for i, (p, k) in enumerate(zip(paths, keys))}
+    missing = [i for i in range(len(queries)) if states.get(i) is None]
+    fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
+                        [pieces[i] for i in missing], device, output) if missing else []
+    cache["misses"] += len(missing)
+    cache["hits"] += len(queries) - len(missing)
+    for i, s in zip(missing, fresh):
+        states[i] = s
+        if not args.no_teacher_cache:
+            data.write_cache(paths[i], {output: s}, keys[i] + output)
+    return [states[i] for i in range(len(queries))]
+
+
+def stack_teacher(states, align):
+    """Lay per-query teacher states [L, T_q, d] at the student's aligned positions: [L, B, W, d]."""
+    L, d = states[0].shape[0], states[0].shape[-1]
+    out = torch.zeros(L, *align.shape, d, dtype=states[0].dtype, device=align.device)
+    for b, s in enumerate(states):
+        out[:, b, align[b]] = s.to(align.device)
+    return out
+
+
+def micro_batch(backbone, args, kind, queries, icds, device, cache):
+    """Student batch (query + target) and, for the anchor, the teacher's states laid at its aligned positions."""
+    pieces = [data.encode_query(backbone.processor, backbone.family, kind, q) for q in queries]
+    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, []), p) for p in pieces]
+    student = to_device(data.collate(rows, backbone.processor, backbone.family), device)
+    if args.anchor == "none":
+        return student, None
+    states = teacher_states(backbone, args, kind, queries, icds, pieces, device, cache)
+    if args.anchor == "kl":
+        return student, torch.cat(states).to(device)  # answer logits, in the order of answer_positions
+    return student, stack_teacher(states, student["align"])
+
+
+# --------------------------------------------------------------------------------------------------------- the loop
+
+def train(args):
+    """Run the distillation; returns the final adapter's parameters (a dict of tensors)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(args.seed)
+    kind = data.TASKS[args.task].kind
+    queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))  # the data first: it fails fast
+    backbone = M.load_backbone(args.model, device=device)
+    icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
+    params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    rank, world = rank_and_world()
+    student_model = data_parallel(backbone.model, args, len(queries)) if world > 1 else None
+    batches_per_epoch = math.ceil(len(queries) / args.batch_size)
+    steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)
+    total = steps_per_epoch * args.epochs
+    scheduler = cosine_with_warmup(optimizer, total, max(1, round(args.warmup * total)))
+    os.makedirs(args.teacher_cache, exist_ok=True)
+    progress = {"step": 0, "best": math.inf, "history": []}
+    if args.resume:
+        progress = restore(args, backbone, optimizer, scheduler)
+    cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
+    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:  # the noise floor of the layer-state anchors
+        first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
+        anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
+                                         [icds[queries[i].id] for i in first], device, cache))
+    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True,
+               disable=rank != 0)
+    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        # history holds one entry per scored epoch, so the first epoch without one is where to go on, even when
+        # all of its steps are done (a checkpoint written on its last step, then stopped while it was scored)
+        for epoch in range(len(progress["history"]), args.epochs):
+            order = epoch_order(len(queries), args.batch_size, args.seed, epoch)
+            for s in range(progress["step"] - epoch * steps_per_epoch, steps_per_epoch):
+                if args.max_steps is not None and progress["step"] >= args.max_steps:
+                    return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
+                parts = {}
+                for idx in order[s * args.grad_accum:(s + 1) * args.grad_accum]:
+                    qs = [queries[i] for i in idx[rank::world]]  # under torchrun: this process's share
+                    student, teacher = micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache)
+                    part = losses(backbone, args, student, teacher, student_model)
+                    check_finite(part, progress["step"] + 1)
+                    (part["loss"] / args.grad_accum).backward()
+                    parts = {k: parts.get(k, 0) + v.item() / args.grad_accum for k, v in part.items()}
+                torch.nn.utils.clip_grad_norm_(M.adapter_modules(backbone.model).parameters(), args.clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                progress["step"] += 1
+                bar.update()
+                bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{scheduler.get_last_lr()[0]:.2g}"})
+                if progress["step"] % args.save_every == 0:
+                    checkpoint(args, backbone, optimizer, scheduler, progress)
+            end_of_epoch(args, backbone, kind, heldout, device, progress, epoch)
+            checkpoint(args, backbone, optimizer, scheduler, progress)
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the checkpoint short
+        checkpoint(args, backbone, optimizer, scheduler, progress)
+        bar.close()
+        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
+                 "continue with --resume")
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
+
+
+def cosine_with_warmup(optimizer, total, warmup_steps):
+    """Linear warm-up over `warmup_steps`, then cosine decay to 0 (Section 4.1): transformers' schedule."""
+    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total)
+
+
+def check_finite(parts, step):
+    """Stop on a NaN or inf loss, naming the step and the loss part (the last checkpoint stays as it was)."""
+    for name, value in parts.items():
+        if not torch.isfinite(value):
+            raise FloatingPointError(f"step {step}: loss part {name!r} is {value.item()}; stopping. The last good "
+                                     "checkpoint is untouched; try a lower --lr or --kappa")
+
+
+def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
+    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
+
+    The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
+    """
+    loss, first = heldout_loss(backbone, args, kind, heldout, device), rank_and_world()[0] == 0
+    if loss < progress["best"]:
+        if first:
+            M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
+        progress["best"] = loss
+    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
+    if first:
+        tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
+
+
+@torch.no_grad()
+def heldout_loss(backbone, args, kind, heldout, device):
+    """The supervised loss of the held-out queries: what picks the best epoch.
+
+    Under torchrun each process scores every N-th batch; the batches' values are gathered and summed in order.
+    """
+    rank, world = rank_and_world()
+    starts, totals = range(0, len(heldout), args.batch_size), {}
+    for i in starts[rank::world]:
+        queries = heldout[i:i + args.batch_size]
+        rows = [data.encode(backbone.processor, backbone.family, kind, [], q) for q in queries]
+        batch = to_device(data.collate(rows, backbone.processor, backbone.family), device)
+        with autocast(device):
+            totals[i] = supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
+    totals = gathered(totals)
+    return sum(totals[i] for i in starts) / len(heldout)
+
+
+def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
+    """Final checkpoint and summary; returns the adapter's parameters."""
+    checkpoint(args, backbone, optimizer, scheduler, progress)
+    bar.close()
+    if rank_and_world()[0] == 0:
+        finish_files(args, progress, cache)
+    return {k: v.detach().clone() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
+
+
+def finish_files(args, progress, cache):
+    """history.json and the summary line (the first process's job)."""
+    data.atomic_write(os.path.join(args.out, "history.json"),
+                   lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
+    best = os.path.join(args.out, "adapter.safetensors")
+    print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
+          + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
+             "(continue with --resume)"))
+
 
 def split_pool(args, family):
     """Training queries, held-out queries (best epoch) and the support set the ICDs are drawn from."""
@@ -213,94 +401,10 @@ def epoch_order(n, batch_size, seed, epoch):
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
-def to(batch, device):
+def to_device(batch, device):
     """A batch (labels and alignment mask included) on `device`."""
     return {k: v.to(device) for k, v in batch.items()}
 
-
-# ------------------------------------------------------------------------------------------- teacher states
-
-def teacher_key(backbone_id, args, query, icds):
-    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format and the
-    version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are
-    never read."""
-    item = lambda it: [it.id, it.image_path, it.question, it.target]
-    spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
-            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION}
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-
-
-def answer_positions(labels):
-    """Bool [B, W]: the positions whose logits predict an answer token (labels -100 elsewhere; next-token shift)."""
-    return F.pad(labels[:, 1:] != -100, (0, 1))
-
-
-@torch.no_grad()
-def run_teacher(backbone, kind, queries, icds, pieces, device, what="states"):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens.
-
-    Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens); with
-    what="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
-    """
-    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, d), p)
-            for d, p in zip(icds, pieces)]
-    batch = to(data.collate(rows, backbone.processor, backbone.family), device)
-    with M.without_adapter(backbone.model), autocast(device):
-        if what == "logits":
-            logits = backbone.model(**data.model_inputs(batch)).logits
-            answer = answer_positions(batch["labels"])
-            return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
-        states = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch))[1])  # [L, B, W, d]
-    return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
-
-
-def read_teacher(path, key, shape, what="states"):
-    """One query's cached teacher tensor `what` ("states" or "logits") of `shape` (None: any size), or None when
-    there is no file; an unusable one (truncated by a crash, another shape, key or checksum) is reported and None
-    returned, so it is computed again (data.read_cache)."""
-    cached = data.read_cache(path, key + what, {what: (shape, None)})
-    return None if cached is None else cached[what]
-
-
-def teacher_shape(backbone, piece, what):
-    """The shape of a query's teacher tensor: states [L, T_q, d]; logits [answer tokens, vocabulary (any)]."""
-    if what == "logits":
-        return sum(label != -100 for label in piece["labels"]), None
-    return M.attention_shape(backbone.model)[0], len(piece["input_ids"]), \
-        backbone.model.config.get_text_config().hidden_size
-
-
-def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
-    """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
-    stored once otherwise)."""
-    what = "logits" if args.anchor == "kl" else "states"
-    keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
-    paths = [os.path.join(args.teacher_cache, k + ("-logits" if what == "logits" else "") + ".safetensors")
-             for k in keys]
-    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, teacher_shape(backbone, pieces[i], what), what)
-                                               for i, (p, k) in enumerate(zip(paths, keys))}
-    missing = [i for i in range(len(queries)) if states.get(i) is None]
-    fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
-                        [pieces[i] for i in missing], device, what) if missing else []
-    cache["misses"] += len(missing)
-    cache["hits"] += len(queries) - len(missing)
-    for i, s in zip(missing, fresh):
-        states[i] = s
-        if not args.no_teacher_cache:
-            data.write_cache(paths[i], {what: s}, keys[i] + what)
-    return [states[i] for i in range(len(queries))]
-
-
-def stack_teacher(states, align):
-    """Lay per-query teacher states [L, T_q, d] at the student's aligned positions: [L, B, W, d]."""
-    L, d = states[0].shape[0], states[0].shape[-1]
-    out = torch.zeros(L, *align.shape, d, dtype=states[0].dtype, device=align.device)
-    for b, s in enumerate(states):
-        out[:, b, align[b]] = s.to(align.device)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------- loss
 
 def autocast_dtype(device):
     """The dtype the backbone computes in during training: bf16 on CUDA, float32 on CPU."""
@@ -313,149 +417,7 @@ def autocast(device):
                                                                                                        enabled=False)
 
 
-def supervised_loss(logits, labels):
-    """L_sup: next-token cross-entropy on the target tokens (labels -100 elsewhere)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-
-
-def layerwise_mse(student, teacher, align):
-    """MimIC's layer-wise loss: per query, the mean squared difference of the student's and teacher's states over
-    layers, query tokens and features; then the mean over queries. student, teacher: [L, B, W, d]; align: [B, W]."""
-    return torch.stack([(student[:, b, a] - teacher[:, b, a]).float().square().mean()
-                        for b, a in enumerate(align)]).mean()
-
-
-def answer_kl(student_logits, teacher_logits, temperature):
-    """LIVE's loss: T^2 KL(softmax(teacher / T) || softmax(student / T)), the mean over answer positions.
-    Both [N, V] (N answer positions of the batch, in the same order)."""
-    t = F.log_softmax(teacher_logits.float() / temperature, -1)
-    s = F.log_softmax(student_logits.float() / temperature, -1)
-    return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
-
-
-def losses(backbone, args, student, teacher, model=None):
-    """The loss parts of Eq 17 (or the method's own distillation loss, --anchor) for one micro-batch:
-    {"anchor": distillation loss, "sup": L_sup, "loss": anchor + lambda L_sup}.
-
-    model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
-    Each part is this process's share of its mean over the global micro-batch (`share`).
-    """
-    answers = answer_positions(student["labels"]).sum()
-    with autocast(student["input_ids"].device):
-        if args.anchor in ("none", "kl"):
-            out = (model or backbone.model)(**data.model_inputs(student))
-        else:
-            out, hidden = M.layer_outputs(backbone.model, forward=model, **data.model_inputs(student))
-    parts = {"sup": share(supervised_loss(out.logits, student["labels"]), answers)}
-    if args.anchor == "none":
-        parts["loss"] = parts["sup"]
-        return parts
-    if args.anchor == "kl":
-        anchor = share(answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature), answers)
-        return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
-    hidden = torch.stack(hidden)
-    anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
-              else euclidean_anchor_loss(hidden, teacher, student["align"]) if args.anchor == "euclidean"
-              else layerwise_mse(hidden, teacher, student["align"]))
-    anchor = share(anchor, student["align"].any(1).sum())  # a mean over the queries (Eq 16, per query)
-    return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
-
-
-def share(mean, count):
-    """This process's share of a mean over the global micro-batch, from the mean over its `count` items.
-
-    Under torchrun each of N processes holds part of the micro-batch and DDP averages their gradients, so the mean
-    over the process's items is rescaled to mean * count * N / (global count): the average over the processes is
-    then the mean over the whole micro-batch, as one process computes it. Without torchrun: `mean` unchanged.
-    """
-    if not dist.is_initialized():
-        return mean
-    total = count.detach().float().clone()
-    dist.all_reduce(total)
-    return mean * count * dist.get_world_size() / total
-
-
-@contextlib.contextmanager
-def processes():
-    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU per process, or gloo on
-    CPU. Without torchrun: nothing."""
-    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def process():
-    """(rank, number of processes): (0, 1) without torchrun."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def gathered(local):
-    """The union of every process's dict (`local` itself without torchrun)."""
-    if not dist.is_initialized():
-        return local
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return {k: v for part in parts for k, v in part.items()}
-
-
-def micro_batch(backbone, args, kind, queries, icds, device, cache):
-    """Student batch (query + target) and, for the anchor, the teacher's states laid at its aligned positions."""
-    pieces = [data.encode_query(backbone.processor, backbone.family, kind, q) for q in queries]
-    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, []), p) for p in pieces]
-    student = to(data.collate(rows, backbone.processor, backbone.family), device)
-    if args.anchor == "none":
-        return student, None
-    states = teacher_states(backbone, args, kind, queries, icds, pieces, device, cache)
-    if args.anchor == "kl":
-        return student, torch.cat(states).to(device)  # answer logits, in the order of answer_positions
-    return student, stack_teacher(states, student["align"])
-
-
-@torch.no_grad()
-def heldout_loss(backbone, args, kind, heldout, device):
-    """The supervised loss of the held-out queries: what picks the best epoch.
-
-    Under torchrun each process scores every N-th batch; the batches' values are gathered and summed in order.
-    """
-    rank, world = process()
-    starts, totals = range(0, len(heldout), args.batch_size), {}
-    for i in starts[rank::world]:
-        queries = heldout[i:i + args.batch_size]
-        rows = [data.encode(backbone.processor, backbone.family, kind, [], q) for q in queries]
-        batch = to(data.collate(rows, backbone.processor, backbone.family), device)
-        with autocast(device):
-            totals[i] = supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
-    totals = gathered(totals)
-    return sum(totals[i] for i in starts) / len(heldout)
-
-
-def anchor_regime(args, student, teacher):
-    """The anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)|, the noise floor (the
-    loss between the teacher states and their own rounding to the training dtype, and to bf16) and the loss between
-    the teacher states of different queries. Returns them as a dict of floats."""
-    align, dtype = student["align"], autocast_dtype(student["input_ids"].device)
-    loss = (lambda s, t: lorentz.hyperbolic_anchor_loss(s, t, align, args.kappa)) if args.anchor == "hyperbolic" \
-        else (lambda s, t: lorentz.euclidean_anchor_loss(s, t, align))
-    shuffled = teacher.roll(1, dims=1) if align.shape[0] > 1 and (align == align.roll(1, 0)).all() else None
-    regime = {"radius": (args.kappa * teacher.shape[-1]) ** 0.5,  # |LN(h)| = sqrt(d)
-              "floor": loss(teacher.to(dtype).float(), teacher).item(),
-              "floor_bf16": loss(teacher.to(torch.bfloat16).float(), teacher).item(),
-              "unrelated": loss(shuffled, teacher).item() if shuffled is not None else float("nan")}
-    unrelated = "" if shuffled is None else f"; between different queries' teacher states {regime['unrelated']:.4g}"
-    print(f"anchor ({args.anchor}, kappa {args.kappa}, d {teacher.shape[-1]}): sqrt(kappa)|LN(h)| = "
-          f"{regime['radius']:.1f}; noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, "
-          f"the training dtype) {regime['floor']:.4g}, to bfloat16 {regime['floor_bf16']:.4g}{unrelated}")
-    return regime
-
-
-# ------------------------------------------------------- toy-idefics2: meta-training a backbone that learns in context
+# ---------------------------------------------------- toy-idefics2: meta-training a backbone that learns in context
 #
 # From scratch, on the toy-icl world (data.py), with a curriculum: first single images whose question names the
 # attribute (perception), then episodes of 0..8 demonstrations with the uninformative question (in-context
@@ -609,16 +571,16 @@ def build_toy(path, recipe=TOY_RECIPE, tries=3, threads=1, accept=ACCEPT):
                      f"{accept['0-shot']}); nothing was written. Try other seeds (--seed) or more (--build-tries)")
 
 
-# ------------------------------------------------------------------------------------------------ checkpoints
+# -------------------------------------------------------------------------------------- checkpoints and run folders
 
 def checkpoint(args, backbone, optimizer, scheduler, progress):
     """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
-    if process()[0] != 0:
+    if rank_and_world()[0] != 0:
         return
     state = {
-        "adapter": M.adapters(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
+        "adapter": M.adapter_modules(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
-        "rng": torch.get_rng_state(), "processes": process()[1]}
+        "rng": torch.get_rng_state(), "processes": rank_and_world()[1]}
     data.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
@@ -639,97 +601,103 @@ def restore(args, backbone, optimizer, scheduler):
                          "--overwrite") from e
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"].get(k) != getattr(args, k)]
-    if state.get("processes", 1) != process()[1]:
-        differ.append(f"{state.get('processes', 1)} processes (now {process()[1]}; a resume is exact only with as "
+    if state.get("processes", 1) != rank_and_world()[1]:
+        differ.append(f"{state.get('processes', 1)} processes (now {rank_and_world()[1]}; a resume is exact only with as "
                       "many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
-    M.adapters(backbone.model).load_state_dict(state["adapter"])
+    M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state["progress"]
 
 
-# ------------------------------------------------------------------------------------------------------- loop
-
-def cosine_with_warmup(optimizer, total, warmup_steps):
-    """Linear warm-up over `warmup_steps`, then cosine decay to 0 (Section 4.1): transformers' schedule."""
-    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total)
+RUN_FILES = ("last.pt", "adapter.safetensors", "history.json")
 
 
-def check_finite(parts, step):
-    """Stop on a NaN or inf loss, naming the step and the loss part (the last checkpoint stays as it was)."""
-    for name, value in parts.items():
-        if not torch.isfinite(value):
-            raise FloatingPointError(f"step {step}: loss part {name!r} is {value.item()}; stopping. The last good "
-                                     "checkpoint is untouched; try a lower --lr or --kappa")
+def claim(args):
+    """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
+    --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
+    interrupted writes are cleaned up here and in the teacher cache."""
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(args.out, f))]
+    if found and not (args.resume or args.overwrite):
+        raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
+                         "with --overwrite")
+    if rank_and_world()[0] != 0:
+        return
+    for f in found if args.overwrite else []:
+        os.remove(os.path.join(args.out, f))
+    data.remove_stale_tmp(args.out)
+    data.remove_stale_tmp(args.teacher_cache)
 
 
-def train(args):
-    """Run the distillation; returns the final adapter's parameters (a dict of tensors)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(args.seed)
-    kind = data.TASKS[args.task].kind
-    queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))  # the data first: it fails fast
-    backbone = M.load_backbone(args.model, device=device)
-    icds = dict(zip((q.id for q in queries), choose_demonstrations(backbone, args, queries, pool, shots)))
-    params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    rank, world = process()
-    student_model = data_parallel(backbone.model, args, len(queries)) if world > 1 else None
-    batches_per_epoch = math.ceil(len(queries) / args.batch_size)
-    steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)
-    total = steps_per_epoch * args.epochs
-    scheduler = cosine_with_warmup(optimizer, total, max(1, round(args.warmup * total)))
-    os.makedirs(args.teacher_cache, exist_ok=True)
-    progress = {"step": 0, "best": math.inf, "history": []}
-    if args.resume:
-        progress = restore(args, backbone, optimizer, scheduler)
-    cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
-    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:  # the noise floor of the layer-state anchors
-        first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
-        anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
-                                         [icds[queries[i].id] for i in first], device, cache))
-    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True,
-               disable=rank != 0)
-    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def locked(folder):
+    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid.
+
+    A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
+    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind.
+    Under torchrun the first process holds it for all of them.
+    """
+    if rank_and_world()[0] != 0:
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        # history holds one entry per scored epoch, so the first epoch without one is where to go on, even when
-        # all of its steps are done (a checkpoint written on its last step, then stopped while it was scored)
-        for epoch in range(len(progress["history"]), args.epochs):
-            order = epoch_order(len(queries), args.batch_size, args.seed, epoch)
-            for s in range(progress["step"] - epoch * steps_per_epoch, steps_per_epoch):
-                if args.max_steps is not None and progress["step"] >= args.max_steps:
-                    return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
-                parts = {}
-                for idx in order[s * args.grad_accum:(s + 1) * args.grad_accum]:
-                    qs = [queries[i] for i in idx[rank::world]]  # under torchrun: this process's share
-                    student, teacher = micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache)
-                    part = losses(backbone, args, student, teacher, student_model)
-                    check_finite(part, progress["step"] + 1)
-                    (part["loss"] / args.grad_accum).backward()
-                    parts = {k: parts.get(k, 0) + v.item() / args.grad_accum for k, v in part.items()}
-                torch.nn.utils.clip_grad_norm_(M.adapters(backbone.model).parameters(), args.clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                progress["step"] += 1
-                bar.update()
-                bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{scheduler.get_last_lr()[0]:.2g}"})
-                if progress["step"] % args.save_every == 0:
-                    checkpoint(args, backbone, optimizer, scheduler, progress)
-            end_of_epoch(args, backbone, kind, heldout, device, progress, epoch)
-            checkpoint(args, backbone, optimizer, scheduler, progress)
-    except KeyboardInterrupt as e:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the checkpoint short
-        checkpoint(args, backbone, optimizer, scheduler, progress)
-        bar.close()
-        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
-                 "continue with --resume")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ValueError(f"{folder} is in use by another run (pid {holder}); wait for it to finish or choose "
+                         "another --out") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
-    return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
+        os.close(fd)
+
+
+def on_sigterm(signum, frame):
+    """SIGTERM (what job schedulers send before they kill a job) stops the run as Ctrl-C does: checkpoint, exit."""
+    raise KeyboardInterrupt("SIGTERM")
+
+
+# --------------------------------------------------------------------------------------------------------- torchrun
+
+@contextlib.contextmanager
+def process_group():
+    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU per process, or gloo on
+    CPU. Without torchrun: nothing."""
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_and_world():
+    """(rank, number of processes): (0, 1) without torchrun."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gathered(local):
+    """The union of every process's dict (`local` itself without torchrun)."""
+    if not dist.is_initialized():
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def data_parallel(model, args, n_train):
@@ -746,62 +714,126 @@ def data_parallel(model, args, n_train):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=devices)
 
 
-def on_sigterm(signum, frame):
-    """SIGTERM (what job schedulers send before they kill a job) stops the run as Ctrl-C does: checkpoint, exit."""
-    raise KeyboardInterrupt("SIGTERM")
+# ----------------------------------------------------------------------------------------------------- command line
+
+def parse_args(argv=None):
+    class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """The module docstring as written, and every flag's default."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
+    p.add_argument("--model", default="toy-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
+                   "llava-onevision, tiny-<one of those> (offline twin, random weights), toy-idefics2 (meta-trained "
+                   "to learn in context: the shipped reference copy), a toy backbone's file (--build-toy), or a local "
+                   "checkpoint path")
+    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-* need no download; "
+                   "toy-icl-* can only be solved from demonstrations)")
+    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
+                   "(gated logit bias), static-layer / static-layer-head (its gate a learned constant per layer / per "
+                   "layer and head, Fig 3a), output-level (the same module on the attention output, Table 11), "
+                   "hificl (virtual key-values), mimic (MimIC), live (LIVE), lora (LoRA via peft); each trains with "
+                   "its own loss (see --anchor)")
+    p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
+                   "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
+    add_icd_flags(p)
+    p.add_argument("--n-train", type=int, default=PAPER["n_train"], help="training queries (paper: 1000)")
+    p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
+                   "best epoch (by their loss; the evaluation split is never used)")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training queries (paper: best epoch "
+                   "reported, count not stated)")
+    p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
+    p.add_argument("--lr", type=float, default=PAPER["lr"], help="AdamW learning rate, the same for every method (paper: "
+                   "5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, LIVE 1e-3 or "
+                   "5e-3 in its README runs)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
+    p.add_argument("--warmup", type=float, default=PAPER["warmup"], help="fraction of steps of linear warm-up before the "
+                   "cosine decay (paper: 0.1)")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl and its variants, 8 for "
+                   "hificl, 16 for lora; mimic and live have none)")
+    p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
+    p.add_argument("--kappa", type=float, default=PAPER["kappa"], help="curvature magnitude of the Lorentz model (paper: 0.1)")
+    p.add_argument("--lam", type=float, default=PAPER["lam"], help="lambda, weight of the cross-entropy next to the "
+                   "distillation loss, which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with "
+                   "align_loss_weight 1, github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: "
+                   "hard_loss_weight 0.5 with the KL at weight 1, github.com/ForJadeForest/"
+                   "LIVE-Learnable-In-Context-Vector README and icv_src/icv_module.py)")
+    p.add_argument("--anchor", choices=["hyperbolic", "euclidean", "mse", "kl", "none"],
+                   help="the distillation loss (default: the method's own: hyperbolic for hyper-icl, static-* and "
+                   "output-level, mse for mimic, kl for live, none for hificl and lora). hyperbolic: Eq 16; "
+                   "euclidean: L2-anchor (Table 4); mse: MimIC's layer-wise MSE of the hidden states at the query "
+                   "tokens (MimIC src/shift_model.py); kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
+                   "at the answer positions (LIVE icv_src/icv_module.py); none: cross-entropy only")
+    p.add_argument("--temperature", type=float, default=1.0, help="T of --anchor kl (LIVE divides both logits by "
+                   "T and scales the KL by T^2; its value is not in LIVE's public files)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")
+    p.add_argument("--data-root", help="folder with the datasets (layout: see data.py / README)")
+    p.add_argument("--out", help="output folder (default runs/<model>-<task>-<method>)")
+    p.add_argument("--teacher-cache", help="folder of cached teacher states (default <out>/teacher)")
+    p.add_argument("--no-teacher-cache", action="store_true", help="recompute the teacher at every step")
+    p.add_argument("--save-every", type=int, default=50, help="also checkpoint every this many steps")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (the schedule still "
+                   "spans all epochs; --resume continues)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from <out>/last.pt")
+    again.add_argument("--overwrite", action="store_true", help="replace the run in --out (without it, a folder "
+                       "that holds a run is refused)")
+    p.add_argument("--benchmark", action="store_true", help="time this run with and without teacher reuse "
+                   "and print the ratio (writes to temporary folders)")
+    build = p.add_argument_group("building the toy backbone (instead of training an adapter)")
+    build.add_argument("--build-toy", action="store_true", help="meta-train a toy-idefics2 from scratch, seeds --seed, "
+                       "--seed + 1, ... until one learns in context on held-out episodes; write it to --out (default "
+                       f"{TOY_BUILD_OUT}); use it with --model <that file>")
+    build.add_argument("--build-tries", type=int, default=3, help="seeds to try before giving up")
+    build.add_argument("--threads", type=int, default=1, help="CPU threads of the build (one: the same bytes on the "
+                       "same machine; about 4 minutes)")
+    args = p.parse_args(argv)
+    if args.rank is None:
+        args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"])
+    args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
+    at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
+                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0, "build_tries": 1, "threads": 1}
+    for name, least in at_least.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
+    if not args.kappa > 0:
+        p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
+    if not args.temperature > 0:
+        p.error(f"--temperature must be > 0 (got {args.temperature})")
+    if not 0 <= args.warmup < 1:
+        p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
+    for name, value in {"lr": args.lr, "clip": args.clip}.items():
+        if not value > 0:
+            p.error(f"--{name} must be > 0 (got {value})")
+    for name, value in {"weight-decay": args.weight_decay, "lam": args.lam}.items():
+        if not value >= 0:
+            p.error(f"--{name} must be >= 0 (got {value})")
+    args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
+    args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
+    check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache, "--rices-cache": args.rices_cache})
+    return args
 
 
-RUN_FILES = ("last.pt", "adapter.safetensors", "history.json")
+def check_folders(p, folders):
+    """A parser error for each of {flag: path} that names an existing file where a folder must be (or made)."""
+    for flag, path in folders.items():
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"{flag} {path} is a file; it must be a folder")
 
 
-def claim(args):
-    """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
-    --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
-    interrupted writes are cleaned up here and in the teacher cache."""
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(args.out, f))]
-    if found and not (args.resume or args.overwrite):
-        raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
-                         "with --overwrite")
-    if process()[0] != 0:
-        return
-    for f in found if args.overwrite else []:
-        os.remove(os.path.join(args.out, f))
-    data.remove_stale_tmp(args.out)
-    data.remove_stale_tmp(args.teacher_cache)
+def add_icd_flags(p):
+    """--icds, --rices-encoder, --rices-cache: how demonstrations are chosen (train.py's teacher, evaluate.py)."""
+    p.add_argument("--icds", default="random", choices=["random", "rices"], help="how a query's demonstrations are "
+                   "chosen from the training split: at random, or by RICES (the most similar images by cosine "
+                   "similarity of a frozen image encoder's pooled features, most similar right before the query)")
+    p.add_argument("--rices-encoder", help="RICES's image encoder: a CLIP checkpoint's hub id or path, loaded with "
+                   "transformers (default: the backbone's own vision tower, mean-pooled; works offline)")
+    p.add_argument("--rices-cache", default=os.path.expanduser("~/.cache/hyper-icl/rices"),
+                   help="folder of cached RICES image features, one file per encoder and item list")
 
 
-def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
-    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
-
-    The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
-    """
-    loss, first = heldout_loss(backbone, args, kind, heldout, device), process()[0] == 0
-    if loss < progress["best"]:
-        if first:
-            M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
-        progress["best"] = loss
-    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
-    if first:
-        tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
-
-
-def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
-    """Final checkpoint and summary; returns the adapter's parameters."""
-    checkpoint(args, backbone, optimizer, scheduler, progress)
-    bar.close()
-    if process()[0] == 0:
-        finish_files(args, progress, cache)
-    return {k: v.detach().clone() for k, v in M.adapters(backbone.model).state_dict().items()}
-
-
-def finish_files(args, progress, cache):
-    """history.json and the summary line (the first process's job)."""
-    data.atomic_write(os.path.join(args.out, "history.json"),
-                   lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
-    best = os.path.join(args.out, "adapter.safetensors")
-    print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
-          + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
-             "(continue with --resume)"))
+def default_out(model, task, method):
+    """The default output folder of a run: runs/<model>-<task>-<method>."""
+    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{task}-{method}")
 
 
 def benchmark(args):
@@ -826,37 +858,6 @@ def build(args):
     return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads)
 
 
-LOCK_FILE = ".lock"
-
-
-@contextlib.contextmanager
-def locked(folder):
-    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid.
-
-    A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
-    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind.
-    Under torchrun the first process holds it for all of them.
-    """
-    if process()[0] != 0:
-        yield
-        return
-    os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ValueError(f"{folder} is in use by another run (pid {holder}); wait for it to finish or choose "
-                         "another --out") from None
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        os.close(fd)
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.build_toy:
@@ -864,7 +865,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)
-    with processes(), locked(args.out):
+    with process_group(), locked(args.out):
         claim(args)
         return train(args)
 

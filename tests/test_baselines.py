@@ -147,7 +147,7 @@ def perturb(model, seed=0):
     """Move every adapter parameter away from its initialisation (as training would)."""
     torch.manual_seed(seed)
     with torch.no_grad():
-        for p in M.adapters(model).parameters():
+        for p in M.adapter_modules(model).parameters():
             p.add_(torch.randn_like(p) * 0.3)
 
 

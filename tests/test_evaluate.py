@@ -22,7 +22,7 @@ def checkpoint(tmp_path_factory):
     backbone = M.load_backbone("tiny-idefics2")
     M.attach(backbone.model, "hyper-icl", rank=4)
     torch.manual_seed(0)
-    for p in M.adapters(backbone.model).parameters():
+    for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.3)
     path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
     M.save_adapter(path, backbone)
@@ -89,7 +89,7 @@ def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_
     # (round half to even), one per subtask, both of its questions
     assert metrics["n"] == 12 and set(metrics["mme"]["subtasks"]) == set(D.TOY_MME_SUBTASKS)
     for subtask in D.TOY_MME_SUBTASKS:
-        with open(tmp_path / "toy-mme-val-0-shot.mme" / f"{subtask}.txt") as f:
+        with open(tmp_path / "toy-mme-val-0-shot-seed0-n12.mme" / f"{subtask}.txt") as f:
             images = [line.split("\t")[0] for line in f]
         assert len(images) == 2 and images[0] == images[1]  # calculation.py reads an image's two lines in a row
 

@@ -19,7 +19,7 @@ def backbone(request):
 
 def randomise(model, seed=0):
     torch.manual_seed(seed)
-    for p in M.adapters(model).parameters():
+    for p in M.adapter_modules(model).parameters():
         torch.nn.init.normal_(p, std=0.3)
 
 
@@ -90,7 +90,7 @@ def test_only_adapter_parameters_train(plain):
     M.attach(plain.model, "hyper-icl", rank=4)
     before = {k: v.clone() for k, v in plain.model.state_dict().items() if "icl_adapter" not in k}
     trainable = [p for p in plain.model.parameters() if p.requires_grad]
-    assert {id(p) for p in trainable} == {id(p) for p in M.adapters(plain.model).parameters()}
+    assert {id(p) for p in trainable} == {id(p) for p in M.adapter_modules(plain.model).parameters()}
     batch = prompts(plain, TEXTS)
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     for _ in range(2):
@@ -99,7 +99,7 @@ def test_only_adapter_parameters_train(plain):
         opt.step()
         opt.zero_grad()
     assert all(torch.equal(v, plain.model.state_dict()[k]) for k, v in before.items())
-    assert M.adapters(plain.model)[0].U_k.abs().sum() > 0          # the adapter did move
+    assert M.adapter_modules(plain.model)[0].U_k.abs().sum() > 0          # the adapter did move
 
 
 def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
@@ -134,7 +134,7 @@ def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
 def test_parameter_counts_on_published_sizes(family, method, sizes, count):
     model = M.published_model(family)                      # meta device: no memory, no download
     M.attach(model, method, **sizes)
-    assert sum(p.numel() for p in M.adapters(model).parameters()) == count
+    assert sum(p.numel() for p in M.adapter_modules(model).parameters()) == count
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count
 
 

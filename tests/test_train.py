@@ -36,7 +36,7 @@ def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
         kind = data.TASKS[args.task].kind
         cache = {"id": train.fingerprint(backbone), "hits": 0, "misses": 0}
         student, teacher = train.micro_batch(backbone, args, kind, queries, icds, "cpu", cache)
-        opt = torch.optim.AdamW(M.adapters(backbone.model).parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(M.adapter_modules(backbone.model).parameters(), lr=1e-2)
         history = []
         for _ in range(8):
             parts = train.losses(backbone, args, student, teacher)

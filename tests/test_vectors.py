@@ -10,7 +10,6 @@ from PIL import Image
 import data as D
 import evaluate as E
 import model as M
-import train
 
 # -----------------------------------------------------------------------------
 # CHAIR
@@ -119,8 +118,8 @@ def test_rices_with_the_vision_tower(backbone, tmp_path):
     support, queries = D.load_task("toy-caption", "train")[:12], D.load_task("toy-caption", "val")[:2]
     queries = queries + [support[3]]                        # a query that is also in the support set
     args = argparse.Namespace(icds="rices", rices_encoder=None, rices_cache=str(tmp_path), seed=0)
-    icds = train.choose_demonstrations(backbone, args, queries, support, 4)
-    one = {it.id: M.vision_tower_features(backbone, [D.load_image(it)])[0].double() for it in support + queries}
+    icds = D.choose_demonstrations(backbone, args, queries, support, 4)
+    one = {it.id: D.vision_tower_features(backbone, [D.load_image(it)])[0].double() for it in support + queries}
     for q, got in zip(queries, icds):
         cos = {s.id: torch.nn.functional.cosine_similarity(one[q.id], one[s.id], dim=0).item() for s in support
                if s.id != q.id}
@@ -142,12 +141,12 @@ def test_clip_encoder_from_a_local_checkpoint(tmp_path):
     with torch.no_grad():
         expected = clip.get_image_features(pixel_values=process(images, return_tensors="pt")["pixel_values"])
     expected = expected if torch.is_tensor(expected) else expected.pooler_output
-    assert torch.allclose(M.clip_encoder(str(tmp_path))(images), expected, atol=1e-6)
+    assert torch.allclose(D.clip_encoder(str(tmp_path))(images), expected, atol=1e-6)
 
 
 def test_rices_encoder_that_cannot_be_loaded(tmp_path):
     with pytest.raises(ValueError, match=f"{tmp_path}.*own vision tower"):
-        M.clip_encoder(str(tmp_path))
+        D.clip_encoder(str(tmp_path))
 
 
 # -----------------------------------------------------------------------------
@@ -189,7 +188,7 @@ def test_steer_equals_the_forward_written_out(backbone, layer, add):
             for b, p in enumerate(positions.tolist()):
                 h[b, p] = vector + (h[b, p] if add else 0)
         return h
-    with M.steer(model, layer, vector, positions, add=add):
+    with E.steer(model, layer, vector, positions, add=add):
         got = model(input_ids=ids).logits
     assert torch.allclose(got, layer_by_layer(model, ids, patch), atol=1e-5)
     assert not torch.allclose(got, model(input_ids=ids).logits, atol=1e-3)  # the patch did something
@@ -201,15 +200,15 @@ def test_zero_function_vector_and_own_state_leave_the_model_unchanged(backbone):
     inputs = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items))
     plain = model(**inputs).logits
     d = model.config.text_config.hidden_size
-    with M.steer(model, 1, torch.zeros(d), add=True):
+    with E.steer(model, 1, torch.zeros(d), add=True):
         assert torch.equal(model(**inputs).logits, plain)
         tokens = E.generate(backbone, inputs, 4)
     assert torch.equal(tokens, E.generate(backbone, inputs, 4))
     states = {}
-    with M.layer_states_at(model, states):
+    with E.layer_states_at(model, states):
         model(**inputs)
     for l in range(2):  # a task vector equal to the states already there changes nothing
-        with M.steer(model, l, states[l][0]):
+        with E.steer(model, l, states[l][0]):
             assert torch.equal(model(**inputs).logits, plain)
 
 
@@ -220,17 +219,17 @@ def test_head_outputs_add_up_to_the_attention_output(backbone):
     heads, attn_out = {}, {}
     hooks = [a.register_forward_hook(lambda m, i, o, l=l: attn_out.__setitem__(l, o[0][:, -1]))
              for l, a in enumerate(M.decoder_self_attentions(model))]
-    with M.head_outputs(model, heads):
+    with E.head_outputs(model, heads):
         model(input_ids=ids)
     for h in hooks:
         h.remove()
     layers, n_heads, _ = M.attention_shape(model)
     for l in range(layers):
-        total = sum(M.head_contribution(model, l, h, heads[l][0][:, h]) for h in range(n_heads))
+        total = sum(E.head_contribution(model, l, h, heads[l][0][:, h]) for h in range(n_heads))
         assert torch.allclose(total, attn_out[l], atol=1e-5)
-    with M.set_head_output(model, 1, 2, heads[1][0][0, 2]):  # a head set to its own output: nothing changes
+    with E.set_head_output(model, 1, 2, heads[1][0][0, 2]):  # a head set to its own output: nothing changes
         assert torch.allclose(model(input_ids=ids).logits, model(input_ids=ids).logits)
-    with M.set_head_output(model, 1, 2, torch.ones(heads[1][0].shape[-1])):  # else only the last position moves
+    with E.set_head_output(model, 1, 2, torch.ones(heads[1][0].shape[-1])):  # else only the last position moves
         patched = model(input_ids=ids).logits
     plain = model(input_ids=ids).logits
     assert torch.equal(patched[:, :-1], plain[:, :-1]) and not torch.allclose(patched[:, -1], plain[:, -1])
@@ -298,7 +297,7 @@ def test_function_vector_at_every_generated_token(backbone):
         expected = torch.cat([expected, model(input_ids=expected, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     handle.remove()
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    with M.steer(model, layer, fv, add=True, decoding=True):
+    with E.steer(model, layer, fv, add=True, decoding=True):
         got = E.generate(argparse.Namespace(model=model, processor=None, family="idefics2"), inputs, 5, 5)
     assert torch.equal(got, expected[:, ids.shape[1]:])
     assert not torch.equal(expected[:, ids.shape[1]:], model.generate(**inputs, do_sample=False, max_new_tokens=5,
