@@ -71,31 +71,35 @@ def method_sizes(args):
 # ---------------------------------------------------------------------------------------------- the loss (Eq 10-17)
 
 def losses(backbone, args, student, teacher, model=None):
-    """The loss parts of Eq 17 (or the method's own distillation loss, --anchor) for one micro-batch:
-    {"anchor": distillation loss, "sup": L_sup, "loss": anchor + lambda L_sup}.
+    """Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": L_anchor + lambda L_sup}.
 
+    L_anchor is --anchor: Eq 16's hyperbolic anchor over every decoder layer's own output P^(l) at the query's
+    tokens (lorentz.hyperbolic_anchor_loss), the Euclidean one of Table 4, MimIC's layer-wise MSE, LIVE's KL at the
+    answer positions, or none (L = L_sup: HiFICL, LoRA). L_sup is the cross-entropy of the target tokens.
     model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
     Each part is this process's share of its mean over the global micro-batch (`share_of_global_mean`).
     """
-    answers = answer_positions(student["labels"]).sum()
+    answers = answer_positions(student["labels"])                    # [B, W] bool: the target tokens
     with autocast(student["input_ids"].device):
-        if args.anchor in ("none", "kl"):
-            out = (model or backbone.model)(**data.model_inputs(student))
+        if args.anchor in LAYER_ANCHORS:
+            out, states = M.layer_outputs(backbone.model, forward=model, **data.model_inputs(student))
         else:
-            out, hidden = M.layer_outputs(backbone.model, forward=model, **data.model_inputs(student))
-    parts = {"sup": share_of_global_mean(supervised_loss(out.logits, student["labels"]), answers)}
+            out = (model or backbone.model)(**data.model_inputs(student))
+    sup = share_of_global_mean(supervised_loss(out.logits, student["labels"]), answers.sum())  # per target token
     if args.anchor == "none":
-        parts["loss"] = parts["sup"]
-        return parts
-    if args.anchor == "kl":
-        anchor = share_of_global_mean(answer_kl(out.logits[answer_positions(student["labels"])], teacher, args.temperature), answers)
-        return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
-    hidden = torch.stack(hidden)
-    anchor = (hyperbolic_anchor_loss(hidden, teacher, student["align"], args.kappa) if args.anchor == "hyperbolic"
-              else euclidean_anchor_loss(hidden, teacher, student["align"]) if args.anchor == "euclidean"
-              else layerwise_mse(hidden, teacher, student["align"]))
-    anchor = share_of_global_mean(anchor, student["align"].any(1).sum())  # a mean over the queries (Eq 16, per query)
-    return {"anchor": anchor, **parts, "loss": anchor + args.lam * parts["sup"]}
+        return {"sup": sup, "loss": sup}
+    if args.anchor == "kl":  # teacher: [n_answers, V], the answer positions in the order of `answers`
+        anchor = share_of_global_mean(answer_kl(out.logits[answers], teacher, args.temperature), answers.sum())
+    else:  # P^(l): L x [B, W, d] -> [L, B, W, d]; teacher: the same shape; align [B, W]: the query's tokens
+        anchor = LAYER_ANCHORS[args.anchor](torch.stack(states), teacher, student["align"], args)
+        anchor = share_of_global_mean(anchor, student["align"].any(1).sum())  # Eq 16 averages per query
+    return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}
+
+
+# The distillation losses on the layer states P^(l) (student, teacher: [L, B, W, d]; align: [B, W]).
+LAYER_ANCHORS = {"hyperbolic": lambda s, t, align, args: hyperbolic_anchor_loss(s, t, align, args.kappa),  # Eq 16
+                 "euclidean": lambda s, t, align, args: euclidean_anchor_loss(s, t, align),  # L2-anchor, Table 4
+                 "mse": lambda s, t, align, args: layerwise_mse(s, t, align)}               # MimIC
 
 
 def supervised_loss(logits, labels):
@@ -249,7 +253,9 @@ def micro_batch(backbone, args, kind, queries, icds, device, cache):
 # --------------------------------------------------------------------------------------------------------- the loop
 
 def train(args):
-    """Run the distillation; returns the final adapter's parameters (a dict of tensors)."""
+    """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
+    cosine decay, --epochs passes over the training queries, the teacher's states read from the cache after their
+    first computation, the best epoch (held-out loss) kept. Returns the final adapter's parameters."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     kind = data.TASKS[args.task].kind
