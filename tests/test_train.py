@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import data
+import lorentz
 import model as M
 import train
 
@@ -87,6 +88,32 @@ def test_anchor_loss_reads_only_the_aligned_positions(setup, tmp_path):
         assert moved != base
     finally:
         M.detach(backbone.model)
+
+
+def test_the_loss_is_eq_17_written_out(setup, tmp_path):
+    """L = L_H-anchor + lambda L_sup: Eq 16 on each decoder layer's own output against the teacher at the query's
+    tokens, plus lambda times the mean cross-entropy of the target tokens (here F.cross_entropy on the shifted
+    logits). Fails if lambda weighs the wrong part, the CE is averaged over other tokens, or a part is missing."""
+    args, backbone, queries, icds = setup
+    args.teacher_cache, args.no_teacher_cache, args.lam = str(tmp_path), False, 0.3
+    M.attach(backbone.model, "hyper-icl", rank=2)
+    try:
+        torch.nn.init.normal_(M.adapter_modules(backbone.model)[0].U_k, std=0.5)  # the adapter changes the states
+        cache = {"id": "eq17", "hits": 0, "misses": 0}
+        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+        with torch.no_grad():
+            parts = train.losses(backbone, args, student, teacher)
+            out, states = M.layer_outputs(backbone.model, **data.model_inputs(student))
+            labels = student["labels"][:, 1:]
+            ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+            anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, student["align"], args.kappa)
+        torch.testing.assert_close(parts["sup"], ce)
+        torch.testing.assert_close(parts["anchor"], anchor)
+        torch.testing.assert_close(parts["loss"], anchor + 0.3 * ce)
+        assert anchor > 0 and ce > 0
+    finally:
+        M.detach(backbone.model)
+        args.lam = 0.5
 
 
 def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
