@@ -550,6 +550,9 @@ def read_toy(path, sha256=None):
         tensors = load_file(path)
     except Exception as e:  # a missing, truncated or foreign file: safetensors raises its own error types
         raise ValueError(f"toy backbone {path} cannot be read ({e})") from e
+    if expected is None:
+        raise ValueError(f"{path} is not a toy backbone (no checksum in its metadata; an adapter is loaded with "
+                         "evaluate.py --checkpoint, a toy backbone is written by `python train.py --build-toy`)")
     digest = weights_digest(tensors)
     if digest != expected or sha256 not in (None, digest):
         raise ValueError(f"toy backbone {path}: its weights do not match their checksum; restore the reference with "
