@@ -28,6 +28,7 @@ import time
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -1511,6 +1512,156 @@ def write_comparison(args, rows):
     print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
 
 
+# ------------------------------------------ learning curves: every method against its training budget, with seeds
+#
+# The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
+# per point cannot say: on the toy world a run either flips the task or not. So --curve trains every row at several
+# numbers of training queries with several seeds and reports the mean with a 95% interval per point, beside two
+# measures that are graded where accuracy is all or nothing: the log-probability of the reference answer and the KL
+# divergence from the 8-shot teacher's answer distribution, both teacher-forced on held-out (evaluation) items.
+
+CURVE_QUERIES = (8, 16, 32, 64)  # training queries per run: the x axis (Fig 2: training sample size)
+CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query draw, demonstrations, order, init
+CURVE_TRAIN_ARGS = "--epochs 4 --n-heldout 8"  # 4 passes: a run of N queries takes N steps at batch size 4
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_interval(values):
+    """(mean, low, high): the mean of independent runs and its two-sided 95% Student-t interval,
+    mean +- t(0.975, n - 1) s / sqrt(n), s the sample standard deviation (t from T_975, n <= 31 runs).
+    One run has no interval: (mean, nan, nan)."""
+    n, mean = len(values), statistics.fmean(values)
+    if n < 2:
+        return mean, math.nan, math.nan
+    if n - 1 > len(T_975):
+        raise ValueError(f"mean_interval: at most {len(T_975) + 1} runs (got {n})")
+    half = T_975[n - 2] * statistics.stdev(values) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+@torch.no_grad()
+def answer_measures(backbone, kind, items, teacher, batch_size=8):
+    """The graded measures of the zero-shot model as it is (with its adapter, if attached), teacher-forced on each
+    item's target: the mean over items of log p(target) (summed over its tokens), and the mean over target tokens of
+    KL(teacher || model), `teacher` holding one [n_tokens, V] row of the 8-shot backbone's logits per item
+    (train.run_teacher with output="logits")."""
+    logp, kl, tokens = 0.0, 0.0, 0
+    for i in range(0, len(items), batch_size):
+        rows = [D.encode(backbone.processor, backbone.family, kind, [], q) for q in items[i:i + batch_size]]
+        batch = train.to_device(D.collate(rows, backbone.processor, backbone.family), device_of(backbone.model))
+        log_p = F.log_softmax(backbone.model(**D.model_inputs(batch)).logits.float(), -1)  # [B, W, V]
+        answer = train.answer_positions(batch["labels"])                                   # [B, W]: predicts a target
+        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)                        # the token each predicts
+        for b in range(len(rows)):
+            student, t = log_p[b, answer[b]], F.log_softmax(teacher[i + b].float(), -1)    # [n_b, V] each
+            logp += student.gather(-1, targets[b, answer[b]][:, None]).sum().item()
+            kl += (t.exp() * (t - student.cpu())).sum().item()
+            tokens += len(student)
+    return {"answer_logprob": logp / len(items), "teacher_kl": kl / tokens}
+
+
+def teacher_answer_logits(backbone, args, items, shots):
+    """The backbone's answer logits with `shots` random demonstrations from the training split (seed 0), per item."""
+    kind, support = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
+    icds = D.demonstrations([it.id for it in items], support, shots, 0)
+    pieces = [D.encode_query(backbone.processor, backbone.family, kind, q) for q in items]
+    device, out = device_of(backbone.model), []
+    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
+        s = slice(i, i + args.batch_size)
+        out += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device, output="logits")
+    return out
+
+
+def curve_runs(names=None):
+    """The rows of --curve: every method of model.METHODS and Hyper-ICL's anchor ablations (Table 4); `names`
+    keeps only those named."""
+    rows = [(m, ["--method", m]) for m in M.METHODS] + [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
+                                                        ("hyper-icl, CE only", ["--anchor", "none"]),
+                                                        ("hyper-icl, anchor only", ["--lam", "0"])]
+    return [r for r in rows if names is None or r[0] in names]
+
+
+def curve(args):
+    """--curve: train every row of curve_runs on each of --curve-queries training queries with --curve-seeds seeds,
+    score each run on the same evaluation items (accuracy, answer log-probability, KL from the 8-shot teacher) and
+    write <out>/curve.md (mean [95% interval] per row and budget), curve.json (every run) and curve.png. One thread on
+    CPU, as --compare. The teacher's states are computed once per query and shared by every run."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    items = eval_items(args)
+    backbone = M.load_backbone(args.model)
+    kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
+    teacher = teacher_answer_logits(backbone, args, items, shots)
+    common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
+    scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
+        (["--n-eval", str(args.n_eval)] if args.n_eval else [])
+    levels = {f"{n}-shot ICL": main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
+              for n in (0, shots)}
+    levels = {k: {"accuracy": m[next(x for x in ("vqa_accuracy", "cider", "accuracy") if x in m)]}
+              for k, m in levels.items()}
+    levels["0-shot ICL"] |= answer_measures(backbone, kind, items, teacher, args.batch_size)
+    runs = []
+    plan = [(name, flags, n, seed) for name, flags in curve_runs(args.curve_methods) for n in args.curve_queries
+            for seed in range(args.curve_seeds)]
+    for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
+        out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
+        train.main(common + shlex.split(args.train_args or CURVE_TRAIN_ARGS) + flags + [
+            "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
+            "--teacher-cache", os.path.join(args.out, "teacher")])
+        checkpoint = os.path.join(out, "adapter.safetensors")
+        m = main(scoring + ["--checkpoint", checkpoint, "--out", out])
+        M.load_adapter(checkpoint, backbone)
+        runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[next(
+            x for x in ("vqa_accuracy", "cider", "accuracy") if x in m)],
+            **answer_measures(backbone, kind, items, teacher, args.batch_size)})
+        M.detach(backbone.model)
+    write_curve(args, runs, levels, len(items))
+    return runs, levels
+
+
+CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(reference answer)",
+                  "teacher_kl": "KL(8-shot teacher || model) per answer token"}
+
+
+def write_curve(args, runs, levels, n_items):
+    """curve.md: per measure, a table of mean [95% interval] per row (setting) and budget; curve.json; curve.png:
+    each measure against the training queries, a band per row, the ICL levels as horizontal lines."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    settings = list(dict.fromkeys(r["setting"] for r in runs))
+    budgets = sorted({r["queries"] for r in runs})
+    stats = {(s, n, k): mean_interval([r[k] for r in runs if r["setting"] == s and r["queries"] == n])
+             for s in settings for n in budgets for k in CURVE_MEASURES}
+    seeds = len({r["seed"] for r in runs})
+    lines = [f"{args.model} on {args.task}/{args.split}, {n_items} items; mean [95% interval] over {seeds} seeds "
+             f"per point; train.py {args.train_args} --n-train N"]
+    for k, title in CURVE_MEASURES.items():
+        lines += ["", f"{title}: " + ", ".join(f"{name} {v[k]:.3g}" for name, v in levels.items() if k in v), "",
+                  "| setting | " + " | ".join(f"N = {n}" for n in budgets) + " |", "|---|" + "---:|" * len(budgets)]
+        lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
+                  for s in settings]
+    D.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
+    write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels})
+    fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
+    for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):
+        for i, s in enumerate(settings):
+            mean, low, high = zip(*(stats[s, n, k] for n in budgets))
+            color = plt.cm.tab20(i % 20)
+            ax.plot(budgets, mean, "o-", color=color, lw=1.2, label=s)
+            ax.fill_between(budgets, low, high, color=color, alpha=0.15)
+        for name, v in levels.items():
+            if k in v:
+                ax.axhline(v[k], color="black", ls=":" if name.startswith("0") else "--", lw=1, label=name)
+        ax.set(xscale="log", xticks=budgets, xticklabels=budgets, xlabel="training queries (N)", title=title)
+    axes[0].legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    D.atomic_write(os.path.join(args.out, "curve.png"), lambda f: fig.savefig(f, format="png"))
+    plt.close(fig)
+    print("\n".join(lines) + f"\n-> {args.out}/curve.md, curve.png")
+
+
 # ----------------------------------------------------------------------------------------------------- command line
 
 def default_checkpoint(model, task):
@@ -1567,6 +1718,15 @@ def parse_args(argv=None):
     mode.add_argument("--compare", action="store_true", help="the comparison table (Table 1, Fig 2 style): 0/1/2/4/8-"
                       "shot ICL, then train.py with every method of model.METHODS, Hyper-ICL's anchor ablations and "
                       "the real-size anchor regime (kappa d = 400), each evaluated; writes compare.md and compare.png")
+    mode.add_argument("--curve", action="store_true", help="learning curves: every method of model.METHODS and "
+                      "Hyper-ICL's anchor ablations trained on --curve-queries training queries with --curve-seeds "
+                      "seeds; mean and 95%% interval of accuracy, answer log-probability and KL from the 8-shot "
+                      "teacher per point; writes curve.md, curve.json and curve.png")
+    p.add_argument("--curve-queries", type=int, nargs="+", default=list(CURVE_QUERIES),
+                   help="--curve: training queries per run (default: %(default)s)")
+    p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS, help="--curve: seeds per point (default: "
+                   "%(default)s)")
+    p.add_argument("--curve-methods", nargs="+", help="--curve: only these rows (names as in curve.md; default: all)")
     p.add_argument("--train-args", default="", help="with --compare: extra train.py flags for every adapter row, "
                    "e.g. '--epochs 1' for a quick look (default: train.py's own defaults, the paper's settings)")
     p.add_argument("--vector", choices=["tv", "fv"], help="evaluate zero-shot with a training-free in-context vector "
@@ -1611,7 +1771,16 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
     if any(n < 0 for n in args.bench_shots):
         p.error(f"--bench-shots must be at least 0 (got {args.bench_shots})")
-    if args.compare:
+    if args.curve:
+        args.train_args = args.train_args or CURVE_TRAIN_ARGS
+        if min(args.curve_queries) < 1:
+            p.error(f"--curve-queries must be at least 1 (got {args.curve_queries})")
+        unknown = set(args.curve_methods or []) - {name for name, _ in curve_runs()}
+        if unknown:
+            p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
+        if not 2 <= args.curve_seeds <= len(T_975) + 1:
+            p.error(f"--curve-seeds must be in [2, {len(T_975) + 1}] for an interval (got {args.curve_seeds})")
+    if args.compare or args.curve:
         check_train_args(p, args)
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
@@ -1633,14 +1802,15 @@ def parse_args(argv=None):
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
-    args.out = args.out or (f"runs/compare-{name}-{args.task}" if args.compare else os.path.dirname(args.checkpoint)
+    study = "compare" if args.compare else "curve" if args.curve else None
+    args.out = args.out or (f"runs/{study}-{name}-{args.task}" if study else os.path.dirname(args.checkpoint)
                             or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
     train.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args
 
 
 def check_train_args(p, args):
-    """--compare's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
+    """--compare's and --curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
     parser error (naming the flag) if they do not parse."""
     try:
         flags = shlex.split(args.train_args)
@@ -1677,6 +1847,8 @@ def run(args):
         return attention_benchmark(attention_model(args), args.attention_tokens)
     if args.compare:
         return compare(args)
+    if args.curve:
+        return curve(args)
     items = None if args.benchmark else eval_items(args)
     if items == []:
         raise ValueError(f"{args.task} has no {args.split} items to evaluate")
