@@ -1,6 +1,7 @@
 """evaluate.py end to end on the tiny twins and the toy tasks (CPU): evaluation files, post-processing, the
 efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
 import json
+import math
 import os
 
 import pytest
@@ -232,3 +233,57 @@ def test_attention_benchmark_runs_every_path(monkeypatch, capsys):
     ms = E.attention_benchmark(M.load_backbone("tiny-idefics2").model, T=16)
     assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"] and all(t > 0 and m > 0 for t, m in ms.values())
     assert "hyper-icl reference" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# learning curves (--curve): intervals over seeds, graded measures
+
+def test_mean_interval_by_hand():
+    mean, low, high = E.mean_interval([1.0, 2.0, 3.0])          # s = 1, t(0.975, 2) = 4.303
+    assert mean == 2 and abs(high - 2 - 4.303 / 3 ** 0.5) < 1e-9 and abs(2 - low - 4.303 / 3 ** 0.5) < 1e-9
+    mean, low, high = E.mean_interval([2.0, 4.0, 4.0, 6.0])     # s = sqrt(8 / 3), t(0.975, 3) = 3.182
+    assert mean == 4 and abs((high - low) / 2 - 3.182 * (8 / 3) ** 0.5 / 2) < 1e-9
+    assert E.mean_interval([5.0, 5.0, 5.0]) == (5.0, 5.0, 5.0)
+    mean, low, high = E.mean_interval([7.0])
+    assert mean == 7 and math.isnan(low) and math.isnan(high)
+
+
+def test_answer_measures_against_the_models_own_logits():
+    """With the teacher's logits replaced by the model's own zero-shot ones the KL is 0, and log p(target) summed
+    over the items is minus the cross-entropy of train.supervised_loss times the number of target tokens."""
+    backbone = M.load_backbone("tiny-idefics2")
+    items = D.load_task("toy-vqa", "val")[:5]
+    rows = [D.encode(backbone.processor, backbone.family, "vqa", [], q) for q in items]
+    batch = D.collate(rows, backbone.processor, backbone.family)
+    with torch.no_grad():
+        logits = backbone.model(**D.model_inputs(batch)).logits
+    answer = train.answer_positions(batch["labels"])
+    own = [logits[b, answer[b]] for b in range(len(items))]
+    measures = E.answer_measures(backbone, "vqa", items, own, batch_size=2)
+    assert abs(measures["teacher_kl"]) < 1e-6
+    ce = train.supervised_loss(logits, batch["labels"]).item()
+    assert abs(measures["answer_logprob"] * len(items) + ce * answer.sum().item()) < 1e-3
+    shifted = [t + torch.randn_like(t) for t in own]                # another teacher: a positive KL
+    assert E.answer_measures(backbone, "vqa", items, shifted, batch_size=5)["teacher_kl"] > 1e-3
+
+
+def test_curve_trains_every_row_budget_and_seed(tmp_path):
+    out = tmp_path / "curve"
+    runs, levels = E.main(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "6",
+                           "--batch-size", "6", "--curve-queries", "4", "8", "--curve-seeds", "2",
+                           "--curve-methods", "hyper-icl", "hificl",
+                           "--train-args", "--epochs 1 --n-heldout 2 --batch-size 4", "--out", str(out)])
+    assert sorted((r["setting"], r["queries"], r["seed"]) for r in runs) == sorted(
+        (s, n, k) for s in ("hyper-icl", "hificl") for n in (4, 8) for k in (0, 1))
+    assert set(levels) == {"0-shot ICL", "8-shot ICL"} and "teacher_kl" in levels["0-shot ICL"]
+    table = (out / "curve.md").read_text()
+    assert table.count("| hificl |") == 3 and "N = 8" in table and (out / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags,message", [(["--curve-seeds", "1"], "--curve-seeds must be in"),
+                                           (["--curve-methods", "nope"], "--curve-methods: unknown"),
+                                           (["--curve-queries", "0"], "--curve-queries must be at least 1")])
+def test_curve_flags_are_checked(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        E.parse_args(["--curve", *flags])
+    assert message in capsys.readouterr().err
