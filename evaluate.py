@@ -1574,11 +1574,15 @@ def teacher_answer_logits(backbone, args, items, shots):
 
 
 def curve_runs(names=None):
-    """The rows of --curve: every method of model.METHODS and Hyper-ICL's anchor ablations (Table 4); `names`
-    keeps only those named."""
+    """The rows of --curve: every method of model.METHODS, Hyper-ICL's anchor ablations (Table 4), lambda and kappa
+    beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; `names` keeps only
+    those named."""
     rows = [(m, ["--method", m]) for m in M.METHODS] + [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
                                                         ("hyper-icl, CE only", ["--anchor", "none"]),
                                                         ("hyper-icl, anchor only", ["--lam", "0"])]
+    rows += [(f"hyper-icl, lambda {lam}", ["--lam", lam]) for lam in ("5", "50")]           # Fig 3b: lambda
+    rows += [(f"hyper-icl, kappa {kappa}", ["--kappa", kappa]) for kappa in ("0.01", "1")]  # Fig 3b: kappa
+    rows += [("hyper-icl, anchor / first step", ["--anchor-norm", "first"])]              # not in the paper
     return [r for r in rows if names is None or r[0] in names]
 
 

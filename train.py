@@ -70,13 +70,14 @@ def method_sizes(args):
 
 # ---------------------------------------------------------------------------------------------- the loss (Eq 10-17)
 
-def losses(backbone, args, student, teacher, model=None):
+def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
     """Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": L_anchor + lambda L_sup}.
 
     L_anchor is --anchor: Eq 16's hyperbolic anchor over every decoder layer's own output P^(l) at the query's
     tokens (lorentz.hyperbolic_anchor_loss), the Euclidean one of Table 4, MimIC's layer-wise MSE, LIVE's KL at the
     answer positions, or none (L = L_sup: HiFICL, LoRA). L_sup is the cross-entropy of the target tokens.
     model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
+    anchor_scale: what L_anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
     Each part is this process's share of its mean over the global micro-batch (`share_of_global_mean`).
     """
     answers = answer_positions(student["labels"])                    # [B, W] bool: the target tokens
@@ -93,7 +94,25 @@ def losses(backbone, args, student, teacher, model=None):
     else:  # P^(l): L x [B, W, d] -> [L, B, W, d]; teacher: the same shape; align [B, W]: the query's tokens
         anchor = LAYER_ANCHORS[args.anchor](torch.stack(states), teacher, student["align"], args)
         anchor = share_of_global_mean(anchor, student["align"].any(1).sum())  # Eq 16 averages per query
+    anchor = anchor / anchor_scale
     return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}
+
+
+@torch.no_grad()
+def initial_anchor(backbone, args, kind, queries, icds, device, cache):
+    """--anchor-norm first: L_anchor of the first micro-batch before any step (the adapter at its identity start),
+    the constant the anchor is then divided by, so that it starts at 1 beside lambda L_sup. Not in the paper."""
+    rank, world = rank_and_world()
+    qs = [queries[i] for i in epoch_order(len(queries), args.batch_size, args.seed, 0)[0][rank::world]]
+    anchor = losses(backbone, args, *micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache))
+    anchor = anchor["anchor"].detach().float()
+    if dist.is_initialized():
+        dist.all_reduce(anchor)  # the processes' shares add up to the global mean times the number of processes
+        anchor /= world
+    if not anchor > 0:
+        raise FloatingPointError(f"--anchor-norm first: the first step's anchor is {anchor.item()}, nothing to divide by")
+    tqdm.write(f"--anchor-norm first: the anchor is divided by its first-step value {anchor.item():.4g}")
+    return anchor.item()
 
 
 # The distillation losses on the layer states P^(l) (student, teacher: [L, B, W, d]; align: [B, W]).
@@ -275,6 +294,8 @@ def train(args):
     if args.resume:
         progress = restore(args, backbone, optimizer, scheduler)
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
+    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in progress:
+        progress["anchor_scale"] = initial_anchor(backbone, args, kind, queries, icds, device, cache)
     if args.anchor in ("hyperbolic", "euclidean") and not args.resume:  # the noise floor of the layer-state anchors
         first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
         anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
@@ -294,7 +315,7 @@ def train(args):
                 for idx in order[s * args.grad_accum:(s + 1) * args.grad_accum]:
                     qs = [queries[i] for i in idx[rank::world]]  # under torchrun: this process's share
                     student, teacher = micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache)
-                    part = losses(backbone, args, student, teacher, student_model)
+                    part = losses(backbone, args, student, teacher, student_model, progress.get("anchor_scale", 1.0))
                     check_finite(part, progress["step"] + 1)
                     (part["loss"] / args.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.item() / args.grad_accum for k, v in part.items()}
@@ -592,7 +613,7 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
 
 RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",
                      "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa", "lam", "anchor",
-                     "temperature", "seed")
+                     "anchor_norm", "temperature", "seed")
 
 
 def restore(args, backbone, optimizer, scheduler):
@@ -769,6 +790,9 @@ def parse_args(argv=None):
                    "euclidean: L2-anchor (Table 4); mse: MimIC's layer-wise MSE of the hidden states at the query "
                    "tokens (MimIC src/shift_model.py); kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
                    "at the answer positions (LIVE icv_src/icv_module.py); none: cross-entropy only")
+    p.add_argument("--anchor-norm", choices=["none", "first"], default="none", help="none: the paper's Eq 17; first: "
+                   "the distillation loss divided by its value at the first step (before any update), so that it "
+                   "starts at 1 beside lambda x CE instead of hundreds of times larger (not in the paper)")
     p.add_argument("--temperature", type=float, default=1.0, help="T of --anchor kl (LIVE divides both logits by "
                    "T and scales the KL by T^2; its value is not in LIVE's public files)")
     p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")

@@ -116,6 +116,28 @@ def test_the_loss_is_eq_17_written_out(setup, tmp_path):
         args.lam = 0.5
 
 
+def test_anchor_norm_first_divides_the_anchor_by_its_first_step_value(setup, tmp_path):
+    args, backbone, queries, icds = setup
+    args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
+    M.attach(backbone.model, "hyper-icl", rank=2)
+    try:
+        cache = {"id": "norm", "hits": 0, "misses": 0}
+        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+        with torch.no_grad():
+            raw = train.losses(backbone, args, student, teacher)
+            scaled = train.losses(backbone, args, student, teacher, anchor_scale=raw["anchor"].item())
+        torch.testing.assert_close(scaled["anchor"], torch.tensor(1.0))
+        torch.testing.assert_close(scaled["loss"], 1 + args.lam * raw["sup"])
+    finally:
+        M.detach(backbone.model)
+    out = tmp_path / "normed"
+    train.main(run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
+    scale = torch.load(out / "last.pt", weights_only=False)["progress"]["anchor_scale"]
+    assert scale > 1  # the tiny twin's hyperbolic anchor at its start (tens), now the unit of the loss
+    with pytest.raises(SystemExit, match="--anchor-norm first .now none."):  # a resume must keep it
+        train.main(run(tmp_path, "--resume", name="normed"))
+
+
 def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     args, backbone, queries, icds = setup
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
