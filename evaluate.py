@@ -1520,9 +1520,9 @@ def write_comparison(args, rows):
 # measures that are graded where accuracy is all or nothing: the log-probability of the reference answer and the KL
 # divergence from the 8-shot teacher's answer distribution, both teacher-forced on held-out (evaluation) items.
 
-CURVE_QUERIES = (8, 16, 32, 64)  # training queries per run: the x axis (Fig 2: training sample size)
+CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query draw, demonstrations, order, init
-CURVE_TRAIN_ARGS = "--epochs 4 --n-heldout 8"  # 4 passes: a run of N queries takes N steps at batch size 4
+CURVE_TRAIN_ARGS = "--epochs 16 --n-heldout 8"  # 16 passes: N queries take 4 N steps at batch size 4
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
