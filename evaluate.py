@@ -1624,6 +1624,7 @@ def curve(args):
     return runs, levels
 
 
+CURVE_RANGE = {"accuracy": (0, 100), "answer_logprob": (None, 0), "teacher_kl": (0, None)}  # where each can lie
 CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(reference answer)",
                   "teacher_kl": "KL(8-shot teacher || model) per answer token"}
 
@@ -1654,11 +1655,14 @@ def write_curve(args, runs, levels, n_items):
             mean, low, high = zip(*(stats[s, n, k] for n in budgets))
             color = plt.cm.tab20(i % 20)
             ax.plot(budgets, mean, "o-", color=color, lw=1.2, label=s)
-            ax.fill_between(budgets, low, high, color=color, alpha=0.15)
+            ax.fill_between(budgets, *(torch.tensor(b).clamp(*CURVE_RANGE[k]).tolist() for b in (low, high)),
+                            color=color, alpha=0.12)  # the interval, cut at the measure's range
         for name, v in levels.items():
             if k in v:
                 ax.axhline(v[k], color="black", ls=":" if name.startswith("0") else "--", lw=1, label=name)
-        ax.set(xscale="log", xticks=budgets, xticklabels=budgets, xlabel="training queries (N)", title=title)
+        ax.set(xscale="log", xlabel="training queries (N)", title=title)
+        ax.set_xticks(budgets, [str(n) for n in budgets])
+        ax.minorticks_off()
     axes[0].legend(fontsize=6, loc="best")
     fig.tight_layout()
     D.atomic_write(os.path.join(args.out, "curve.png"), lambda f: fig.savefig(f, format="png"))
