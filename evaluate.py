@@ -1,15 +1,16 @@
 """
-Evaluation: metrics as the official benchmark code computes them, inference, the efficiency table (Table 6), and
-the analyses of the appendices (Table 9, Table 10).
+Evaluation: inference and scoring, metrics as the official benchmark code computes them, the efficiency table
+(Table 6), the analyses of the appendices (Table 9, Table 10), the comparison table and learning curves.
 
-    python evaluate.py                                   tiny-idefics2 on toy-vqa, with the default train.py
-                                                         run's adapter if it exists, else zero-shot
+    python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
+                                                         8-shot and the default train.py run's adapter
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
     python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
     python evaluate.py --model idefics2 --task seed --data-root D --shots 2 --seed-protocol likelihood
                                                          Table 2: SEED-Bench, 2-shot, official option ranking
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
     python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
+    python evaluate.py --compare | --curve               every method on the toy world: one budget | learning curves
 """
 import argparse
 import contextlib

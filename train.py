@@ -15,6 +15,7 @@ without --resume or --overwrite, and one process at a time holds a folder (`lock
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
+    python train.py --build-toy                       # meta-train a toy-idefics2 of your own (probed, ~5 min)
 """
 import argparse
 import contextlib
