@@ -567,7 +567,8 @@ def meta_train(recipe, threads=1, log=print):
                               **probe_row(model, processor, text, probe_set)})
                 losses = []
                 log(f"step {step + 1}: loss {curve[-1]['loss']:.3f}  " + describe_probe(curve[-1]))
-        return model.eval(), processor, curve, probe_row(model, processor, text, probe_set, n=PROBE_EPISODES)
+        final = probe_row(model, processor, text, probe_set, n=PROBE_EPISODES)  # leaves the model in train mode
+        return model.eval(), processor, curve, final
     finally:
         torch.set_num_threads(before)
 
