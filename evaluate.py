@@ -251,10 +251,15 @@ def evaluate_with_baselines(backbone, args, items, setting):
                 for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in done[0])
+    metric = headline_metric(done[0])
     print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
           f"{len(items)} items)" + no_icl_verdict(done[1], metric, items))
     return done[-1] if args.checkpoint else done[0]
+
+
+def headline_metric(metrics):
+    """The name of the metric an evaluation reports first: VQA accuracy, CIDEr, or (MME, SEED-Bench) accuracy."""
+    return next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in metrics)
 
 
 def no_icl_verdict(icl, metric, items, margin=5.0):
@@ -1491,7 +1496,7 @@ def write_comparison(args, rows):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    metric = next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in rows[0])
+    metric = headline_metric(rows[0])
     lines = [f"{args.model} on {args.task}/{args.split} ({rows[0]['n']} items, seed {args.seed}); {metric} x 100",
              "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
     seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
@@ -1603,8 +1608,7 @@ def curve(args):
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
     levels = {f"{n}-shot ICL": main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
               for n in (0, shots)}
-    levels = {k: {"accuracy": m[next(x for x in ("vqa_accuracy", "cider", "accuracy") if x in m)]}
-              for k, m in levels.items()}
+    levels = {k: {"accuracy": m[headline_metric(m)]} for k, m in levels.items()}
     levels["0-shot ICL"] |= answer_measures(backbone, kind, items, teacher, args.batch_size)
     runs = []
     plan = [(name, flags, n, seed) for name, flags in curve_runs(args.curve_methods) for n in args.curve_queries
@@ -1617,9 +1621,8 @@ def curve(args):
         checkpoint = os.path.join(out, "adapter.safetensors")
         m = main(scoring + ["--checkpoint", checkpoint, "--out", out])
         M.load_adapter(checkpoint, backbone)
-        runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[next(
-            x for x in ("vqa_accuracy", "cider", "accuracy") if x in m)],
-            **answer_measures(backbone, kind, items, teacher, args.batch_size)})
+        runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[headline_metric(m)],
+                     **answer_measures(backbone, kind, items, teacher, args.batch_size)})
         M.detach(backbone.model)
     write_curve(args, runs, levels, len(items))
     return runs, levels
