@@ -175,13 +175,18 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
 
 # -------------------------------------------------------------------------------------------- the teacher cache
 
-def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
+def teacher_inputs(tmp_path, n):
+    """train.teacher_states' arguments for the first n toy-vqa training queries, one ICD each, on the tiny twin."""
     args = train.parse_args(flags(tmp_path, "run"))
     backbone = M.load_backbone("tiny-idefics2")
-    queries = data.load_task("toy-vqa", "train")[:2]
+    queries = data.load_task("toy-vqa", "train")[:n]
     icds = data.demonstrations([q.id for q in queries], data.load_task("toy-vqa", "train"), 1, 0)
     pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
-    cache = {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
+    return args, backbone, queries, icds, pieces, {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
+
+
+def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
+    args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 2)
     fresh = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
     path = os.path.join(args.teacher_cache, train.teacher_key(cache["id"], args, queries[1], icds[1]) + ".safetensors")
     good = open(path, "rb").read()
@@ -390,12 +395,7 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
 
 
 def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys):
-    args = train.parse_args(flags(tmp_path, "run"))
-    backbone = M.load_backbone("tiny-idefics2")
-    queries = data.load_task("toy-vqa", "train")[:1]
-    icds = data.demonstrations([q.id for q in queries], data.load_task("toy-vqa", "train"), 1, 0)
-    pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
-    cache = {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
+    args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 1)
     (fresh,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
     key = train.teacher_key(cache["id"], args, queries[0], icds[0])
     path = os.path.join(args.teacher_cache, key + ".safetensors")

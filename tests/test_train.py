@@ -1,4 +1,5 @@
 """The distillation loop on the tiny Idefics2 twin and toy-vqa (CPU): losses, teacher reuse, resume, failures."""
+import contextlib
 import os
 
 import pytest
@@ -73,63 +74,62 @@ def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeyp
     assert teacher[:, ~student["align"]].abs().sum() == 0
 
 
-def test_anchor_loss_reads_only_the_aligned_positions(setup, tmp_path):
+@contextlib.contextmanager
+def attached_batch(setup, tmp_path, cache_id):
+    """A fresh rank-2 Hyper-ICL on the tiny twin and the setup's micro-batch (student, teacher), detached after."""
     args, backbone, queries, icds = setup
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
     M.attach(backbone.model, "hyper-icl", rank=2)
     try:
-        cache = {"id": "y", "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+        cache = {"id": cache_id, "hits": 0, "misses": 0}
+        yield train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+    finally:
+        M.detach(backbone.model)
+
+
+def test_anchor_loss_reads_only_the_aligned_positions(setup, tmp_path):
+    args, backbone = setup[:2]
+    with attached_batch(setup, tmp_path, "y") as (student, teacher):
         with torch.no_grad():
             base = train.losses(backbone, args, student, teacher)["anchor"]
             noise = torch.randn_like(teacher) * (~student["align"])[None, ..., None]
             assert train.losses(backbone, args, student, teacher + noise)["anchor"] == base
             moved = train.losses(backbone, args, student, teacher + torch.randn_like(teacher))["anchor"]
         assert moved != base
-    finally:
-        M.detach(backbone.model)
 
 
 def test_the_loss_is_eq_17_written_out(setup, tmp_path):
     """L = L_H-anchor + lambda L_sup: Eq 16 on each decoder layer's own output against the teacher at the query's
     tokens, plus lambda times the mean cross-entropy of the target tokens (here F.cross_entropy on the shifted
     logits). Fails if lambda weighs the wrong part, the CE is averaged over other tokens, or a part is missing."""
-    args, backbone, queries, icds = setup
-    args.teacher_cache, args.no_teacher_cache, args.lam = str(tmp_path), False, 0.3
-    M.attach(backbone.model, "hyper-icl", rank=2)
+    args, backbone = setup[:2]
+    args.lam = 0.3
     try:
-        torch.nn.init.normal_(M.adapter_modules(backbone.model)[0].U_k, std=0.5)  # the adapter changes the states
-        cache = {"id": "eq17", "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
-        with torch.no_grad():
-            parts = train.losses(backbone, args, student, teacher)
-            out, states = M.layer_outputs(backbone.model, **data.model_inputs(student))
-            labels = student["labels"][:, 1:]
-            ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
-            anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, student["align"], args.kappa)
-        torch.testing.assert_close(parts["sup"], ce)
-        torch.testing.assert_close(parts["anchor"], anchor)
-        torch.testing.assert_close(parts["loss"], anchor + 0.3 * ce)
-        assert anchor > 0 and ce > 0
+        with attached_batch(setup, tmp_path, "eq17") as (student, teacher):
+            torch.nn.init.normal_(M.adapter_modules(backbone.model)[0].U_k, std=0.5)  # the adapter changes the states
+            with torch.no_grad():
+                parts = train.losses(backbone, args, student, teacher)
+                out, states = M.layer_outputs(backbone.model, **data.model_inputs(student))
+                labels = student["labels"][:, 1:]
+                ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(),
+                                                       ignore_index=-100)
+                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, student["align"], args.kappa)
+            torch.testing.assert_close(parts["sup"], ce)
+            torch.testing.assert_close(parts["anchor"], anchor)
+            torch.testing.assert_close(parts["loss"], anchor + 0.3 * ce)
+            assert anchor > 0 and ce > 0
     finally:
-        M.detach(backbone.model)
         args.lam = 0.5
 
 
 def test_anchor_norm_first_divides_the_anchor_by_its_first_step_value(setup, tmp_path):
-    args, backbone, queries, icds = setup
-    args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
-    M.attach(backbone.model, "hyper-icl", rank=2)
-    try:
-        cache = {"id": "norm", "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+    args, backbone = setup[:2]
+    with attached_batch(setup, tmp_path, "norm") as (student, teacher):
         with torch.no_grad():
             raw = train.losses(backbone, args, student, teacher)
             scaled = train.losses(backbone, args, student, teacher, anchor_scale=raw["anchor"].item())
         torch.testing.assert_close(scaled["anchor"], torch.tensor(1.0))
         torch.testing.assert_close(scaled["loss"], 1 + args.lam * raw["sup"])
-    finally:
-        M.detach(backbone.model)
     out = tmp_path / "normed"
     train.main(run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
     scale = torch.load(out / "last.pt", weights_only=False)["progress"]["anchor_scale"]
