@@ -1,6 +1,6 @@
 """
 Evaluation: inference and scoring, metrics as the official benchmark code computes them, the efficiency table
-(Table 6), the analyses of the appendices (Table 9, Table 10), the comparison table and learning curves.
+(Table 6), the analyses of the appendices (Table 9, Table 10) and the learning curves of every method.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -10,7 +10,7 @@ Evaluation: inference and scoring, metrics as the official benchmark code comput
                                                          Table 2: SEED-Bench, 2-shot, official option ranking
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
     python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
-    python evaluate.py --compare | --curve               every method on the toy world: one budget | learning curves
+    python evaluate.py --curve                           every method on the toy world, tuned: learning curves
 """
 import argparse
 import contextlib
@@ -429,7 +429,7 @@ _PTB_RULES = [(re.compile(tok), re.compile(ctx), out) for tok, ctx, out in [
     ("-{3,4}", "", "--"), ("-+", "", None),
     (r"\.{3,5}|(?:\.\s){2,4}\.|\u2026", "", "..."),
     ("@+|#+|_+|\\*+", "", None), ("[,;:]", "", None), ("[?!]+", "", None), (r"\.", "", None), ("[=/]", "", None),
-    (rf"[A-Za-z0-9][A-Za-z0-9.,]*(?:-(?:[A-Za-z](?:\.[A-Za-z])+\.|[A-Za-z0-9]+))+", "", None),  # x-ray, 2.5-inch
+    (r"[A-Za-z0-9][A-Za-z0-9.,]*(?:-(?:[A-Za-z](?:\.[A-Za-z])+\.|[A-Za-z0-9]+))+", "", None),  # x-ray, 2.5-inch
     (rf"{_THING}(?:-{_THING})*", "", None),
     (r"[A-Z]+(?:[+&][A-Z]+)+", "", None),                          # AT&T
     (rf"{_APOS_ETC}|''|[\u201A-\u201F\u0093\u0094\u2039\u203A\u00AB\u00BB]{{1,2}}", "", "''"),
@@ -1444,91 +1444,19 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
         {"layers": list(layers), "n": len(items)}
 
 
-# ----------------------------------- the comparison table (Table 1 rows, Fig 2 style plot) on one backbone and task
-
-COMPARE_SHOTS = (0, 1, 2, 4, 8)
-
-
-def compare_runs(hidden):
-    """The adapter rows: every method in model.METHODS (train.py's settings), Hyper-ICL's anchor ablations (Table 4),
-    and Hyper-ICL at kappa = 400 / d, where sqrt(kappa)|LN(h)| = 20 as at Idefics2-8B's width with kappa 0.1."""
-    kappa = f"{400 / hidden:.4g}"
-    return [(method, ["--method", method]) for method in M.METHODS] + [
-        ("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
-        ("hyper-icl, CE only", ["--anchor", "none"]),
-        ("hyper-icl, anchor only", ["--lam", "0"]),
-        (f"hyper-icl, kappa {kappa}", ["--kappa", kappa]),
-        (f"hyper-icl, anchor only, kappa {kappa}", ["--kappa", kappa, "--lam", "0"])]
-
-
-def compare(args):
-    """Run the comparison: n-shot ICL for n in COMPARE_SHOTS, then each adapter row trained by train.main and
-    evaluated by main on the same items. Writes <out>/compare.md (markdown table), compare.json and compare.png.
-    On CPU it runs on one thread: on a shared machine that was about 10x faster than two (and deterministic)."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    common = ["--model", args.model, "--task", args.task, "--seed", str(args.seed)] + \
-        (["--data-root", args.data_root] if args.data_root else [])
-    scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size)] + \
-        (["--n-eval", str(args.n_eval)] if args.n_eval else [])
-    D.load_task(args.task, args.split, args.data_root)  # the data is read and checked before any model loads
-    hidden = M.load_backbone(args.model).model.config.get_text_config().hidden_size
-    rows = []
-    for n in COMPARE_SHOTS:
-        m = main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
-        rows.append({**m, "setting": "zero-shot" if n == 0 else f"{n}-shot ICL", "shots": n, "params": 0})
-    for name, flags in compare_runs(hidden):
-        out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()))
-        start = time.perf_counter()
-        adapter = train.main(common + shlex.split(args.train_args) + flags +
-                             ["--out", out, "--overwrite", "--teacher-cache", os.path.join(args.out, "teacher")])
-        seconds = time.perf_counter() - start
-        m = main(scoring + ["--checkpoint", os.path.join(out, "adapter.safetensors"), "--out", out])
-        rows.append({**m, "setting": name, "shots": None, "params": sum(t.numel() for t in adapter.values()),
-                     "train_seconds": seconds})
-    write_comparison(args, rows)
-    return rows
-
-
-def write_comparison(args, rows):
-    """compare.md (the table), compare.json (the rows) and compare.png (accuracy against shots, adapters as
-    horizontal lines, as the paper's Fig 2)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    metric = headline_metric(rows[0])
-    lines = [f"{args.model} on {args.task}/{args.split} ({rows[0]['n']} items, seed {args.seed}); {metric} x 100",
-             "", f"| setting | {metric} | trainable parameters | training (s) |", "|---|---:|---:|---:|"]
-    seconds = lambda r: f"{r['train_seconds']:.0f}" if "train_seconds" in r else ""
-    lines += [f"| {r['setting']} | {r[metric]:.1f} | {r['params']:,} | {seconds(r)} |" for r in rows]
-    D.atomic_write(os.path.join(args.out, "compare.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    write_json(os.path.join(args.out, "compare.json"), rows)
-    icl = [r for r in rows if r["shots"] is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    ax.plot([r["shots"] for r in icl], [r[metric] for r in icl], "o-", color="black", label="n-shot ICL")
-    for i, r in enumerate(r for r in rows if r["shots"] is None):
-        ax.axhline(r[metric], color=plt.cm.tab10(i % 10), ls="--" if "," in r["setting"] else "-", lw=1.2,
-                   label=r["setting"])
-    ax.set(xlabel="demonstrations in the prompt (n)", ylabel=metric.replace("_", " ") + " x 100",
-           xticks=COMPARE_SHOTS, title=f"{args.model}, {args.task}", ylim=(0, 101) if metric == "vqa_accuracy" else None)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    D.atomic_write(os.path.join(args.out, "compare.png"), lambda f: fig.savefig(f, format="png"))
-    plt.close(fig)
-    print("\n".join(lines) + f"\n-> {args.out}/compare.md, compare.png")
-
-
-# ------------------------------------------ learning curves: every method against its training budget, with seeds
+# --------------------------- learning curves (Table 1, Table 4, Fig 2-3 on the toy world): every method, with seeds
 #
 # The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
 # per point cannot say: on the toy world a run either flips the task or not. So --curve trains every row at several
 # numbers of training queries with several seeds and reports the mean with a 95% interval per point, beside two
 # measures that are graded where accuracy is all or nothing: the log-probability of the reference answer and the KL
 # divergence from the 8-shot teacher's answer distribution, both teacher-forced on held-out (evaluation) items.
+# Before the curve, each method's learning rate is tuned by the rule of `tune` (below), never on evaluation items.
 
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query draw, demonstrations, order, init
 CURVE_TRAIN_ARGS = "--epochs 16 --n-heldout 8"  # 16 passes: N queries take 4 N steps at batch size 4
+ICL_LEVELS = (0, 1, 2, 4, 8)     # n-shot ICL, the horizontal lines of the figure (Fig 2's x axis)
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
@@ -1579,6 +1507,73 @@ def teacher_answer_logits(backbone, args, items, shots):
     return out
 
 
+def method_of(flags):
+    """The --method a row's train.py flags name (train.py's default: hyper-icl)."""
+    return flags[flags.index("--method") + 1] if "--method" in flags else "hyper-icl"
+
+
+# A fair tuning rule. Each method's learning rate is swept around its published one, PUBLISHED_LR x 10^k for
+# k = -1, 0, 1, widened a decade at a time while the best rate is at an edge (at most TUNE_DECADES from the published
+# one). Then LIVE's and MimIC's weight of the cross-entropy beside their own loss (lambda) among TUNE_LAMBDAS at that
+# rate. A run's score is its best epoch's supervised loss (-log p per answer token) on TUNE["n_heldout"] queries held
+# out of the *training* split (train.split_pool: never trained on in that run, never an evaluation image), at
+# TUNE["n_train"] training queries and a seed no curve run uses. Hyper-ICL's variants (Table 4, lambda, kappa) train
+# at Hyper-ICL's rate. Published rates: the papers' 5e-3 (Hyper-ICL, HiFICL, and so the gate ablations of Hyper-ICL);
+# LoRA 5e-4 and MimIC 1e-5 (MimIC's public configs, peft/lora.yaml and peft/mimic.yaml); LIVE 1e-3 (its VQAv2 runs).
+# Their cross-entropy weights (LIVE's hard_loss_weight, MimIC's ce_loss_weight) are 0.5, the paper's lambda.
+PUBLISHED_LR = {"hyper-icl": 5e-3, "hificl": 5e-3, "static-layer": 5e-3, "static-layer-head": 5e-3,
+                "output-level": 5e-3, "mimic": 1e-5, "live": 1e-3, "lora": 5e-4}
+TUNE_DECADES = 3
+TUNE_LAMBDAS = {"mimic": (0.5, 5.0), "live": (0.5, 5.0)}
+TUNE = dict(n_train=16, n_heldout=32, seed=100)
+
+
+def tune_flags(lr, lam=None):
+    """train.py flags of a tuning run (added after --curve's --train-args, before the method)."""
+    return ["--lr", f"{lr:g}", "--n-train", str(TUNE["n_train"]), "--n-heldout", str(TUNE["n_heldout"]),
+            "--seed", str(TUNE["seed"])] + (["--lam", f"{lam:g}"] if lam is not None else [])
+
+
+def tuning_split(args):
+    """(training queries, scored queries) of every tuning run: the split train.py makes from tune_flags."""
+    targs = train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
+                              *tune_flags(1e-3)] + (["--data-root", args.data_root] if args.data_root else []))
+    return train.split_pool(targs, M.family_of(args.model))[:2]
+
+
+def tune(args, common, methods):
+    """Each method's {"lr", "lam"} by the rule above; also every tuning run's score (tune.json)."""
+    runs, chosen = [], {}
+    for method in methods:
+        def score(lr, lam=None):
+            out = os.path.join(args.out, "tune", method, f"lr{lr:g}" + ("" if lam is None else f"-lam{lam:g}"))
+            train.main(common + shlex.split(args.train_args) + tune_flags(lr, lam) + [
+                "--method", method, "--out", out, "--overwrite", "--teacher-cache", os.path.join(args.out, "teacher")])
+            with open(os.path.join(out, "history.json")) as f:
+                runs.append({"method": method, "lr": lr, "lam": lam,
+                             "heldout_loss": min(h["heldout_loss"] for h in json.load(f))})
+            return runs[-1]["heldout_loss"]
+        scores = {k: score(PUBLISHED_LR[method] * 10.0 ** k) for k in (-1, 0, 1)}
+        best = lambda: min(scores, key=lambda k: (scores[k], abs(k)))  # ties go to the published rate's side
+        while best() in (min(scores), max(scores)) and 0 < abs(best()) < TUNE_DECADES:  # at an edge: widen
+            k = best() + (1 if best() > 0 else -1)
+            scores[k] = score(PUBLISHED_LR[method] * 10.0 ** k)
+        chosen[method] = {"lr": PUBLISHED_LR[method] * 10.0 ** best(), "lam": None}
+        if method in TUNE_LAMBDAS:
+            lams = {lam: score(chosen[method]["lr"], lam) for lam in TUNE_LAMBDAS[method]}
+            chosen[method]["lam"] = min(lams, key=lams.get)
+    write_json(os.path.join(args.out, "tune.json"), {"chosen": chosen, "runs": runs, "rule": TUNE})
+    return chosen, runs
+
+
+def row_flags(flags, chosen):
+    """A row's train.py flags with its method's tuned rate (and lambda) first, so the row's own flags override."""
+    tuned = chosen.get(method_of(flags))
+    if tuned is None:
+        return flags
+    return ["--lr", f"{tuned['lr']:g}"] + (["--lam", f"{tuned['lam']:g}"] if tuned["lam"] is not None else []) + flags
+
+
 def curve_runs(names=None):
     """The rows of --curve: every method of model.METHODS, Hyper-ICL's anchor ablations (Table 4), lambda and kappa
     beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; `names` keeps only
@@ -1593,10 +1588,11 @@ def curve_runs(names=None):
 
 
 def curve(args):
-    """--curve: train every row of curve_runs on each of --curve-queries training queries with --curve-seeds seeds,
-    score each run on the same evaluation items (accuracy, answer log-probability, KL from the 8-shot teacher) and
-    write <out>/curve.md (mean [95% interval] per row and budget), curve.json (every run) and curve.png. One thread on
-    CPU, as --compare. The teacher's states are computed once per query and shared by every run."""
+    """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs
+    on each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
+    (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per
+    row and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was
+    about 10x faster than two, and deterministic. The teacher's states are computed once per query, shared by every run."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     items = eval_items(args)
@@ -1607,24 +1603,27 @@ def curve(args):
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
     levels = {f"{n}-shot ICL": main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
-              for n in (0, shots)}
+              for n in sorted({*ICL_LEVELS, shots})}
     levels = {k: {"accuracy": m[headline_metric(m)]} for k, m in levels.items()}
     levels["0-shot ICL"] |= answer_measures(backbone, kind, items, teacher, args.batch_size)
+    rows = curve_runs(args.curve_methods)
+    methods = list(dict.fromkeys(method_of(flags) for _, flags in rows))
+    chosen = {} if args.no_tune else tune(args, common, methods)[0]
     runs = []
-    plan = [(name, flags, n, seed) for name, flags in curve_runs(args.curve_methods) for n in args.curve_queries
-            for seed in range(args.curve_seeds)]
+    plan = [(name, flags, n, seed) for name, flags in rows for n in args.curve_queries for seed in range(args.curve_seeds)]
     for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
-        train.main(common + shlex.split(args.train_args or CURVE_TRAIN_ARGS) + flags + [
+        adapter = train.main(common + shlex.split(args.train_args) + row_flags(flags, chosen) + [
             "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
             "--teacher-cache", os.path.join(args.out, "teacher")])
         checkpoint = os.path.join(out, "adapter.safetensors")
         m = main(scoring + ["--checkpoint", checkpoint, "--out", out])
         M.load_adapter(checkpoint, backbone)
         runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[headline_metric(m)],
+                     "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row_flags(flags, chosen)),
                      **answer_measures(backbone, kind, items, teacher, args.batch_size)})
         M.detach(backbone.model)
-    write_curve(args, runs, levels, len(items))
+    write_curve(args, runs, levels, len(items), chosen)
     return runs, levels
 
 
@@ -1633,9 +1632,10 @@ CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(referen
                   "teacher_kl": "KL(8-shot teacher || model) per answer token"}
 
 
-def write_curve(args, runs, levels, n_items):
-    """curve.md: per measure, a table of mean [95% interval] per row (setting) and budget; curve.json; curve.png:
-    each measure against the training queries, a band per row, the ICL levels as horizontal lines."""
+def write_curve(args, runs, levels, n_items, chosen):
+    """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row (setting) and
+    budget; curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as
+    horizontal lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1645,14 +1645,18 @@ def write_curve(args, runs, levels, n_items):
              for s in settings for n in budgets for k in CURVE_MEASURES}
     seeds = len({r["seed"] for r in runs})
     lines = [f"{args.model} on {args.task}/{args.split}, {n_items} items; mean [95% interval] over {seeds} seeds "
-             f"per point; train.py {args.train_args} --n-train N"]
+             f"per point; train.py {args.train_args} --n-train N, then each row's flags; learning rates "
+             + ("tuned (tune.json)" if chosen else "as published (--no-tune)"), "",
+             "| setting | train.py flags | trainable parameters |", "|---|---|---:|"]
+    first = {s: next(r for r in runs if r["setting"] == s) for s in settings}
+    lines += [f"| {s} | `{r['flags']}` | {r['params']:,} |" for s, r in first.items()]
     for k, title in CURVE_MEASURES.items():
         lines += ["", f"{title}: " + ", ".join(f"{name} {v[k]:.3g}" for name, v in levels.items() if k in v), "",
                   "| setting | " + " | ".join(f"N = {n}" for n in budgets) + " |", "|---|" + "---:|" * len(budgets)]
         lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
                   for s in settings]
     D.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels})
+    write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels, "tuned": chosen})
     fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
     for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):
         for i, s in enumerate(settings):
@@ -1727,9 +1731,6 @@ def parse_args(argv=None):
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
                       "student (with --checkpoint) hidden states")
-    mode.add_argument("--compare", action="store_true", help="the comparison table (Table 1, Fig 2 style): 0/1/2/4/8-"
-                      "shot ICL, then train.py with every method of model.METHODS, Hyper-ICL's anchor ablations and "
-                      "the real-size anchor regime (kappa d = 400), each evaluated; writes compare.md and compare.png")
     mode.add_argument("--curve", action="store_true", help="learning curves: every method of model.METHODS and "
                       "Hyper-ICL's anchor ablations trained on --curve-queries training queries with --curve-seeds "
                       "seeds; mean and 95%% interval of accuracy, answer log-probability and KL from the 8-shot "
@@ -1739,8 +1740,10 @@ def parse_args(argv=None):
     p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS, help="--curve: seeds per point (default: "
                    "%(default)s)")
     p.add_argument("--curve-methods", nargs="+", help="--curve: only these rows (names as in curve.md; default: all)")
-    p.add_argument("--train-args", default="", help="with --compare: extra train.py flags for every adapter row, "
-                   "e.g. '--epochs 1' for a quick look (default: train.py's own defaults, the paper's settings)")
+    p.add_argument("--no-tune", action="store_true", help="--curve: train every method at its published learning "
+                   "rate (PUBLISHED_LR) instead of tuning it on held-out training queries first")
+    p.add_argument("--train-args", default="", help="with --curve: train.py flags for every run, before the "
+                   f"tuned rate and each row's own (default: '{CURVE_TRAIN_ARGS}')")
     p.add_argument("--vector", choices=["tv", "fv"], help="evaluate zero-shot with a training-free in-context vector "
                    "(Table 1): tv = task vector (Hendel et al. 2023), fv = function vector (Todd et al. 2024), "
                    "computed once from --vector-sets ICL prompts of --shots ICDs (default: the paper's) of the "
@@ -1792,7 +1795,6 @@ def parse_args(argv=None):
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
         if not 2 <= args.curve_seeds <= len(T_975) + 1:
             p.error(f"--curve-seeds must be in [2, {len(T_975) + 1}] for an interval (got {args.curve_seeds})")
-    if args.compare or args.curve:
         check_train_args(p, args)
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
@@ -1814,15 +1816,14 @@ def parse_args(argv=None):
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
-    study = "compare" if args.compare else "curve" if args.curve else None
-    args.out = args.out or (f"runs/{study}-{name}-{args.task}" if study else os.path.dirname(args.checkpoint)
+    args.out = args.out or (f"runs/curve-{name}-{args.task}" if args.curve else os.path.dirname(args.checkpoint)
                             or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
     train.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args
 
 
 def check_train_args(p, args):
-    """--compare's and --curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
+    """--curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
     parser error (naming the flag) if they do not parse."""
     try:
         flags = shlex.split(args.train_args)
@@ -1830,7 +1831,7 @@ def check_train_args(p, args):
         p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
     try:
         with contextlib.redirect_stderr(io.StringIO()) as err:
-            train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as compare adds
+            train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
     except SystemExit:
         p.error(f"--train-args {args.train_args!r}: train.py says: "
                 + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
@@ -1857,8 +1858,6 @@ def run(args):
         keep_freed_memory()
     if args.benchmark_attention:
         return attention_benchmark(attention_model(args), args.attention_tokens)
-    if args.compare:
-        return compare(args)
     if args.curve:
         return curve(args)
     items = None if args.benchmark else eval_items(args)

@@ -1,5 +1,6 @@
 """evaluate.py end to end on the tiny twins and the toy tasks (CPU): evaluation files, post-processing, the
 efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
+import hashlib
 import json
 import math
 import os
@@ -271,13 +272,50 @@ def test_curve_trains_every_row_budget_and_seed(tmp_path):
     out = tmp_path / "curve"
     runs, levels = E.main(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "6",
                            "--batch-size", "6", "--curve-queries", "4", "8", "--curve-seeds", "2",
-                           "--curve-methods", "hyper-icl", "hificl",
+                           "--curve-methods", "hyper-icl", "hificl", "--no-tune",
                            "--train-args", "--epochs 1 --n-heldout 2 --batch-size 4", "--out", str(out)])
     assert sorted((r["setting"], r["queries"], r["seed"]) for r in runs) == sorted(
         (s, n, k) for s in ("hyper-icl", "hificl") for n in (4, 8) for k in (0, 1))
-    assert set(levels) == {"0-shot ICL", "8-shot ICL"} and "teacher_kl" in levels["0-shot ICL"]
+    assert set(levels) == {f"{n}-shot ICL" for n in E.ICL_LEVELS} and "teacher_kl" in levels["0-shot ICL"]
     table = (out / "curve.md").read_text()
-    assert table.count("| hificl |") == 3 and "N = 8" in table and (out / "curve.png").stat().st_size > 0
+    assert table.count("| hificl |") == 4 and "N = 8" in table and "| hificl | `--method hificl` |" in table and (out / "curve.png").stat().st_size > 0
+
+
+def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tmp_path, monkeypatch):
+    """With a held-out loss |log10(lr / best)| per run (train.main replaced), the sweep around each published rate
+    walks a decade at a time to the best rate, stops TUNE_DECADES from the published one, and picks lambda."""
+    best = {"hificl": 5e-5, "mimic": 1e-1, "live": 1e-3}   # 2 decades below / 4 above (capped at 3) / the published
+    trained = []
+
+    def fake_train(argv):
+        a = train.parse_args(argv)
+        trained.append((a.method, a.lr, a.lam))
+        loss = abs(math.log10(a.lr / best[a.method])) + (a.lam == 5.0) * 0.1
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "history.json"), "w") as f:
+            json.dump([{"epoch": 1, "heldout_loss": loss + 1}, {"epoch": 2, "heldout_loss": loss}], f)
+    monkeypatch.setattr(train, "main", fake_train)
+    args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--out", str(tmp_path)])
+    chosen, runs = E.tune(args, ["--model", "tiny-idefics2", "--task", "toy-icl-colour"], list(best))
+    assert chosen["hificl"] == {"lr": pytest.approx(5e-5), "lam": None}
+    assert chosen["mimic"] == {"lr": pytest.approx(1e-2), "lam": 0.5}      # 1e-5 x 10^3: the widest it goes
+    assert chosen["live"] == {"lr": pytest.approx(1e-3), "lam": 0.5}
+    assert sorted(lr for m, lr, _ in trained if m == "hificl") == pytest.approx([5e-6, 5e-5, 5e-4, 5e-3, 5e-2])
+    assert sorted(lr for m, lr, _ in trained if m == "mimic") == pytest.approx([1e-6, 1e-5, 1e-4, 1e-3] + [1e-2] * 3)
+    assert sorted(lam for m, _, lam in trained if m == "live") == [0.5] * 4 + [5.0]
+    assert len(runs) == len(trained) and json.loads((tmp_path / "tune.json").read_text())["chosen"]["live"]["lam"] == 0.5
+    assert E.row_flags(["--method", "live", "--lam", "2"], chosen) == ["--lr", "0.001", "--lam", "0.5",
+                                                                       "--method", "live", "--lam", "2"]
+
+
+def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_training_queries():
+    args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour"])
+    trained, scored = E.tuning_split(args)
+    evaluated = E.eval_items(args)
+    assert len(scored) == E.TUNE["n_heldout"] and len(trained) == E.TUNE["n_train"] and len(evaluated) == 300
+    images = lambda items: {hashlib.sha256(open(it.image_path, "rb").read()).hexdigest() for it in items}
+    assert not images(scored) & images(evaluated) and not images(trained) & images(evaluated)
+    assert not images(scored) & images(trained) and not {it.id for it in scored} & {it.id for it in evaluated}
 
 
 @pytest.mark.parametrize("flags,message", [(["--curve-seeds", "1"], "--curve-seeds must be in"),

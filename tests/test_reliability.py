@@ -550,10 +550,10 @@ def test_evaluate_rejects_counts_out_of_range(flag, value, capsys):
     ("--epochs '1", "cannot be split into flags (No closing quotation)"),
     ("--epochs 0", "train.py says: --epochs must be at least 1 (got 0)"),
     ("--no-such-flag", "train.py says: unrecognized arguments: --no-such-flag")])
-def test_compare_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
+def test_curve_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
     monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--compare", f"--train-args={train_args}"])
+        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", f"--train-args={train_args}"])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
