@@ -595,91 +595,21 @@ def seed_scores(items, predictions):
 # -------------------------------- CHAIR (Rohrbach et al. 2018, "Object Hallucination in Image Captioning"; Table 5)
 
 # The synonym list of Rohrbach et al. as published (data/synonyms.txt of github.com/LisaAnne/Hallucination, read by
-# their utils/chair.py): one COCO category a line, its instances_*2014.json name first, then the words a caption may
-# use for it, in singular form (captions are singularised first). Kept byte for byte, repetitions and stray spaces
-# included; read_synonyms reads it.
-CHAIR_SYNONYMS_TXT = """\
-person, girl, boy, man, woman, kid, child, chef, baker, people, adult, rider, children, baby, worker, passenger, sister, biker, policeman, cop, officer, lady, cowboy, bride, groom, male, female, guy, traveler, mother, father, gentleman, pitcher, player, skier, snowboarder, skater, skateboarder, person, woman, guy, foreigner, child, gentleman, caller, offender, coworker, trespasser, patient, politician, soldier, grandchild, serviceman, walker, drinker, doctor, bicyclist, thief, buyer, teenager, student, camper, driver, solider, hunter, shopper, villager
-bicycle, bike, bicycle, bike, unicycle, minibike, trike
-car, automobile, van, minivan, sedan, suv, hatchback, cab, jeep, coupe, taxicab, limo, taxi
-motorcycle, scooter,  motor bike, motor cycle, motorbike, scooter, moped
-airplane, jetliner, plane, air plane, monoplane, aircraft, jet, jetliner, airbus, biplane, seaplane
-bus, minibus, trolley
-train, locomotive, tramway, caboose
-truck, pickup, lorry, hauler, firetruck
-boat, ship, liner, sailboat, motorboat, dinghy, powerboat, speedboat, canoe, skiff, yacht, kayak, catamaran, pontoon, houseboat, vessel, rowboat, trawler, ferryboat, watercraft, tugboat, schooner, barge, ferry, sailboard, paddleboat, lifeboat, freighter, steamboat, riverboat, battleship, steamship
-traffic light, street light, traffic signal, stop light, streetlight, stoplight
-fire hydrant, hydrant
-stop sign
-parking meter
-bench, pew
-bird, ostrich, owl, seagull, goose, duck, parakeet, falcon, robin, pelican, waterfowl, heron, hummingbird, mallard, finch, pigeon, sparrow, seabird, osprey, blackbird, fowl, shorebird, woodpecker, egret, chickadee, quail, bluebird, kingfisher, buzzard, willet, gull, swan, bluejay, flamingo, cormorant, parrot, loon, gosling, waterbird, pheasant, rooster, sandpiper, crow, raven, turkey, oriole, cowbird, warbler, magpie, peacock, cockatiel, lorikeet, puffin, vulture, condor, macaw, peafowl, cockatoo, songbird
-cat, kitten, feline, tabby
-dog, puppy, beagle, pup, chihuahua, schnauzer, dachshund, rottweiler, canine, pitbull, collie, pug, terrier, poodle, labrador, doggie, doberman, mutt, doggy, spaniel, bulldog, sheepdog, weimaraner, corgi, cocker, greyhound, retriever, brindle, hound, whippet, husky
-horse, colt, pony, racehorse, stallion, equine, mare, foal, palomino, mustang, clydesdale, bronc, bronco
-sheep, lamb, ram, lamb, goat, ewe
-cow, cattle, oxen, ox, calf, cattle, holstein, heifer, buffalo, bull, zebu, bison 
-elephant
-bear, panda
-zebra
-giraffe
-backpack, knapsack
-umbrella
-handbag, wallet, purse, briefcase
-tie, bow, bow tie
-suitcase, suit case, luggage
-frisbee
-skis, ski
-snowboard
-sports ball, ball
-kite
-baseball bat
-baseball glove
-skateboard
-surfboard, longboard, skimboard, shortboard, wakeboard
-tennis racket, racket
-bottle
-wine glass
-cup
-fork
-knife, pocketknife, knive
-spoon
-bowl, container
-banana
-apple
-sandwich, burger, sub, cheeseburger, hamburger
-orange
-broccoli
-carrot
-hot dog
-pizza
-donut, doughnut, bagel
-cake,  cheesecake, cupcake, shortcake, coffeecake, pancake
-chair, seat, stool
-couch, sofa, recliner, futon, loveseat, settee, chesterfield 
-potted plant, houseplant
-bed
-dining table, table, desk
-toilet, urinal, commode, toilet, lavatory, potty
-tv, monitor, televison, television
-laptop, computer, notebook, netbook, lenovo, macbook, laptop computer
-mouse
-remote
-keyboard
-cell phone, mobile phone, phone, cellphone, telephone, phon, smartphone, iPhone
-microwave
-oven, stovetop, stove, stove top oven
-toaster
-sink
-refrigerator, fridge, fridge, freezer
-book
-clock
-vase
-scissors
-teddy bear, teddybear
-hair drier, hairdryer
-toothbrush
-"""
+# their utils/chair.py), shipped byte for byte as tests/data/chair-synonyms.txt (its sha256 checked on import): one
+# COCO category a line, its instances_*2014.json name first, then the words a caption may use for it, in singular
+# form (captions are singularised first), repetitions and stray spaces included.
+CHAIR_SYNONYMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "data", "chair-synonyms.txt")
+CHAIR_SYNONYMS_SHA256 = "b685537b36fe21b791c87151b96a991ceb582edff19f3da204dcc7a7905502f2"
+
+
+def published_synonyms(path=CHAIR_SYNONYMS, sha256=CHAIR_SYNONYMS_SHA256):
+    """The text of the published synonyms.txt; a ValueError if the file is not the published one."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if hashlib.sha256(raw).hexdigest() != sha256:
+        raise ValueError(f"{path} is not the published CHAIR synonyms.txt (sha256 differs); "
+                         "restore it with `git checkout tests/data`")
+    return raw.decode()
 
 
 def read_synonyms(text):
@@ -697,7 +627,7 @@ def read_synonyms(text):
     return out
 
 
-COCO_SYNONYMS = read_synonyms(CHAIR_SYNONYMS_TXT)
+COCO_SYNONYMS = read_synonyms(published_synonyms())
 # Word pairs read as another word before matching, as chair.py's double_word_dict: an age qualifier or "passenger"
 # before an animal or a vehicle is not a person ("baby elephant" -> elephant), a toilet seat is the toilet, not a
 # chair, a bow tie a tie, and "train track" and "home plate" are no object (no train; "plate" is none anyway).
@@ -1559,8 +1489,9 @@ def tune(args, common, methods):
             k = best() + (1 if best() > 0 else -1)
             scores[k] = score(PUBLISHED_LR[method] * 10.0 ** k)
         chosen[method] = {"lr": PUBLISHED_LR[method] * 10.0 ** best(), "lam": None}
-        if method in TUNE_LAMBDAS:
-            lams = {lam: score(chosen[method]["lr"], lam) for lam in TUNE_LAMBDAS[method]}
+        if method in TUNE_LAMBDAS:  # train.py's default lambda was scored with the rate
+            lams = {lam: scores[best()] if lam == train.PAPER["lam"] else score(chosen[method]["lr"], lam)
+                    for lam in TUNE_LAMBDAS[method]}
             chosen[method]["lam"] = min(lams, key=lams.get)
     write_json(os.path.join(args.out, "tune.json"), {"chosen": chosen, "runs": runs, "rule": TUNE})
     return chosen, runs

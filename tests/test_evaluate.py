@@ -301,8 +301,8 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
     assert chosen["mimic"] == {"lr": pytest.approx(1e-2), "lam": 0.5}      # 1e-5 x 10^3: the widest it goes
     assert chosen["live"] == {"lr": pytest.approx(1e-3), "lam": 0.5}
     assert sorted(lr for m, lr, _ in trained if m == "hificl") == pytest.approx([5e-6, 5e-5, 5e-4, 5e-3, 5e-2])
-    assert sorted(lr for m, lr, _ in trained if m == "mimic") == pytest.approx([1e-6, 1e-5, 1e-4, 1e-3] + [1e-2] * 3)
-    assert sorted(lam for m, _, lam in trained if m == "live") == [0.5] * 4 + [5.0]
+    assert sorted(lr for m, lr, _ in trained if m == "mimic") == pytest.approx([1e-6, 1e-5, 1e-4, 1e-3] + [1e-2] * 2)
+    assert sorted(lam for m, _, lam in trained if m == "live") == [0.5] * 3 + [5.0]   # lambda 0.5: the rate's run
     assert len(runs) == len(trained) and json.loads((tmp_path / "tune.json").read_text())["chosen"]["live"]["lam"] == 0.5
     assert E.row_flags(["--method", "live", "--lam", "2"], chosen) == ["--lr", "0.001", "--lam", "0.5",
                                                                        "--method", "live", "--lam", "2"]

@@ -228,8 +228,15 @@ def test_multiple_choice_accuracy_mean():
 VOCAB = E.chair_vocabulary(E.COCO_SYNONYMS)
 
 
+def test_a_changed_synonyms_file_is_refused(tmp_path):
+    changed = tmp_path / "synonyms.txt"
+    changed.write_text(E.published_synonyms() + "robot, android\n")
+    with pytest.raises(ValueError, match="not the published CHAIR synonyms.txt"):
+        E.published_synonyms(str(changed))
+
+
 def test_chair_synonyms_are_the_published_list():
-    assert len(E.COCO_SYNONYMS) == 80 and len(E.CHAIR_SYNONYMS_TXT.splitlines()) == 80
+    assert len(E.COCO_SYNONYMS) == 80 and len(E.published_synonyms().splitlines()) == 80
     assert list(E.COCO_SYNONYMS)[:3] == ["person", "bicycle", "car"] and list(E.COCO_SYNONYMS)[-1] == "toothbrush"
     for word, category in [("bagel", "donut"), ("briefcase", "handbag"), ("wallet", "handbag"), ("pickup", "truck"),
                            ("bison", "cow"), ("panda", "bear"), ("sub", "sandwich"), ("notebook", "laptop"),
