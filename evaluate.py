@@ -1662,10 +1662,11 @@ def parse_args(argv=None):
                       "Hyper-ICL checkpoint")
     mode.add_argument("--hyperbolicity", action="store_true", help="Table 9: delta-hyperbolicity of teacher and "
                       "student (with --checkpoint) hidden states")
-    mode.add_argument("--curve", action="store_true", help="learning curves: every method of model.METHODS and "
+    mode.add_argument("--curve", action="store_true", help="learning curves: each method's learning rate tuned on "
+                      "held-out training queries (see --no-tune), then every method of model.METHODS and "
                       "Hyper-ICL's anchor ablations trained on --curve-queries training queries with --curve-seeds "
                       "seeds; mean and 95%% interval of accuracy, answer log-probability and KL from the 8-shot "
-                      "teacher per point; writes curve.md, curve.json and curve.png")
+                      "teacher per point; writes curve.md, curve.json, curve.png and tune.json")
     p.add_argument("--curve-queries", type=int, nargs="+", default=list(CURVE_QUERIES),
                    help="--curve: training queries per run (default: %(default)s)")
     p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS, help="--curve: seeds per point (default: "
