@@ -1458,10 +1458,15 @@ TUNE_LAMBDAS = {"mimic": (0.5, 5.0), "live": (0.5, 5.0)}
 TUNE = dict(n_train=16, n_heldout=32, seed=100)
 
 
+def rate_flags(lr, lam=None):
+    """train.py flags for a learning rate and, if given, lambda."""
+    return ["--lr", f"{lr:g}"] + ([] if lam is None else ["--lam", f"{lam:g}"])
+
+
 def tune_flags(lr, lam=None):
     """train.py flags of a tuning run (added after --curve's --train-args, before the method)."""
-    return ["--lr", f"{lr:g}", "--n-train", str(TUNE["n_train"]), "--n-heldout", str(TUNE["n_heldout"]),
-            "--seed", str(TUNE["seed"])] + (["--lam", f"{lam:g}"] if lam is not None else [])
+    return rate_flags(lr, lam) + ["--n-train", str(TUNE["n_train"]), "--n-heldout", str(TUNE["n_heldout"]),
+                                  "--seed", str(TUNE["seed"])]
 
 
 def tuning_split(args):
@@ -1500,9 +1505,7 @@ def tune(args, common, methods):
 def row_flags(flags, chosen):
     """A row's train.py flags with its method's tuned rate (and lambda) first, so the row's own flags override."""
     tuned = chosen.get(method_of(flags))
-    if tuned is None:
-        return flags
-    return ["--lr", f"{tuned['lr']:g}"] + (["--lam", f"{tuned['lam']:g}"] if tuned["lam"] is not None else []) + flags
+    return flags if tuned is None else rate_flags(**tuned) + flags
 
 
 def curve_runs(names=None):
