@@ -1536,7 +1536,8 @@ def curve(args):
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
-    levels = {f"{n}-shot ICL": main(scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")])
+    scored = lambda flags, setting: evaluate(backbone, parse_args(scoring + flags), items, setting)  # as main runs it
+    levels = {f"{n}-shot ICL": scored(["--shots", str(n), "--out", os.path.join(args.out, "icl")], f"{n}-shot")
               for n in sorted({*ICL_LEVELS, shots})}
     levels = {k: {"accuracy": m[headline_metric(m)]} for k, m in levels.items()}
     levels["0-shot ICL"] |= answer_measures(backbone, kind, items, teacher, args.batch_size)
@@ -1551,8 +1552,8 @@ def curve(args):
             "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
             "--teacher-cache", os.path.join(args.out, "teacher")])
         checkpoint = os.path.join(out, "adapter.safetensors")
-        m = main(scoring + ["--checkpoint", checkpoint, "--out", out])
-        M.load_adapter(checkpoint, backbone)
+        method = M.load_adapter(checkpoint, backbone)["method"]
+        m = scored(["--checkpoint", checkpoint, "--out", out], method)
         runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[headline_metric(m)],
                      "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row_flags(flags, chosen)),
                      **answer_measures(backbone, kind, items, teacher, args.batch_size)})
