@@ -122,16 +122,20 @@ def answer_text(processor, family, kind, answer):
 
 # ------------------------------------------------------- batches: what the teacher and the student read (Section 3)
 
-def teacher_student_batch(processor, family, kind, queries, icds):
-    """The teacher batch ([ICDs; query + target], no adapter) and the student batch ([query + target]).
+def query_pieces(processor, family, kind, queries):
+    """Each query + target tokenised once (encode_query), to be shared by its teacher row and its student row."""
+    return [encode_query(processor, family, kind, q) for q in queries]
 
-    icds[i] are the ICDs of queries[i] (from `demonstrations`). Each query is tokenised once and its ids are
-    reused in both rows, so teacher and student agree on the `align` positions token for token.
-    """
-    pieces = [encode_query(processor, family, kind, q) for q in queries]
-    teacher = [join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)]
-    student = [join(encode_prefix(processor, family, kind, []), p) for p in pieces]
-    return collate(teacher, processor, family), collate(student, processor, family)
+
+def teacher_batch(processor, family, kind, pieces, icds):
+    """The teacher batch [ICDs; query + target] (run without the adapter): icds[i] (from `demonstrations`), then
+    pieces[i] (query_pieces). The query's ids are those of its student row, so both agree on `align` token for token."""
+    return collate([join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)], processor, family)
+
+
+def student_batch(processor, family, kind, pieces):
+    """The student batch [query + target]: the teacher batch without ICDs."""
+    return teacher_batch(processor, family, kind, pieces, [[] for _ in pieces])
 
 
 def prompt_batch(processor, family, kind, queries, icds=None):

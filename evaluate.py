@@ -759,9 +759,8 @@ def target_batches(backbone, kind, queries, icds, batch_size):
     icds = icds or [[] for _ in queries]
     out = []
     for i in range(0, len(queries), batch_size):
-        rows = [D.encode(backbone.processor, backbone.family, kind, d, q)
-                for d, q in zip(icds[i:i + batch_size], queries[i:i + batch_size])]
-        batch = D.collate(rows, backbone.processor, backbone.family)
+        pieces = D.query_pieces(backbone.processor, backbone.family, kind, queries[i:i + batch_size])
+        batch = D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds[i:i + batch_size])
         out.append((batch, (batch["labels"] != -100).int().argmax(1) - 1))
     return out
 
@@ -1412,12 +1411,13 @@ def answer_measures(backbone, kind, items, teacher, batch_size=8):
     (train.run_teacher with output="logits")."""
     logp, kl, tokens = 0.0, 0.0, 0
     for i in range(0, len(items), batch_size):
-        rows = [D.encode(backbone.processor, backbone.family, kind, [], q) for q in items[i:i + batch_size]]
-        batch = train.to_device(D.collate(rows, backbone.processor, backbone.family), device_of(backbone.model))
+        pieces = D.query_pieces(backbone.processor, backbone.family, kind, items[i:i + batch_size])
+        batch = train.to_device(D.student_batch(backbone.processor, backbone.family, kind, pieces),
+                                device_of(backbone.model))
         log_p = F.log_softmax(backbone.model(**D.model_inputs(batch)).logits.float(), -1)  # [B, W, V]
         answer = train.answer_positions(batch["labels"])                                   # [B, W]: predicts a target
         targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)                        # the token each predicts
-        for b in range(len(rows)):
+        for b in range(len(pieces)):
             student, t = log_p[b, answer[b]], F.log_softmax(teacher[i + b].float(), -1)    # [n_b, V] each
             logp += student.gather(-1, targets[b, answer[b]][:, None]).sum().item()
             kl += (t.exp() * (t - student.cpu())).sum().item()
@@ -1429,7 +1429,7 @@ def teacher_answer_logits(backbone, args, items, shots):
     """The backbone's answer logits with `shots` random demonstrations from the training split (seed 0), per item."""
     kind, support = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
     icds = D.demonstrations([it.id for it in items], support, shots, 0)
-    pieces = [D.encode_query(backbone.processor, backbone.family, kind, q) for q in items]
+    pieces = D.query_pieces(backbone.processor, backbone.family, kind, items)
     device, out = device_of(backbone.model), []
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
         s = slice(i, i + args.batch_size)

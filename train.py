@@ -199,9 +199,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
     Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens); with
     output="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
     """
-    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, d), p)
-            for d, p in zip(icds, pieces)]
-    batch = to_device(data.collate(rows, backbone.processor, backbone.family), device)
+    batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
     with M.without_adapter(backbone.model), autocast(device):
         if output == "logits":
             logits = backbone.model(**data.model_inputs(batch)).logits
@@ -259,9 +257,8 @@ def stack_teacher(states, align):
 
 def micro_batch(backbone, args, kind, queries, icds, device, cache):
     """Student batch (query + target) and, for the anchor, the teacher's states laid at its aligned positions."""
-    pieces = [data.encode_query(backbone.processor, backbone.family, kind, q) for q in queries]
-    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, kind, []), p) for p in pieces]
-    student = to_device(data.collate(rows, backbone.processor, backbone.family), device)
+    pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
+    student = to_device(data.student_batch(backbone.processor, backbone.family, kind, pieces), device)
     if args.anchor == "none":
         return student, None
     states = teacher_states(backbone, args, kind, queries, icds, pieces, device, cache)
@@ -380,8 +377,8 @@ def heldout_loss(backbone, args, kind, heldout, device):
     starts, totals = range(0, len(heldout), args.batch_size), {}
     for i in starts[rank::world]:
         queries = heldout[i:i + args.batch_size]
-        rows = [data.encode(backbone.processor, backbone.family, kind, [], q) for q in queries]
-        batch = to_device(data.collate(rows, backbone.processor, backbone.family), device)
+        pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
+        batch = to_device(data.student_batch(backbone.processor, backbone.family, kind, pieces), device)
         with autocast(device):
             totals[i] = supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
     totals = gathered(totals)

@@ -333,13 +333,20 @@ def n_images(batch, family):
     return batch["pixel_values"].shape[0]
 
 
+def teacher_and_student(processor, family, kind, queries, icds):
+    """The teacher and the student batch of queries, as train.py builds them (data.query_pieces shared by both)."""
+    pieces = data.query_pieces(processor, family, kind, queries)
+    return (data.teacher_batch(processor, family, kind, pieces, icds),
+            data.student_batch(processor, family, kind, pieces))
+
+
 @pytest.mark.parametrize("kind", ["vqa", "caption"])
 def test_teacher_and_student_rows_line_up(backbone, toy, kind):
     _, tasks = toy
     p, family = backbone.processor, backbone.family
     items = tasks["toy-vqa" if kind == "vqa" else "toy-caption", "train"]
     queries, m = items[:3], 2
-    teacher, student = data.teacher_student_batch(p, family, kind, queries, data.demonstrations(
+    teacher, student = teacher_and_student(p, family, kind, queries, data.demonstrations(
         [q.id for q in queries], items, m, seed=0))
     end = p.tokenizer.convert_tokens_to_ids(data.end_token(p, family))
     assert end != p.tokenizer.unk_token_id
@@ -381,7 +388,7 @@ def test_prompt_is_the_student_row_without_its_answer(backbone, toy):
     _, tasks = toy
     p, family = backbone.processor, backbone.family
     q = tasks["toy-vqa", "val"][0]
-    _, student = data.teacher_student_batch(p, family, "vqa", [q], [[]])
+    _, student = teacher_and_student(p, family, "vqa", [q], [[]])
     prompt = data.prompt_batch(p, family, "vqa", [q])
     n_answer = int((student["labels"] != -100).sum())
     assert torch.equal(prompt["input_ids"][0], student["input_ids"][0, :-n_answer])
@@ -392,7 +399,7 @@ def test_idefics_query_cross_attends_as_in_the_student(toy):
     _, tasks = toy
     bb = load_backbone("tiny-idefics")
     items = tasks["toy-vqa", "train"]
-    teacher, student = data.teacher_student_batch(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
+    teacher, student = teacher_and_student(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
     t_mask = teacher["image_attention_mask"][0][teacher["align"][0]]  # [query tokens, 4 images]
     s_mask = student["image_attention_mask"][0][student["align"][0]]  # [query tokens, 1 image]
     assert (t_mask[:, :3] == 0).all() and torch.equal(t_mask[:, 3:], s_mask) and s_mask.sum() == len(s_mask) - 1
@@ -404,7 +411,7 @@ def test_forward_pass_on_collated_batches(backbone, toy):
     items = tasks["toy-vqa", "train"]
     rng = random.Random(0)
     queries = rng.sample(items, 2)
-    teacher, student = data.teacher_student_batch(p, family, "vqa", queries, data.demonstrations(
+    teacher, student = teacher_and_student(p, family, "vqa", queries, data.demonstrations(
         [q.id for q in queries], items, 2, seed=1))
     for batch in (teacher, student, data.prompt_batch(p, family, "vqa", queries)):
         inputs = {k: v for k, v in batch.items() if k != "align"}

@@ -46,9 +46,8 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
     backbone, norm = with_final_norm_not_one("idefics2")
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--no-teacher-cache"])
     queries = data.load_task(args.task, "train")[:3]
-    pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
-    rows = [data.join(data.encode_prefix(backbone.processor, backbone.family, "vqa", []), p) for p in pieces]
-    student = data.collate(rows, backbone.processor, backbone.family)
+    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
+    student = data.student_batch(backbone.processor, backbone.family, "vqa", pieces)
     with torch.no_grad():
         # no ICDs and no adapter: the teacher reads what the student reads, so the anchor is exactly 0 ...
         teacher = train.run_teacher(backbone, "vqa", queries, [[]] * 3, pieces, "cpu")

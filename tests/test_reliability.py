@@ -181,7 +181,7 @@ def teacher_inputs(tmp_path, n):
     backbone = M.load_backbone("tiny-idefics2")
     queries = data.load_task("toy-vqa", "train")[:n]
     icds = data.demonstrations([q.id for q in queries], data.load_task("toy-vqa", "train"), 1, 0)
-    pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
+    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     return args, backbone, queries, icds, pieces, {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
 
 

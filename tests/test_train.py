@@ -141,7 +141,7 @@ def test_anchor_norm_first_divides_the_anchor_by_its_first_step_value(setup, tmp
 def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     args, backbone, queries, icds = setup
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
-    pieces = [data.encode_query(backbone.processor, backbone.family, "vqa", q) for q in queries]
+    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     cache = {"id": train.fingerprint(backbone), "hits": 0, "misses": 0}
     first = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
     again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
