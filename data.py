@@ -130,7 +130,8 @@ def query_pieces(processor, family, kind, queries):
 def teacher_batch(processor, family, kind, pieces, icds):
     """The teacher batch [ICDs; query + target] (run without the adapter): icds[i] (from `demonstrations`), then
     pieces[i] (query_pieces). The query's ids are those of its student row, so both agree on `align` token for token."""
-    return collate([join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)], processor, family)
+    rows = [join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)]
+    return collate(rows, processor, family)
 
 
 def student_batch(processor, family, kind, pieces):
@@ -1041,11 +1042,9 @@ def toy_instances(scene, image_id, first_id, size=64):
     return out
 
 
-def write_json(path, obj):
-    """Write obj as JSON to path, creating its folder."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f)
+def write_json(path, obj, indent=None):
+    """Write obj as JSON to path atomically (atomic_write), creating its folder."""
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=indent).encode()))
 
 
 def write_toy(root, seed=TOY_SEED):

@@ -180,7 +180,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     # last, and naming the predictions it scores: a kill in between leaves old metrics whose hash does not match
     metrics |= {"predictions": os.path.basename(stem) + ".predictions.jsonl",
                 "predictions_sha256": hashlib.sha256(lines).hexdigest()}
-    write_json(stem + ".metrics.json", metrics)
+    D.write_json(stem + ".metrics.json", metrics, indent=2)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
           + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
     if kind == "yes-no":
@@ -213,11 +213,6 @@ def result_name(args, setting, n, vector_info):
     if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
         parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
     return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
-
-
-def write_json(path, obj):
-    """obj as indented JSON at path, written atomically (data.atomic_write)."""
-    D.atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
 
 
 def write_mme_results(folder, items, predictions):
@@ -1175,8 +1170,8 @@ def benchmark(backbone, args):
               f"{r['prefill_tflops_ratio']:>6.3f} {latency(r, 'prefill_ms')} | {'':8} {r['tflops']:>8.4g} "
               f"{r['tflops_ratio']:>6.3f} {latency(r, 'ms')} | {'':9} {memory}")
     path = os.path.join(args.out, "benchmark.json")
-    write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
-                      "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows})
+    D.write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
+                        "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, indent=2)
     print(f"-> {path}")
     return rows
 
@@ -1498,7 +1493,7 @@ def tune(args, common, methods):
             lams = {lam: scores[best()] if lam == train.PAPER["lam"] else score(chosen[method]["lr"], lam)
                     for lam in TUNE_LAMBDAS[method]}
             chosen[method]["lam"] = min(lams, key=lams.get)
-    write_json(os.path.join(args.out, "tune.json"), {"chosen": chosen, "runs": runs, "rule": TUNE})
+    D.write_json(os.path.join(args.out, "tune.json"), {"chosen": chosen, "runs": runs, "rule": TUNE}, indent=2)
     return chosen, runs
 
 
@@ -1591,7 +1586,7 @@ def write_curve(args, runs, levels, n_items, chosen):
         lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
                   for s in settings]
     D.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels, "tuned": chosen})
+    D.write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels, "tuned": chosen}, indent=2)
     fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
     for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):
         for i, s in enumerate(settings):
@@ -1828,7 +1823,7 @@ def run(args):
     if train.rank_and_world()[0] != 0:
         return result
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-    write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result})
+    D.write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result}, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
     return result
 
