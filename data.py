@@ -776,16 +776,20 @@ def pool_split(items, fraction, seed=SPLIT_SEED):
     round(fraction x count) go to the pool, so every question of an image lands on the same side and each
     subtask / dimension is split in the same proportion. Item order is kept on both sides.
     """
-    category = {}
-    for it in items:
-        category.setdefault(it.image_path, it.category)
-    by_category = {}
-    for image, c in category.items():
-        by_category.setdefault(c, []).append(image)
     pool = set()
-    for c, images in by_category.items():
+    for c, images in images_by_category(items).items():
         pool.update(random.Random(f"{seed}:{c}").sample(images, round(fraction * len(images))))
     return [it for it in items if it.image_path in pool], [it for it in items if it.image_path not in pool]
+
+
+def images_by_category(items):
+    """{category: its images}, in order of first appearance; an image's category is its first question's."""
+    category, by_category = {}, {}
+    for it in items:
+        category.setdefault(it.image_path, it.category)
+    for image, c in category.items():
+        by_category.setdefault(c, []).append(image)
+    return by_category
 
 
 def largest_remainder(total, sizes):
@@ -810,13 +814,9 @@ def stratified_subset(items, n, seed=0):
         raise ValueError(f"--n-eval must be at least 1, got {n}")
     if not items:
         return items
-    category = {}
-    for it in items:
-        category.setdefault(it.image_path, it.category)
-    by_category = {}
-    for image, c in sorted(category.items(), key=lambda kv: (kv[1], kv[0])):
-        by_category.setdefault(c, []).append(image)
-    m = min(len(category), max(1, round(n * len(category) / len(items))))
+    by_category = {c: sorted(images) for c, images in sorted(images_by_category(items).items())}
+    n_images = sum(len(images) for images in by_category.values())
+    m = min(n_images, max(1, round(n * n_images / len(items))))
     shares = largest_remainder(m, [len(images) for images in by_category.values()])
     chosen = {image for (c, images), k in zip(by_category.items(), shares)
               for image in random.Random(f"n-eval:{seed}:{c}").sample(images, k)}
