@@ -898,7 +898,6 @@ def icl_episode(processor, pieces):
 def write_toy_icl(root, attribute):
     """Write the toy-icl-<attribute> dataset under `root` in the official VQAv2 + COCO formats."""
     rng = random.Random(f"toy-icl:{attribute}")  # str seeds hash with sha512: the same in every process
-    _, qfile, afile = VQA_FILES["vqav2"]
     for split, n_images in ICL_SIZES.items():
         os.makedirs(os.path.join(root, "coco", f"{split}2014"))
         questions, annotations = [], []
@@ -913,11 +912,17 @@ def write_toy_icl(root, attribute):
                                 "multiple_choice_answer": answer,
                                 "answers": [{"answer": answer, "answer_confidence": "yes", "answer_id": k + 1}
                                             for k in range(10)]})
-        header = {"info": {"description": f"hyper-icl toy-icl-{attribute}"}, "license": {}, "data_type": "mscoco",
-                  "data_subtype": f"{split}2014"}
-        write_json(os.path.join(root, "vqav2", qfile.format(split)),
-                   {**header, "task_type": "Open-Ended", "questions": questions})
-        write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
+        write_vqa(root, split, f"hyper-icl toy-icl-{attribute}", questions, annotations)
+
+
+def write_vqa(root, split, description, questions, annotations):
+    """A split's VQAv2 questions and annotations files under `root`, as the official ones are laid out."""
+    _, qfile, afile = VQA_FILES["vqav2"]
+    header = {"info": {"description": description}, "license": {}, "data_type": "mscoco",
+              "data_subtype": f"{split}2014"}
+    write_json(os.path.join(root, "vqav2", qfile.format(split)),
+               {**header, "task_type": "Open-Ended", "questions": questions})
+    write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
 
 
 def toy_icl_root(attribute, data_root=None):
@@ -1050,7 +1055,6 @@ def write_json(path, obj, indent=None):
 def write_toy(root, seed=TOY_SEED):
     """Write the toy dataset under `root` in the official formats: COCO images, VQAv2 files, Karpathy COCO file."""
     rng = random.Random(seed)
-    _, qfile, afile = VQA_FILES["vqav2"]
     karpathy = []
     for split, n_images in TOY_SIZES.items():
         os.makedirs(os.path.join(root, "coco", f"{split}2014"))
@@ -1069,11 +1073,7 @@ def write_toy(root, seed=TOY_SEED):
             "info": {"description": "hyper-icl toy instances"}, "licenses": [], "images": images,
             "annotations": instances, "categories": [{"id": i, "name": s, "supercategory": "shape"}
                                                      for s, i in TOY_CATEGORIES.items()]})
-        header = {"info": {"description": "hyper-icl toy VQA"}, "license": {}, "data_type": "mscoco",
-                  "data_subtype": f"{split}2014"}
-        write_json(os.path.join(root, "vqav2", qfile.format(split)),
-                   {**header, "task_type": "Open-Ended", "questions": questions})
-        write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
+        write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
     write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
 
 
