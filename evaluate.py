@@ -1069,7 +1069,12 @@ def paired_latency(runs, device):
     speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
     Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
     on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
-    the median and quartiles over rounds of the ratio (the reference's are 1)."""
+    the median and quartiles over rounds of the ratio (the reference's are 1).
+
+    Not torch.utils.benchmark: its Timer times one statement at a time (on one thread unless told otherwise), so a
+    drift between two settings' measurements lands in their ratio. Unpaired timing (best of 3 medians, an earlier
+    version) put two rows doing the same work 11% apart on a shared 2-core machine (README, "How latency is
+    measured"); the pairing removes that."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
 
     def timer(f):
