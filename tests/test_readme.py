@@ -1,5 +1,5 @@
-"""The README's map of the code: every function and test it names exists, and each file's paper part ends where the
-file's plumbing begins."""
+"""The README's map of the code: every function and test it names exists, each file's paper part ends where the
+file's plumbing begins, and imports run the one way it says."""
 import ast
 import os
 import re
@@ -38,3 +38,15 @@ def test_each_paper_part_ends_where_the_plumbing_begins():
             continue
         assert end < len(lines) and lines[end].startswith("# ---"), (f, end)  # line end + 1 opens the plumbing
         assert lines[end - 1].strip() == "", (f, end)                          # after the paper's blank line
+
+
+LEVEL = {"data": 0, "lorentz": 0, "adapters": 0, "model": 1, "train": 2, "evaluate": 3}  # README, "Files"
+
+
+def test_imports_run_one_way():
+    for name, level in LEVEL.items():
+        tree = ast.parse(open(os.path.join(ROOT, name + ".py"), encoding="utf-8").read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+            {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        upward = {m for m in imported & set(LEVEL) if LEVEL[m] >= level}  # a file at its own level or above
+        assert upward == set(), (name, upward)
