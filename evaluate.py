@@ -1469,13 +1469,6 @@ def tune_flags(lr, lam=None):
                                   "--seed", str(TUNE["seed"])]
 
 
-def tuning_split(args):
-    """(training queries, scored queries) of every tuning run: the split train.py makes from tune_flags."""
-    targs = train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                              *tune_flags(1e-3)] + (["--data-root", args.data_root] if args.data_root else []))
-    return train.split_pool(targs, M.family_of(args.model))[:2]
-
-
 def tune(args, common, methods):
     """Each method's {"lr", "lam"} by the rule above; also every tuning run's score (tune.json)."""
     runs, chosen = [], {}
@@ -1548,14 +1541,15 @@ def curve(args):
     plan = [(name, flags, n, seed) for name, flags in rows for n in args.curve_queries for seed in range(args.curve_seeds)]
     for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
-        adapter = train.main(common + shlex.split(args.train_args) + row_flags(flags, chosen) + [
+        row = row_flags(flags, chosen)  # the tuned rate first, so the row's own flags override it
+        adapter = train.main(common + shlex.split(args.train_args) + row + [
             "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
             "--teacher-cache", os.path.join(args.out, "teacher")])
         checkpoint = os.path.join(out, "adapter.safetensors")
         method = M.load_adapter(checkpoint, backbone)["method"]
         m = scored(["--checkpoint", checkpoint, "--out", out], method)
         runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[headline_metric(m)],
-                     "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row_flags(flags, chosen)),
+                     "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row),
                      **answer_measures(backbone, kind, items, teacher, args.batch_size)})
         M.detach(backbone.model)
     write_curve(args, runs, levels, len(items), chosen)

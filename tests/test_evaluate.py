@@ -4,6 +4,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 
 import pytest
 import torch
@@ -310,7 +311,9 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
 
 def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_training_queries():
     args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour"])
-    trained, scored = E.tuning_split(args)
+    tuning_run = train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
+                                   *E.tune_flags(1e-3)])  # the flags E.tune gives train.main, whose split this is
+    trained, scored = train.split_pool(tuning_run, M.family_of(args.model))[:2]
     evaluated = E.eval_items(args)
     assert len(scored) == E.TUNE["n_heldout"] and len(trained) == E.TUNE["n_train"] and len(evaluated) == 300
     images = lambda items: {hashlib.sha256(open(it.image_path, "rb").read()).hexdigest() for it in items}
