@@ -15,7 +15,7 @@ Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + targe
 student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
 concatenations of those ids, so the query's ids are identical in teacher and student; rows are left-padded, so the
 query + target (T tokens) are the last T positions of both (`align`). LLaVA-OneVision encodes every image in its
-single-image mode, so the query image gets the same tokens with and without ICDs.
+multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
 Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
 the README ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy datasets and the
@@ -157,11 +157,28 @@ def encode_piece(processor, family, text, image):
     if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
         out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
         return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
+    if family == "llava-onevision":
+        return onevision_piece(processor, text, image)
     out = processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
-    names = {"idefics2": ("pixel_values", "pixel_attention_mask"), "llava-interleave": ("pixel_values",),
-             "llava-onevision": ("pixel_values", "image_sizes")}[family]
+    names = {"idefics2": ("pixel_values", "pixel_attention_mask"), "llava-interleave": ("pixel_values",)}[family]
     squeeze = family == "idefics2"  # its tensors carry a batch dimension over the images of a prompt
     return {"input_ids": out["input_ids"][0].tolist(), "images": {k: out[k][0] if squeeze else out[k] for k in names}}
+
+
+def onevision_piece(processor, text, image):
+    """A LLaVA-OneVision piece with its image encoded as one of several images, the model's multi-image mode.
+
+    The model tiles an image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one
+    image; an image among several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher
+    row holds several images, so its query image is in that mode; the student's lone query image must be too, or the
+    query's tokens would differ between the rows (Eq 16 compares them token by token). So every image is encoded
+    this way, in training and evaluation alike (`image_inputs` tells the model). Returns what encode_piece returns.
+    """
+    views = processor.image_processor([[image, image]], return_tensors="pt")  # a prompt of two images: base views
+    n = processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
+    ids = processor.tokenizer(text.replace(processor.image_token, processor.image_token * n),
+                              add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "images": {k: views[k][:1] for k in ("pixel_values", "image_sizes")}}
 
 
 def encode_query(processor, family, kind, query, with_target=True):
@@ -224,7 +241,10 @@ def image_inputs(rows, processor, family, input_ids):
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
         mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
         return {"pixel_values": pixel_values, "image_attention_mask": mask}
-    return {k: pad_stack([x for v in v_rows for x in v]) for k, v_rows in per_image.items()}  # LLaVA: [all images, ...]
+    out = {k: pad_stack([x for v in v_rows for x in v]) for k, v_rows in per_image.items()}  # LLaVA: [all images, ...]
+    if family == "llava-onevision":  # it tiles exactly the images of one-image samples; none here (onevision_piece),
+        out["batch_num_images"] = torch.tensor([max(len(out["image_sizes"]), 2)])  # so: one sample of several
+    return out
 
 
 def left_pad(seq, width, fill):
@@ -252,6 +272,13 @@ def collate(rows, processor, family):
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
             "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "align": align,
             **image_inputs(rows, processor, family, input_ids)}
+
+
+def answer_window(labels):
+    """K: the last K positions of each left-padded row hold its target tokens and the position before each, so a
+    forward with logits_to_keep=K runs the LM head there only, not over every position x the whole vocabulary
+    (152k for the Qwen models: gigabytes a row). Logits then line up with labels[:, -K:]."""
+    return int((labels != -100).sum(1).max()) + 1
 
 
 def model_inputs(batch, device=None):

@@ -63,15 +63,22 @@ def device_of(model):
 
 @torch.no_grad()
 def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
-    """Greedy decoding; stops at the family's end token or eos. Returns the new tokens only: [B, <= max_new_tokens]."""
+    """Greedy decoding; stops at stop_ids. Returns the new tokens only: [B, <= max_new_tokens]."""
     stop = {}
     if backbone.processor is not None:  # None for synthetic prompts (--random-weights): the config's eos then
-        tok = backbone.processor.tokenizer
-        end = tok.convert_tokens_to_ids(D.end_token(backbone.processor, backbone.family))
-        stop = dict(pad_token_id=tok.pad_token_id, eos_token_id=sorted({tok.eos_token_id, end}))
+        stop = dict(pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=stop_ids(backbone))
     out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=min_new_tokens, **stop)
     return out[:, inputs["input_ids"].shape[1]:]
+
+
+def stop_ids(backbone):
+    """The ids that end an answer: the checkpoint's generation_config eos ids (one or a list), the tokenizer's eos
+    and the family's end token (data.end_token), sorted."""
+    tok, listed = backbone.processor.tokenizer, backbone.model.generation_config.eos_token_id
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    end = tok.convert_tokens_to_ids(D.end_token(backbone.processor, backbone.family))
+    return sorted({*listed, tok.eos_token_id, end} - {None})
 
 
 def predict(backbone, task, items, icds=None, batch_size=8):
@@ -114,12 +121,12 @@ def option_logliks(backbone, items, icds=None, prompt="official"):
         prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
         rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
                  for o in it.answers]
-    batch, device = D.collate(rows, proc, family), device_of(backbone.model)
-    logits = backbone.model(**D.model_inputs(batch, device)).logits[:, :-1]
-    labels = batch["labels"][:, 1:].to(device)
+    batch = train.to_device(D.collate(rows, proc, family), device_of(backbone.model))
+    logits, labels = train.target_logits(backbone.model, batch)  # the options' positions only
+    logits, labels = logits[:, :-1], labels[:, 1:]
     answer = labels != -100                                   # position t predicts token t + 1
     logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
-    per_row = torch.zeros(len(rows), device=device).index_add(0, answer.nonzero()[:, 0], logp)
+    per_row = torch.zeros(len(rows), device=logp.device).index_add(0, answer.nonzero()[:, 0], logp)
     return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
 
 
@@ -769,7 +776,7 @@ def icl_means(backbone, kind, queries, icds, batch_size):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
                                icds[i:i + batch_size])
         with layer_states_at(model, states), head_outputs(model, heads):
-            model(**D.model_inputs(batch, device_of(model)))
+            model(**D.model_inputs(batch, device_of(model)), logits_to_keep=1)
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
     return mean(states), mean(heads)
 
@@ -777,9 +784,10 @@ def icl_means(backbone, kind, queries, icds, batch_size):
 def answer_probability(backbone, batch, positions):
     """Probability of each row's first answer token at its last prompt token: [B]."""
     device = device_of(backbone.model)
-    logits = backbone.model(**D.model_inputs(batch, device)).logits
-    rows, positions = torch.arange(len(positions), device=device), positions.to(device)
-    return logits[rows, positions].float().softmax(-1)[rows, batch["labels"].to(device)[rows, positions + 1]]
+    logits, labels = train.target_logits(backbone.model, train.to_device(batch, device))
+    rows, at = torch.arange(len(positions), device=device), positions.to(device) - (batch["labels"].shape[1] -
+                                                                                      labels.shape[1])
+    return logits[rows, at].float().softmax(-1)[rows, labels[rows, at + 1]]
 
 
 @torch.no_grad()
@@ -816,8 +824,8 @@ def layer_losses(backbone, batches, vectors, add):
         total = count = 0
         for batch, positions in batches:
             with steer(backbone.model, l, vectors[l], positions, add):
-                logits = backbone.model(**D.model_inputs(batch, device)).logits
-            total += train.supervised_loss(logits, batch["labels"].to(device)).item() * len(positions)
+                logits, labels = train.target_logits(backbone.model, train.to_device(batch, device))
+            total += train.supervised_loss(logits, labels).item() * len(positions)
             count += len(positions)
         losses.append(total / count)
     return torch.tensor(losses)
@@ -1024,10 +1032,11 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
         pixels = {"pixel_values": torch.randn(1, n, 3, side, side)}
     else:
         p = side // cfg.vision_config.patch_size
-        count = p * p if family == "llava-interleave" else 2 * p * p + p
+        count = p * p if family == "llava-interleave" else p * p + 1  # OneVision: base view + newline (onevision_piece)
         image = lambda: torch.full((count,), image_id)
         pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
-            {"pixel_values": torch.randn(n, 2, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n)}
+            {"pixel_values": torch.randn(n, 1, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n),
+             "batch_num_images": torch.tensor([max(n, 2)])}
     pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else query_text)]) for i in range(n)]
     ids = torch.cat(pieces)[None]
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
@@ -1282,7 +1291,8 @@ def analysis_batches(backbone, args, items):
         queries = items[i:i + args.batch_size]
         icds = D.demonstrations([q.id for q in queries], support, shots, args.seed)
         teacher, student = (D.prompt_batch(backbone.processor, backbone.family, kind, queries, d) for d in (icds, None))
-        yield D.model_inputs(teacher, device), D.model_inputs(student, device), student["align"].sum(1).tolist()
+        inputs = lambda b: {**D.model_inputs(b, device), "logits_to_keep": 1}  # hidden states only: no vocabulary
+        yield (inputs(teacher), inputs(student)), student["align"].sum(1).tolist()
 
 
 def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
@@ -1313,7 +1323,7 @@ def gate_analysis(backbone, args, items):
              for a in M.adapter_modules(model)]
     g_all, dA_all = [], []
     try:
-        for teacher, student, lengths in analysis_batches(backbone, args, items):
+        for (teacher, student), lengths in analysis_batches(backbone, args, items):
             gates.clear()
             model(**student)
             g = torch.stack(gates)                                            # [L, B, H, S_student]
@@ -1359,7 +1369,7 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
     layers = middle_layers(len(M.decoder_self_attentions(model)))
     deltas = {"teacher": [], "student": []}
     i = 0
-    for teacher, student, lengths in analysis_batches(backbone, args, items):
+    for (teacher, student), lengths in analysis_batches(backbone, args, items):
         with M.without_adapter(model):
             h_teacher = model(**teacher, output_hidden_states=True).hidden_states
         h_student = model(**student, output_hidden_states=True).hidden_states
@@ -1414,9 +1424,10 @@ def answer_measures(backbone, kind, items, teacher, batch_size=8):
         pieces = D.query_pieces(backbone.processor, backbone.family, kind, items[i:i + batch_size])
         batch = train.to_device(D.student_batch(backbone.processor, backbone.family, kind, pieces),
                                 device_of(backbone.model))
-        log_p = F.log_softmax(backbone.model(**D.model_inputs(batch)).logits.float(), -1)  # [B, W, V]
-        answer = train.answer_positions(batch["labels"])                                   # [B, W]: predicts a target
-        targets = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)                        # the token each predicts
+        logits, labels = train.target_logits(backbone.model, batch)
+        log_p = F.log_softmax(logits.float(), -1)                                          # [B, K, V]
+        answer = train.answer_positions(labels)                                            # [B, K]: predicts a target
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)                                 # the token each predicts
         for b in range(len(pieces)):
             student, t = log_p[b, answer[b]], F.log_softmax(teacher[i + b].float(), -1)    # [n_b, V] each
             logp += student.gather(-1, targets[b, answer[b]][:, None]).sum().item()

@@ -354,13 +354,33 @@ def load_backbone(name, device=None, dtype=None, seed=0):
         model, processor = TINY_BUILDERS[family](seed)
         device = device or "cpu"
         return with_context_limit(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
-    from transformers import AutoProcessor
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = FAMILIES[family].hub_id if name == family else name
     model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
-    processor = AutoProcessor.from_pretrained(path)
-    return with_context_limit(freeze(model), processor, family, name)
+    return with_context_limit(freeze(model), load_processor(path, family), family, name)
+
+
+def load_processor(path, family):
+    """The processor of the checkpoint at `path` (a hub id or a folder), its images resized by PIL on every machine.
+
+    LLaVA-OneVision's is built from its tokenizer, image processor and processor_config.json without the video
+    processor that AutoProcessor would build, which needs torchvision (not a requirement: images never use it).
+    """
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import cached_file
+    if family != "llava-onevision":
+        return AutoProcessor.from_pretrained(path, backend="pil")
+    config_file = cached_file(path, "processor_config.json")
+    try:
+        with open(config_file) as f:
+            settings = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config_file} cannot be read as JSON ({e})") from e
+    keys = ("num_image_tokens", "vision_feature_select_strategy", "image_token", "video_token", "vision_aspect_ratio")
+    return ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil"),
+                                       AutoTokenizer.from_pretrained(path), None,
+                                       **{k: settings[k] for k in keys if k in settings})
 
 
 def with_context_limit(model, processor, family, name):

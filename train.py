@@ -81,13 +81,16 @@ def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
     anchor_scale: what L_anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
     Each part is this process's share of its mean over the global micro-batch (`share_of_global_mean`).
     """
-    answers = answer_positions(student["labels"])                    # [B, W] bool: the target tokens
+    keep = data.answer_window(student["labels"])                     # logits at the last `keep` positions only
+    labels = student["labels"][:, -keep:]
+    answers = answer_positions(labels)                               # [B, keep] bool: predicts a target token
+    inputs = {**data.model_inputs(student), "logits_to_keep": keep}
     with autocast(student["input_ids"].device):
         if args.anchor in LAYER_ANCHORS:
-            out, states = M.layer_outputs(backbone.model, forward=model, **data.model_inputs(student))
+            out, states = M.layer_outputs(backbone.model, forward=model, **inputs)
         else:
-            out = (model or backbone.model)(**data.model_inputs(student))
-    sup = share_of_global_mean(supervised_loss(out.logits, student["labels"]), answers.sum())  # per target token
+            out = (model or backbone.model)(**inputs)
+    sup = share_of_global_mean(supervised_loss(out.logits, labels), answers.sum())  # per target token
     if args.anchor == "none":
         return {"sup": sup, "loss": sup}
     if args.anchor == "kl":  # teacher: [n_answers, V], the answer positions in the order of `answers`
@@ -120,6 +123,13 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
 LAYER_ANCHORS = {"hyperbolic": lambda s, t, align, args: hyperbolic_anchor_loss(s, t, align, args.kappa),  # Eq 16
                  "euclidean": lambda s, t, align, args: euclidean_anchor_loss(s, t, align),  # L2-anchor, Table 4
                  "mse": lambda s, t, align, args: layerwise_mse(s, t, align)}               # MimIC
+
+
+def target_logits(model, batch, **kwargs):
+    """model's logits at the last data.answer_window positions of `batch` (its targets and the position before each)
+    and the labels they line up with: ([B, K, V], [B, K])."""
+    keep = data.answer_window(batch["labels"])
+    return model(**data.model_inputs(batch), logits_to_keep=keep, **kwargs).logits, batch["labels"][:, -keep:]
 
 
 def supervised_loss(logits, labels):
@@ -200,12 +210,14 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
     output="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
     """
     batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
+    keep = data.answer_window(batch["labels"]) if output == "logits" else 1  # states: no vocabulary-wide logits
+    inputs = {**data.model_inputs(batch), "logits_to_keep": keep}
     with M.without_adapter(backbone.model), autocast(device):
         if output == "logits":
-            logits = backbone.model(**data.model_inputs(batch)).logits
-            answer = answer_positions(batch["labels"])
+            logits = backbone.model(**inputs).logits
+            answer = answer_positions(batch["labels"][:, -keep:])
             return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
-        states = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch))[1])  # [L, B, W, d]
+        states = torch.stack(M.layer_outputs(backbone.model, **inputs)[1])  # [L, B, W, d]
     return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
 
 
@@ -380,7 +392,7 @@ def heldout_loss(backbone, args, kind, heldout, device):
         pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
         batch = to_device(data.student_batch(backbone.processor, backbone.family, kind, pieces), device)
         with autocast(device):
-            totals[i] = supervised_loss(backbone.model(**data.model_inputs(batch)).logits, batch["labels"]).item() * len(queries)
+            totals[i] = supervised_loss(*target_logits(backbone.model, batch)).item() * len(queries)
     totals = gathered(totals)
     return sum(totals[i] for i in starts) / len(heldout)
 

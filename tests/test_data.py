@@ -323,7 +323,8 @@ def image_tokens_per_image(processor, family, image):
         size = processor.image_processor.size
         return ((size["height"] // processor.patch_size) * (size["width"] // processor.patch_size)
                 + processor.num_additional_image_tokens - (processor.vision_feature_select_strategy == "default"))
-    return processor._get_num_multimodal_tokens(image_sizes=[image.size[::-1]])["num_image_tokens"][0]  # anyres
+    # LLaVA-OneVision: an image among several (its multi-image mode): the base view and a newline, no anyres tiles
+    return processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
 
 
 def n_images(batch, family):
