@@ -130,8 +130,17 @@ class HiFICL(nn.Module):
         """K_learn, V_learn: [H, n, d_h] each."""
         return (self.K_A @ self.K_B).to(dtype), (self.V_A @ self.V_B).to(dtype)
 
+    def reference(self, q, k, v, mask, scaling):
+        """HiFICL as written: softmax([q K_learn^T, q K^T] scaling) [V_learn; V], the model's mask on K only. Forms
+        the T x (n + S) logits (readable; the fused forward must match it)."""
+        k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
+        K_learn, V_learn = self.virtual(q.dtype)
+        seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
+        logits_D, logits = q @ K_learn.transpose(-1, -2) * scaling, q @ k.transpose(-1, -2) * scaling
+        return joint_attention(logits_D, logits, V_learn.expand(len(q), -1, -1, -1), v, seen)
+
     def forward(self, q, k, v, mask, scaling):
-        """Joint attention over [K_learn; K] and [V_learn; V] by Eq 2:
+        """The reference, computed by Eq 2 without a T x S tensor (an optimisation, same function):
         (1 - mu) SA(q, K, V) + mu SA(q, K_learn, V_learn), mu = Z1 / (Z1 + Z2). The T x n virtual part is computed
         directly (float32 or float64); the real keys go through one fused call that also returns mu
         (virtual_key_attention: one virtual key with logit log Z1 = logsumexp(q K_learn^T scaling)), with K and V
@@ -139,9 +148,9 @@ class HiFICL(nn.Module):
         """
         K_learn, V_learn = self.virtual(torch.promote_types(q.dtype, torch.float32))
         logits_D = q.to(K_learn.dtype) @ K_learn.transpose(-1, -2) * scaling    # [B, H, T, n]
-        first, mu, _ = virtual_key_attention(q, k, v, torch.logsumexp(logits_D, -1), mask, scaling)
+        weighted_SA, mu, _ = virtual_key_attention(q, k, v, torch.logsumexp(logits_D, -1), mask, scaling)
         SA_D = logits_D.softmax(-1) @ V_learn                                  # SA(q, K_learn, V_learn)
-        return torch.addcmul(first.to(SA_D.dtype), mu.to(SA_D.dtype), SA_D).to(q.dtype)
+        return torch.addcmul(weighted_SA.to(SA_D.dtype), mu.to(SA_D.dtype), SA_D).to(q.dtype)
 
 
 # ------------------------------------------------------------- baselines: static gates, output level, MimIC, LIVE
@@ -206,16 +215,27 @@ class MimIC(nn.Module):
         dtype = torch.promote_types(q.dtype, torch.float32)
         return (torch.einsum("bhtd,hd->bht", q.to(dtype), self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
 
+    def reference(self, q, k, v, mask, scaling):
+        """MimIC as written: SA(q, K, V) + mu s with Z2 summed over the keys each token may see. Forms the T x S
+        logits (readable; the fused forward must match it). A token that sees no key (padding) gets SA = 0."""
+        k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
+        seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
+        logits = (q @ k.transpose(-1, -2) * scaling).masked_fill(~seen, -math.inf)
+        mu = torch.sigmoid(self.log_Z1(q) - torch.logsumexp(logits, -1, keepdim=True))       # Z1 / (Z1 + Z2)
+        SA = (logits.softmax(-1) @ v).nan_to_num(0)
+        return SA + mu.to(q.dtype) * self.s.to(q.dtype)[:, None]
+
     def forward(self, q, k, v, mask, scaling):
-        """SA(q, K, V) + mu s in one fused call over [virtual key; K] with the virtual key's logit log Z1
-        (virtual_key_attention), SA = (1 - mu) SA / (1 - mu), each read with the kernel's own relative precision.
-        A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere nothing is clamped: if
-        Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and training stops on it.
+        """The reference in one fused call over [virtual key; K] (an optimisation, same function): the virtual key's
+        logit is log Z1 (virtual_key_attention), SA = (1 - mu) SA / (1 - mu), each read with the kernel's own
+        relative precision. A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere
+        nothing is clamped: if Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and
+        training stops on it.
         """
-        first, mu, rest = virtual_key_attention(q, k, v, self.log_Z1(q)[..., 0], mask, scaling)
+        weighted_SA, mu, one_minus_mu = virtual_key_attention(q, k, v, self.log_Z1(q)[..., 0], mask, scaling)
         if mask is not None:  # a row that sees no real key: (1 - mu) SA = 0, so SA = 0
-            rest = rest.masked_fill(~mask.any(-1, keepdim=True), 1)
-        return torch.addcmul(first / rest, mu, self.s.to(q.dtype)[:, None])
+            one_minus_mu = one_minus_mu.masked_fill(~mask.any(-1, keepdim=True), 1)
+        return torch.addcmul(weighted_SA / one_minus_mu, mu, self.s.to(q.dtype)[:, None])
 
 
 class LIVE(nn.Module):
@@ -261,7 +281,7 @@ METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, 
            "output-level": OutputLevel, "mimic": MimIC, "live": LIVE, "lora": lora_config}
 
 
-# --------------------------------------------------------------- kernel helpers: masks, SDPA, one virtual key
+# ------------------------------------------- kernel helpers (optimisations): masks, SDPA, one virtual key
 
 def causal_mask(T, S, device):
     """Bool [T, S]: query i (the last T of S positions) may attend key j <= S - T + i."""

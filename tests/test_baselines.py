@@ -52,9 +52,10 @@ def test_mimic_is_sa_plus_mu_shift_with_a_masked_z2(T, S, pads):
     log_Z1 = (q * mimic.w[:, None]).sum(-1, keepdim=True) + mimic.b[:, None, None]
     mu = torch.exp(log_Z1) / (torch.exp(log_Z1) + torch.exp(log_Z2))
     want = sa + mu * mimic.s[:, None]
-    ours, seen = mimic(q, k, v, mask, d_h ** -0.5), mask.any(-1).expand(-1, H, -1)  # [B, H, T]
-    torch.testing.assert_close(ours[seen], want[seen], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(ours[~seen], mimic.s[:, None].expand_as(ours)[~seen])  # no key seen: SA = 0, mu = 1
+    seen = mask.any(-1).expand(-1, H, -1)  # [B, H, T]
+    for ours in (mimic(q, k, v, mask, d_h ** -0.5), mimic.reference(q, k, v, mask, d_h ** -0.5)):  # fused, readable
+        torch.testing.assert_close(ours[seen], want[seen], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(ours[~seen], mimic.s[:, None].expand_as(ours)[~seen])  # no key seen: SA 0, mu 1
     if not any(pads):  # mask None = plain causal (the last T of S positions)
         torch.testing.assert_close(mimic(q, k, v, None, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
 
