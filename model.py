@@ -194,15 +194,15 @@ def without_adapter(model):
             hook_live(model)
 
 
-# ------------------------------------------------------------------ P^(l) of Eq 16: each decoder layer's own output
+# ------------------------------------------------------------------ h^(l) of Eq 12-16: each decoder layer's own output
 
 LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], whose last entry is after the final norm
 
 
 def layer_outputs(model, forward=None, **inputs):
-    """model(**inputs) and P^(1), ..., P^(L), the output of each decoder layer (Eq 16 aligns these), read by forward
+    """model(**inputs) and h^(1), ..., h^(L), the output of each decoder layer (Eq 16 aligns these), read by forward
     hooks on the decoder layers: (output, L x [B, T, d]). Unlike `output_hidden_states`, whose last entry is the L-th
-    output after the model's final norm, every P^(l) here is the layer's own output. forward: what runs the model
+    output after the model's final norm, every h^(l) here is the layer's own output. forward: what runs the model
     (a wrapper of it, such as DistributedDataParallel; default the model itself)."""
     states = []
     record = lambda layer, args, out: states.append(out[0] if isinstance(out, tuple) else out)

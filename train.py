@@ -74,7 +74,7 @@ def method_sizes(args):
 def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
     """Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": L_anchor + lambda L_sup}.
 
-    L_anchor is --anchor: Eq 16's hyperbolic anchor over every decoder layer's own output P^(l) at the query's
+    L_anchor is --anchor: Eq 16's hyperbolic anchor over every decoder layer's own output h^(l) at the query's
     tokens (lorentz.hyperbolic_anchor_loss), the Euclidean one of Table 4, MimIC's layer-wise MSE, LIVE's KL at the
     answer positions, or none (L = L_sup: HiFICL, LoRA). L_sup is the cross-entropy of the target tokens.
     model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
@@ -95,7 +95,7 @@ def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
         return {"sup": sup, "loss": sup}
     if args.anchor == "kl":  # teacher: [n_answers, V], the answer positions in the order of `answers`
         anchor = share_of_global_mean(answer_kl(out.logits[answers], teacher, args.temperature), answers.sum())
-    else:  # P^(l): L x [B, W, d] -> [L, B, W, d]; teacher: the same shape; align [B, W]: the query's tokens
+    else:  # h^(l): L x [B, W, d] -> [L, B, W, d]; teacher: the same shape; align [B, W]: the query's tokens
         anchor = LAYER_ANCHORS[args.anchor](torch.stack(states), teacher, student["align"], args)
         anchor = share_of_global_mean(anchor, student["align"].any(1).sum())  # Eq 16 averages per query
     anchor = anchor / anchor_scale
@@ -119,7 +119,7 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
     return anchor.item()
 
 
-# The distillation losses on the layer states P^(l) (student, teacher: [L, B, W, d]; align: [B, W]).
+# The distillation losses on the layer states h^(l) (student, teacher: [L, B, W, d]; align: [B, W]).
 LAYER_ANCHORS = {"hyperbolic": lambda s, t, align, args: hyperbolic_anchor_loss(s, t, align, args.kappa),  # Eq 16
                  "euclidean": lambda s, t, align, args: euclidean_anchor_loss(s, t, align),  # L2-anchor, Table 4
                  "mse": lambda s, t, align, args: layerwise_mse(s, t, align)}               # MimIC

@@ -1,4 +1,4 @@
-"""Fidelity details: the last layer's own output (Eq 16's P^(L)), Eq 16's per-query averaging, PTB caption tokens."""
+"""Fidelity details: the last layer's own output (Eq 16's h^(L)), Eq 16's per-query averaging, PTB caption tokens."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ from evaluate import tokenize_caption
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
 
 
-# ------------------------------------------------------------------------- P^(L): the last layer's own output
+# ------------------------------------------------------------------------- h^(L): the last layer's own output
 
 def with_final_norm_not_one(family, seed=0):
     """A tiny twin whose final norm has a non-uniform weight (as real checkpoints do; the twins have weight 1)."""
@@ -36,7 +36,7 @@ def test_layer_outputs_are_every_layers_own_output(family):
     assert len(states) == len(backbone.model.get_decoder().layers) == len(hidden) - 1
     for l in range(len(states) - 1):                       # layers 1..L-1: what transformers reports
         assert torch.equal(states[l], hidden[l + 1])
-    # layer L: transformers reports it after the final norm; P^(L) is the layer's output before it
+    # layer L: transformers reports it after the final norm; h^(L) is the layer's output before it
     assert torch.allclose(norm(states[-1]), hidden[-1], atol=1e-6)
     assert not torch.allclose(states[-1], hidden[-1], atol=1e-2)
     assert torch.equal(out.logits, backbone.model(**inputs).logits)
@@ -52,7 +52,7 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
         # no ICDs and no adapter: the teacher reads what the student reads, so the anchor is exactly 0 ...
         teacher = train.run_teacher(backbone, "vqa", queries, [[]] * 3, pieces, "cpu")
         assert train.losses(backbone, args, student, train.stack_teacher(teacher, student["align"]))["anchor"] == 0
-        # ... and the teacher's last layer is P^(L), which the final norm maps onto transformers' last hidden state
+        # ... and the teacher's last layer is h^(L), which the final norm maps onto transformers' last hidden state
         last = backbone.model(**data.model_inputs(student), output_hidden_states=True).hidden_states[-1]
         for b, states in enumerate(teacher):
             assert torch.allclose(norm(states[-1]), last[b, student["align"][b]], atol=1e-5)
