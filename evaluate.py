@@ -835,6 +835,7 @@ def vector_key(backbone, args, shots):
     """The hash of everything a vector depends on (its settings key)."""
     spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
                 sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
+                images=train.image_key(backbone.processor),  # Idefics2's image splitting changes the prompts
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
