@@ -835,6 +835,7 @@ def vector_key(backbone, args, shots):
     """The hash of everything a vector depends on (its settings key)."""
     spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
                 sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
+                images=train.image_key(backbone.processor),  # Idefics2's image splitting changes the prompts
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
@@ -1642,6 +1643,7 @@ def parse_args(argv=None):
                                              "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
                                              "data.default_shots: 2 for MME and SEED)")
     train.add_icd_flags(p)
+    train.add_plan_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test); "
                                               "MME and SEED-Bench: about N questions drawn by image, stratified by "
@@ -1784,6 +1786,8 @@ def main(argv=None):
     Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
     """
     args = parse_args(argv)
+    if args.plan:  # before any folder is made or weights load
+        return train.plan(args, training=False)
     if args.threads:
         torch.set_num_threads(args.threads)
     global ROUNDS
@@ -1811,7 +1815,9 @@ def run(args):
         size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
         backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
     else:
-        backbone = M.load_backbone(args.model)
+        backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
+        if backbone.images:
+            print(backbone.images)
     setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
     default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) and \
         args.checkpoint in (None, default_checkpoint(args.model, args.task))

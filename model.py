@@ -43,6 +43,7 @@ class Backbone:
     processor: object
     family: str
     name: str
+    images: str = ""  # how its processor encodes images, and where that setting comes from (image_setting)
 
 
 # ---------------------------------------------------------- the plug: an adapter inside each decoder self-attention
@@ -342,35 +343,42 @@ def freeze(model):
     return model.eval()
 
 
-def load_backbone(name, device=None, dtype=None, seed=0):
+def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint"):
     """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
     weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
-    (train.py --build-toy)."""
+    (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"."""
     family = family_of(name)
     if name == "toy-idefics2" or is_toy_file(name):
         model, processor = toy_idefics2(None if name == "toy-idefics2" else name)
-        return with_context_limit(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name)
+        images = image_setting(processor, family, image_splitting, "built-in processor")
+        return with_context_limit(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name,
+                                  images)
     if name.startswith("tiny-"):
         model, processor = TINY_BUILDERS[family](seed)
         device = device or "cpu"
-        return with_context_limit(freeze(model.to(device, dtype or torch.float32)), processor, family, name)
+        images = image_setting(processor, family, image_splitting, "built-in processor")
+        return with_context_limit(freeze(model.to(device, dtype or torch.float32)), processor, family, name, images)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = FAMILIES[family].hub_id if name == family else name
+    processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
     model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
-    return with_context_limit(freeze(model), load_processor(path, family), family, name)
+    return with_context_limit(freeze(model), processor, family, name, images)
 
 
-def load_processor(path, family):
-    """The processor of the checkpoint at `path` (a hub id or a folder), its images resized by PIL on every machine.
+def load_processor(path, family, image_splitting="checkpoint"):
+    """The processor of the checkpoint at `path` (a hub id or a folder), its images resized by PIL on every machine,
+    and the line that says how it encodes images (image_setting): (processor, line).
 
     LLaVA-OneVision's is built from its tokenizer, image processor and processor_config.json without the video
     processor that AutoProcessor would build, which needs torchvision (not a requirement: images never use it).
     """
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file
+    source = "the checkpoint's processor config"
     if family != "llava-onevision":
-        return AutoProcessor.from_pretrained(path, backend="pil")
+        processor = AutoProcessor.from_pretrained(path, backend="pil")
+        return processor, image_setting(processor, family, image_splitting, source)
     config_file = cached_file(path, "processor_config.json")
     try:
         with open(config_file) as f:
@@ -378,16 +386,44 @@ def load_processor(path, family):
     except (OSError, ValueError) as e:
         raise ValueError(f"{config_file} cannot be read as JSON ({e})") from e
     keys = ("num_image_tokens", "vision_feature_select_strategy", "image_token", "video_token", "vision_aspect_ratio")
-    return ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil"),
-                                       AutoTokenizer.from_pretrained(path), None,
-                                       **{k: settings[k] for k in keys if k in settings})
+    processor = ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil"),
+                                            AutoTokenizer.from_pretrained(path), None,
+                                            **{k: settings[k] for k in keys if k in settings})
+    return processor, image_setting(processor, family, image_splitting, source)
 
 
-def with_context_limit(model, processor, family, name):
+IMAGE_SPLITTING = ("checkpoint", "on", "off")  # --image-splitting
+
+
+def image_setting(processor, family, splitting="checkpoint", source="the checkpoint's processor config"):
+    """Apply --image-splitting to Idefics2's processor (4 crops + the whole image, 5 x 64 tokens an image, instead of
+    the whole image's 64) and return the line that says how images are encoded and where that comes from.
+    Another family's processor does not split: any setting but "checkpoint" is then a ValueError."""
+    if family != "idefics2":
+        if splitting != "checkpoint":
+            raise ValueError(f"--image-splitting {splitting}: only Idefics2 splits images, not {family}; drop the flag")
+        if family == "llava-onevision":
+            n = processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
+            return f"images: multi-image mode, {n} tokens each (data.onevision_piece)"
+        return ""
+    images = processor.image_processor
+    if splitting != "checkpoint":
+        images.do_image_splitting, source = splitting == "on", f"--image-splitting {splitting}"
+    crops = 5 if images.do_image_splitting else 1
+    return (f"image splitting: {'on' if images.do_image_splitting else 'off'} ({source}): {crops} crop(s) x "
+            f"{processor.image_seq_len} tokens an image")
+
+
+def with_context_limit(model, processor, family, name, images=""):
     """A Backbone whose tokenizer knows the text model's context (model_max_length), which data.collate checks."""
-    positions = model.config.get_text_config().max_position_embeddings
+    context_limit(processor, model.config)
+    return Backbone(model, processor, family, name, images)
+
+
+def context_limit(processor, config):
+    """Cap the processor's tokenizer's model_max_length at the text model's positions (config's)."""
+    positions = config.get_text_config().max_position_embeddings
     processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
-    return Backbone(model, processor, family, name)
 
 
 # ------------------------------------------------------------------------------------------------------- tiny twins

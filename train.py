@@ -27,6 +27,7 @@ import math
 import os
 import pickle
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -187,13 +188,14 @@ def anchor_regime(args, student, teacher):
 
 # ------------------------------------------------------------------------------------------------------ the teacher
 
-def teacher_key(backbone_id, args, query, icds):
-    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format and the
-    version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are
-    never read."""
+def teacher_key(backbone_id, args, query, icds, images=None):
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format, how images
+    are encoded (`images`: Idefics2's image splitting, which changes the query's tokens) and the version of what the
+    states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never read."""
     item = lambda it: [it.id, it.image_path, it.question, it.target]
     spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
-            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION}
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION,
+            "images": images}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -237,13 +239,17 @@ def teacher_shape(backbone, piece, output):
         backbone.model.config.get_text_config().hidden_size
 
 
+def teacher_path(args, key, output):
+    """The cache file of one query's teacher tensor `output` ("states" or "logits") under --teacher-cache."""
+    return os.path.join(args.teacher_cache, key + ("-logits" if output == "logits" else "") + ".safetensors")
+
+
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
     stored once otherwise)."""
     output = "logits" if args.anchor == "kl" else "states"
-    keys = [teacher_key(cache["id"], args, q, d) for q, d in zip(queries, icds)]
-    paths = [os.path.join(args.teacher_cache, k + ("-logits" if output == "logits" else "") + ".safetensors")
-             for k in keys]
+    keys = [teacher_key(cache["id"], args, q, d, cache.get("images")) for q, d in zip(queries, icds)]
+    paths = [teacher_path(args, k, output) for k in keys]
     states = {} if args.no_teacher_cache else {i: read_teacher(p, k, teacher_shape(backbone, pieces[i], output), output)
                                                for i, (p, k) in enumerate(zip(paths, keys))}
     missing = [i for i in range(len(queries)) if states.get(i) is None]
@@ -289,7 +295,9 @@ def train(args):
     torch.manual_seed(args.seed)
     kind = data.TASKS[args.task].kind
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))  # the data first: it fails fast
-    backbone = M.load_backbone(args.model, device=device)
+    backbone = M.load_backbone(args.model, device=device, image_splitting=args.image_splitting)
+    if backbone.images:
+        print(backbone.images)
     icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
     params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -303,7 +311,9 @@ def train(args):
     progress = {"step": 0, "best": math.inf, "history": []}
     if args.resume:
         progress = restore(args, backbone, optimizer, scheduler)
-    cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0}
+    cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0, "images": image_key(backbone.processor)}
+    if args.anchor != "none" and not args.no_teacher_cache:
+        check_cache_room(backbone, args, kind, queries, icds, cache)
     if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in progress:
         progress["anchor_scale"] = initial_anchor(backbone, args, kind, queries, icds, device, cache)
     if args.anchor in ("hyperbolic", "euclidean") and not args.resume:  # the noise floor of the layer-state anchors
@@ -609,6 +619,222 @@ def build_toy(path, recipe=TOY_RECIPE, tries=3, threads=1, accept=ACCEPT):
                      f"{accept['0-shot']}); nothing was written. Try other seeds (--seed) or more (--build-tries)")
 
 
+# ------------------------------------------------------------------ the plan: what a run costs, before weights load
+#
+# train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
+# a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
+# tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read.
+
+PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
+CACHE_HEADER = 300  # bytes of a cache file besides its tensor: safetensors' header with the key and checksum
+MEMORY_ASSUMPTIONS = ("assumptions: weights and activations in {dtype}, adapter state in float32 (16 bytes a "
+                      "parameter: value, gradient, AdamW's two moments); teacher = 2 L B T_t d (every layer's output, "
+                      "hooked then stacked) + B T_t (3 i + 4 d) (one layer's work), no gradient; student = B T_s L "
+                      "(10 d + 3 i) saved for the backward through the adapters; evaluation = KV cache 2 L B (T + "
+                      "new) kv + B T (3 i + 4 d); vision = crops x patches x (i_v + 4 d_v), one layer at a time; "
+                      "SDPA without T x T scores; rows at the sample's longest, random ICDs")
+
+
+def image_key(processor):
+    """What of the processor's image settings changes the query's tokens: Idefics2's image splitting (None else)."""
+    return getattr(getattr(processor, "image_processor", None), "do_image_splitting", None)
+
+
+def size(n):
+    """n bytes in decimal units: "21.3 GB", "48.4 kB"."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def cache_file_bytes(shape, dtype):
+    """The bytes of one cache file holding a tensor of `shape` and `dtype` (data.write_cache)."""
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size() + CACHE_HEADER
+
+
+def teacher_tensor(config, tokens, answers, output, dtype):
+    """(shape, dtype) of a query's cached teacher tensor: states [L, T_q, d] in the training dtype, or LIVE's answer
+    logits [answer tokens, vocabulary] in float32 (run_teacher)."""
+    text = config.get_text_config()
+    if output == "logits":
+        return (answers, text.vocab_size), torch.float32
+    return (text.num_hidden_layers, tokens, text.hidden_size), dtype
+
+
+def check_cache_room(backbone, args, kind, queries, icds, cache):
+    """Stop before the first step if the teacher tensors not yet cached do not fit the free space of --teacher-cache:
+    a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs)."""
+    output = "logits" if args.anchor == "kl" else "states"
+    todo = [q for q in queries if not os.path.exists(teacher_path(
+        args, teacher_key(cache["id"], args, q, icds[q.id], cache.get("images")), output))]
+    if not todo:
+        return
+    pieces = data.query_pieces(backbone.processor, backbone.family, kind, todo[:PLAN_SAMPLE])
+    dtype = autocast_dtype(next(backbone.model.parameters()).device)
+    per_query = sum(cache_file_bytes(*teacher_tensor(backbone.model.config, len(p["input_ids"]),
+                                                     sum(x != -100 for x in p["labels"]), output, dtype))
+                    for p in pieces) / len(pieces)
+    need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
+    if need > free:
+        raise ValueError(f"the teacher cache needs {size(need)} for {len(todo)} queries ({size(per_query)} each) but "
+                         f"{args.teacher_cache} has {size(free)} free; give --teacher-cache DIR on a disk with room, "
+                         f"or --no-teacher-cache to recompute the teacher at every step ({args.epochs * len(queries)} "
+                         f"teacher forwards instead of {len(todo)})")
+
+
+def plan_backbone(args, family):
+    """The config, the processor and a meta-device model (no weights) of --model, and a line saying where each came
+    from: a folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of
+    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
+    if args.model.startswith(("tiny-", "toy-")) or M.is_toy_file(args.model):
+        backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
+        return backbone.model.config, backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
+    folder = args.processor or (args.model if os.path.isdir(args.model) else hub_snapshot(M.FAMILIES[family].hub_id))
+    processor, images = M.load_processor(folder, family, args.image_splitting)
+    if os.path.isdir(args.model):
+        from transformers import AutoConfig
+        config, source = AutoConfig.from_pretrained(args.model), f"{args.model}/config.json"
+        with torch.device("meta"):
+            model = M.FAMILIES[family].model_cls._from_config(config, dtype=torch.bfloat16)
+    else:
+        model, source = M.published_model(family), f'model.PUBLISHED["{family}"]'
+        config = model.config
+    M.context_limit(processor, config)
+    return config, processor, model, images, f"config {source}, processor {folder}, no weights"
+
+
+def hub_snapshot(hub_id):
+    """The local Hugging Face cache's copy of `hub_id` (the plan downloads nothing), or a ValueError saying what to
+    pass instead."""
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(hub_id, local_files_only=True)
+    except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
+        raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
+                         f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer and "
+                         f"preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
+
+
+def plan_queries(args, family, training):
+    """The queries a run would see, the support set of their ICDs and the shots: train.py's training queries
+    (split_pool), or evaluate.py's --split items (--n-eval) with ICDs from the training split."""
+    if training:
+        queries, _, pool, shots = split_pool(args, family)
+        return queries, pool, shots
+    queries = data.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+    shots = args.shots if args.shots else data.default_shots(args.task, family)
+    return queries, data.load_task(args.task, "train", args.data_root), shots
+
+
+def plan_rows(processor, family, kind, queries, icds, patch):
+    """Each sampled query's rows as a run collates them, one at a time: {"student": {id: tokens}, "teacher": {id:
+    tokens}, "query": {id: T_q}, "answers": {id: target tokens}, "crops": crops per image, "patches": per crop}."""
+    rows = {"student": {}, "teacher": {}, "query": {}, "answers": {}}
+    for q, d in zip(queries, icds):
+        piece = data.query_pieces(processor, family, kind, [q])
+        for name, batch in (("student", data.student_batch(processor, family, kind, piece)),
+                            ("teacher", data.teacher_batch(processor, family, kind, piece, [d]))):
+            rows[name][q.id] = int(batch["attention_mask"].sum())
+        rows["query"][q.id] = len(piece[0]["input_ids"])
+        rows["answers"][q.id] = sum(x != -100 for x in piece[0]["labels"])
+    pixels = piece[0]["images"]["pixel_values"]
+    rows["crops"] = pixels.shape[0] if family == "idefics2" else 1  # LLaVA-OneVision: its base view (onevision_piece)
+    rows["patches"] = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    return rows
+
+
+def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens):
+    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS): {"weights", "teacher", "student", "vision", "adapter",
+    "train", "eval_adapter", "eval_icl"}."""
+    text, vision = config.get_text_config(), getattr(config, "vision_config", None)
+    b, L, d, i = torch.empty(0, dtype=dtype).element_size(), text.num_hidden_layers, text.hidden_size, \
+        text.intermediate_size
+    heads = text.num_attention_heads
+    kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or d // heads)
+    t_s, t_t = max(rows["student"].values()), max(rows["teacher"].values())
+    d_v = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
+    vision_row = lambda images: images * rows["crops"] * rows["patches"] * (getattr(vision, "intermediate_size", 0)
+                                                                            + 4 * d_v) * b
+    work = lambda tokens: batch * tokens * (3 * i + 4 * d) * b
+    out = {"weights": params * b, "adapter": adapter_params * 16,
+           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b,
+           "vision": vision_row(batch * (shots + 1))}
+    out["train"] = out["weights"] + out["adapter"] + out["vision"] + max(out["teacher"], out["student"])
+    evaluation = lambda tokens, images: out["weights"] + 2 * L * batch * (tokens + new_tokens) * kv * b + \
+        work(tokens) + vision_row(batch * images)
+    out["eval_adapter"], out["eval_icl"] = evaluation(t_s, 1), evaluation(t_t, shots + 1)
+    return out
+
+
+def plan(args, training=True):
+    """Print what a run of these flags costs, without loading weights: tokens per student and teacher row at the
+    configured shots (the collated rows of a sample of the queries), image crops, the teacher cache on disk and the
+    peak accelerator memory of training and evaluation (MEMORY_ASSUMPTIONS). Returns the figures as a dict."""
+    family, kind = M.family_of(args.model), data.TASKS[args.task].kind
+    queries, pool, shots = plan_queries(args, family, training)
+    config, processor, model, images, source = plan_backbone(args, family)
+    sample = queries[:PLAN_SAMPLE]
+    icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
+    patch = getattr(getattr(config, "vision_config", None), "patch_size", 14)
+    rows = plan_rows(processor, family, kind, sample, icds, patch)
+    dtype = torch.bfloat16 if args.plan == "cuda" else torch.float32
+    params = sum(p.numel() for p in model.parameters())
+    adapter = sum(p.numel() for p in M.attach(model, args.method, **method_sizes(args)).parameters()) \
+        if training else 0
+    mem = memory(config, params, adapter, rows, args.batch_size, shots, dtype, data.TASKS[args.task].max_new_tokens)
+    mean = lambda values: sum(values) / len(values)
+    gb, count = size, lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+    print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {args.batch_size}, "
+          f"{str(dtype).split('.')[-1]} ({'a CUDA' if args.plan == 'cuda' else 'a CPU'} run); {source}")
+    if images:
+        print(images)
+    print(f"tokens a row ({len(sample)} queries encoded): student {mean(rows['student'].values()):.0f} mean, "
+          f"{max(rows['student'].values())} max; teacher ({shots} ICDs) {mean(rows['teacher'].values()):.0f} mean, "
+          f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; "
+          f"{rows['crops']} crop(s) an image, {rows['patches']} patches a crop")
+    figures = {"rows": rows, "memory": mem, "shots": shots, "dtype": dtype, "queries": len(queries)}
+    if training:
+        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype)
+    print(f"weights: {count(params)} parameters = {gb(mem['weights'])}"
+          + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
+    if training:
+        print(f"peak memory, training: ~{gb(mem['train'])} (weights {gb(mem['weights'])} + max(teacher "
+              f"{gb(mem['teacher'])}, student {gb(mem['student'])}) + vision {gb(mem['vision'])} + adapter "
+              f"{gb(mem['adapter'])})")
+    print(f"peak memory, evaluation at batch {args.batch_size}: ~{gb(mem['eval_adapter'])} with the adapter or "
+          f"zero-shot, ~{gb(mem['eval_icl'])} for {shots}-shot ICL")
+    print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1]))
+    return figures
+
+
+def plan_cache(args, config, rows, n_queries, dtype):
+    """Print and return the planned teacher cache: n_queries x the sample's mean bytes a file, against the free space
+    of --teacher-cache (or of the nearest folder above it that exists)."""
+    if args.anchor == "none":
+        print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
+        return 0
+    output = "logits" if args.anchor == "kl" else "states"
+    per_query = sum(cache_file_bytes(*teacher_tensor(config, rows["query"][q], rows["answers"][q], output, dtype))
+                    for q in rows["query"]) / len(rows["query"])
+    folder = args.teacher_cache
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    free, total = shutil.disk_usage(folder).free, per_query * n_queries
+    text = config.get_text_config()
+    shape = f"{text.num_hidden_layers} layers x T_q x {text.hidden_size}" if output == "states" else \
+        "answer tokens x vocabulary"
+    if args.no_teacher_cache:
+        print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
+              f"{n_queries}; it would take {size(total)})")
+        return total
+    print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {output} {shape} in "
+          f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
+          "free there"
+          + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache"))
+    return total
+
+
 # -------------------------------------------------------------------------------------- checkpoints and run folders
 
 def checkpoint(args, backbone, optimizer, scheduler, progress):
@@ -622,9 +848,9 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
     data.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
-RESUME_MUST_MATCH = ("model", "task", "method", "shots", "n_train", "n_heldout", "epochs", "batch_size",
-                     "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa", "lam", "anchor",
-                     "anchor_norm", "temperature", "seed")
+RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "n_train", "n_heldout", "epochs",
+                     "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa", "lam",
+                     "anchor", "anchor_norm", "temperature", "seed")
 
 
 def restore(args, backbone, optimizer, scheduler):
@@ -772,6 +998,7 @@ def parse_args(argv=None):
     p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
                    "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
     add_icd_flags(p)
+    add_plan_flags(p)
     p.add_argument("--n-train", type=int, default=PAPER["n_train"], help="training queries (paper: 1000)")
     p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
                    "best epoch (by their loss; the evaluation split is never used)")
@@ -810,7 +1037,8 @@ def parse_args(argv=None):
     p.add_argument("--data-root", help="folder with the datasets (layout: see data.py / README)")
     p.add_argument("--out", help="output folder (default runs/<model>-<task>-<method>)")
     p.add_argument("--teacher-cache", help="folder of cached teacher states (default <out>/teacher)")
-    p.add_argument("--no-teacher-cache", action="store_true", help="recompute the teacher at every step")
+    p.add_argument("--no-teacher-cache", action="store_true", help="recompute the teacher at every step (epochs x "
+                   "queries teacher forwards instead of one per query; no disk)")
     p.add_argument("--save-every", type=int, default=50, help="also checkpoint every this many steps")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (the schedule still "
                    "spans all epochs; --resume continues)")
@@ -872,6 +1100,21 @@ def add_icd_flags(p):
                    help="folder of cached RICES image features, one file per encoder and item list")
 
 
+def add_plan_flags(p):
+    """--plan, --processor, --image-splitting: what a run costs before it loads weights, and the image setting that
+    changes it most (train.py and evaluate.py)."""
+    p.add_argument("--plan", nargs="?", const="cuda", choices=["cuda", "cpu"], help="print the run's plan and exit, "
+                   "loading no weights: tokens per student and teacher row, image crops, the teacher cache on disk, "
+                   "estimated peak memory of training and evaluation; cuda (the default): bf16, as on a GPU; cpu: "
+                   "float32")
+    p.add_argument("--processor", help="--plan: a local folder with the checkpoint's tokenizer and preprocessor "
+                   "files, for a short --model name whose processor is not in the local Hugging Face cache")
+    p.add_argument("--image-splitting", default="checkpoint", choices=M.IMAGE_SPLITTING, help="Idefics2: split each "
+                   "image into 4 crops + the whole image (5 x 64 tokens instead of 64: 4x the teacher cache) as the "
+                   "checkpoint's preprocessor_config.json says (idefics2-8b-base most likely off, idefics2-8b on), "
+                   "or on / off")
+
+
 def default_out(model, task, method):
     """The default output folder of a run: runs/<model>-<task>-<method>."""
     return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{task}-{method}")
@@ -903,6 +1146,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.build_toy:
         return build(args)
+    if args.plan:
+        return plan(args)
     os.makedirs(args.out, exist_ok=True)
     if args.benchmark:
         return benchmark(args)

@@ -1,0 +1,134 @@
+"""--plan and the teacher cache that fits (issue 30), on real-processor twins (tests/twins.py), CPU: the plan's token
+counts are the collated rows', its cache size the bytes a run writes, it loads no weights; a cache that does not fit
+stops the run before its first step; Idefics2's image splitting is explicit (flag, printed source, cache key)."""
+import os
+from collections import namedtuple
+
+import pytest
+import transformers
+
+import data
+import evaluate
+import model as M
+import train
+from twins import write_twin
+
+Free = namedtuple("Free", "total used free")
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """One folder per real-processor twin, written once for the module."""
+    root = tmp_path_factory.mktemp("twins")
+    return {name: write_twin(name, root / name) for name in ("idefics2", "idefics2-split", "llava-onevision")}
+
+
+def no_weights(monkeypatch):
+    """Make every way of loading weights fail, so a test proves the plan reads none."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan loaded weights")
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(M, "load_backbone", refuse)
+
+
+def recorded_rows(monkeypatch):
+    """Record the tokens of every row data.teacher_batch and data.student_batch collate, by query id."""
+    rows = {"teacher": {}, "student": {}}
+    for name in rows:
+        original = getattr(data, f"{name}_batch")
+
+        def recording(processor, family, kind, pieces, *icds, original=original, name=name):
+            batch = original(processor, family, kind, pieces, *icds)
+            if name == "student" or any(icds[0]):  # student_batch calls teacher_batch without ICDs: not a teacher row
+                rows[name].update(zip((p["id"] for p in pieces), batch["attention_mask"].sum(1).tolist()))
+            return batch
+        monkeypatch.setattr(data, f"{name}_batch", recording)
+    return rows
+
+
+@pytest.mark.parametrize("name, shots", [("idefics2", "8"), ("idefics2-split", "2"), ("llava-onevision", "2")])
+def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path, monkeypatch, capsys):
+    flags = ["--model", twins[name], "--task", "toy-vqa", "--n-train", "3", "--n-heldout", "1", "--batch-size", "3",
+             "--shots", shots, "--epochs", "1", "--max-steps", "1", "--out", str(tmp_path / "run")]
+    with monkeypatch.context() as m:
+        no_weights(m)
+        planned = train.main([*flags, "--plan", "cpu"])  # float32: the dtype a CPU run caches in
+    assert not os.path.exists(tmp_path / "run")  # the plan makes no folder
+    rows = recorded_rows(monkeypatch)
+    train.main(flags)
+    for kind in ("teacher", "student"):  # every sampled query, the same tokens as the run's collated row
+        assert planned["rows"][kind] == {q: rows[kind][q] for q in planned["rows"][kind]}, kind
+    folder = tmp_path / "run" / "teacher"
+    files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    assert len(files) == 3
+    measured = sum(os.path.getsize(folder / f) for f in files)
+    assert abs(planned["cache"] - measured) <= 0.05 * measured, (planned["cache"], measured)
+    out = capsys.readouterr().out
+    assert f"teacher ({shots} ICDs)" in out and "teacher cache:" in out and "peak memory, training" in out
+
+
+@pytest.mark.parametrize("twin, splitting, per_query", [("idefics2", "checkpoint", 21e6), ("idefics2", "on", 89e6),
+                                                        ("idefics2-split", "checkpoint", 89e6)])
+def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, splitting, per_query, monkeypatch, capsys):
+    no_weights(monkeypatch)
+    planned = train.main(["--plan", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
+                          "--data-root", data.toy_root(), "--image-splitting", splitting])
+    n = len(planned["rows"]["query"])
+    assert planned["cache"] / planned["queries"] == pytest.approx(per_query, rel=0.1)  # issue 30: ~21 MB, ~89 MB
+    out = capsys.readouterr().out
+    source = "--image-splitting on" if splitting == "on" else "the checkpoint's processor config"
+    assert f"image splitting: {'off' if per_query < 50e6 else 'on'} ({source})" in out
+    assert f"({n} queries encoded)" in out and "8.40 B parameters = 16.8 GB" in out and "assumptions:" in out
+
+
+def test_evaluate_plan_loads_no_weights(twins, monkeypatch, capsys):
+    no_weights(monkeypatch)
+    planned = evaluate.main(["--plan", "--model", "llava-onevision", "--processor", twins["llava-onevision"],
+                             "--task", "toy-vqa", "--n-eval", "4", "--shots", "2"])
+    out = capsys.readouterr().out
+    assert "images: multi-image mode, 730 tokens each (data.onevision_piece)" in out
+    assert "peak memory, evaluation at batch 8" in out and "cache" not in planned
+    assert min(planned["rows"]["teacher"].values()) > 3 * 730  # three images of 730 tokens, multi-image mode
+
+
+def test_a_short_name_without_its_processor_says_what_to_pass(tmp_path, monkeypatch):
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache; no hub call
+    with pytest.raises(ValueError, match="--processor DIR"):
+        train.plan_backbone(train.parse_args(["--model", "llava-interleave", "--plan"]), "llava-interleave")
+
+
+def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, monkeypatch):
+    flags = ["--model", twins["idefics2"], "--task", "toy-vqa", "--n-train", "4", "--n-heldout", "1",
+             "--batch-size", "2", "--shots", "2", "--epochs", "2", "--max-steps", "1", "--out", str(tmp_path / "run"),
+             "--teacher-cache", str(tmp_path / "cache")]
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
+    steps = []
+    monkeypatch.setattr(train, "losses", lambda *a, **k: steps.append(1))
+    with pytest.raises(ValueError) as e:
+        train.main(flags)
+    message = str(e.value)
+    for part in ("kB for 4 queries", str(tmp_path / "cache"), "1.0 kB free", "--teacher-cache DIR",
+                 "--no-teacher-cache", "8 teacher forwards instead of 4"):
+        assert part in message, part
+    assert "\n" not in message and steps == [] and os.listdir(tmp_path / "cache") == []
+    assert not os.path.exists(tmp_path / "run" / "last.pt")
+    monkeypatch.undo()
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
+    train.main([*flags, "--no-teacher-cache", "--overwrite"])  # recomputes the teacher instead: runs, caches nothing
+    assert os.path.exists(tmp_path / "run" / "last.pt") and os.listdir(tmp_path / "cache") == []
+
+
+def test_image_splitting_is_explicit(twins, capsys):
+    split = M.load_backbone(twins["idefics2-split"])
+    unsplit = M.load_backbone(twins["idefics2-split"], image_splitting="off")
+    assert split.images.startswith("image splitting: on (the checkpoint's processor config): 5 crop(s)")
+    assert unsplit.images.startswith("image splitting: off (--image-splitting off): 1 crop(s)")
+    query = data.load_task("toy-vqa", "train")[:1]
+    tokens = lambda b: len(data.query_pieces(b.processor, b.family, "vqa", query)[0]["input_ids"])
+    assert tokens(split) - tokens(unsplit) == 4 * 65  # 4 more crops: 64 latents and a fake token each
+    args = train.parse_args(["--model", twins["idefics2-split"], "--task", "toy-vqa"])
+    keys = {train.teacher_key("b", args, query[0], [], train.image_key(b.processor)) for b in (split, unsplit)}
+    assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
+    with pytest.raises(ValueError, match="--image-splitting on: only Idefics2 splits images"):
+        M.load_backbone(twins["llava-onevision"], image_splitting="on")
