@@ -25,6 +25,7 @@ import random
 import re
 import shlex
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -174,6 +175,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
+    remove_file(stem + ".metrics.json")  # never the old metrics beside the new predictions, even if killed next
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -191,6 +193,16 @@ def evaluate(backbone, args, items, setting, vector=None):
         print(f"SEED-Bench ({args.seed_protocol}): " +
               ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
     return metrics
+
+
+def remove_file(path):
+    """Delete the file at `path` if it is there; an OSError naming it if it cannot be."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {path} ({e.strerror or e})") from e
 
 
 def result_name(args, setting, n, vector_info):
@@ -1639,14 +1651,14 @@ def parse_args(argv=None):
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
-    p.add_argument("--seed-protocol", default="generate", choices=["generate", "likelihood"],
+    p.add_argument("--seed-protocol", choices=["generate", "likelihood"],
                    help="SEED-Bench: generate the option letter (exact match; the form Table 2 appears to use, "
                         "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
                         "four options hovers around) or rank the four options by log-likelihood as the official "
-                        "evaluation does (default: %(default)s)")
-    p.add_argument("--seed-prompt", default="official", choices=["official", "project"],
+                        "evaluation does (default: generate)")
+    p.add_argument("--seed-prompt", choices=["official", "project"],
                    help="--seed-protocol likelihood: the official prompt `Question: {q}\\nAnswer:` or the project's "
-                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: %(default)s)")
+                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: official)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1703,12 +1715,14 @@ def parse_args(argv=None):
                    help="--benchmark: the n-shot ICL rows (default: %(default)s; none when given without values)")
     p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark (peak memory of one attention "
                    "layer) and --benchmark-attention: query and key tokens (default: %(default)s)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: one for the tiny and toy backbones "
+                   "on CPU, else torch's own choice)")
     p.add_argument("--rounds", type=int, help=f"benchmarks: rounds of timed runs, each setting once per round "
                    f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
-    args = p.parse_args(argv)
+    args = p.parse_args(glued(sys.argv[1:] if argv is None else argv, "--train-args"))
+    check_seed_flags(p, args)
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
                         "threads": 1}.items():
@@ -1752,6 +1766,26 @@ def parse_args(argv=None):
     return args
 
 
+def glued(argv, flag):
+    """argv with `flag VALUE` written `flag=VALUE`, so that a value starting with '-' (--train-args "--resume") is
+    taken as the flag's value, not as a flag of its own."""
+    out = list(argv)
+    for k in range(len(out) - 1):
+        if out[k] == flag:
+            out[k:k + 2] = [f"{flag}={out[k + 1]}", None]
+    return [a for a in out if a is not None]
+
+
+def check_seed_flags(p, args):
+    """--seed-protocol applies to SEED-Bench tasks only, --seed-prompt to --seed-protocol likelihood only: a parser
+    error otherwise; then their defaults (generate, official)."""
+    if args.seed_protocol and D.TASKS[args.task].kind != "choice":
+        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
+    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
+        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
+    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
+
+
 def check_train_args(p, args):
     """--curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
     parser error (naming the flag) if they do not parse."""
@@ -1773,8 +1807,7 @@ def main(argv=None):
     Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
     """
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    M.choose_threads(args.model, args.threads)
     global ROUNDS
     ROUNDS = args.rounds or ROUNDS
     with train.process_group(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):

@@ -660,3 +660,111 @@ def test_an_mme_image_present_as_jpg_and_png_is_an_error_naming_both(tmp_path):
     shutil.copy(os.path.join(folder, jpg), os.path.join(folder, jpg[:-4] + ".png"))
     with pytest.raises(ValueError, match=rf"mme: .*{jpg} and .*{jpg[:-4]}.png are two images for one question file"):
         data.read_mme(root, ("existence",))
+
+
+def test_a_cache_file_passed_as_model_is_refused_by_content_naming_it(tmp_path):
+    path = str(tmp_path / "features.safetensors")
+    data.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a valid checksum, other tensors
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: it holds 1 tensors \(features\)"):
+        M.load_backbone(path)
+    real = data.load_file(M.TOY_REFERENCE)
+    name = sorted(real)[0]
+    wrong = {**real, name: torch.zeros(*real[name].shape[:-1], real[name].shape[-1] + 1)}
+    data.write_cache(path, wrong, "key")                                  # the toy's names, one shape off
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: {name} is"):
+        M.load_backbone(path)
+
+
+def test_a_model_folder_whose_config_is_not_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"--model: {tmp_path / 'config.json'} is not valid JSON"):
+        M.family_of(str(tmp_path))
+
+
+@pytest.mark.parametrize("out, overwrite, message", [
+    ("mytoy", False, r"--out .*mytoy: a toy backbone must be a .safetensors file"),
+    ("folder.safetensors", True, r"--out .*folder.safetensors is a folder"),
+    ("afile/b.safetensors", False, r"--out .*afile/b.safetensors: .*afile is a file, not a folder"),
+    ("readonly/b.safetensors", False, r"--out .*readonly/b.safetensors: cannot write in .*readonly"),
+    ("old.safetensors", False, r"--out .*old.safetensors exists; pass --overwrite"),
+])
+def test_build_toy_checks_out_before_it_builds(tmp_path, monkeypatch, out, overwrite, message):
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "old.safetensors").write_text("x")
+    (tmp_path / "readonly").mkdir(mode=0o555)
+    monkeypatch.setattr(train, "build_toy", lambda *a: pytest.fail("built before --out was checked"))
+    real_open = os.open
+    def refused(path, *a):  # as a read-only folder answers (root could write into one with mode 555)
+        if "readonly" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, *a)
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(ValueError, match=message):
+        train.main(["--build-toy", "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])])
+    assert sorted(os.listdir(tmp_path)) == ["afile", "folder.safetensors", "old.safetensors", "readonly"]
+
+
+def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path, monkeypatch):
+    evaluate.main([*EVAL, "--out", str(tmp_path)])
+    name = "toy-vqa-val-1-shot-seed0-n3"
+    assert (tmp_path / f"{name}.metrics.json").exists()
+    def killed(path, obj, indent=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main([*EVAL, "--out", str(tmp_path)])
+    assert (tmp_path / f"{name}.predictions.jsonl").exists() and not (tmp_path / f"{name}.metrics.json").exists()
+
+
+def test_a_lock_that_cannot_be_written_names_it_and_is_not_left(tmp_path, monkeypatch):
+    def full(fd, b, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match=rf"could not write the lock file {tmp_path / 'run' / '.lock'} \(No space"):
+        with train.locked(str(tmp_path / "run")):
+            pass
+    assert os.listdir(tmp_path / "run") == []
+
+
+def test_an_out_that_cannot_be_made_names_the_flag(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=rf"--out {tmp_path / 'file' / 'run'}: cannot make the folder"):
+        train.main([*TINY, "--out", str(tmp_path / "file" / "run")])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "toy-seed", "--seed-prompt", "project"], "--seed-prompt applies to --seed-protocol likelihood only"),
+    (["--task", "toy-seed", "--seed-protocol", "generate", "--seed-prompt", "official"], "--seed-prompt applies"),
+    (["--task", "toy-vqa", "--seed-prompt", "project", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
+    (["--task", "toy-vqa", "--seed-protocol", "generate"], "--seed-protocol applies to the SEED-Bench tasks"),
+])
+def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "tiny-idefics2", *extra])
+    assert message in capsys.readouterr().err
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-seed"])
+    assert (args.seed_protocol, args.seed_prompt) == ("generate", "official")
+
+
+def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", "--train-args",
+                                "--epochs 2"])
+    assert args.train_args == "--epochs 2"
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", "--train-args", "--resume"])
+    assert "--train-args '--resume': train.py says:" in capsys.readouterr().err
+
+
+def test_small_backbones_on_cpu_run_on_one_thread_unless_threads_says(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert M.choose_threads("idefics2") == 2                             # a real backbone: torch's choice
+        for name in ("tiny-idefics2", "toy-idefics2", "runs/x/backbone.safetensors"):
+            torch.set_num_threads(2)
+            assert M.choose_threads(name) == 1
+        assert M.choose_threads("toy-idefics2", 2) == 2
+        assert train.parse_args(["--model", "toy-idefics2", "--threads", "3"]).threads == 3
+    finally:
+        torch.set_num_threads(before)
