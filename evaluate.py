@@ -161,7 +161,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
             predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
-    extra = chair_metrics(items, predictions) if args.chair else {}
+    extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
@@ -222,6 +222,8 @@ def result_name(args, setting, n, vector_info):
     if vector_info:
         key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
         parts.append(f"layer{vector_info['vector_layer']}-{key}")
+    if args.chair == "corrected":
+        parts.append("chair-corrected")
     if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
         parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
     return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
@@ -667,6 +669,16 @@ def singularize(word):
     return word[:-1] if word.endswith("s") else word
 
 
+# chair.py's quirks, which its published numbers (the paper's Table 5 among them) include, so counted by default
+# (--chair; --chair corrected counts without them): pattern.en's singularize turns these caption words into
+# non-words ("bus" -> "bu", so a singular bus is never counted; "ties" -> "ty", "canoes" -> "cano"), and three
+# synonyms of synonyms.txt can never match as written there (" motor bike", " cheesecake" with a leading space,
+# "iPhone" with a capital against a lowercased caption).
+CHAIR_PY_SINGULAR = {"bus": "bu", "minibus": "minibu", "airbus": "airbu", "ties": "ty", "canoes": "cano"}
+CHAIR_PY_UNMATCHED = ("motor bike", "cheesecake", "iphone")
+CHAIR_COUNTS = ("chair.py", "corrected")
+
+
 def chair_vocabulary(categories, synonyms=None):
     """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (default
     COCO_SYNONYMS; a category missing from it is read by its own name)."""
@@ -674,15 +686,19 @@ def chair_vocabulary(categories, synonyms=None):
     return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
 
 
-def caption_objects(caption, vocabulary):
+def caption_objects(caption, vocabulary, count="chair.py"):
     """The object mentions of a caption, in order, with repetition: [(word, category)], counted as chair.py counts.
 
     Tokenised as for CIDEr, each word singularised, then read left to right: two words that form a multi-word
     synonym or a _READ_AS phrase are taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy
     bear; "train tracks" no train), else the word alone. Only pairs are joined, as in chair.py, so "stove top oven"
-    is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet.
+    is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet. count "chair.py" keeps
+    chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are.
     """
-    words, out, i = [singularize(w) for w in tokenize_caption(caption)], [], 0
+    quirks = count == "chair.py"
+    words = [CHAIR_PY_SINGULAR.get(w) if quirks and w in CHAIR_PY_SINGULAR else singularize(w)
+             for w in tokenize_caption(caption)]
+    out, i = [], 0
     while i < len(words):
         pair = " ".join(words[i:i + 2])
         joined = i + 1 < len(words) and (pair in vocabulary or pair in _READ_AS)
@@ -690,10 +706,10 @@ def caption_objects(caption, vocabulary):
         i += 2 if joined else 1
     if "toilet" in out:
         out = [w for w in out if w != "seat"]
-    return [(w, vocabulary[w]) for w in out if w in vocabulary]
+    return [(w, vocabulary[w]) for w in out if w in vocabulary and not (quirks and w in CHAIR_PY_UNMATCHED)]
 
 
-def chair(captions, annotated, references, vocabulary):
+def chair(captions, annotated, references, vocabulary, count="chair.py"):
     """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions.
 
     captions: {id: generated caption}; annotated: {id: set of categories in the image's instance annotations};
@@ -702,14 +718,15 @@ def chair(captions, annotated, references, vocabulary):
         CHAIR_i = hallucinated mentions / all mentions       (mentions counted with repetition)
         CHAIR_s = captions with a hallucinated mention / captions
         Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
-    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0.
+    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0. count:
+    caption_objects's, for the generated and the reference captions alike.
     Returns ({"chair_s", "chair_i", "recall"}, {id: hallucinated words}).
     """
     mentions = hallucinated = bad_captions = covered = truth_total = 0
     per_caption = {}
     for i, caption in captions.items():
-        truth = set(annotated[i]) | {c for r in references[i] for _, c in caption_objects(r, vocabulary)}
-        found = caption_objects(caption, vocabulary)
+        truth = set(annotated[i]) | {c for r in references[i] for _, c in caption_objects(r, vocabulary, count)}
+        found = caption_objects(caption, vocabulary, count)
         per_caption[i] = [w for w, c in found if c not in truth]
         mentions, hallucinated = mentions + len(found), hallucinated + len(per_caption[i])
         bad_captions += bool(per_caption[i])
@@ -718,14 +735,16 @@ def chair(captions, annotated, references, vocabulary):
             "recall": covered / truth_total if truth_total else 0.0}, per_caption
 
 
-def chair_metrics(items, predictions):
+def chair_metrics(items, predictions, count="chair.py"):
     """Table 5 for caption items: CHAIR_s, CHAIR_i and Recall x 100, with the objects of the COCO instances files of
-    the items' image folders (data.read_instances) and the items' reference captions."""
+    the items' image folders (data.read_instances) and the items' reference captions. count "chair.py" (chair.py's
+    count, quirks included) names them chair_s, chair_i, recall; "corrected" chair_s_corrected, ..."""
     annotated, categories = D.read_instances(items)
     vocabulary = chair_vocabulary(categories, COCO_SYNONYMS | TOY_SYNONYMS)
     result, _ = chair({it.id: p for it, p in zip(items, predictions)}, annotated,
-                      {it.id: it.answers for it in items}, vocabulary)
-    return {k: 100 * v for k, v in result.items()}
+                      {it.id: it.answers for it in items}, vocabulary, count)
+    suffix = "" if count == "chair.py" else "_" + count
+    return {k + suffix: 100 * v for k, v in result.items()}
 
 
 # ---- training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
@@ -1700,9 +1719,11 @@ def parse_args(argv=None):
                    "(default: %(default)s, Todd et al.'s |A|)")
     p.add_argument("--fv-trials", type=int, default=FV_TRIALS, help="corrupted prompts for each head's average "
                    "indirect effect (default: %(default)s, Todd et al.'s)")
-    p.add_argument("--chair", action="store_true", help="also CHAIR_s, CHAIR_i and object Recall (Table 5) of the "
-                   "captions, from coco/annotations/instances_{train,val}2014.json under --data-root (coco, "
-                   "toy-caption)")
+    p.add_argument("--chair", nargs="?", const="chair.py", choices=CHAIR_COUNTS, help="also CHAIR_s, CHAIR_i and "
+                   "object Recall (Table 5) of the captions, from coco/annotations/instances_{train,val}2014.json "
+                   "under --data-root (coco, toy-caption); counted as the published chair.py counts, its quirks "
+                   "included (as in published numbers), or with `--chair corrected` without them (chair_s_corrected, "
+                   "...)")
     p.add_argument("--random-weights", nargs="?", const="published", choices=["published", "mid"],
                    help="with --benchmark / --benchmark-attention: a backbone of --model's family with random weights "
                    "and synthetic prompts, no download. 'published' (the default when no size is named): the real "
