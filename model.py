@@ -578,11 +578,11 @@ def check_toy_shapes(path, tensors, shapes):
     """A ValueError naming `path` unless its tensors have exactly the toy model's names and shapes (a cache file the
     scripts write, RICES features, teacher states or a task vector, has a checksum too, but other tensors)."""
     if set(tensors) != set(shapes):
-        odd = sorted(set(tensors) ^ set(shapes))
+        missing = sorted(set(shapes) - set(tensors))
         names = ", ".join(sorted(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
         raise ValueError(f"{path} is not a toy backbone: it holds {len(tensors)} tensors ({names}), not the toy "
-                         f"Idefics2's {len(shapes)} ({odd[0]} differs); pass a file written by "
-                         "`python train.py --build-toy`")
+                         f"Idefics2's {len(shapes)}" + (f" ({missing[0]} is missing)" if missing else "") +
+                         "; pass a file written by `python train.py --build-toy`")
     for name, shape in shapes.items():
         if tuple(tensors[name].shape) != tuple(shape):
             raise ValueError(f"{path} is not a toy backbone: {name} is {tuple(tensors[name].shape)}, the toy "
