@@ -28,9 +28,10 @@ import json
 import math
 import os
 import random
+import re
 import secrets
 import shutil
-import tempfile
+import socket
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -637,7 +638,14 @@ def mme_files(folder):
     qdir, idir = os.path.join(folder, "questions_answers_YN"), os.path.join(folder, "images")
     if not (os.path.isdir(qdir) and os.path.isdir(idir)):
         qdir = idir = folder
-    images = {os.path.splitext(f)[0]: f for f in os.listdir(idir) if f.lower().endswith(IMAGE_EXTENSIONS)}
+    images = {}
+    for f in sorted(os.listdir(idir)):
+        if f.lower().endswith(IMAGE_EXTENSIONS):
+            stem = os.path.splitext(f)[0]
+            if stem in images:
+                raise ValueError(f"mme: {os.path.join(idir, images[stem])} and {os.path.join(idir, f)} are two "
+                                 "images for one question file; keep one")
+            images[stem] = f
     for name in sorted(f for f in os.listdir(qdir) if f.endswith(".txt")):
         path, stem = os.path.join(qdir, name), name[:-len(".txt")]
         if stem not in images:
@@ -728,10 +736,19 @@ SEED2_FOLDERS = {"cc3m": "cc3m-image", "SEED-Bench v2": "SEED-Bench-2-image"}  #
 SEED2_SUBPART = "Single-Image & Text Comprehension"  # dimensions 1-16: one image, a text answer
 
 
+SEED2_MAX_K = 1_000_000  # seed2_id's k must stay below this, or two question_ids would share one number
+
+
 def seed2_id(question_id):
-    """An int id for a SEED-Bench-2 question_id "{dimension}_{k}": dimension x 1,000,000 + k."""
-    dimension, k = (int(x) for x in str(question_id).split("_"))
-    return dimension * 1_000_000 + k
+    """An int id for a SEED-Bench-2 question_id "{dimension}_{k}": dimension x 1,000,000 + k.
+
+    Only the plain form is read (no sign, no leading zero, k below 1,000,000), so two ids never share a number."""
+    parts = str(question_id).split("_") if isinstance(question_id, str) else ()
+    if len(parts) != 2 or not all(p.isdigit() and p.isascii() and str(int(p)) == p for p in parts) or \
+            int(parts[1]) >= SEED2_MAX_K:
+        raise ValueError(f"question_id {question_id!r} is not of the form <dimension>_<k> (plain numbers, k below "
+                         f"{SEED2_MAX_K:,})")
+    return int(parts[0]) * SEED2_MAX_K + int(parts[1])
 
 
 def seed2_image(root, listings, q):
@@ -747,7 +764,8 @@ def seed2_image(root, listings, q):
 
 def seed2_item(root, listings, q, names):
     """One SEED-Bench-2 question as an Item; KeyError / ValueError / TypeError for a malformed one."""
-    answer, options = q["answer"].strip(), tuple(q[f"choice_{x}"].strip() for x in "abcd")
+    answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
+    text_field(q, "question")
     if answer not in tuple(SEED_LETTERS):
         raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
     if not isinstance(q["data_id"], str):
@@ -773,12 +791,14 @@ def read_seed2(root):
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"seed2: {path} needs `questions` (with `subpart` and `level`) and a `question_type` "
                          f"name -> id mapping ({e!r})") from e
+    seen = set()
     for n, q in enumerate(questions):
         try:
             items.append(seed2_item(root, listings, q, names))
+            unique_id(seen, q["question_id"], "question_id")
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"seed2: question #{n} ({q.get('question_id')}) of the single-image part of {path} "
-                             f"is malformed: {e!r}") from e
+                             f"is malformed: {e if type(e) is ValueError else repr(e)}") from e
     counts = Counter(it.category for it in items)
     print(f"seed2: {len(items)} single-image questions; " +
           ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: obj["question_type"][k])))
@@ -1127,10 +1147,11 @@ def generated(root, write):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
     remove_stale_tmp(os.path.dirname(root))
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(root)}-", suffix=".tmp", dir=os.path.dirname(root))
+    tmp = tmp_name(root)
+    os.mkdir(tmp, 0o700)
     try:
         write(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp made it private
+        os.chmod(tmp, 0o755)  # private while written
         os.rename(tmp, root)
     except OSError:
         if not os.path.isdir(root):
@@ -1295,10 +1316,15 @@ def atomic_write(path, write):
 
     Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
     the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
+    What killed writes left in the folder is removed first (remove_stale_tmp).
     """
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"could not create the folder {folder} for {path} ({e.strerror or e})") from e
+    remove_stale_tmp(folder)
+    tmp = tmp_name(path)
     try:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             write(f)
@@ -1312,18 +1338,58 @@ def atomic_write(path, write):
             os.remove(tmp)
 
 
-STALE_TMP_S = 15 * 60  # an atomic_write's temporary file untouched this long has no live writer
+STALE_TMP_S = 15 * 60  # a temporary file of another machine untouched this long has no live writer
+TMP_MARK = "hyper-icl-tmp"
+# Only names of this form are ever removed: .<name>.hyper-icl-tmp-<host>-<pid>-<12 hex>.tmp, never a user's file
+TMP_NAME = re.compile(r"^\..*\." + TMP_MARK + r"-(?P<host>[A-Za-z0-9]{1,32})-(?P<pid>[0-9]{1,10})-[0-9a-f]{12}\.tmp$")
+
+
+def this_host():
+    """The host name as it goes into a temporary name: letters and digits only, at most 32."""
+    return re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+def tmp_name(path, pid=None):
+    """A new temporary name beside `path` that only this project makes: it names the writing host and process."""
+    folder, base = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f".{base[:120]}.{TMP_MARK}-{this_host()}-{pid or os.getpid()}-"
+                                f"{secrets.token_hex(6)}.tmp")
+
+
+def pid_alive(pid):
+    """Whether a process with this id runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def is_stale_tmp(path):
+    """Whether `path` is a temporary file or folder of a write that is over: a name tmp_name made whose process is
+    gone (on this machine), or, from another machine, untouched for STALE_TMP_S. Any other name is never stale."""
+    m = TMP_NAME.match(os.path.basename(path))
+    if m is None:
+        return False
+    if m["host"] == this_host():
+        return not pid_alive(int(m["pid"]))
+    return time.time() - os.path.getmtime(path) > STALE_TMP_S
 
 
 def remove_stale_tmp(folder):
-    """Delete what interrupted writes left in `folder`: *.tmp files (atomic_write) and folders (`generated`) older
-    than STALE_TMP_S."""
+    """Delete what killed writes left in `folder` (is_stale_tmp): atomic_write's files, `generated`'s folders.
+    Nothing else is touched, whatever its name or age."""
     if not os.path.isdir(folder):
         return
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if name.endswith(".tmp") and time.time() - os.path.getmtime(path) > STALE_TMP_S:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        try:
+            if is_stale_tmp(path):
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        except FileNotFoundError:
+            pass  # another process removed it first
 
 
 def weights_digest(tensors):

@@ -25,6 +25,7 @@ import random
 import re
 import shlex
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -167,7 +168,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
             predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
-    extra = chair_metrics(items, predictions) if args.chair else {}
+    extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
     metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
                "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
@@ -181,6 +182,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
+    remove_file(stem + ".metrics.json")  # never the old metrics beside the new predictions, even if killed next
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -200,6 +202,16 @@ def evaluate(backbone, args, items, setting, vector=None):
     return metrics
 
 
+def remove_file(path):
+    """Delete the file at `path` if it is there; an OSError naming it if it cannot be."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {path} ({e.strerror or e})") from e
+
+
 def result_name(args, setting, n, vector_info):
     """The file name (no extension) of an evaluation's results: everything that changes them besides the folder.
 
@@ -217,6 +229,8 @@ def result_name(args, setting, n, vector_info):
     if vector_info:
         key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
         parts.append(f"layer{vector_info['vector_layer']}-{key}")
+    if args.chair == "corrected":
+        parts.append("chair-corrected")
     if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
         parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
     return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
@@ -662,6 +676,16 @@ def singularize(word):
     return word[:-1] if word.endswith("s") else word
 
 
+# chair.py's quirks, which its published numbers (the paper's Table 5 among them) include, so counted by default
+# (--chair; --chair corrected counts without them): pattern.en's singularize turns these caption words into
+# non-words ("bus" -> "bu", so a singular bus is never counted; "ties" -> "ty", "canoes" -> "cano"), and three
+# synonyms of synonyms.txt can never match as written there (" motor bike", " cheesecake" with a leading space,
+# "iPhone" with a capital against a lowercased caption).
+CHAIR_PY_SINGULAR = {"bus": "bu", "minibus": "minibu", "airbus": "airbu", "ties": "ty", "canoes": "cano"}
+CHAIR_PY_UNMATCHED = ("motor bike", "cheesecake", "iphone")
+CHAIR_COUNTS = ("chair.py", "corrected")
+
+
 def chair_vocabulary(categories, synonyms=None):
     """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (default
     COCO_SYNONYMS; a category missing from it is read by its own name)."""
@@ -669,15 +693,19 @@ def chair_vocabulary(categories, synonyms=None):
     return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
 
 
-def caption_objects(caption, vocabulary):
+def caption_objects(caption, vocabulary, count="chair.py"):
     """The object mentions of a caption, in order, with repetition: [(word, category)], counted as chair.py counts.
 
     Tokenised as for CIDEr, each word singularised, then read left to right: two words that form a multi-word
     synonym or a _READ_AS phrase are taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy
     bear; "train tracks" no train), else the word alone. Only pairs are joined, as in chair.py, so "stove top oven"
-    is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet.
+    is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet. count "chair.py" keeps
+    chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are.
     """
-    words, out, i = [singularize(w) for w in tokenize_caption(caption)], [], 0
+    quirks = count == "chair.py"
+    words = [CHAIR_PY_SINGULAR.get(w) if quirks and w in CHAIR_PY_SINGULAR else singularize(w)
+             for w in tokenize_caption(caption)]
+    out, i = [], 0
     while i < len(words):
         pair = " ".join(words[i:i + 2])
         joined = i + 1 < len(words) and (pair in vocabulary or pair in _READ_AS)
@@ -685,10 +713,10 @@ def caption_objects(caption, vocabulary):
         i += 2 if joined else 1
     if "toilet" in out:
         out = [w for w in out if w != "seat"]
-    return [(w, vocabulary[w]) for w in out if w in vocabulary]
+    return [(w, vocabulary[w]) for w in out if w in vocabulary and not (quirks and w in CHAIR_PY_UNMATCHED)]
 
 
-def chair(captions, annotated, references, vocabulary):
+def chair(captions, annotated, references, vocabulary, count="chair.py"):
     """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions.
 
     captions: {id: generated caption}; annotated: {id: set of categories in the image's instance annotations};
@@ -697,14 +725,15 @@ def chair(captions, annotated, references, vocabulary):
         CHAIR_i = hallucinated mentions / all mentions       (mentions counted with repetition)
         CHAIR_s = captions with a hallucinated mention / captions
         Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
-    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0.
+    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0. count:
+    caption_objects's, for the generated and the reference captions alike.
     Returns ({"chair_s", "chair_i", "recall"}, {id: hallucinated words}).
     """
     mentions = hallucinated = bad_captions = covered = truth_total = 0
     per_caption = {}
     for i, caption in captions.items():
-        truth = set(annotated[i]) | {c for r in references[i] for _, c in caption_objects(r, vocabulary)}
-        found = caption_objects(caption, vocabulary)
+        truth = set(annotated[i]) | {c for r in references[i] for _, c in caption_objects(r, vocabulary, count)}
+        found = caption_objects(caption, vocabulary, count)
         per_caption[i] = [w for w, c in found if c not in truth]
         mentions, hallucinated = mentions + len(found), hallucinated + len(per_caption[i])
         bad_captions += bool(per_caption[i])
@@ -713,14 +742,16 @@ def chair(captions, annotated, references, vocabulary):
             "recall": covered / truth_total if truth_total else 0.0}, per_caption
 
 
-def chair_metrics(items, predictions):
+def chair_metrics(items, predictions, count="chair.py"):
     """Table 5 for caption items: CHAIR_s, CHAIR_i and Recall x 100, with the objects of the COCO instances files of
-    the items' image folders (data.read_instances) and the items' reference captions."""
+    the items' image folders (data.read_instances) and the items' reference captions. count "chair.py" (chair.py's
+    count, quirks included) names them chair_s, chair_i, recall; "corrected" chair_s_corrected, ..."""
     annotated, categories = D.read_instances(items)
     vocabulary = chair_vocabulary(categories, COCO_SYNONYMS | TOY_SYNONYMS)
     result, _ = chair({it.id: p for it, p in zip(items, predictions)}, annotated,
-                      {it.id: it.answers for it in items}, vocabulary)
-    return {k: 100 * v for k, v in result.items()}
+                      {it.id: it.answers for it in items}, vocabulary, count)
+    suffix = "" if count == "chair.py" else "_" + count
+    return {k + suffix: 100 * v for k, v in result.items()}
 
 
 # ---- training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
@@ -1652,14 +1683,14 @@ def parse_args(argv=None):
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
-    p.add_argument("--seed-protocol", default="generate", choices=["generate", "likelihood"],
+    p.add_argument("--seed-protocol", choices=["generate", "likelihood"],
                    help="SEED-Bench: generate the option letter (exact match; the form Table 2 appears to use, "
                         "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
                         "four options hovers around) or rank the four options by log-likelihood as the official "
-                        "evaluation does (default: %(default)s)")
-    p.add_argument("--seed-prompt", default="official", choices=["official", "project"],
+                        "evaluation does (default: generate)")
+    p.add_argument("--seed-prompt", choices=["official", "project"],
                    help="--seed-protocol likelihood: the official prompt `Question: {q}\\nAnswer:` or the project's "
-                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: %(default)s)")
+                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: official)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1701,9 +1732,11 @@ def parse_args(argv=None):
                    "(default: %(default)s, Todd et al.'s |A|)")
     p.add_argument("--fv-trials", type=int, default=FV_TRIALS, help="corrupted prompts for each head's average "
                    "indirect effect (default: %(default)s, Todd et al.'s)")
-    p.add_argument("--chair", action="store_true", help="also CHAIR_s, CHAIR_i and object Recall (Table 5) of the "
-                   "captions, from coco/annotations/instances_{train,val}2014.json under --data-root (coco, "
-                   "toy-caption)")
+    p.add_argument("--chair", nargs="?", const="chair.py", choices=CHAIR_COUNTS, help="also CHAIR_s, CHAIR_i and "
+                   "object Recall (Table 5) of the captions, from coco/annotations/instances_{train,val}2014.json "
+                   "under --data-root (coco, toy-caption); counted as the published chair.py counts, its quirks "
+                   "included (as in published numbers), or with `--chair corrected` without them (chair_s_corrected, "
+                   "...)")
     p.add_argument("--random-weights", nargs="?", const="published", choices=["published", "mid"],
                    help="with --benchmark / --benchmark-attention: a backbone of --model's family with random weights "
                    "and synthetic prompts, no download. 'published' (the default when no size is named): the real "
@@ -1716,12 +1749,14 @@ def parse_args(argv=None):
                    help="--benchmark: the n-shot ICL rows (default: %(default)s; none when given without values)")
     p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark (peak memory of one attention "
                    "layer) and --benchmark-attention: query and key tokens (default: %(default)s)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own choice)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: one for the tiny and toy backbones "
+                   "on CPU, else torch's own choice)")
     p.add_argument("--rounds", type=int, help=f"benchmarks: rounds of timed runs, each setting once per round "
                    f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
-    args = p.parse_args(argv)
+    args = p.parse_args(glued(sys.argv[1:] if argv is None else argv, "--train-args"))
+    check_seed_flags(p, args)
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
                         "threads": 1}.items():
@@ -1765,6 +1800,26 @@ def parse_args(argv=None):
     return args
 
 
+def glued(argv, flag):
+    """argv with `flag VALUE` written `flag=VALUE`, so that a value starting with '-' (--train-args "--resume") is
+    taken as the flag's value, not as a flag of its own."""
+    out = list(argv)
+    for k in range(len(out) - 1):
+        if out[k] == flag:
+            out[k:k + 2] = [f"{flag}={out[k + 1]}", None]
+    return [a for a in out if a is not None]
+
+
+def check_seed_flags(p, args):
+    """--seed-protocol applies to SEED-Bench tasks only, --seed-prompt to --seed-protocol likelihood only: a parser
+    error otherwise; then their defaults (generate, official)."""
+    if args.seed_protocol and D.TASKS[args.task].kind != "choice":
+        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
+    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
+        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
+    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
+
+
 def check_train_args(p, args):
     """--curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
     parser error (naming the flag) if they do not parse."""
@@ -1788,8 +1843,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
         return train.plan(args, training=False)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    M.choose_threads(args.model, args.threads)
     global ROUNDS
     ROUNDS = args.rounds or ROUNDS
     with train.process_group(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):

@@ -325,8 +325,7 @@ def family_of(name):
         return short
     config_file = os.path.join(name, "config.json")
     if os.path.isfile(config_file):
-        with open(config_file) as f:
-            model_type = json.load(f).get("model_type")
+        model_type = read_config(config_file).get("model_type")
         if model_type in CONFIG_TYPES:
             return CONFIG_TYPES[model_type]
     for family, spec in FAMILIES.items():
@@ -335,6 +334,18 @@ def family_of(name):
     raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, "
                      f"{sorted('tiny-' + f for f in FAMILIES)}, toy-idefics2, a toy backbone's .safetensors file, or a "
                      "local path of one of those families")
+
+
+def read_config(path):
+    """A model folder's config.json as a dict; one that is not a JSON object is a ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"--model: {path} is not valid JSON ({e}); restore the model folder's config.json") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"--model: {path} is not a JSON object; restore the model folder's config.json")
+    return config
 
 
 def freeze(model):
@@ -597,9 +608,10 @@ def toy_model(processor, seed=0):
     return model
 
 
-def read_toy(path, sha256=None):
+def read_toy(path, sha256=None, shapes=None):
     """The weights of the toy backbone file at `path`, checked against the checksum in its metadata (and against
-    `sha256` when given); a ValueError naming the file if they do not match or it cannot be read."""
+    `sha256` when given) and, when given, against the toy model's {name: shape}; a ValueError naming the file if
+    they do not match or it cannot be read."""
     try:
         with safe_open(path, "pt") as f:
             expected = (f.metadata() or {}).get("sha256")
@@ -613,7 +625,24 @@ def read_toy(path, sha256=None):
     if digest != expected or sha256 not in (None, digest):
         raise ValueError(f"toy backbone {path}: its weights do not match their checksum; restore the reference with "
                          "`git checkout tests/data` or build another with `python train.py --build-toy`")
+    if shapes is not None:
+        check_toy_shapes(path, tensors, shapes)
     return tensors
+
+
+def check_toy_shapes(path, tensors, shapes):
+    """A ValueError naming `path` unless its tensors have exactly the toy model's names and shapes (a cache file the
+    scripts write, RICES features, teacher states or a task vector, has a checksum too, but other tensors)."""
+    if set(tensors) != set(shapes):
+        missing = sorted(set(shapes) - set(tensors))
+        names = ", ".join(sorted(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
+        raise ValueError(f"{path} is not a toy backbone: it holds {len(tensors)} tensors ({names}), not the toy "
+                         f"Idefics2's {len(shapes)}" + (f" ({missing[0]} is missing)" if missing else "") +
+                         "; pass a file written by `python train.py --build-toy`")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ValueError(f"{path} is not a toy backbone: {name} is {tuple(tensors[name].shape)}, the toy "
+                             f"Idefics2's is {tuple(shape)}; pass a file written by `python train.py --build-toy`")
 
 
 def toy_metadata(path):
@@ -625,11 +654,27 @@ def toy_metadata(path):
 def toy_idefics2(path=None):
     """The meta-trained toy Idefics2 and its processor: the reference copy (checked against TOY_SHA256), or the
     build at `path` (train.py --build-toy)."""
-    tensors = read_toy(path or TOY_REFERENCE, None if path else TOY_SHA256)
     processor = toy_processor()
     model = toy_model(processor)
-    model.load_state_dict(tensors)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    model.load_state_dict(read_toy(path or TOY_REFERENCE, None if path else TOY_SHA256, shapes))
     return model.eval(), processor
+
+
+def is_small(name):
+    """Whether a backbone name is one of the tiny or toy backbones (a few million parameters or fewer)."""
+    return name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
+
+
+def choose_threads(name, threads=None):
+    """Set torch's CPU threads: `threads` (--threads) if given, else one for a small backbone (is_small) on CPU,
+    where a second thread only adds synchronisation (10x slower on a busy 2-core machine, README), else torch's
+    default. Returns the count in force."""
+    if threads:
+        torch.set_num_threads(threads)
+    elif is_small(name) and not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 def is_toy_file(name):

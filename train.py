@@ -910,8 +910,9 @@ def locked(folder):
     if rank_and_world()[0] != 0:
         yield
         return
-    os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    make_folder(folder, "--out")
+    path = os.path.join(folder, LOCK_FILE)
+    fd, made = open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -920,11 +921,38 @@ def locked(folder):
         raise ValueError(f"{folder} is in use by another run (pid {holder}); wait for it to finish or choose "
                          "another --out") from None
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as e:
+            if made:
+                os.remove(path)  # ours, empty: not left behind
+            raise OSError(f"could not write the lock file {path} ({e.strerror or e})") from e
         yield
     finally:
         os.close(fd)
+
+
+def open_lock(path):
+    """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not make the lock file {path} ({e.strerror or e})") from e
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666), False
+    except OSError as e:
+        raise OSError(f"could not open the lock file {path} ({e.strerror or e})") from e
+
+
+def make_folder(path, flag):
+    """os.makedirs(path), an OSError naming the flag and the folder if it cannot be made."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from e
 
 
 def on_sigterm(signum, frame):
@@ -1053,8 +1081,9 @@ def parse_args(argv=None):
                        "--seed + 1, ... until one learns in context on held-out episodes; write it to --out (default "
                        f"{TOY_BUILD_OUT}); use it with --model <that file>")
     build.add_argument("--build-tries", type=int, default=3, help="seeds to try before giving up")
-    build.add_argument("--threads", type=int, default=1, help="CPU threads of the build (one: the same bytes on the "
-                       "same machine; about 4 minutes)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: one for the tiny and toy backbones "
+                   "on CPU, which more threads only slow down on a busy machine, and for --build-toy, whose bytes "
+                   "then repeat on the same machine; else torch's own choice)")
     args = p.parse_args(argv)
     if args.rank is None:
         args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"])
@@ -1137,9 +1166,35 @@ def benchmark(args):
 
 def build(args):
     """train.py --build-toy: a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)."""
-    if os.path.exists(args.out) and not args.overwrite:
-        raise ValueError(f"{args.out} exists; pass --overwrite to replace it, or another --out")
-    return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads)
+    check_build_out(args.out, args.overwrite)
+    return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads or 1)
+
+
+def check_build_out(path, overwrite):
+    """Refuse, before the minutes-long build, an --out that the build could not be written to or used from: not a
+    .safetensors name (--model takes no other), a folder, an existing file without --overwrite, a path under a
+    file, or a folder that cannot be written (tried with a temporary file)."""
+    if not path.endswith(".safetensors"):
+        raise ValueError(f"--out {path}: a toy backbone must be a .safetensors file (--model takes no other); "
+                         f"name it e.g. {path}.safetensors")
+    if os.path.isdir(path):
+        raise ValueError(f"--out {path} is a folder; name the file to write, e.g. "
+                         f"{os.path.join(path, 'backbone.safetensors')}")
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"--out {path} exists; pass --overwrite to replace it, or another --out")
+    folder = above = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"--out {path}: {above} is a file, not a folder; choose another --out")
+    probe = None
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = data.tmp_name(path)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot write in {folder} ({e.strerror or e}); choose a writable --out") from e
 
 
 def main(argv=None):
@@ -1148,7 +1203,8 @@ def main(argv=None):
         return build(args)
     if args.plan:
         return plan(args)
-    os.makedirs(args.out, exist_ok=True)
+    M.choose_threads(args.model, args.threads)
+    make_folder(args.out, "--out")
     if args.benchmark:
         return benchmark(args)
     with process_group(), locked(args.out):

@@ -26,6 +26,13 @@ TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-train", "8", "--n-
         "--shots", "1", "--epochs", "2", "--save-every", "1"]
 
 
+def dead_pid():
+    """The id of a process that has ended (its temporary files are stale)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def flags(tmp, name, *extra):
     return [*TINY, "--out", str(tmp / name), "--teacher-cache", str(tmp / "teacher"), *extra]
 
@@ -104,13 +111,12 @@ def test_truncated_or_empty_last_pt_is_a_clear_error(whole, tmp_path):
 def test_stale_temporary_files_are_removed_and_files_follow_the_umask(tmp_path):
     args = train.parse_args(flags(tmp_path, "run"))
     os.makedirs(args.teacher_cache)
-    stale, fresh = tmp_path / "teacher" / "x.safetensors.1a2b.tmp", tmp_path / "teacher" / "y.safetensors.3c4d.tmp"
+    stale = data.tmp_name(tmp_path / "teacher" / "x.safetensors", dead_pid())
+    fresh = data.tmp_name(tmp_path / "teacher" / "y.safetensors")
     for f in (stale, fresh):
-        f.write_bytes(b"half")
-    an_hour_ago = time.time() - 3600
-    os.utime(stale, (an_hour_ago, an_hour_ago))
+        open(f, "wb").write(b"half")
     train.claim(args)
-    assert not stale.exists() and fresh.exists()                          # a live writer's file is left alone
+    assert not os.path.exists(stale) and os.path.exists(fresh)            # a live writer's file is left alone
     for umask in (0o022, 0o002):
         previous = os.umask(umask)
         try:
@@ -360,9 +366,8 @@ def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warn
     first = data.image_features(encode, "enc", items, tmp_path)
     (path,) = tmp_path.glob("*.safetensors")
     good = path.read_bytes()
-    stale = tmp_path / "x.safetensors.1a2b.tmp"
-    stale.write_bytes(b"half")
-    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    stale = data.tmp_name(tmp_path / "x.safetensors", dead_pid())
+    open(stale, "wb").write(b"half")
     from safetensors.torch import save
     wrong = (save({"features": torch.ones(2, 4)}), save({"features": torch.ones(3, 4, dtype=torch.half)}))
     for bad in (good[:len(good) // 2], *wrong):
@@ -371,7 +376,7 @@ def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warn
         assert f"warning: cache file {path} is unusable" in capsys.readouterr().out
         data.image_features(encode, "enc", items, tmp_path)
         assert capsys.readouterr().out == ""                                 # written again, whole
-    assert not stale.exists()
+    assert not os.path.exists(stale)
 
 
 def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_out(tmp_path, monkeypatch, capsys):
@@ -520,9 +525,8 @@ def test_a_data_root_or_cache_that_is_a_file_is_named(tmp_path, capsys):
 
 
 def test_stale_temporary_folders_of_a_killed_generation_are_removed(tmp_path):
-    stale = tmp_path / ".toy-v2-1a2b.tmp"
-    (stale / "coco").mkdir(parents=True)
-    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    stale = data.tmp_name(tmp_path / data.TOY_DIR, dead_pid())
+    os.makedirs(os.path.join(stale, "coco"))
     data.load_task("toy-vqa", "val", str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == [data.TOY_DIR]
 
@@ -568,3 +572,199 @@ def test_bad_data_is_reported_before_the_backbone_loads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="its question is None"):
         evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--data-root", str(root), "--shots", "0",
                        "--out", str(tmp_path / "eval")])
+
+
+# --------------------------------------------------------------------------------- part 3: nothing of the user's
+
+def user_files(folder):
+    """Put a user's *.tmp file and *.tmp folders, an hour old, in `folder`; return their paths."""
+    os.makedirs(os.path.join(folder, "scratch.tmp"), exist_ok=True)
+    os.makedirs(os.path.join(folder, ".hidden.tmp"), exist_ok=True)
+    paths = [os.path.join(folder, n) for n in ("notes.tmp", "scratch.tmp/keep.txt", ".hidden.tmp/a.txt", "x.1a2b.tmp")]
+    for p in paths:
+        open(p, "w").write("mine")
+        os.utime(p, (time.time() - 3600, time.time() - 3600))
+    for d in ("scratch.tmp", ".hidden.tmp"):
+        os.utime(os.path.join(folder, d), (time.time() - 3600, time.time() - 3600))
+    return paths
+
+
+def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = train.parse_args(flags(tmp_path, "run", "--rices-cache", str(tmp_path / "rices")))
+    folders = [args.out, args.teacher_cache, args.rices_cache, str(tmp_path / "data"), str(tmp_path)]
+    mine = [p for f in folders for p in user_files(f)]
+    stale = [data.tmp_name(os.path.join(f, "x.safetensors"), dead_pid()) for f in folders]
+    for p in stale:
+        open(p, "w").write("half")
+    train.claim(args)
+    for f in folders:
+        data.remove_stale_tmp(f)
+    data.load_task("toy-vqa", "val", str(tmp_path / "data"))
+    data.atomic_write(tmp_path / "result.json", lambda f: f.write(b"{}"))
+    assert all(open(p).read() == "mine" for p in mine) and not any(os.path.exists(p) for p in stale)
+
+
+def test_a_killed_writes_tmp_is_gone_after_a_successful_rerun_at_once(tmp_path):
+    code = ("import os, data; data.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}).returncode
+    assert len(os.listdir(tmp_path)) == 1                                   # the killed write's temporary file
+    data.atomic_write(tmp_path / "f.json", lambda f: f.write(b"{}"))
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+def test_a_temporary_name_of_another_machine_waits_its_15_minutes(tmp_path):
+    other = tmp_path / f".x.{data.TMP_MARK}-elsewhere{data.this_host()}-1-0123456789ab.tmp"
+    other.write_text("half")
+    data.remove_stale_tmp(tmp_path)
+    assert other.exists()
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    data.remove_stale_tmp(tmp_path)
+    assert not other.exists()
+
+
+def seed2_root(tmp_path, change):
+    root = data.generated(data.toy_folder("toy-seed2", str(tmp_path)), data.write_toy_seed2)
+    path = os.path.join(root, "seed-bench-2", data.SEED2_FILE)
+    obj = json.load(open(path))
+    change([q for q in obj["questions"] if q["subpart"] == data.SEED2_SUBPART])
+    open(path, "w").write(json.dumps(obj))
+    return root
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda qs: qs[1].update(question_id=qs[0]["question_id"]), r"question #1 .* duplicate question_id"),
+    (lambda qs: qs[0].update(choice_b=""), r"question #0 .* its choice_b is ''"),
+    (lambda qs: qs[0].update(choice_d=None), r"question #0 .* its choice_d is None"),
+    (lambda qs: qs[0].update(question="  "), r"question #0 .* its question is '  '"),
+    (lambda qs: qs[0].update(question_id="1_1000000"), r"question #0 .* question_id '1_1000000' is not of the form"),
+    (lambda qs: qs[0].update(question_id="1_01"), r"question #0 .* question_id '1_01' is not of the form"),
+    (lambda qs: qs[0].update(question_id=7), r"question #0 .* question_id 7 is not of the form"),
+])
+def test_seed_bench_2_questions_get_seed_bench_1s_checks(tmp_path, change, message):
+    with pytest.raises(ValueError, match=message):
+        data.read_seed2(seed2_root(tmp_path, change))
+
+
+def test_seed_bench_2_ids_cannot_collide():
+    assert data.seed2_id("2_0") == 2_000_000 and data.seed2_id("1_999999") == 1_999_999
+    for bad in ("1_1000000", "-1_5", "1_-5", "1_+5", "1_5_0", "1_٣"):
+        with pytest.raises(ValueError, match="is not of the form"):
+            data.seed2_id(bad)
+
+
+def test_an_mme_image_present_as_jpg_and_png_is_an_error_naming_both(tmp_path):
+    root = data.generated(data.toy_folder("toy-mme", str(tmp_path)), data.write_toy_mme)
+    folder = os.path.join(root, "mme", "existence")
+    jpg = sorted(f for f in os.listdir(folder) if f.endswith(".jpg"))[0]
+    shutil.copy(os.path.join(folder, jpg), os.path.join(folder, jpg[:-4] + ".png"))
+    with pytest.raises(ValueError, match=rf"mme: .*{jpg} and .*{jpg[:-4]}.png are two images for one question file"):
+        data.read_mme(root, ("existence",))
+
+
+def test_a_cache_file_passed_as_model_is_refused_by_content_naming_it(tmp_path):
+    path = str(tmp_path / "features.safetensors")
+    data.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a valid checksum, other tensors
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: it holds 1 tensors \(features\)"):
+        M.load_backbone(path)
+    real = data.load_file(M.TOY_REFERENCE)
+    name = sorted(real)[0]
+    wrong = {**real, name: torch.zeros(*real[name].shape[:-1], real[name].shape[-1] + 1)}
+    data.write_cache(path, wrong, "key")                                  # the toy's names, one shape off
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: {name} is"):
+        M.load_backbone(path)
+
+
+def test_a_model_folder_whose_config_is_not_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"--model: {tmp_path / 'config.json'} is not valid JSON"):
+        M.family_of(str(tmp_path))
+
+
+@pytest.mark.parametrize("out, overwrite, message", [
+    ("mytoy", False, r"--out .*mytoy: a toy backbone must be a .safetensors file"),
+    ("folder.safetensors", True, r"--out .*folder.safetensors is a folder"),
+    ("afile/b.safetensors", False, r"--out .*afile/b.safetensors: .*afile is a file, not a folder"),
+    ("readonly/b.safetensors", False, r"--out .*readonly/b.safetensors: cannot write in .*readonly"),
+    ("old.safetensors", False, r"--out .*old.safetensors exists; pass --overwrite"),
+])
+def test_build_toy_checks_out_before_it_builds(tmp_path, monkeypatch, out, overwrite, message):
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "old.safetensors").write_text("x")
+    (tmp_path / "readonly").mkdir(mode=0o555)
+    monkeypatch.setattr(train, "build_toy", lambda *a: pytest.fail("built before --out was checked"))
+    real_open = os.open
+    def refused(path, *a):  # as a read-only folder answers (root could write into one with mode 555)
+        if "readonly" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, *a)
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(ValueError, match=message):
+        train.main(["--build-toy", "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])])
+    assert sorted(os.listdir(tmp_path)) == ["afile", "folder.safetensors", "old.safetensors", "readonly"]
+
+
+def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path, monkeypatch):
+    evaluate.main([*EVAL, "--out", str(tmp_path)])
+    name = "toy-vqa-val-1-shot-seed0-n3"
+    assert (tmp_path / f"{name}.metrics.json").exists()
+    def killed(path, obj, indent=None):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(data, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate.main([*EVAL, "--out", str(tmp_path)])
+    assert (tmp_path / f"{name}.predictions.jsonl").exists() and not (tmp_path / f"{name}.metrics.json").exists()
+
+
+def test_a_lock_that_cannot_be_written_names_it_and_is_not_left(tmp_path, monkeypatch):
+    def full(fd, b, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError, match=rf"could not write the lock file {tmp_path / 'run' / '.lock'} \(No space"):
+        with train.locked(str(tmp_path / "run")):
+            pass
+    assert os.listdir(tmp_path / "run") == []
+
+
+def test_an_out_that_cannot_be_made_names_the_flag(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OSError, match=rf"--out {tmp_path / 'file' / 'run'}: cannot make the folder"):
+        train.main([*TINY, "--out", str(tmp_path / "file" / "run")])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "toy-seed", "--seed-prompt", "project"], "--seed-prompt applies to --seed-protocol likelihood only"),
+    (["--task", "toy-seed", "--seed-protocol", "generate", "--seed-prompt", "official"], "--seed-prompt applies"),
+    (["--task", "toy-vqa", "--seed-prompt", "project", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
+    (["--task", "toy-vqa", "--seed-protocol", "generate"], "--seed-protocol applies to the SEED-Bench tasks"),
+])
+def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "tiny-idefics2", *extra])
+    assert message in capsys.readouterr().err
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-seed"])
+    assert (args.seed_protocol, args.seed_prompt) == ("generate", "official")
+
+
+def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", "--train-args",
+                                "--epochs 2"])
+    assert args.train_args == "--epochs 2"
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", "--train-args", "--resume"])
+    assert "--train-args '--resume': train.py says:" in capsys.readouterr().err
+
+
+def test_small_backbones_on_cpu_run_on_one_thread_unless_threads_says(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert M.choose_threads("idefics2") == 2                             # a real backbone: torch's choice
+        for name in ("tiny-idefics2", "toy-idefics2", "runs/x/backbone.safetensors"):
+            torch.set_num_threads(2)
+            assert M.choose_threads(name) == 1
+        assert M.choose_threads("toy-idefics2", 2) == 2
+        assert train.parse_args(["--model", "toy-idefics2", "--threads", "3"]).threads == 3
+    finally:
+        torch.set_num_threads(before)
