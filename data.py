@@ -14,7 +14,7 @@ text, no chat turns). All four processors expand the same `<image>` placeholder.
 Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the teacher's has m ICDs, the
 student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
 concatenations of those ids, so the query's ids are identical in teacher and student; rows are left-padded, so the
-query + target (T tokens) are the last T positions of both (`align`). LLaVA-OneVision encodes every image in its
+query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
 Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
@@ -129,8 +129,15 @@ def query_pieces(processor, family, kind, queries):
 
 
 def teacher_batch(processor, family, kind, pieces, icds):
-    """The teacher batch [ICDs; query + target] (run without the adapter): icds[i] (from `demonstrations`), then
-    pieces[i] (query_pieces). The query's ids are those of its student row, so both agree on `align` token for token."""
+    r"""The teacher batch [ICDs; query + target] (run without the adapter): icds[i] (from `demonstrations`), then
+    pieces[i] (query_pieces). The query's ids are those of its student row, token for token:
+
+        teacher row    <s> instruction  <image>Q: q1 A: a1<end>\n  ...  <image>Q: q8 A: a8<end>\n  <image>Q: q A: a<end>
+        student row    <pad> <pad> <pad> <pad> <pad> <pad> <pad> <pad> <pad> <s> instruction  <image>Q: q A: a<end>
+        query_target                                                                          ^^^^^^^^^^^^^^^^^^^^^
+
+    Rows are left-padded, so the query + target (answer and end token) are the last positions of every row, and
+    `query_target` marks them: the tokens Eq 16 compares, the student's h^(l) against the teacher's."""
     rows = [join(encode_prefix(processor, family, kind, d), p) for d, p in zip(icds, pieces)]
     return collate(rows, processor, family)
 
@@ -254,9 +261,9 @@ def left_pad(seq, width, fill):
 
 
 def collate(rows, processor, family):
-    """Left-pad rows into a batch: input_ids, attention_mask, position_ids, labels, align, and the image tensors.
+    """Left-pad rows into a batch: input_ids, attention_mask, position_ids, labels, query_target, and the images.
 
-    position_ids count real tokens only (0 on padding); align marks each row's last query_len positions (the
+    position_ids count real tokens only (0 on padding); query_target marks each row's last query_len positions (the
     query + target, the tokens teacher and student share); labels are -100 except on the answer + end token.
     A row longer than the model's context (the tokenizer's model_max_length) is an error naming its item.
     """
@@ -268,10 +275,10 @@ def collate(rows, processor, family):
     width, pad = max(len(r["input_ids"]) for r in rows), processor.tokenizer.pad_token_id
     input_ids = torch.tensor([left_pad(r["input_ids"], width, pad) for r in rows])
     attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), width, 0) for r in rows])
-    align = torch.tensor([left_pad([True] * r["query_len"], width, False) for r in rows])
+    query_target = torch.tensor([left_pad([True] * r["query_len"], width, False) for r in rows])
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "align": align,
+            "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "query_target": query_target,
             **image_inputs(rows, processor, family, input_ids)}
 
 
@@ -283,8 +290,8 @@ def answer_window(labels):
 
 
 def model_inputs(batch, device=None):
-    """A batch as the backbone's forward keyword arguments (all but "labels" and "align"), on `device` if given."""
-    return {k: v.to(device) for k, v in batch.items() if k not in ("labels", "align")}
+    """A batch as the backbone's forward keyword arguments (all but "labels" and "query_target"), on `device`."""
+    return {k: v.to(device) for k, v in batch.items() if k not in ("labels", "query_target")}
 
 
 # --------------------------------------------------------------------------------- demonstrations: random, or RICES

@@ -1324,7 +1324,7 @@ def analysis_batches(backbone, args, items):
         icds = D.demonstrations([q.id for q in queries], support, shots, args.seed)
         teacher, student = (D.prompt_batch(backbone.processor, backbone.family, kind, queries, d) for d in (icds, None))
         inputs = lambda b: {**D.model_inputs(b, device), "logits_to_keep": 1}  # hidden states only: no vocabulary
-        yield (inputs(teacher), inputs(student)), student["align"].sum(1).tolist()
+        yield (inputs(teacher), inputs(student)), student["query_target"].sum(1).tolist()
 
 
 def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):

@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -70,35 +71,60 @@ def method_sizes(args):
     return {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
 
 
-# ---------------------------------------------------------------------------------------------- the loss (Eq 10-17)
+# ---------------------------------------------------------------------------------------------- the loss (Eq 16-17)
+
+def hyper_icl_loss(h, h_teacher, span, logits, labels, args, anchor_scale=1.0):
+    """Eq 17 on one micro-batch: L = L_H-anchor + lambda L_sup. Returns {"anchor", "sup", "loss"}.
+
+    h, h_teacher: [L, B, W, d], every decoder layer's own output (model.layer_outputs) for the student (query only,
+    with the adapter) and the teacher (with the ICDs, laid at the student's positions: stack_teacher).
+    span: bool [B, W], the tokens Eq 16 compares: the query's and its target's (answer + end token), the tokens both
+    rows hold (data.collate). A choice: the paper says "the query tokens", and the target is part of both rows.
+    logits, labels: the student's at its answer window (target_logits).
+    """
+    anchor = hyperbolic_anchor_loss(h, h_teacher, span, args.kappa)     # Eq 16: mean d_L^2 per query, then queries
+    sup = supervised_loss(logits, labels)                               # L_sup: CE, mean per target token (a choice)
+    anchor = share_of_global_mean(anchor, span.any(1).sum()) / anchor_scale  # torchrun; --anchor-norm (not in paper)
+    sup = share_of_global_mean(sup, (labels[:, 1:] != -100).sum())
+    return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}  # Eq 17
+
 
 def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
-    """Eq 17 for one micro-batch: {"anchor": L_anchor, "sup": L_sup, "loss": L_anchor + lambda L_sup}.
+    """The training loss of one micro-batch: Hyper-ICL's (hyper_icl_loss), or a baseline's own (baseline_loss).
 
-    L_anchor is --anchor: Eq 16's hyperbolic anchor over every decoder layer's own output h^(l) at the query's
-    tokens (lorentz.hyperbolic_anchor_loss), the Euclidean one of Table 4, MimIC's layer-wise MSE, LIVE's KL at the
-    answer positions, or none (L = L_sup: HiFICL, LoRA). L_sup is the cross-entropy of the target tokens.
-    model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
-    anchor_scale: what L_anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
-    Each part is this process's share of its mean over the global micro-batch (`share_of_global_mean`).
+    student: the student batch (data.student_batch); teacher: what micro_batch gives for args.anchor. model: what runs
+    the student (the DistributedDataParallel wrapper under torchrun; default backbone.model). anchor_scale: what the
+    anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
     """
-    keep = data.answer_window(student["labels"])                     # logits at the last `keep` positions only
-    labels = student["labels"][:, -keep:]
-    answers = answer_positions(labels)                               # [B, keep] bool: predicts a target token
-    inputs = {**data.model_inputs(student), "logits_to_keep": keep}
+    keep = data.answer_window(student["labels"])                     # the LM head at the last `keep` positions only
+    inputs, labels = {**data.model_inputs(student), "logits_to_keep": keep}, student["labels"][:, -keep:]
     with autocast(student["input_ids"].device):
         if args.anchor in LAYER_ANCHORS:
-            out, states = M.layer_outputs(backbone.model, forward=model, **inputs)
+            out, h = M.layer_outputs(backbone.model, forward=model, **inputs)
         else:
-            out = (model or backbone.model)(**inputs)
-    sup = share_of_global_mean(supervised_loss(out.logits, labels), answers.sum())  # per target token
+            out, h = (model or backbone.model)(**inputs), None
+    if args.anchor == "hyperbolic":
+        return hyper_icl_loss(torch.stack(h), teacher, student["query_target"], out.logits, labels, args, anchor_scale)
+    return baseline_loss(args, out.logits, h, teacher, student["query_target"], labels, anchor_scale)
+
+
+# The other distillation losses on the layer states h^(l) (student, teacher: [L, B, W, d]; span: [B, W]).
+LAYER_ANCHORS = {"hyperbolic": None,                                                         # Eq 16: hyper_icl_loss
+                 "euclidean": lambda s, t, span, args: euclidean_anchor_loss(s, t, span),  # L2-anchor, Table 4
+                 "mse": lambda s, t, span, args: layerwise_mse(s, t, span)}               # MimIC
+
+
+def baseline_loss(args, logits, h, teacher, span, labels, anchor_scale=1.0):
+    """A baseline's loss, L_anchor + lambda L_sup with its own L_anchor: Table 4's Euclidean anchor, MimIC's layer-wise
+    MSE, LIVE's KL at the answer positions (teacher: [n_answers, V]), or none (L = L_sup: HiFICL, LoRA)."""
+    answers = answer_positions(labels)                               # [B, K] bool: predicts a target token
+    sup = share_of_global_mean(supervised_loss(logits, labels), answers.sum())
     if args.anchor == "none":
         return {"sup": sup, "loss": sup}
-    if args.anchor == "kl":  # teacher: [n_answers, V], the answer positions in the order of `answers`
-        anchor = share_of_global_mean(answer_kl(out.logits[answers], teacher, args.temperature), answers.sum())
-    else:  # h^(l): L x [B, W, d] -> [L, B, W, d]; teacher: the same shape; align [B, W]: the query's tokens
-        anchor = LAYER_ANCHORS[args.anchor](torch.stack(states), teacher, student["align"], args)
-        anchor = share_of_global_mean(anchor, student["align"].any(1).sum())  # Eq 16 averages per query
+    if args.anchor == "kl":
+        anchor = share_of_global_mean(answer_kl(logits[answers], teacher, args.temperature), answers.sum())
+    else:
+        anchor = share_of_global_mean(LAYER_ANCHORS[args.anchor](torch.stack(h), teacher, span, args), span.any(1).sum())
     anchor = anchor / anchor_scale
     return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}
 
@@ -120,12 +146,6 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
     return anchor.item()
 
 
-# The distillation losses on the layer states h^(l) (student, teacher: [L, B, W, d]; align: [B, W]).
-LAYER_ANCHORS = {"hyperbolic": lambda s, t, align, args: hyperbolic_anchor_loss(s, t, align, args.kappa),  # Eq 16
-                 "euclidean": lambda s, t, align, args: euclidean_anchor_loss(s, t, align),  # L2-anchor, Table 4
-                 "mse": lambda s, t, align, args: layerwise_mse(s, t, align)}               # MimIC
-
-
 def target_logits(model, batch, **kwargs):
     """model's logits at the last data.answer_window positions of `batch` (its targets and the position before each)
     and the labels they line up with: ([B, K, V], [B, K])."""
@@ -138,11 +158,11 @@ def supervised_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
 
 
-def layerwise_mse(student, teacher, align):
+def layerwise_mse(student, teacher, span):
     """MimIC's layer-wise loss: per query, the mean squared difference of the student's and teacher's states over
-    layers, query tokens and features; then the mean over queries. student, teacher: [L, B, W, d]; align: [B, W]."""
+    layers, query tokens and features; then the mean over queries. student, teacher: [L, B, W, d]; span: [B, W]."""
     return torch.stack([(student[:, b, a] - teacher[:, b, a]).float().square().mean()
-                        for b, a in enumerate(align)]).mean()
+                        for b, a in enumerate(span)]).mean()
 
 
 def answer_kl(student_logits, teacher_logits, temperature):
@@ -171,10 +191,10 @@ def anchor_regime(args, student, teacher):
     """The anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)|, the noise floor (the
     loss between the teacher states and their own rounding to the training dtype, and to bf16) and the loss between
     the teacher states of different queries. Returns them as a dict of floats."""
-    align, dtype = student["align"], autocast_dtype(student["input_ids"].device)
-    loss = (lambda s, t: lorentz.hyperbolic_anchor_loss(s, t, align, args.kappa)) if args.anchor == "hyperbolic" \
-        else (lambda s, t: lorentz.euclidean_anchor_loss(s, t, align))
-    shuffled = teacher.roll(1, dims=1) if align.shape[0] > 1 and (align == align.roll(1, 0)).all() else None
+    span, dtype = student["query_target"], autocast_dtype(student["input_ids"].device)
+    loss = (lambda s, t: lorentz.hyperbolic_anchor_loss(s, t, span, args.kappa)) if args.anchor == "hyperbolic" \
+        else (lambda s, t: lorentz.euclidean_anchor_loss(s, t, span))
+    shuffled = teacher.roll(1, dims=1) if span.shape[0] > 1 and (span == span.roll(1, 0)).all() else None
     regime = {"radius": (args.kappa * teacher.shape[-1]) ** 0.5,  # |LN(h)| = sqrt(d)
               "floor": loss(teacher.to(dtype).float(), teacher).item(),
               "floor_bf16": loss(teacher.to(torch.bfloat16).float(), teacher).item(),
@@ -220,7 +240,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
             answer = answer_positions(batch["labels"][:, -keep:])
             return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
         states = torch.stack(M.layer_outputs(backbone.model, **inputs)[1])  # [L, B, W, d]
-    return [states[:, b, batch["align"][b]].cpu() for b in range(len(queries))]
+    return [states[:, b, batch["query_target"][b]].cpu() for b in range(len(queries))]
 
 
 def read_teacher(path, key, shape, output="states"):
@@ -264,12 +284,12 @@ def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     return [states[i] for i in range(len(queries))]
 
 
-def stack_teacher(states, align):
+def stack_teacher(states, span):
     """Lay per-query teacher states [L, T_q, d] at the student's aligned positions: [L, B, W, d]."""
     L, d = states[0].shape[0], states[0].shape[-1]
-    out = torch.zeros(L, *align.shape, d, dtype=states[0].dtype, device=align.device)
+    out = torch.zeros(L, *span.shape, d, dtype=states[0].dtype, device=span.device)
     for b, s in enumerate(states):
-        out[:, b, align[b]] = s.to(align.device)
+        out[:, b, span[b]] = s.to(span.device)
     return out
 
 
@@ -282,83 +302,146 @@ def micro_batch(backbone, args, kind, queries, icds, device, cache):
     states = teacher_states(backbone, args, kind, queries, icds, pieces, device, cache)
     if args.anchor == "kl":
         return student, torch.cat(states).to(device)  # answer logits, in the order of answer_positions
-    return student, stack_teacher(states, student["align"])
+    return student, stack_teacher(states, student["query_target"])
 
 
 # --------------------------------------------------------------------------------------------------------- the loop
 
 def train(args):
     """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
-    cosine decay, --epochs passes over the training queries, the teacher's states read from the cache after their
-    first computation, the best epoch (held-out loss) kept. Returns the final adapter's parameters."""
+    cosine decay, --epochs passes over the training queries, the best epoch (held-out loss) kept. Ctrl-C or SIGTERM
+    saves the run (saved_on_interrupt), and --resume continues it exactly. Returns the final adapter's parameters."""
+    run = start(args)
+    with saved_on_interrupt(run):
+        for epoch in range(len(run.progress["history"]), args.epochs):  # an epoch counts once it is scored
+            for batches in remaining_steps(run, epoch):
+                if args.max_steps is not None and run.progress["step"] >= args.max_steps:
+                    return finish(run)
+                log_step(run, train_step(run, batches))
+            end_of_epoch(run, epoch)
+            save(run)
+        return finish(run)
+
+
+def train_step(run, batches):
+    """One optimiser step: for each micro-batch of queries (gradient accumulation), the teacher's states (cached after
+    their first computation) and the student's forward give the loss (Eq 17); then one clipped AdamW step."""
+    parts = {}
+    for queries in batches:
+        student, teacher = micro_batch(run.backbone, run.args, run.kind, queries, [run.icds[q.id] for q in queries],
+                                       run.device, run.cache)                # the student rows; the teacher's h'^(l)
+        part = losses(run.backbone, run.args, student, teacher, run.student_model, run.progress.get("anchor_scale", 1))
+        check_finite(part, run.progress["step"] + 1)
+        (part["loss"] / run.args.grad_accum).backward()
+        parts = {k: parts.get(k, 0) + v.item() / run.args.grad_accum for k, v in part.items()}
+    adapter = M.adapter_modules(run.backbone.model).parameters()
+    torch.nn.utils.clip_grad_norm_(adapter, run.args.clip)                   # not in the paper: --clip 1.0
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return parts
+
+
+@dataclass
+class Run:
+    """What the training loop's functions share: the settings, the backbone with its adapter, the data, the
+    optimiser and schedule, the teacher cache's identity and counts, and the progress (what last.pt saves)."""
+    args: argparse.Namespace
+    backbone: M.Backbone
+    kind: str                 # the task's kind (data.TASKS)
+    queries: list             # training queries
+    heldout: list             # held-out queries, which pick the best epoch
+    icds: dict                # query id -> its demonstrations (fixed for the run)
+    device: str
+    cache: dict               # the teacher cache: backbone id, image setting, hits and misses
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    student_model: object     # the DistributedDataParallel wrapper under torchrun, else None
+    progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
+    steps_per_epoch: int
+    bar: object = None
+
+
+def start(args):
+    """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter,
+    AdamW and its schedule, the checkpoint of a resumed run, and the anchor's preparations (prepare_anchor)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
-    kind = data.TASKS[args.task].kind
-    queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))  # the data first: it fails fast
+    queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
     backbone = M.load_backbone(args.model, device=device, image_splitting=args.image_splitting)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
     params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    rank, world = rank_and_world()
-    student_model = data_parallel(backbone.model, args, len(queries)) if world > 1 else None
-    batches_per_epoch = math.ceil(len(queries) / args.batch_size)
-    steps_per_epoch = math.ceil(batches_per_epoch / args.grad_accum)
+    student_model = data_parallel(backbone.model, args, len(queries)) if rank_and_world()[1] > 1 else None
+    steps_per_epoch = math.ceil(math.ceil(len(queries) / args.batch_size) / args.grad_accum)
     total = steps_per_epoch * args.epochs
     scheduler = cosine_with_warmup(optimizer, total, max(1, round(args.warmup * total)))
     os.makedirs(args.teacher_cache, exist_ok=True)
-    progress = {"step": 0, "best": math.inf, "history": []}
-    if args.resume:
-        progress = restore(args, backbone, optimizer, scheduler)
+    progress = restore(args, backbone, optimizer, scheduler) if args.resume else \
+        {"step": 0, "best": math.inf, "history": []}
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0, "images": image_key(backbone.processor)}
+    run = Run(args, backbone, data.TASKS[args.task].kind, queries, heldout, icds, device, cache, optimizer, scheduler,
+              student_model, progress, steps_per_epoch)
+    prepare_anchor(run)
+    run.bar = tqdm(total=total, initial=progress["step"], desc="train", dynamic_ncols=True,
+                   disable=rank_and_world()[0] != 0)
+    return run
+
+
+def prepare_anchor(run):
+    """Before the first step: stop at once if the teacher cache would not fit its folder (check_cache_room); the
+    anchor's first-step value for --anchor-norm first; the anchor's noise floor, printed (anchor_regime)."""
+    args, b = run.args, run.backbone
     if args.anchor != "none" and not args.no_teacher_cache:
-        check_cache_room(backbone, args, kind, queries, icds, cache)
-    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in progress:
-        progress["anchor_scale"] = initial_anchor(backbone, args, kind, queries, icds, device, cache)
-    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:  # the noise floor of the layer-state anchors
-        first = epoch_order(len(queries), args.batch_size, args.seed, 0)[0]
-        anchor_regime(args, *micro_batch(backbone, args, kind, [queries[i] for i in first],
-                                         [icds[queries[i].id] for i in first], device, cache))
-    bar = tqdm(total=steps_per_epoch * args.epochs, initial=progress["step"], desc="train", dynamic_ncols=True,
-               disable=rank != 0)
-    previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+        check_cache_room(b, args, run.kind, run.queries, run.icds, run.cache)
+    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in run.progress:
+        run.progress["anchor_scale"] = initial_anchor(b, args, run.kind, run.queries, run.icds, run.device, run.cache)
+    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:
+        first = [run.queries[i] for i in epoch_order(len(run.queries), args.batch_size, args.seed, 0)[0]]
+        anchor_regime(args, *micro_batch(b, args, run.kind, first, [run.icds[q.id] for q in first], run.device,
+                                         run.cache))
+
+
+def remaining_steps(run, epoch):
+    """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as its
+    micro-batches of queries: this process's share of each under torchrun."""
+    order = epoch_order(len(run.queries), run.args.batch_size, run.args.seed, epoch)
+    (rank, world), accum = rank_and_world(), run.args.grad_accum
+    for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch):
+        yield [[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
+
+
+def log_step(run, parts):
+    """Count the step, show its loss parts and learning rate, and checkpoint every --save-every steps."""
+    run.progress["step"] += 1
+    run.bar.update()
+    run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
+    if run.progress["step"] % run.args.save_every == 0:
+        save(run)
+
+
+@contextlib.contextmanager
+def saved_on_interrupt(run):
+    """Ctrl-C or SIGTERM (what job schedulers send before a kill) during training: save the run, then exit naming
+    --resume. A second SIGTERM while saving is ignored."""
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        # history holds one entry per scored epoch, so the first epoch without one is where to go on, even when
-        # all of its steps are done (a checkpoint written on its last step, then stopped while it was scored)
-        for epoch in range(len(progress["history"]), args.epochs):
-            order = epoch_order(len(queries), args.batch_size, args.seed, epoch)
-            for s in range(progress["step"] - epoch * steps_per_epoch, steps_per_epoch):
-                if args.max_steps is not None and progress["step"] >= args.max_steps:
-                    return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
-                parts = {}
-                for idx in order[s * args.grad_accum:(s + 1) * args.grad_accum]:
-                    qs = [queries[i] for i in idx[rank::world]]  # under torchrun: this process's share
-                    student, teacher = micro_batch(backbone, args, kind, qs, [icds[q.id] for q in qs], device, cache)
-                    part = losses(backbone, args, student, teacher, student_model, progress.get("anchor_scale", 1.0))
-                    check_finite(part, progress["step"] + 1)
-                    (part["loss"] / args.grad_accum).backward()
-                    parts = {k: parts.get(k, 0) + v.item() / args.grad_accum for k, v in part.items()}
-                torch.nn.utils.clip_grad_norm_(M.adapter_modules(backbone.model).parameters(), args.clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                progress["step"] += 1
-                bar.update()
-                bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{scheduler.get_last_lr()[0]:.2g}"})
-                if progress["step"] % args.save_every == 0:
-                    checkpoint(args, backbone, optimizer, scheduler, progress)
-            end_of_epoch(args, backbone, kind, heldout, device, progress, epoch)
-            checkpoint(args, backbone, optimizer, scheduler, progress)
+        yield
     except KeyboardInterrupt as e:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the checkpoint short
-        checkpoint(args, backbone, optimizer, scheduler, progress)
-        bar.close()
-        sys.exit(f"interrupted: saved step {progress['step']} to {args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        save(run)
+        run.bar.close()
+        sys.exit(f"interrupted: saved step {run.progress['step']} to {run.args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
                  "continue with --resume")
     finally:
-        signal.signal(signal.SIGTERM, previous_handler)
-    return finish(args, backbone, optimizer, scheduler, progress, bar, cache)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def save(run):
+    """The run's checkpoint, <out>/last.pt (checkpoint)."""
+    checkpoint(run.args, run.backbone, run.optimizer, run.scheduler, run.progress)
 
 
 def cosine_with_warmup(optimizer, total, warmup_steps):
@@ -374,15 +457,16 @@ def check_finite(parts, step):
                                      "checkpoint is untouched; try a lower --lr or --kappa")
 
 
-def end_of_epoch(args, backbone, kind, heldout, device, progress, epoch):
+def end_of_epoch(run, epoch):
     """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
 
     The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
     """
-    loss, first = heldout_loss(backbone, args, kind, heldout, device), rank_and_world()[0] == 0
+    progress, first = run.progress, rank_and_world()[0] == 0
+    loss = heldout_loss(run.backbone, run.args, run.kind, run.heldout, run.device)
     if loss < progress["best"]:
         if first:
-            M.save_adapter(os.path.join(args.out, "adapter.safetensors"), backbone)
+            M.save_adapter(os.path.join(run.args.out, "adapter.safetensors"), run.backbone)
         progress["best"] = loss
     progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
     if first:
@@ -407,13 +491,13 @@ def heldout_loss(backbone, args, kind, heldout, device):
     return sum(totals[i] for i in starts) / len(heldout)
 
 
-def finish(args, backbone, optimizer, scheduler, progress, bar, cache):
+def finish(run):
     """Final checkpoint and summary; returns the adapter's parameters."""
-    checkpoint(args, backbone, optimizer, scheduler, progress)
-    bar.close()
+    save(run)
+    run.bar.close()
     if rank_and_world()[0] == 0:
-        finish_files(args, progress, cache)
-    return {k: v.detach().clone() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
+        finish_files(run.args, run.progress, run.cache)
+    return {k: v.detach().clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()}
 
 
 def finish_files(args, progress, cache):

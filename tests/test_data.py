@@ -352,10 +352,10 @@ def test_teacher_and_student_rows_line_up(backbone, toy, kind):
     end = p.tokenizer.convert_tokens_to_ids(data.end_token(p, family))
     assert end != p.tokenizer.unk_token_id
     for b in range(len(queries)):
-        T = int(student["align"][b].sum())
-        assert T == int(teacher["align"][b].sum())
-        for batch in (teacher, student):  # align = exactly the last T positions
-            assert batch["align"][b, -T:].all() and not batch["align"][b, :-T].any()
+        T = int(student["query_target"][b].sum())
+        assert T == int(teacher["query_target"][b].sum())
+        for batch in (teacher, student):  # query_target = exactly the last T positions
+            assert batch["query_target"][b, -T:].all() and not batch["query_target"][b, :-T].any()
         assert torch.equal(teacher["input_ids"][b, -T:], student["input_ids"][b, -T:])
         assert torch.equal(teacher["labels"][b, -T:], student["labels"][b, -T:])
         assert (teacher["labels"][b, :-T] == -100).all()
@@ -401,8 +401,8 @@ def test_idefics_query_cross_attends_as_in_the_student(toy):
     bb = load_backbone("tiny-idefics")
     items = tasks["toy-vqa", "train"]
     teacher, student = teacher_and_student(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
-    t_mask = teacher["image_attention_mask"][0][teacher["align"][0]]  # [query tokens, 4 images]
-    s_mask = student["image_attention_mask"][0][student["align"][0]]  # [query tokens, 1 image]
+    t_mask = teacher["image_attention_mask"][0][teacher["query_target"][0]]  # [query tokens, 4 images]
+    s_mask = student["image_attention_mask"][0][student["query_target"][0]]  # [query tokens, 1 image]
     assert (t_mask[:, :3] == 0).all() and torch.equal(t_mask[:, 3:], s_mask) and s_mask.sum() == len(s_mask) - 1
 
 
@@ -415,8 +415,8 @@ def test_forward_pass_on_collated_batches(backbone, toy):
     teacher, student = teacher_and_student(p, family, "vqa", queries, data.demonstrations(
         [q.id for q in queries], items, 2, seed=1))
     for batch in (teacher, student, data.prompt_batch(p, family, "vqa", queries)):
-        inputs = {k: v for k, v in batch.items() if k != "align"}
+        inputs = {k: v for k, v in batch.items() if k != "query_target"}
         out = backbone.model(**inputs)
         assert out.logits.shape == (*batch["input_ids"].shape, backbone.model.config.get_text_config().vocab_size)
         assert torch.isfinite(out.logits).all()
-    assert torch.isfinite(backbone.model(**{k: v for k, v in student.items() if k != "align"}).loss)
+    assert torch.isfinite(backbone.model(**{k: v for k, v in student.items() if k != "query_target"}).loss)

@@ -66,12 +66,12 @@ def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeyp
         M.detach(backbone.model)
     teacher_ids, = seen                                  # one forward: the teacher's (the student runs later)
     tok = backbone.processor.tokenizer
-    for row_t, row_s, ds, align in zip(teacher_ids, student["input_ids"], icds, student["align"]):
+    for row_t, row_s, ds, span in zip(teacher_ids, student["input_ids"], icds, student["query_target"]):
         t_text, s_text = tok.decode(row_t), tok.decode(row_s)
         assert all(d.question in t_text and d.question not in s_text for d in ds if d.question != "")
-        assert torch.equal(row_t[-int(align.sum()):], row_s[align])  # the same query tokens, last in both
-    assert teacher.shape[:3] == (len(backbone.model.get_decoder().layers), *student["align"].shape)
-    assert teacher[:, ~student["align"]].abs().sum() == 0
+        assert torch.equal(row_t[-int(span.sum()):], row_s[span])  # the same query tokens, last in both
+    assert teacher.shape[:3] == (len(backbone.model.get_decoder().layers), *student["query_target"].shape)
+    assert teacher[:, ~student["query_target"]].abs().sum() == 0
 
 
 @contextlib.contextmanager
@@ -92,7 +92,7 @@ def test_anchor_loss_reads_only_the_aligned_positions(setup, tmp_path):
     with attached_batch(setup, tmp_path, "y") as (student, teacher):
         with torch.no_grad():
             base = train.losses(backbone, args, student, teacher)["anchor"]
-            noise = torch.randn_like(teacher) * (~student["align"])[None, ..., None]
+            noise = torch.randn_like(teacher) * (~student["query_target"])[None, ..., None]
             assert train.losses(backbone, args, student, teacher + noise)["anchor"] == base
             moved = train.losses(backbone, args, student, teacher + torch.randn_like(teacher))["anchor"]
         assert moved != base
@@ -113,7 +113,7 @@ def test_the_loss_is_eq_17_written_out(setup, tmp_path):
                 labels = student["labels"][:, 1:]
                 ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(),
                                                        ignore_index=-100)
-                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, student["align"], args.kappa)
+                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, student["query_target"], args.kappa)
             torch.testing.assert_close(parts["sup"], ce)
             torch.testing.assert_close(parts["anchor"], anchor)
             torch.testing.assert_close(parts["loss"], anchor + 0.3 * ce)

@@ -70,8 +70,8 @@ def test_a_twin_loads_from_its_folder_with_the_real_vocabulary(backbones, name):
 @pytest.mark.parametrize("name", TWINS)
 def test_the_query_has_the_same_ids_in_the_8_shot_teacher_row_and_the_student_row(backbones, pool, name):
     teacher, student = rows(backbones[name], pool, 8)
-    for t_ids, s_ids, t_align, s_align in zip(teacher["input_ids"], student["input_ids"], teacher["align"],
-                                              student["align"]):
+    for t_ids, s_ids, t_align, s_align in zip(teacher["input_ids"], student["input_ids"], teacher["query_target"],
+                                              student["query_target"]):
         assert torch.equal(t_ids[t_align], s_ids[s_align]) and s_align.sum() > 0
 
 
