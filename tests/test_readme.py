@@ -1,11 +1,15 @@
-"""The README's map of the code: every function and test it names exists, each file's paper part ends where the
-file's plumbing begins, and imports run the one way it says."""
+"""The README's map of the code: every function and test that it and docs/*.md name exists, each file's paper part
+ends where the file's plumbing begins, imports run the one way it says, and the README stays a front door (short,
+the equation map near its top)."""
 import ast
+import glob
 import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+MAP = "\n".join([README] + [open(path, encoding="utf-8").read() for path in DOCS])  # the README and what it links
 
 
 def top_level_names(path):
@@ -20,9 +24,10 @@ def top_level_names(path):
     return names
 
 
-def test_every_function_and_test_the_readme_names_exists():
-    named = set(re.findall(r"`([a-z_]+\.py):([A-Za-z_][\w.]*)`", README))
-    tests = set(re.findall(r"`(tests/\w+\.py)::(\w+)", README))
+def test_every_function_and_test_the_readme_and_docs_name_exists():
+    assert DOCS  # the studies and the operational detail live in docs/*.md
+    named = set(re.findall(r"`([a-z_]+\.py):([A-Za-z_][\w.]*)`", MAP))
+    tests = set(re.findall(r"`(tests/\w+\.py)::(\w+)", MAP))
     assert len(named) > 100 and len(tests) > 100  # the map is there
     assert sorted((f, n) for f, n in named if n not in top_level_names(f)) == []
     assert sorted((f, t) for f, t in tests if t not in top_level_names(f)) == []
@@ -38,6 +43,14 @@ def test_each_paper_part_ends_where_the_plumbing_begins():
             continue
         assert end < len(lines) and lines[end].startswith("# ---"), (f, end)  # line end + 1 opens the plumbing
         assert lines[end - 1].strip() == "", (f, end)                          # after the paper's blank line
+
+
+def test_the_readme_is_a_front_door_with_the_equation_map_near_its_top():
+    lines = README.rstrip("\n").split("\n")
+    assert len(lines) <= 250, len(lines)
+    eq1 = next(i for i, line in enumerate(lines, 1) if line.startswith("| Eq 1"))
+    assert lines[eq1 - 3].startswith("| what |") and lines[eq1 - 2].startswith("|---")  # its header, right above
+    assert eq1 <= 120, eq1
 
 
 LEVEL = {"data": 0, "lorentz": 0, "adapters": 0, "model": 1, "train": 2, "evaluate": 3}  # README, "Files"
