@@ -511,7 +511,9 @@ def finish_files(args, progress, cache):
 
 
 def split_pool(args, family):
-    """Training queries, held-out queries (best epoch) and the support set the ICDs are drawn from."""
+    """Training queries, held-out queries (best epoch), the support set the ICDs are drawn from (the training split
+    without the held-out queries, which would otherwise reach the adapter through the teacher and bias the choice of
+    the best epoch) and the ICDs per query."""
     pool = data.load_task(args.task, "train", args.data_root)
     if len(pool) <= args.n_heldout:
         raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
@@ -523,7 +525,8 @@ def split_pool(args, family):
         print(f"note: {args.task} has {len(pool)} training items; using {len(train)} queries "
               f"(+{len(heldout)} held out)")
     shots = args.shots if args.shots is not None else data.default_shots(args.task, family)
-    return train, heldout, pool, shots
+    held = {it.id for it in heldout}
+    return train, heldout, [it for it in pool if it.id not in held], shots
 
 
 def epoch_order(n, batch_size, seed, epoch):

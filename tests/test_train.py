@@ -203,3 +203,15 @@ def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
     assert state["progress"]["step"] == 2
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
+
+
+def test_demonstrations_are_drawn_without_the_held_out_queries():
+    """The held-out queries pick the best epoch, so they must not reach the adapter as demonstrations in the teacher's
+    rows; the training queries may (each never as its own)."""
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-train", "40", "--n-heldout", "60"])
+    queries, heldout, support, shots = train.split_pool(args, "idefics2")
+    held = {q.id for q in heldout}
+    assert held and not held & {it.id for it in support}
+    assert len(support) == len(train.data.load_task("toy-vqa", "train")) - 60
+    icds = train.data.demonstrations([q.id for q in queries], support, 8, args.seed)
+    assert all(d.id not in held and d.id != q.id for q, ds in zip(queries, icds) for d in ds)
