@@ -1,6 +1,22 @@
-"""
-Evaluation: inference and scoring, metrics as the official benchmark code computes them, the efficiency table
-(Table 6), the analyses of the appendices (Table 9, Table 10) and the learning curves of every method.
+"""Evaluation: how a score is made, then the paper's other measurements.
+
+How a score is made (Table 1, Table 2). The items of --task's evaluation split (eval_items; --n-eval takes a
+subset) are batched as left-padded prompts (data.prompt_batch): the query alone for zero-shot and for a
+trained adapter, [ICDs; query] for n-shot ICL. The backbone decodes greedily (generate, stopping at stop_ids) and each
+answer is cut at the end of its first line (postprocess); score() then applies the official metric: VQA accuracy
+(vqaEval.py's normalisation and leave-one-out average, x 100), CIDEr-D (as pycocoevalcap computes it, PTB-tokenised, x 100), or
+the accuracy of MME's yes/no and SEED-Bench's option letters. SEED-Bench's likelihood protocol ranks the four
+options by log p(option) instead of decoding (option_logliks). evaluate() writes the predictions and the metrics.
+
+Sections of this file, in order:
+    inference and scoring        generate, predict, option_logliks, score, evaluate      (the paper's Section 4.1)
+    metrics                      VQA accuracy, CIDEr-D with the PTB tokenizer, MME, SEED-Bench
+    CHAIR                        object hallucination in captions (Table 5), as chair.py counts it
+    in-context vectors           task vectors and function vectors, training-free baselines (Table 1)
+    efficiency                   FLOPs and latency of one query (Table 6), attention memory
+    analyses                     the gate (Appendix D, Table 10), delta-hyperbolicity (Appendix C, Table 9)
+    learning curves              every method on the toy world with seeds, intervals and a tuning rule (--curve)
+    command line                 the flags and main
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
