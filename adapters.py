@@ -61,6 +61,8 @@ class HyperICL(nn.Module):
     S~ = S + Diag(g) Delta,  Delta = (Q U_q)(K U_k)^T / sqrt(r),  g = sigmoid(LN(Q) w + b).
     U_k starts at zero, so Delta = 0 and the layer is exactly the base attention at initialisation;
     U_q starts random so that U_k receives a gradient. Parameters per head: 2 d_h r + d_h + 1.
+    Not in the paper, which does not say: Q and K are the rotary-embedded ones the kernel sees (the gate's LN too),
+    and under grouped-query attention each query head has its own U_k on the key head its group shares.
     """
 
     def __init__(self, num_heads, head_dim, rank=4):

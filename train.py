@@ -83,7 +83,7 @@ def hyper_icl_loss(h, h_teacher, span, logits, labels, args, anchor_scale=1.0):
     logits, labels: the student's at its answer window (target_logits).
     """
     anchor = hyperbolic_anchor_loss(h, h_teacher, span, args.kappa)     # Eq 16: mean d_L^2 per query, then queries
-    sup = supervised_loss(logits, labels)                               # L_sup: CE, mean per target token (a choice)
+    sup = supervised_loss(logits, labels)                               # L_sup: CE per target token (not in paper)
     anchor = share_of_global_mean(anchor, span.any(1).sum()) / anchor_scale  # torchrun; --anchor-norm (not in paper)
     sup = share_of_global_mean(sup, (labels[:, 1:] != -100).sum())
     return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}  # Eq 17
@@ -1127,7 +1127,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
     p.add_argument("--warmup", type=float, default=PAPER["warmup"], help="fraction of steps of linear warm-up before the "
                    "cosine decay (paper: 0.1)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (not in the paper)")
     p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl and its variants, 8 for "
                    "hificl, 16 for lora; mimic and live have none)")
     p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
