@@ -4,8 +4,8 @@ How a score is made (Table 1, Table 2). The items of --task's evaluation split (
 subset) are batched as left-padded prompts (data.prompt_batch): the query alone for zero-shot and for a
 trained adapter, [ICDs; query] for n-shot ICL. The backbone decodes greedily (generate, stopping at stop_ids) and each
 answer is cut at the end of its first line (postprocess); score() then applies the official metric: VQA accuracy
-(vqaEval.py's normalisation and leave-one-out average, x 100), CIDEr-D (as pycocoevalcap computes it, PTB-tokenised, x 100), or
-the accuracy of MME's yes/no and SEED-Bench's option letters. SEED-Bench's likelihood protocol ranks the four
+(vqaEval.py's normalisation and leave-one-out average, x 100), CIDEr-D (as pycocoevalcap computes it, PTB-tokenised,
+x 100), or the accuracy of MME's yes/no and SEED-Bench's option letters. SEED-Bench's likelihood protocol ranks the four
 options by log p(option) instead of decoding (option_logliks). evaluate() writes the predictions and the metrics.
 
 Sections of this file, in order:
@@ -770,7 +770,7 @@ def chair_metrics(items, predictions, count="chair.py"):
     return {k + suffix: 100 * v for k, v in result.items()}
 
 
-# ---- training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd et al. 2024)
+# ------ training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd 2024)
 #
 # Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
 # prompt at the last prompt token of one decoder layer (steer: a forward hook); the FV, as Todd et al.'s code
@@ -1252,7 +1252,8 @@ def peak_memory_mb(run, device="cpu"):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in records:
         live += nbytes
@@ -1578,7 +1579,8 @@ def curve(args):
     on each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
     (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per
     row and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was
-    about 10x faster than two, and deterministic. The teacher's states are computed once per query, shared by every run."""
+    about 10x faster than two, and deterministic. The teacher's states are computed once per query, shared by every
+    run."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     items = eval_items(args)
@@ -1597,7 +1599,8 @@ def curve(args):
     methods = list(dict.fromkeys(method_of(flags) for _, flags in rows))
     chosen = {} if args.no_tune else tune(args, common, methods)[0]
     runs = []
-    plan = [(name, flags, n, seed) for name, flags in rows for n in args.curve_queries for seed in range(args.curve_seeds)]
+    plan = [(name, flags, n, seed) for name, flags in rows for n in args.curve_queries
+            for seed in range(args.curve_seeds)]
     for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
         row = row_flags(flags, chosen)  # the tuned rate first, so the row's own flags override it

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
-from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessorPil,
+from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration,
+                          Idefics2ImageProcessorPil,
                           Idefics2Processor, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
                           IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
@@ -75,7 +76,8 @@ def attention_shape(model):
     """(layers, query heads, head size) of the text decoder's self-attention."""
     attns = decoder_self_attentions(model)
     cfg = attns[0].config
-    return len(attns), cfg.num_attention_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return len(attns), cfg.num_attention_heads, head_dim
 
 
 def attach(model, method="hyper-icl", **sizes):
@@ -197,7 +199,7 @@ def without_adapter(model):
 
 # ------------------------------------------------------------------ h^(l) of Eq 12-16: each decoder layer's own output
 
-LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], whose last entry is after the final norm
+LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], the last entry after the final norm
 
 
 def layer_outputs(model, forward=None, **inputs):
@@ -549,7 +551,8 @@ def tiny_llava_onevision(seed=0):
         num_image_tokens=4, vision_feature_select_strategy="full")
     config = LlavaOnevisionConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
                                   **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
-                                  image_grid_pinpoints=pinpoints, image_token_index=tok.convert_tokens_to_ids("<image>"))
+                                  image_grid_pinpoints=pinpoints,
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"))
     return _seeded(LlavaOnevisionForConditionalGeneration, config, seed), processor
 
 

@@ -124,7 +124,8 @@ def baseline_loss(args, logits, h, teacher, span, labels, anchor_scale=1.0):
     if args.anchor == "kl":
         anchor = share_of_global_mean(answer_kl(logits[answers], teacher, args.temperature), answers.sum())
     else:
-        anchor = share_of_global_mean(LAYER_ANCHORS[args.anchor](torch.stack(h), teacher, span, args), span.any(1).sum())
+        anchor = LAYER_ANCHORS[args.anchor](torch.stack(h), teacher, span, args)
+        anchor = share_of_global_mean(anchor, span.any(1).sum())
     anchor = anchor / anchor_scale
     return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}
 
@@ -141,7 +142,8 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
         dist.all_reduce(anchor)  # the processes' shares add up to the global mean times the number of processes
         anchor /= world
     if not anchor > 0:
-        raise FloatingPointError(f"--anchor-norm first: the first step's anchor is {anchor.item()}, nothing to divide by")
+        raise FloatingPointError(f"--anchor-norm first: the first step's anchor is {anchor.item()}, "
+                                 "nothing to divide by")
     tqdm.write(f"--anchor-norm first: the anchor is divided by its first-step value {anchor.item():.4g}")
     return anchor.item()
 
@@ -632,7 +634,8 @@ def probe_row(model, processor, text, probe_set, n=32):
 
 
 def describe_probe(row):
-    return "  ".join(f"{k}: " + " ".join(f"{a} {v:.2f}" for a, v in row[k].items()) for k in ("named", "0-shot", "8-shot"))
+    return "  ".join(f"{k}: " + " ".join(f"{a} {v:.2f}" for a, v in row[k].items())
+                     for k in ("named", "0-shot", "8-shot"))
 
 
 def meta_train(recipe, threads=1, log=print):
@@ -936,7 +939,8 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "n_train", "n_heldout", "epochs",
-                     "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa", "lam",
+                     "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa",
+                     "lam",
                      "anchor", "anchor_norm", "temperature", "seed")
 
 
@@ -953,7 +957,8 @@ def restore(args, backbone, optimizer, scheduler):
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"].get(k) != getattr(args, k)]
     if state.get("processes", 1) != rank_and_world()[1]:
-        differ.append(f"{state.get('processes', 1)} processes (now {rank_and_world()[1]}; a resume is exact only with as "
+        differ.append(f"{state.get('processes', 1)} processes (now {rank_and_world()[1]}; a resume is exact only "
+                      "with as "
                       "many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
@@ -1121,17 +1126,18 @@ def parse_args(argv=None):
                    "reported, count not stated)")
     p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
-    p.add_argument("--lr", type=float, default=PAPER["lr"], help="AdamW learning rate, the same for every method (paper: "
-                   "5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, LIVE 1e-3 or "
-                   "5e-3 in its README runs)")
+    p.add_argument("--lr", type=float, default=PAPER["lr"], help="AdamW learning rate, the same for every method "
+                   "(paper: 5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, "
+                   "LIVE 1e-3 or 5e-3 in its README runs)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
-    p.add_argument("--warmup", type=float, default=PAPER["warmup"], help="fraction of steps of linear warm-up before the "
-                   "cosine decay (paper: 0.1)")
+    p.add_argument("--warmup", type=float, default=PAPER["warmup"], help="fraction of steps of linear warm-up "
+                   "before the cosine decay (paper: 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (not in the paper)")
     p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl and its variants, 8 for "
                    "hificl, 16 for lora; mimic and live have none)")
     p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
-    p.add_argument("--kappa", type=float, default=PAPER["kappa"], help="curvature magnitude of the Lorentz model (paper: 0.1)")
+    p.add_argument("--kappa", type=float, default=PAPER["kappa"],
+                   help="curvature magnitude of the Lorentz model (paper: 0.1)")
     p.add_argument("--lam", type=float, default=PAPER["lam"], help="lambda, weight of the cross-entropy next to the "
                    "distillation loss, which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with "
                    "align_loss_weight 1, github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: "
@@ -1194,7 +1200,8 @@ def parse_args(argv=None):
             p.error(f"--{name} must be >= 0 (got {value})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
-    check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache, "--rices-cache": args.rices_cache})
+    check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
+                      "--rices-cache": args.rices_cache})
     return args
 
 

@@ -55,7 +55,8 @@ def write_karpathy(root):
     flickr = [karpathy_image(i, s, f"{100 + i}.jpg", [f"A man {i}.", f"Men {i}."])
               for i, s in enumerate(["train", "restval", "val", "test"])]
     data.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": coco, "dataset": "coco"})
-    data.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"), {"images": flickr, "dataset": "flickr30k"})
+    data.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"),
+                    {"images": flickr, "dataset": "flickr30k"})
 
 # ------------------------------------------------------------------------------------------------------ readers
 

@@ -71,7 +71,8 @@ def read_outputs(out, stem, n):
 ])
 def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, flags, setting):
     flags = [checkpoint if f is None else f for f in flags]
-    metrics = E.main(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4", "--out", str(tmp_path), *flags])
+    metrics = E.main(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4",
+                      "--out", str(tmp_path), *flags])
     n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
     records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}-", n)
     items = D.load_task(task, "val")[:n]
@@ -279,7 +280,8 @@ def test_curve_trains_every_row_budget_and_seed(tmp_path):
         (s, n, k) for s in ("hyper-icl", "hificl") for n in (4, 8) for k in (0, 1))
     assert set(levels) == {f"{n}-shot ICL" for n in E.ICL_LEVELS} and "teacher_kl" in levels["0-shot ICL"]
     table = (out / "curve.md").read_text()
-    assert table.count("| hificl |") == 4 and "N = 8" in table and "| hificl | `--method hificl` |" in table and (out / "curve.png").stat().st_size > 0
+    assert table.count("| hificl |") == 4 and "N = 8" in table and "| hificl | `--method hificl` |" in table
+    assert (out / "curve.png").stat().st_size > 0
 
 
 def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tmp_path, monkeypatch):
@@ -304,7 +306,8 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
     assert sorted(lr for m, lr, _ in trained if m == "hificl") == pytest.approx([5e-6, 5e-5, 5e-4, 5e-3, 5e-2])
     assert sorted(lr for m, lr, _ in trained if m == "mimic") == pytest.approx([1e-6, 1e-5, 1e-4, 1e-3] + [1e-2] * 2)
     assert sorted(lam for m, _, lam in trained if m == "live") == [0.5] * 3 + [5.0]   # lambda 0.5: the rate's run
-    assert len(runs) == len(trained) and json.loads((tmp_path / "tune.json").read_text())["chosen"]["live"]["lam"] == 0.5
+    assert len(runs) == len(trained)
+    assert json.loads((tmp_path / "tune.json").read_text())["chosen"]["live"]["lam"] == 0.5
     assert E.row_flags(["--method", "live", "--lam", "2"], chosen) == ["--lr", "0.001", "--lam", "0.5",
                                                                        "--method", "live", "--lam", "2"]
 

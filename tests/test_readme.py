@@ -63,3 +63,12 @@ def test_imports_run_one_way():
             {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         upward = {m for m in imported & set(LEVEL) if LEVEL[m] >= level}  # a file at its own level or above
         assert upward == set(), (name, upward)
+
+
+def test_no_line_is_longer_than_120_characters():
+    """The project's line length, checked here rather than by a formatter: a formatter would also rewrap the
+    hand-aligned equation comments and tables that make the code read like the paper."""
+    tests = [os.path.join("tests", f) for f in sorted(os.listdir(os.path.join(ROOT, "tests"))) if f.endswith(".py")]
+    long = [(f, n + 1) for f in [f"{m}.py" for m in LEVEL] + tests
+            for n, line in enumerate(open(os.path.join(ROOT, f), encoding="utf-8")) if len(line.rstrip("\n")) > 120]
+    assert long == []

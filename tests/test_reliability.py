@@ -246,7 +246,8 @@ ANNOTATION = {"question_id": 7, "answers": [{"answer": "red"}] * 10, "multiple_c
 
 
 @pytest.mark.parametrize("questions, annotations, message", [
-    ([QUESTION], {"annotations": [ANNOTATION]}, r"questions.json should be a JSON object with a list under 'questions'"),
+    ([QUESTION], {"annotations": [ANNOTATION]},
+     r"questions.json should be a JSON object with a list under 'questions'"),
     ({"questions": [QUESTION]}, {"annotations": {}}, r"annotations.json should be a JSON object with a list under"),
     ({"questions": [{"question_id": 7, "image_id": 1}]}, {"annotations": [ANNOTATION]},
      r"entry 0 of .*questions.json .* missing or malformed field \(KeyError: 'question'\)"),

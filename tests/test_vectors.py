@@ -73,7 +73,8 @@ def support_items(n):
 
 def test_rices_order_by_hand():
     support = support_items(5)
-    feats = torch.tensor([[0.0, 1.0], [1.0, 0.1], [2.0, 2.0], [-1.0, 0.0], [3.0, 0.0]])  # cos to [1, 0]: 0 .995 .71 -1 1
+    # cosine similarity to [1, 0]: 0, .995, .71, -1, 1
+    feats = torch.tensor([[0.0, 1.0], [1.0, 0.1], [2.0, 2.0], [-1.0, 0.0], [3.0, 0.0]])
     query = torch.tensor([[1.0, 0.0], [0.0, 5.0]])
     icds = D.rices_demonstrations([5, 99], query, support, feats, 3)
     assert [d.id for d in icds[0]] == [1, 3, 2]  # least to most similar; item 5 (the query, cos 1) never retrieved
@@ -251,8 +252,8 @@ def test_task_vector_is_the_mean_last_token_state(backbone, tmp_path, monkeypatc
     states = []
     for q, d in zip(queries, icds):  # one prompt at a time, no padding: the layer outputs of the hidden states
         batch = D.prompt_batch(backbone.processor, backbone.family, "vqa", [q], [d])
-        states.append(torch.stack(backbone.model(**D.model_inputs(batch), output_hidden_states=True).hidden_states[1:-1])
-                      [:, 0, -1])
+        hidden = backbone.model(**D.model_inputs(batch), output_hidden_states=True).hidden_states
+        states.append(torch.stack(hidden[1:-1])[:, 0, -1])
     assert torch.allclose(out["vectors"][:-1], torch.stack(states).mean(0), atol=1e-5)  # the last one is normed
     steering, info = E.load_vector(backbone, args)
     assert info["vector_layer"] == int(out["losses"].argmin()) and torch.equal(steering["vector"],

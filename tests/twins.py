@@ -45,7 +45,8 @@ def mistral_tokenizer(folder):
                 os.path.join(folder, "tokenizer.model"))
     tok = LlamaTokenizer.from_pretrained(folder, legacy=False, pad_token="<unk>")
     os.remove(os.path.join(folder, "tokenizer.model"))
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]})
+    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
+                                                          "<end_of_utterance>"]})
     return tok
 
 
