@@ -672,7 +672,7 @@ _IRREGULAR = {"taxis": "taxi", "scissors": "scissors", "tvs": "tv", "buffaloes":
               "pocketknives": "pocketknife", "people": "people", "children": "child", "mice": "mouse",
               "knives": "knife", "geese": "goose", "oxen": "oxen", "calves": "calf", "feet": "foot", "teeth": "tooth",
               "wolves": "wolf", "leaves": "leaf", "shelves": "shelf", "loaves": "loaf", "halves": "half",
-              "wives": "wife"}
+              "wives": "wife", "corgis": "corgi", "broccolis": "broccoli", "zebus": "zebu", "mouses": "mouse"}
 
 
 def singularize(word):
@@ -697,8 +697,13 @@ def singularize(word):
 # non-words ("bus" -> "bu", so a singular bus is never counted; "ties" -> "ty", "canoes" -> "cano"), and three
 # synonyms of synonyms.txt can never match as written there (" motor bike", " cheesecake" with a leading space,
 # "iPhone" with a capital against a lowercased caption).
-CHAIR_PY_SINGULAR = {"bus": "bu", "minibus": "minibu", "airbus": "airbu", "ties": "ty", "canoes": "cano"}
+# pattern.en also keeps "doggies" as it is (no dog) and reads people, skis, oxen, tennis as person, ski, ox, "tenni"
+# (so "tennis racket" is a racket); chair.py joins no "dining table" (a table) and keeps punctuation tokens, which
+# part a pair ("hot, dog" is a dog).
+CHAIR_PY_SINGULAR = {"bus": "bu", "minibus": "minibu", "airbus": "airbu", "ties": "ty", "canoes": "cano",
+                     "doggies": "doggies", "people": "person", "skis": "ski", "oxen": "ox", "tennis": "tenni"}
 CHAIR_PY_UNMATCHED = ("motor bike", "cheesecake", "iphone")
+CHAIR_PY_UNJOINED = ("dining table",)
 CHAIR_COUNTS = ("chair.py", "corrected")
 
 
@@ -719,12 +724,13 @@ def caption_objects(caption, vocabulary, count="chair.py"):
     chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are.
     """
     quirks = count == "chair.py"
-    words = [CHAIR_PY_SINGULAR.get(w) if quirks and w in CHAIR_PY_SINGULAR else singularize(w)
-             for w in tokenize_caption(caption)]
+    tokens = [t.lower() for t in _ptb_tokens(caption)] if quirks else tokenize_caption(caption)
+    words = [CHAIR_PY_SINGULAR.get(w) if quirks and w in CHAIR_PY_SINGULAR else singularize(w) for w in tokens]
     out, i = [], 0
     while i < len(words):
         pair = " ".join(words[i:i + 2])
-        joined = i + 1 < len(words) and (pair in vocabulary or pair in _READ_AS)
+        joined = i + 1 < len(words) and (pair in vocabulary and not (quirks and pair in CHAIR_PY_UNJOINED)
+                                         or pair in _READ_AS)
         out.append(_READ_AS.get(pair, pair) if joined else words[i])
         i += 2 if joined else 1
     if "toilet" in out:

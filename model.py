@@ -330,6 +330,10 @@ def family_of(name):
         model_type = read_config(config_file).get("model_type")
         if model_type in CONFIG_TYPES:
             return CONFIG_TYPES[model_type]
+        raise ValueError(f"--model: {config_file} has model_type {model_type!r}, none of {sorted(CONFIG_TYPES)}")
+    if os.path.isdir(name):
+        raise ValueError(f"--model: the folder {name} has no config.json; give a checkpoint folder (config.json, "
+                         "weights, tokenizer and processor files)")
     for family, spec in FAMILIES.items():
         if spec.hub_id == name:
             return family
@@ -389,16 +393,25 @@ def load_processor(path, family, image_splitting="checkpoint"):
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file
     source = "the checkpoint's processor config"
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
+                         "tokenizer files into it")
     if family != "llava-onevision":
         processor = AutoProcessor.from_pretrained(path, backend="pil")
         return processor, image_setting(processor, family, image_splitting, source)
-    config_file = cached_file(path, "processor_config.json")
+    config_file = os.path.join(path, "processor_config.json")
+    if not os.path.isdir(path):
+        config_file = cached_file(path, "processor_config.json")
     try:
         with open(config_file) as f:
             settings = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"{config_file} cannot be read as JSON ({e})") from e
     keys = ("num_image_tokens", "vision_feature_select_strategy", "image_token", "video_token", "vision_aspect_ratio")
+    missing = [k for k in keys[:2] if k not in settings]
+    if missing:
+        raise ValueError(f"{config_file} lacks {', '.join(missing)} (LLaVA-OneVision's processor settings); restore "
+                         "the checkpoint's processor_config.json")
     processor = ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil"),
                                             AutoTokenizer.from_pretrained(path), None,
                                             **{k: settings[k] for k in keys if k in settings})
@@ -406,6 +419,7 @@ def load_processor(path, family, image_splitting="checkpoint"):
 
 
 IMAGE_SPLITTING = ("checkpoint", "on", "off")  # --image-splitting
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")  # a folder has one at least
 
 
 def image_setting(processor, family, splitting="checkpoint", source="the checkpoint's processor config"):

@@ -780,8 +780,15 @@ def plan_backbone(args, family):
     if args.model.startswith(("tiny-", "toy-")) or M.is_toy_file(args.model):
         backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
         return backbone.model.config, backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
+    if args.processor and not os.path.isdir(args.processor):
+        raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
+                         "and preprocessor files")
     folder = args.processor or (args.model if os.path.isdir(args.model) else hub_snapshot(M.FAMILIES[family].hub_id))
-    processor, images = M.load_processor(folder, family, args.image_splitting)
+    try:
+        processor, images = M.load_processor(folder, family, args.image_splitting)
+    except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
+        raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
+                         f"({e})") from None
     if os.path.isdir(args.model):
         from transformers import AutoConfig
         config, source = AutoConfig.from_pretrained(args.model), f"{args.model}/config.json"
@@ -872,10 +879,11 @@ def plan(args, training=True):
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **method_sizes(args)).parameters()) \
         if training else 0
-    mem = memory(config, params, adapter, rows, args.batch_size, shots, dtype, data.TASKS[args.task].max_new_tokens)
+    batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
+    mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens)
     mean = lambda values: sum(values) / len(values)
     gb, count = size, lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
-    print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {args.batch_size}, "
+    print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
           f"{str(dtype).split('.')[-1]} ({'a CUDA' if args.plan == 'cuda' else 'a CPU'} run); {source}")
     if images:
         print(images)
@@ -892,7 +900,7 @@ def plan(args, training=True):
         print(f"peak memory, training: ~{gb(mem['train'])} (weights {gb(mem['weights'])} + max(teacher "
               f"{gb(mem['teacher'])}, student {gb(mem['student'])}) + vision {gb(mem['vision'])} + adapter "
               f"{gb(mem['adapter'])})")
-    print(f"peak memory, evaluation at batch {args.batch_size}: ~{gb(mem['eval_adapter'])} with the adapter or "
+    print(f"peak memory, evaluation at batch {batch}: ~{gb(mem['eval_adapter'])} with the adapter or "
           f"zero-shot, ~{gb(mem['eval_icl'])} for {shots}-shot ICL")
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1]))
     return figures
@@ -921,7 +929,8 @@ def plan_cache(args, config, rows, n_queries, dtype):
     print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {output} {shape} in "
           f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
           "free there"
-          + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache"))
+          + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
+          + ("" if os.access(folder, os.W_OK | os.X_OK) else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
     return total
 
 

@@ -87,7 +87,7 @@ def test_evaluate_plan_loads_no_weights(twins, monkeypatch, capsys):
                              "--task", "toy-vqa", "--n-eval", "4", "--shots", "2"])
     out = capsys.readouterr().out
     assert "images: multi-image mode, 730 tokens each (data.onevision_piece)" in out
-    assert "peak memory, evaluation at batch 8" in out and "cache" not in planned
+    assert "peak memory, evaluation at batch 4" in out and "cache" not in planned
     assert min(planned["rows"]["teacher"].values()) > 3 * 730  # three images of 730 tokens, multi-image mode
 
 
@@ -132,3 +132,56 @@ def test_image_splitting_is_explicit(twins, capsys):
     assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
     with pytest.raises(ValueError, match="--image-splitting on: only Idefics2 splits images"):
         M.load_backbone(twins["llava-onevision"], image_splitting="on")
+
+
+# Hostile inputs of the newest surface (issue 32): each ends in a one-line ValueError naming the file, flag or entry.
+def plan_flags(model, tmp_path, *more):
+    return ["--model", str(model), "--task", "toy-vqa", "--n-train", "3", "--n-heldout", "1", "--batch-size", "2",
+            "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"), "--plan", "cpu", *more]
+
+
+def copy_twin(twins, name, tmp_path):
+    import shutil
+    return shutil.copytree(twins[name], tmp_path / name)
+
+
+def test_plan_names_a_missing_config_an_unknown_model_type_and_a_bad_processor_folder(twins, tmp_path):
+    folder = copy_twin(twins, "idefics2", tmp_path)
+    config = folder / "config.json"
+    config.write_text(config.read_text().replace('"model_type": "idefics2"', '"model_type": "gpt2"'))
+    with pytest.raises(ValueError, match="config.json has model_type 'gpt2'"):
+        train.main(plan_flags(folder, tmp_path))
+    config.unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        train.main(plan_flags(folder, tmp_path))
+    (tmp_path / "afile").write_text("")
+    for bad in (tmp_path / "nope", tmp_path / "afile"):
+        with pytest.raises(ValueError, match="--processor .*: not a folder"):
+            train.main(plan_flags(twins["idefics2"], tmp_path, "--processor", str(bad)))
+    with pytest.raises(ValueError, match="is not a idefics2 processor"):  # LLaVA-OneVision's, for an Idefics2
+        train.main(plan_flags(twins["idefics2"], tmp_path, "--processor", twins["llava-onevision"]))
+
+
+def test_plan_names_missing_tokenizer_files_and_processor_settings(twins, tmp_path):
+    folder = copy_twin(twins, "idefics2", tmp_path)
+    for f in folder.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match="has no tokenizer file"):  # was: a 6-token tokenizer, silently
+        train.main(plan_flags(folder, tmp_path))
+    folder = copy_twin(twins, "llava-onevision", tmp_path)
+    settings = folder / "processor_config.json"
+    settings.write_text(settings.read_text().replace('"num_image_tokens"', '"renamed"'))
+    with pytest.raises(ValueError, match="processor_config.json lacks num_image_tokens"):  # was: a TypeError
+        train.main(plan_flags(folder, tmp_path))
+    settings.unlink()
+    with pytest.raises(ValueError, match="processor_config.json cannot be read"):
+        train.main(plan_flags(folder, tmp_path))
+
+
+def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # the tests may run as root, who writes anywhere
+    flags = plan_flags(twins["idefics2"], tmp_path, "--teacher-cache", str(tmp_path / "cache"))
+    flags[flags.index("--batch-size") + 1] = "100000"
+    train.main(flags)
+    out = capsys.readouterr().out
+    assert "batch 3," in out and "at batch 3:" in out and "is NOT writable" in out
