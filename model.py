@@ -337,6 +337,9 @@ def family_of(name):
     for family, spec in FAMILIES.items():
         if spec.hub_id == name:
             return family
+    if os.sep in name or name.startswith("."):
+        raise ValueError(f"--model: there is no folder {name}, and it is none of the hub ids "
+                         f"{sorted(f.hub_id for f in FAMILIES.values())}; give a checkpoint folder or one of those")
     raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, "
                      f"{sorted('tiny-' + f for f in FAMILIES)}, toy-idefics2, a toy backbone's .safetensors file, or a "
                      "local path of one of those families")

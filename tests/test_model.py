@@ -178,3 +178,8 @@ def test_hyper_icl_at_init_is_the_base_model_in_bf16():
         ours = backbone.model(**batch).logits
     real = batch["attention_mask"].bool()
     assert (ours - base)[real].abs().max() <= 1e-2   # about one bf16 step at these logits; 0 on this machine
+
+
+def test_a_model_folder_that_does_not_exist_is_named(tmp_path):
+    with pytest.raises(ValueError, match=f"there is no folder {tmp_path / 'missing'}"):
+        M.family_of(str(tmp_path / "missing"))
