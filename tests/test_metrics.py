@@ -306,7 +306,8 @@ def test_caption_objects_report_chair_pys_words(caption, mentions):
 
 
 def test_chair_py_pairs_and_plurals_change_the_count():
-    # by hand: ground truth {dog}; "hot, dog" is a dog (no hot dog), "corgis" a dog; "doggies" nothing; a tie hallucinated
+    # by hand: ground truth {dog}; "hot, dog" is a dog (no hot dog), "corgis" a dog; "doggies" nothing;
+    # a tie hallucinated
     captions = {1: "A hot, dog and two corgis.", 2: "Doggies and a tie."}
     result, wrong = E.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB)
     assert wrong == {1: [], 2: ["tie"]} and result["chair_s"] == 0.5 and result["chair_i"] == pytest.approx(1 / 3)
