@@ -32,6 +32,8 @@ def test_expmap0_lies_on_the_hyperboloid(seed, d, kappa):
     assert p.shape == (8, d + 1)
     assert torch.allclose(inner(p, p), torch.full((8,), -1 / kappa, dtype=p.dtype), rtol=1e-9, atol=0)
     assert (p[:, 0] > 0).all()
+    o = origin(d, kappa, dtype=torch.float64)  # Eq 11's origin o is a point of H^d_kappa
+    assert torch.allclose(inner(o, o), torch.tensor(-1 / kappa, dtype=o.dtype), rtol=1e-12, atol=0) and o[0] > 0
 
 
 @given(dims, kappas)
@@ -86,6 +88,27 @@ def test_tangent_distance_equals_distance_between_the_points(seed, d, kappa, nea
         v = u + near * v
     want = distance(expmap0(u, kappa), expmap0(v, kappa), kappa)
     assert torch.allclose(tangent_distance(u, v, kappa), want, rtol=1e-6, atol=0)
+
+
+@given(seeds, dims, kappas)
+@settings(max_examples=50)
+def test_distance_is_eq_15_written_out(seed, d, kappa):
+    """d_L = sqrt(1/kappa) arcosh(-kappa <P', P>_L) with the points, the Lorentz product and arcosh written out in
+    float64 (math.cosh, math.sinh, math.acosh; no code shared with lorentz.py), for distance and tangent_distance."""
+    U = tangent(seed, 2, d, kappa, 3.0)
+    sk = math.sqrt(kappa)
+
+    def point(u):
+        a = sk * math.sqrt(sum(x * x for x in u))
+        f = math.sinh(a) / a if a > 0 else 1.0
+        return [math.cosh(a) / sk] + [f * x for x in u]
+
+    P, Q = (point(u.tolist()) for u in U)
+    lorentz_product = -P[0] * Q[0] + sum(x * y for x, y in zip(P[1:], Q[1:]))
+    want = math.acosh(max(1.0, -kappa * lorentz_product)) / sk
+    p, q = expmap0(U, kappa)
+    for got in (distance(p, q, kappa), tangent_distance(U[0], U[1], kappa)):
+        assert got.item() == pytest.approx(want, rel=1e-6, abs=1e-6)
 
 
 def mpmath_distance(u, v, kappa):

@@ -1,4 +1,5 @@
 """Adapters inside the real transformers backbones (tiny twins, CPU): identity at init, masks, caching, saving."""
+import copy
 import os
 
 import pytest
@@ -155,8 +156,20 @@ def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
     assert path.read_bytes() == b"good" and os.listdir(tmp_path) == ["f.bin"]
 
 
+def explicit_forward(adapter, q, k, v, mask, scaling):
+    """Eq 3-9 as test_adapters.explicit_hyper_icl writes them (float64 per-head loops), on what the model passes."""
+    from test_adapters import explicit_hyper_icl
+    T, S = q.shape[-2], k.shape[-2]
+    assert scaling == pytest.approx(q.shape[-1] ** -0.5)
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    seen = (torch.ones(T, S, dtype=torch.bool).tril(S - T) if mask is None else mask).expand(len(q), 1, T, S)
+    out = explicit_hyper_icl(copy.deepcopy(adapter).double(), q.double(), k.double(), v.double(), seen)
+    return out.nan_to_num(0).to(q.dtype)  # a padding query that sees no key: 0, as SDPA gives
+
+
 def test_fast_path_equals_reference_inside_the_model(plain, monkeypatch):
-    """Fused path vs the T x S reference, random adapter, padded batch, grouped-query attention (all but Idefics)."""
+    """Fused path vs the T x S reference and vs the explicit Eq 3-9 loops, random adapter, padded batch,
+    grouped-query attention (all but Idefics)."""
     M.attach(plain.model, "hyper-icl", rank=3)
     randomise(plain.model, seed=2)
     batch = prompts(plain, TEXTS)
@@ -164,8 +177,11 @@ def test_fast_path_equals_reference_inside_the_model(plain, monkeypatch):
         fast = plain.model(**batch).logits
         monkeypatch.setattr(M.METHODS["hyper-icl"], "forward", M.METHODS["hyper-icl"].reference)
         reference = plain.model(**batch).logits
+        monkeypatch.setattr(M.METHODS["hyper-icl"], "forward", explicit_forward)
+        explicit = plain.model(**batch).logits
     real = batch["attention_mask"].bool()
-    assert ((fast - reference)[real].norm() / reference[real].norm()).item() <= 1e-5
+    for want in (reference, explicit):
+        assert ((fast - want)[real].norm() / want[real].norm()).item() <= 1e-5
 
 
 def test_hyper_icl_at_init_is_the_base_model_in_bf16():

@@ -216,3 +216,26 @@ def test_demonstrations_are_drawn_without_the_held_out_queries():
     assert len(support) == len(train.data.load_task("toy-vqa", "train")) - 60
     icds = train.data.demonstrations([q.id for q in queries], support, 8, args.seed)
     assert all(d.id not in held and d.id != q.id for q, ds in zip(queries, icds) for d in ds)
+
+
+@pytest.mark.parametrize("method", ["hyper-icl", "live", "lora"])
+def test_the_teacher_runs_without_the_adapter(method):
+    """Eq 14's h'^(l) are the frozen backbone's: an attached adapter (trained, so it changes the student) leaves the
+    teacher's states as they were without it."""
+    backbone = M.load_backbone("tiny-idefics2")
+    pool = data.load_task("toy-vqa", "train")
+    queries = pool[:2]
+    icds = data.demonstrations([q.id for q in queries], pool, 2, 0)
+    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
+    plain = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
+    M.attach(backbone.model, method, **({"rank": 2} if method != "live" else {}))
+    torch.manual_seed(0)
+    for p in M.adapter_modules(backbone.model).parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    student = data.model_inputs(data.student_batch(backbone.processor, backbone.family, "vqa", pieces))
+    with torch.no_grad():
+        adapted = M.layer_outputs(backbone.model, **student)[1][-1]
+        with M.without_adapter(backbone.model):
+            assert not torch.allclose(adapted, M.layer_outputs(backbone.model, **student)[1][-1])  # it is active
+    for a, b in zip(plain, train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")):
+        assert torch.equal(a, b)
