@@ -321,7 +321,7 @@ def train(args):
                     return finish(run)
                 log_step(run, train_step(run, batches))
             end_of_epoch(run, epoch)
-            save(run)
+            save_run(run)
         return finish(run)
 
 
@@ -421,7 +421,7 @@ def log_step(run, parts):
     run.bar.update()
     run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
     if run.progress["step"] % run.args.save_every == 0:
-        save(run)
+        save_run(run)
 
 
 @contextlib.contextmanager
@@ -433,7 +433,7 @@ def saved_on_interrupt(run):
         yield
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        save(run)
+        save_run(run)
         run.bar.close()
         sys.exit(f"interrupted: saved step {run.progress['step']} to {run.args.out}/last.pt ({str(e) or 'Ctrl-C'}); "
                  "continue with --resume")
@@ -441,7 +441,7 @@ def saved_on_interrupt(run):
         signal.signal(signal.SIGTERM, previous)
 
 
-def save(run):
+def save_run(run):
     """The run's checkpoint, <out>/last.pt (checkpoint)."""
     checkpoint(run.args, run.backbone, run.optimizer, run.scheduler, run.progress)
 
@@ -495,7 +495,7 @@ def heldout_loss(backbone, args, kind, heldout, device):
 
 def finish(run):
     """Final checkpoint and summary; returns the adapter's parameters."""
-    save(run)
+    save_run(run)
     run.bar.close()
     if rank_and_world()[0] == 0:
         finish_files(run.args, run.progress, run.cache)
