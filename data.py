@@ -106,14 +106,11 @@ def end_token(processor, family):
     return "<end_of_utterance>" if family == "idefics2" else processor.tokenizer.eos_token
 
 
-def options_text(item):
-    """The options of a multiple-choice item, one line each: "\nA. {choice_a}\nB. {choice_b}..."."""
-    return "".join(f"\n{letter}. {option}" for letter, option in zip(SEED_LETTERS, item.answers))
-
-
 def prompt_text(kind, item):
-    """The query text of an item, its image placeholder first (for "choice", the options after the question)."""
-    return PROMPTS[kind]["query"].format(question=item.question, options=options_text(item) if kind == "choice" else "")
+    """The query text of an item, its image placeholder first (for "choice", the options after the question, one line
+    each: "\nA. {choice_a}\nB. {choice_b}...")."""
+    options = "".join(f"\n{letter}. {option}" for letter, option in zip(SEED_LETTERS, item.answers))
+    return PROMPTS[kind]["query"].format(question=item.question, options=options if kind == "choice" else "")
 
 
 def answer_text(processor, family, kind, answer):
@@ -296,11 +293,6 @@ def model_inputs(batch, device=None):
 
 # --------------------------------------------------------------------------------- demonstrations: random, or RICES
 
-def query_seed(seed, query_id):
-    """A stable 64-bit seed for one query (hashlib, so it does not change between Python processes)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{query_id}".encode()).digest()[:8], "little")
-
-
 def demonstrations(query_ids, support, m, seed):
     """m ICDs per query, drawn at random from the support set, never the query itself (same id).
 
@@ -310,8 +302,9 @@ def demonstrations(query_ids, support, m, seed):
     if len(support) <= m:
         raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
     icds = []
-    for qid in query_ids:
-        picks = random.Random(query_seed(seed, qid)).sample(range(len(support)), m + 1)  # one spare for the query
+    for qid in query_ids:  # a 64-bit seed per query from hashlib: the same in every Python process
+        query_seed = int.from_bytes(hashlib.sha256(f"{seed}:{qid}".encode()).digest()[:8], "little")
+        picks = random.Random(query_seed).sample(range(len(support)), m + 1)  # one spare for the query
         icds.append([support[i] for i in picks if support[i].id != qid][:m])
     return icds
 
@@ -378,8 +371,8 @@ def image_encoder(backbone, hub_id=None):
     """
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
-    h = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
-    for p in vision_tower_params(backbone):
+    h, inner = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode()), backbone.model.model
+    for p in (inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters():
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
     return (lambda images: vision_tower_features(backbone, images)), encoder_id
@@ -410,12 +403,6 @@ def vision_tower_features(backbone, images):
         pixels = pixels[:, 0]
     tower = model.model.vision_model if family == "idefics" else model.model.vision_tower
     return tower(pixel_values=pixels.to(device, dtype)).last_hidden_state.mean(1).float()
-
-
-def vision_tower_params(backbone):
-    """The parameters of the backbone's vision tower."""
-    inner = backbone.model.model
-    return list((inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters())
 
 
 def clip_encoder(hub_id, device="cpu"):
