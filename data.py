@@ -425,35 +425,28 @@ def clip_encoder(hub_id, device="cpu"):
 # ---------------------------------------------------------------------------------- readers of the official formats
 
 def load_task(task, split, data_root=None):
-    """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use."""
+    """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use. MME and
+    SEED-Bench (and their toy versions) have no training split: "train" is their training pool, "val" the evaluation
+    part (pool_split), and the sizes of both are printed."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
         raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
-    if TASKS[task].kind in ("yes-no", "choice"):
-        return load_benchmark(task, split, data_root)
+    benchmark, name = TASKS[task].kind in ("yes-no", "choice"), task.removeprefix("toy-")
     if task.startswith("toy-icl-"):
         return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
-    if task.startswith("toy-"):
+    if task.startswith("toy-") and not benchmark:
         root = toy_root(data_root)
         return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
-    if data_root is None:
-        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
-    reader = read_vqa if TASKS[task].kind == "vqa" else read_karpathy
-    return reader(data_root, split, task)
-
-
-def load_benchmark(task, split, data_root=None):
-    """MME / SEED-Bench (or their toy versions): the training pool ("train") or evaluation part ("val"); prints the
-    sizes of both."""
-    name = task.removeprefix("toy-")
     if task.startswith("toy-"):
         root = generated(toy_folder(task, data_root), TOY_WRITERS[task])
         items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else BENCHMARK_READERS[name](root)
     elif data_root is None:
         raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+    elif not benchmark:
+        return (read_vqa if TASKS[task].kind == "vqa" else read_karpathy)(data_root, split, task)
     else:
         items = BENCHMARK_READERS[name](data_root)
     pool, rest = pool_split(items, POOL_FRACTION[task])
@@ -728,15 +721,12 @@ def read_seed(root):
 SEED2_FILE = "SEED-Bench_v2_level1_2_3.json"  # the official eval.py's --anno_path
 SEED2_FOLDERS = {"cc3m": "cc3m-image", "SEED-Bench v2": "SEED-Bench-2-image"}  # data_source -> image folder
 SEED2_SUBPART = "Single-Image & Text Comprehension"  # dimensions 1-16: one image, a text answer
-
-
-SEED2_MAX_K = 1_000_000  # seed2_id's k must stay below this, or two question_ids would share one number
+SEED2_MAX_K = 1_000_000
 
 
 def seed2_id(question_id):
-    """An int id for a SEED-Bench-2 question_id "{dimension}_{k}": dimension x 1,000,000 + k.
-
-    Only the plain form is read (no sign, no leading zero, k below 1,000,000), so two ids never share a number."""
+    """An int id for a SEED-Bench-2 question_id "{dimension}_{k}": dimension x SEED2_MAX_K + k. Only the plain form
+    is read (no sign, no leading zero, k below SEED2_MAX_K), so two ids never share a number."""
     parts = str(question_id).split("_") if isinstance(question_id, str) else ()
     if len(parts) != 2 or not all(p.isdigit() and p.isascii() and str(int(p)) == p for p in parts) or \
             int(parts[1]) >= SEED2_MAX_K:
@@ -745,29 +735,24 @@ def seed2_id(question_id):
     return int(parts[0]) * SEED2_MAX_K + int(parts[1])
 
 
-def seed2_image(root, listings, q):
-    """The path of a single-image SEED-Bench-2 question's image (cc3m's data_id may lack its extension), or None."""
-    folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
-    if q["data_source"] == "cc3m":
-        if folder not in listings:
-            listings[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-        return seed_image(listings[folder], folder, q["data_id"])
-    path = os.path.join(folder, q["data_id"])
-    return path if os.path.isfile(path) else None
-
-
 def seed2_item(root, listings, q, names):
-    """One SEED-Bench-2 question as an Item; KeyError / ValueError / TypeError for a malformed one."""
+    """One SEED-Bench-2 question as an Item; KeyError / ValueError / TypeError for a malformed one. listings: the
+    names in each cc3m image folder read so far (cc3m's data_id may lack its extension)."""
     answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
     text_field(q, "question")
     if answer not in tuple(SEED_LETTERS):
         raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
     if not isinstance(q["data_id"], str):
         raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
-    image = seed2_image(root, listings, q)
+    folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
+    if q["data_source"] == "cc3m":
+        if folder not in listings:
+            listings[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        image = seed_image(listings[folder], folder, q["data_id"])
+    else:
+        image = os.path.join(folder, q["data_id"]) if os.path.isfile(os.path.join(folder, q["data_id"])) else None
     if image is None:
-        raise FileNotFoundError(f"seed2: question {q['question_id']}: its image {q['data_id']!r} is not under "
-                                f"{os.path.join(root, 'seed-bench-2', SEED2_FOLDERS[q['data_source']])}")
+        raise FileNotFoundError(f"seed2: question {q['question_id']}: its image {q['data_id']!r} is not under {folder}")
     return Item(seed2_id(q["question_id"]), image, q["question"].strip(), options, answer,
                 names[int(q["question_type_id"])])
 
@@ -805,8 +790,6 @@ BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
 # the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
 # stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
 POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2, "toy-mme": 0.5, "toy-seed": 0.5, "toy-seed2": 0.5}
-
-
 SPLIT_SEED = 0
 
 
