@@ -929,13 +929,8 @@ def write_toy_icl(root, attribute):
             image_id, scene = (i + 1 if split == "train" else 100_000 + i), icl_scene(rng)
             with open(coco_image(root, split, image_id), "wb") as f:
                 f.write(icl_jpeg(scene))
-            answer, qid = scene[attribute], image_id * 1000
-            questions.append({"image_id": image_id, "question": ICL_QUESTION, "question_id": qid})
-            annotations.append({"question_id": qid, "image_id": image_id, "question_type": "what is",
-                                "answer_type": "number" if attribute == "count" else "other",
-                                "multiple_choice_answer": answer,
-                                "answers": [{"answer": answer, "answer_confidence": "yes", "answer_id": k + 1}
-                                            for k in range(10)]})
+            add_vqa(questions, annotations, image_id, ICL_QUESTION, [scene[attribute]] * 10,
+                    "number" if attribute == "count" else "other")
         write_vqa(root, split, f"hyper-icl toy-icl-{attribute}", questions, annotations)
 
 
@@ -947,6 +942,18 @@ def write_vqa(root, split, description, questions, annotations):
     write_json(os.path.join(root, "vqav2", qfile.format(split)),
                {**header, "task_type": "Open-Ended", "questions": questions})
     write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
+
+
+def add_vqa(questions, annotations, image_id, question, answers, answer_type):
+    """Append a VQAv2 question about a toy image and its annotation (the ten answers; the question type its first
+    two words, the multiple-choice answer the most frequent)."""
+    qid = image_id * 1000
+    questions.append({"image_id": image_id, "question": question, "question_id": qid})
+    annotations.append({"question_id": qid, "image_id": image_id,
+                        "question_type": " ".join(question.split()[:2]).lower(), "answer_type": answer_type,
+                        "multiple_choice_answer": most_frequent(answers),
+                        "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": k + 1}
+                                    for k, a in enumerate(answers)]})
 
 
 def toy_icl_root(attribute, data_root=None):
@@ -1033,25 +1040,6 @@ def toy_captions(scene):
             f"A picture of {w} {c} {s}s.", f"There are {w} {s}s and they are {c}.", f"Some {c} {s}s."]
 
 
-def toy_vqa_record(scene, image_id, rng):
-    """A VQAv2 question and its annotation about one toy image."""
-    question, answer, wrong, answer_type = toy_question(scene, rng)
-    answers, qid = toy_answers(answer, wrong, rng), image_id * 1000
-    return ({"image_id": image_id, "question": question, "question_id": qid},
-            {"question_id": qid, "image_id": image_id, "question_type": " ".join(question.split()[:2]).lower(),
-             "answer_type": answer_type, "multiple_choice_answer": most_frequent(answers),
-             "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": k + 1} for k, a in enumerate(answers)]})
-
-
-def toy_karpathy_record(scene, path, split, image_id, imgid):
-    """A Karpathy-split entry (COCO style) for one toy image; toy "val" images form the Karpathy "test" split."""
-    sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
-                 for k, c in enumerate(toy_captions(scene))]
-    return {"filepath": f"{split}2014", "filename": os.path.basename(path), "imgid": imgid, "cocoid": image_id,
-            "split": "train" if split == "train" else "test", "sentences": sentences,
-            "sentids": [x["sentid"] for x in sentences]}
-
-
 TOY_CATEGORIES = {shape: k + 1 for k, shape in enumerate(SHAPES)}  # toy shape -> COCO-style category id
 
 
@@ -1087,10 +1075,14 @@ def write_toy(root, seed=TOY_SEED):
             image_id, scene = (i + 1 if split == "train" else 100_000 + i), toy_scene(rng)
             path = coco_image(root, split, image_id)
             draw_scene(scene).save(path, quality=90)
-            question, annotation = toy_vqa_record(scene, image_id, rng)
-            questions.append(question)
-            annotations.append(annotation)
-            karpathy.append(toy_karpathy_record(scene, path, split, image_id, len(karpathy)))
+            question, answer, wrong, answer_type = toy_question(scene, rng)
+            add_vqa(questions, annotations, image_id, question, toy_answers(answer, wrong, rng), answer_type)
+            imgid = len(karpathy)  # toy "val" images form the Karpathy "test" split
+            sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
+                         for k, c in enumerate(toy_captions(scene))]
+            karpathy.append({"filepath": f"{split}2014", "filename": os.path.basename(path), "imgid": imgid,
+                             "cocoid": image_id, "split": "train" if split == "train" else "test",
+                             "sentences": sentences, "sentids": [x["sentid"] for x in sentences]})
             images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
             instances += toy_instances(scene, image_id, len(instances) + 1)
         write_json(instances_path(root, f"{split}2014"), {
