@@ -1156,11 +1156,10 @@ def write_toy_mme(root, seed=TOY_SEED):
     rng = random.Random(seed)
     for subtask in TOY_MME_SUBTASKS:
         folder = os.path.join(root, "mme", subtask)
-        nested = subtask == "scene"
-        idir, qdir = (os.path.join(folder, "images"), os.path.join(folder, "questions_answers_YN")) if nested \
+        idir, qdir = [os.path.join(folder, d) for d in ("images", "questions_answers_YN")] if subtask == "scene" \
             else (folder, folder)
-        os.makedirs(idir, exist_ok=True)
-        os.makedirs(qdir, exist_ok=True)
+        for d in (idir, qdir):
+            os.makedirs(d, exist_ok=True)
         for i in range(TOY_MME_IMAGES):
             scene = toy_scene(rng)
             while subtask == "position" and scene["side"] is None:
@@ -1178,21 +1177,28 @@ TOY_SEED_IMAGES = 150
 
 
 def toy_seed_question(dimension, scene, rng):
-    """One multiple-choice question about a toy scene: (question, the right option, three wrong ones)."""
+    """One multiple-choice question about a toy scene: (question, {"answer": letter, "choice_a": .., "choice_d": ..}),
+    the right option shuffled among three wrong ones."""
     s, c, n = scene["shape"], scene["colour"], scene["count"]
     if dimension == 1:
         things = lambda k, colour, shape: f"{WORDS[k]} {colour} {shape}{'s' if k > 1 else ''}"
-        return "What does the picture show?", things(n, c, s), \
+        question, right, wrong = "What does the picture show?", things(n, c, s), \
             [things(n, NEAR_COLOUR[c], s), things(n % 4 + 1, c, s), things(n, c, SHAPES[s])]
-    if dimension == 2:
-        return "Which shape is in the image?", s, [x for x in ("circle", "square", "triangle", "star") if x != s]
-    if dimension == 3:
-        return f"What colour is the {s}?", c, rng.sample([x for x in COLOURS if x != c], 3)
-    if dimension == 4:
-        return f"Where is the {s}?", f"on the {scene['side']}", \
+    elif dimension == 2:
+        question, right, wrong = "Which shape is in the image?", s, [x for x in ("circle", "square", "triangle",
+                                                                                 "star") if x != s]
+    elif dimension == 3:
+        question, right, wrong = f"What colour is the {s}?", c, rng.sample([x for x in COLOURS if x != c], 3)
+    elif dimension == 4:
+        question, right, wrong = f"Where is the {s}?", f"on the {scene['side']}", \
             [f"on the {x}" for x in ("left", "right", "top", "bottom") if x != scene["side"]]
-    return f"How many {s}s are in the image?", WORDS[n].capitalize(), \
-        [w.capitalize() for w in WORDS[1:] if w != WORDS[n]]
+    else:
+        question, right, wrong = f"How many {s}s are in the image?", WORDS[n].capitalize(), \
+            [w.capitalize() for w in WORDS[1:] if w != WORDS[n]]
+    options = [right] + list(wrong)
+    rng.shuffle(options)
+    return question, {"answer": SEED_LETTERS[options.index(right)],
+                      **{f"choice_{x}": o for x, o in zip("abcd", options)}}
 
 
 def write_toy_seed(root, seed=TOY_SEED):
@@ -1208,13 +1214,9 @@ def write_toy_seed(root, seed=TOY_SEED):
         draw_scene(scene).save(os.path.join(folder, data_id + ".jpg"), quality=90)
         dimensions = [1, 2, 3, 5] + ([4] if scene["side"] else [])
         for dimension in rng.sample(dimensions, rng.choice([1, 2, 2])):
-            question, right, wrong = toy_seed_question(dimension, scene, rng)
-            options = [right] + list(wrong)
-            rng.shuffle(options)
-            questions.append({"answer": SEED_LETTERS[options.index(right)],
-                              **{f"choice_{x}": o for x, o in zip("abcd", options)}, "data_id": data_id,
-                              "data_type": "image", "question": question, "question_id": str(100_000 + len(questions)),
-                              "question_type_id": dimension})
+            question, options = toy_seed_question(dimension, scene, rng)
+            questions.append({**options, "data_id": data_id, "data_type": "image", "question": question,
+                              "question_id": str(100_000 + len(questions)), "question_type_id": dimension})
     questions += [{"answer": "A", "choice_a": "rolling", "choice_b": "falling", "choice_c": "sliding",
                    "choice_d": "spinning", "data_id": f"{k}.webm", "data_type": "video",
                    "question": "What is the action being carried out in the video?", "question_id": f"v{k}",
@@ -1235,21 +1237,11 @@ TOY_SEED2_SKIPPED = [  # (question_type_id, data_type, subpart, level, data_id):
     (25, "Image Generation", "Image Generation", "L3", [f"task25/image/0/{k}.jpg" for k in range(1, 5)])]
 
 
-def toy_seed2_question(dimension, scene, rng, data_id, source):
-    """One toy question in SEED-Bench-2's layout (toy_seed_question's content; dimension 16 asks the count)."""
-    question, right, wrong = toy_seed_question(5 if dimension == 16 else dimension, scene, rng)
-    options = [right] + list(wrong)
-    rng.shuffle(options)
-    return {"answer": SEED_LETTERS[options.index(right)], **{f"choice_{x}": o for x, o in zip("abcd", options)},
-            "data_id": data_id, "data_source": source, "data_type": "Single Image", "level": "L1",
-            "question": question, "question_type_id": dimension, "subpart": SEED2_SUBPART,
-            "version": "v1" if source == "cc3m" else "v2"}
-
-
 def write_toy_seed2(root, seed=TOY_SEED):
     """A toy SEED-Bench-2: seed-bench-2/SEED-Bench_v2_level1_2_3.json in the official layout, cc3m-image/<data_id>.jpg
     (dimensions 1-5, data_id without extension) and SEED-Bench-2-image/task16/... (dimension 16, data_id a path),
-    plus multi-image, video and generation questions that read_seed2 skips."""
+    plus multi-image, video and generation questions that read_seed2 skips. The questions are toy_seed_question's
+    (dimension 16 asks the count)."""
     rng, base = random.Random(seed), os.path.join(root, "seed-bench-2")
     questions = []
     for i in range(TOY_SEED_IMAGES):
@@ -1260,7 +1252,10 @@ def write_toy_seed2(root, seed=TOY_SEED):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         draw_scene(scene).save(path)
         dimension = 16 if v2 else rng.choice([1, 2, 3, 5] + ([4] if scene["side"] else []))
-        questions.append(toy_seed2_question(dimension, scene, rng, data_id, "SEED-Bench v2" if v2 else "cc3m"))
+        question, options = toy_seed_question(5 if dimension == 16 else dimension, scene, rng)
+        questions.append({**options, "data_id": data_id, "data_source": "SEED-Bench v2" if v2 else "cc3m",
+                          "data_type": "Single Image", "level": "L1", "question": question,
+                          "question_type_id": dimension, "subpart": SEED2_SUBPART, "version": "v2" if v2 else "v1"})
     questions += [{"answer": "A", **{f"choice_{x}": x for x in "abcd"}, "data_id": data_id,
                    "data_source": "SEED-Bench v2", "data_type": data_type, "level": level, "question": "Which?",
                    "question_type_id": d, "subpart": subpart, "version": "v2"}
