@@ -365,10 +365,8 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
 
 def image_encoder(backbone, hub_id=None):
     """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
-
     Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
-    CLIP checkpoint (clip_encoder).
-    """
+    CLIP checkpoint (clip_encoder)."""
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
     h, inner = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode()), backbone.model.model
@@ -1019,15 +1017,6 @@ def toy_question(scene, rng):
     return (question, "yes", "no", "yes/no") if asked == c else (question, "no", "yes", "yes/no")
 
 
-def toy_answers(answer, wrong, rng):
-    """Ten human answers: unanimous for most questions, with one to four dissenters for about a third."""
-    answers = [answer] * 10
-    if rng.random() < 0.35:
-        for i in rng.sample(range(10), rng.randint(1, 4)):
-            answers[i] = wrong
-    return answers
-
-
 def toy_captions(scene):
     """Five reference captions of a scene."""
     s, c, n = scene["shape"], scene["colour"], scene["count"]
@@ -1076,7 +1065,11 @@ def write_toy(root, seed=TOY_SEED):
             path = coco_image(root, split, image_id)
             draw_scene(scene).save(path, quality=90)
             question, answer, wrong, answer_type = toy_question(scene, rng)
-            add_vqa(questions, annotations, image_id, question, toy_answers(answer, wrong, rng), answer_type)
+            answers = [answer] * 10  # ten human answers: unanimous, or one to four dissenters for about a third
+            if rng.random() < 0.35:
+                for k in rng.sample(range(10), rng.randint(1, 4)):
+                    answers[k] = wrong
+            add_vqa(questions, annotations, image_id, question, answers, answer_type)
             imgid = len(karpathy)  # toy "val" images form the Karpathy "test" split
             sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
                          for k, c in enumerate(toy_captions(scene))]
@@ -1107,11 +1100,9 @@ def toy_folder(name, data_root=None):
 
 
 def generated(root, write):
-    """`root`, written by write(folder) first if it is not there.
-
-    It is written to a temporary folder beside it and renamed into place, so an interrupted generation never
-    leaves a half-written dataset; if another process finished first, its copy is kept.
-    """
+    """`root`, written by write(folder) first if it is not there: into a temporary folder beside it, then renamed
+    into place, so an interrupted generation never leaves a half-written dataset; if another process finished first,
+    its copy is kept."""
     if os.path.isdir(root):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
@@ -1320,17 +1311,6 @@ def tmp_name(path, pid=None):
                                 f"{secrets.token_hex(6)}.tmp")
 
 
-def pid_alive(pid):
-    """Whether a process with this id runs on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # it exists, owned by someone else
-    return True
-
-
 def is_stale_tmp(path):
     """Whether `path` is a temporary file or folder of a write that is over: a name tmp_name made whose process is
     gone (on this machine), or, from another machine, untouched for STALE_TMP_S. Any other name is never stale."""
@@ -1338,7 +1318,13 @@ def is_stale_tmp(path):
     if m is None:
         return False
     if m["host"] == this_host():
-        return not pid_alive(int(m["pid"]))
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            return True  # its process is gone
+        except OSError:
+            pass  # it exists, owned by someone else
+        return False
     return time.time() - os.path.getmtime(path) > STALE_TMP_S
 
 
