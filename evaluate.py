@@ -115,11 +115,6 @@ def predict(backbone, task, items, icds=None, batch_size=8):
     return [p for i in starts for p in answers[i]]
 
 
-def with_option_text(item):
-    """A SEED-Bench item whose target is its answer's option text (the likelihood protocol's ICDs)."""
-    return dataclasses.replace(item, target=item.answers[D.SEED_LETTERS.index(item.target)])
-
-
 @torch.no_grad()
 def option_logliks(backbone, items, icds=None, prompt="official"):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
@@ -135,7 +130,8 @@ def option_logliks(backbone, items, icds=None, prompt="official"):
     kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
-        prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
+        with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
+        prefix = D.encode_prefix(proc, family, kind, with_text)
         rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
                  for o in it.answers]
     batch = train.to_device(D.collate(rows, proc, family), device_of(backbone.model))
@@ -198,7 +194,12 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
-    remove_file(stem + ".metrics.json")  # never the old metrics beside the new predictions, even if killed next
+    try:  # never the old metrics beside the new predictions, even if killed next
+        os.remove(stem + ".metrics.json")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -216,16 +217,6 @@ def evaluate(backbone, args, items, setting, vector=None):
         print(f"SEED-Bench ({args.seed_protocol}): " +
               ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
     return metrics
-
-
-def remove_file(path):
-    """Delete the file at `path` if it is there; an OSError naming it if it cannot be."""
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise OSError(f"could not remove the old {path} ({e.strerror or e})") from e
 
 
 def result_name(args, setting, n, vector_info):
@@ -276,34 +267,29 @@ def eval_items(args):
 
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
-    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter)."""
+    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter). Where N-shot
+    ICL is at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the
+    line says so: the backbone does not learn in context and no score beside it shows anything."""
     shots = D.default_shots(args.task, backbone.family)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
                 for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric = headline_metric(done[0])
+    metric, icl, verdict = headline_metric(done[0]), done[1], ""
+    chance = 100 * max(Counter(it.target for it in items).values()) / len(items) if metric != "cider" else None
+    if chance is not None and icl[metric] <= chance + 5:
+        verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
+                   "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
+                   "distilled")
     print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
-          f"{len(items)} items)" + no_icl_verdict(done[1], metric, items))
+          f"{len(items)} items)" + verdict)
     return done[-1] if args.checkpoint else done[0]
 
 
 def headline_metric(metrics):
     """The name of the metric an evaluation reports first: VQA accuracy, CIDEr, or (MME, SEED-Bench) accuracy."""
     return next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in metrics)
-
-
-def no_icl_verdict(icl, metric, items, margin=5.0):
-    """What the summary line adds where N-shot ICL is at chance (at most the most frequent answer's share of the
-    items + margin points): then the backbone does not learn in context and no score beside it shows anything."""
-    if metric == "cider":
-        return ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
-    if icl[metric] > chance + margin:
-        return ""
-    return (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always the most "
-            "frequent answer, + 5): this backbone does not learn in context, so nothing here can be distilled")
 
 
 # -------------------------------------- metrics, as the official tools compute them (VQA, CIDEr-D, MME, SEED-Bench)
@@ -354,29 +340,19 @@ def _clean_whitespace(s):
     return s.replace("\n", " ").replace("\t", " ").strip()
 
 
-def _process_punctuation(s):
-    # Each mark is deleted if it touches a space in the *input* or the input has a digit,digit comma;
-    # otherwise it becomes a space. The official call passes re.UNICODE (= 32) as sub's *count*
-    # argument, so at most 32 periods are removed.
-    out = s
-    for p in _PUNCT:
-        if p + " " in s or " " + p in s or _COMMA_STRIP.search(s) is not None:
-            out = out.replace(p, "")
-        else:
-            out = out.replace(p, " ")
-    return _PERIOD_STRIP.sub("", out, count=32)
-
-
-def _process_digit_article(s):
-    words = [_NUMBERS.get(w, w) for w in s.lower().split()]
-    return " ".join(_CONTRACTIONS.get(w, w) for w in words if w not in _ARTICLES)
-
-
 def normalize_vqa_answer(ans):
     """Normalise an answer as the official VQA evaluation (vqaEval.py, GT-Vision-Lab/VQA) does:
     newline/tab -> space and strip, then processPunctuation, then processDigitArticle (lowercase,
     number words -> digits, drop a/an/the, restore contractions like dont -> don't)."""
-    return _process_digit_article(_process_punctuation(_clean_whitespace(ans)))
+    s = out = _clean_whitespace(ans)
+    # processPunctuation: each mark is deleted if it touches a space in the *input* or the input has a digit,digit
+    # comma; otherwise it becomes a space. The official call passes re.UNICODE (= 32) as sub's *count* argument, so
+    # at most 32 periods are removed.
+    for p in _PUNCT:
+        delete = p + " " in s or " " + p in s or _COMMA_STRIP.search(s) is not None
+        out = out.replace(p, "" if delete else " ")
+    words = [_NUMBERS.get(w, w) for w in _PERIOD_STRIP.sub("", out, count=32).lower().split()]
+    return " ".join(_CONTRACTIONS.get(w, w) for w in words if w not in _ARTICLES)
 
 
 def vqa_accuracy(prediction, answers):
@@ -505,14 +481,6 @@ def _ngram_counts(words, n=4):
     return Counter(tuple(words[i:i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
 
 
-def _tfidf(counts, df, log_num_images, n=4):
-    # per order: {ngram: tf * idf}, and its L2 norm; idf = log(#images) - log(max(1, df))
-    vec = [{} for _ in range(n)]
-    for g, tf in counts.items():
-        vec[len(g) - 1][g] = tf * (log_num_images - math.log(max(1.0, df.get(g, 0.0))))
-    return vec, [math.sqrt(sum(v * v for v in d.values())) for d in vec]
-
-
 def _sim(cand, ref, sigma):
     # clipped cosine per n-gram order, times the Gaussian length penalty
     (vec_c, norm_c, len_c), (vec_r, norm_r, len_r) = cand, ref
@@ -539,8 +507,11 @@ def cider_d(candidates, references, n=4, sigma=6.0):
     df = Counter(g for counts in refs.values() for g in set().union(*counts))
     log_num_images = math.log(len(refs))
 
-    def features(counts):
-        vec, norm = _tfidf(counts, df, log_num_images, n)
+    def features(counts):  # per order {ngram: tf * idf} and its L2 norm; idf = log(#images) - log(max(1, df))
+        vec = [{} for _ in range(n)]
+        for g, tf in counts.items():
+            vec[len(g) - 1][g] = tf * (log_num_images - math.log(max(1.0, df.get(g, 0.0))))
+        norm = [math.sqrt(sum(v * v for v in d.values())) for d in vec]
         return vec, norm, sum(tf for g, tf in counts.items() if len(g) == 1)
 
     scores = {}
@@ -574,12 +545,10 @@ def option_letter(pred):
 
 
 def multiple_choice_accuracy(predictions, answers):
-    """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1].
-    Both sides are stripped and lowercased. If the answer is yes/no, the prediction is parsed as
-    MME's official eval_tool/calculation.py does (exact yes/no, else "yes" or, failing that, "no"
-    found in its first 4 characters, else wrong). Otherwise the answer is an option letter and the
-    prediction's is option_letter's, exact match. SEED-Bench's official evaluation ranks option likelihoods
-    (option_logliks); this is the generative variant."""
+    """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1]. Both sides are stripped
+    and lowercased; against a yes/no answer the prediction is parsed as MME's calculation.py does (_yes_no), against
+    an option letter by option_letter, exact match. (SEED-Bench's official evaluation ranks option likelihoods,
+    option_logliks; this is the generative variant.)"""
     assert len(predictions) == len(answers)
     correct = 0
     for pred, ans in zip(predictions, answers):
