@@ -34,6 +34,7 @@ import ctypes
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -771,13 +772,6 @@ def vector_sets(pool, args, shots):
     return queries, D.demonstrations([q.id for q in queries], pool, shots, args.seed), heldout
 
 
-def shuffled_labels(icds, seed):
-    """Todd et al.'s corrupted prompts: each ICD list with its targets shuffled among its ICDs."""
-    rng = random.Random(seed)
-    return [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
-            for ds in icds]
-
-
 def target_batches(backbone, kind, queries, icds, batch_size):
     """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token."""
     icds = icds or [[] for _ in queries]
@@ -817,7 +811,10 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
     """Average indirect effect of every head (Todd et al. 2024), [L, H]: on ICL prompts whose ICD labels are
     shuffled, the rise of the first answer token's probability when the head's output at the last prompt token is
     replaced by its mean over clean prompts (model.set_head_output), averaged over the prompts."""
-    batches = target_batches(backbone, kind, queries, shuffled_labels(icds, seed), batch_size)
+    rng = random.Random(seed)  # the corrupted prompts: each ICD list with its targets shuffled among its ICDs
+    shuffled = [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
+                for ds in icds]
+    batches = target_batches(backbone, kind, queries, shuffled, batch_size)
     base = [answer_probability(backbone, b, p) for b, p in batches]
     layers, heads, _ = M.attention_shape(backbone.model)
     aie = torch.zeros(layers, heads, dtype=torch.float64)
@@ -869,17 +866,6 @@ def vector_path(backbone, args, shots):
     return os.path.join(args.out, "vectors", name)
 
 
-def vector_shapes(backbone, args):
-    """What a saved vector file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it."""
-    layers, heads, _ = M.attention_shape(backbone.model)
-    shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
-              "losses": ((layers,), None)}
-    if args.vector == "fv":
-        shapes |= {"mean_heads": ((layers, heads, None), None), "aie": ((layers, heads), None),
-                   "heads": ((args.fv_heads, 2), None)}
-    return shapes
-
-
 def compute_vector(backbone, args, shots):
     """Extract a TV or FV from the training split and score every layer on the held-out queries.
 
@@ -904,16 +890,22 @@ def compute_vector(backbone, args, shots):
 def load_vector(backbone, args):
     """The TV or FV for --vector, computed once (compute_vector) and saved, else read back. Returns the steering
     (layer, vector, add) evaluate() applies and the facts the metrics file records."""
-    shots = args.shots or D.default_shots(args.task, backbone.family)
+    shots, fv = args.shots or D.default_shots(args.task, backbone.family), args.vector == "fv"
     layers, heads, _ = M.attention_shape(backbone.model)
     if args.vector_layer is not None and not 0 <= args.vector_layer < layers:
         raise ValueError(f"--vector-layer {args.vector_layer} is out of range: {backbone.name} has decoder layers "
                          f"0..{layers - 1}")
-    if args.vector == "fv" and not 0 < args.fv_heads <= layers * heads:
+    if fv and not 0 < args.fv_heads <= layers * heads:
         raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
     path, key = vector_path(backbone, args, shots), vector_key(backbone, args, shots)
     D.remove_stale_tmp(os.path.dirname(path))
-    saved = D.read_cache(path, key, vector_shapes(backbone, args))
+    # what the file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it
+    shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
+              "losses": ((layers,), None)}
+    if fv:
+        shapes |= {"mean_heads": ((layers, heads, None), None), "aie": ((layers, heads), None),
+                   "heads": ((args.fv_heads, 2), None)}
+    saved = D.read_cache(path, key, shapes)
     if saved is not None:
         print(f"{args.vector}: read {path}")
     else:
@@ -923,9 +915,8 @@ def load_vector(backbone, args):
     layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
     info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
             "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist()}
-    if args.vector == "fv":
+    if fv:
         info["fv_heads"] = saved["heads"].tolist()
-    fv = args.vector == "fv"
     return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
@@ -1229,11 +1220,7 @@ def peak_memory_mb(run, device="cpu"):
         run()
     records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2 ** 20
+    return max(itertools.accumulate((nbytes for _, nbytes in records), initial=0)) / 2 ** 20
 
 
 def attention_call(model, T):
@@ -1749,8 +1736,18 @@ def parse_args(argv=None):
                    f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
-    args = p.parse_args(glued(sys.argv[1:] if argv is None else argv, "--train-args"))
-    check_seed_flags(p, args)
+    # `--train-args VALUE` written `--train-args=VALUE`, so that a value starting with '-' ("--resume") is taken as
+    # the flag's value, not as a flag of its own
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for k in range(len(argv) - 1):
+        if argv[k] == "--train-args":
+            argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
+    args = p.parse_args([a for a in argv if a is not None])
+    if args.seed_protocol and D.TASKS[args.task].kind != "choice":
+        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
+    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
+        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
+    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
                         "threads": 1}.items():
@@ -1767,7 +1764,16 @@ def parse_args(argv=None):
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
         if not 2 <= args.curve_seeds <= len(T_975) + 1:
             p.error(f"--curve-seeds must be in [2, {len(T_975) + 1}] for an interval (got {args.curve_seeds})")
-        check_train_args(p, args)
+        try:  # split as a shell does and parsed by train.py's parser now, before any work
+            flags = shlex.split(args.train_args)
+        except ValueError as e:
+            p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
+        try:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
+        except SystemExit:
+            p.error(f"--train-args {args.train_args!r}: train.py says: "
+                    + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task not in ("coco", "toy-caption"):
@@ -1792,41 +1798,6 @@ def parse_args(argv=None):
                             or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
     train.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args
-
-
-def glued(argv, flag):
-    """argv with `flag VALUE` written `flag=VALUE`, so that a value starting with '-' (--train-args "--resume") is
-    taken as the flag's value, not as a flag of its own."""
-    out = list(argv)
-    for k in range(len(out) - 1):
-        if out[k] == flag:
-            out[k:k + 2] = [f"{flag}={out[k + 1]}", None]
-    return [a for a in out if a is not None]
-
-
-def check_seed_flags(p, args):
-    """--seed-protocol applies to SEED-Bench tasks only, --seed-prompt to --seed-protocol likelihood only: a parser
-    error otherwise; then their defaults (generate, official)."""
-    if args.seed_protocol and D.TASKS[args.task].kind != "choice":
-        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
-    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
-        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
-    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
-
-
-def check_train_args(p, args):
-    """--curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
-    parser error (naming the flag) if they do not parse."""
-    try:
-        flags = shlex.split(args.train_args)
-    except ValueError as e:
-        p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
-    try:
-        with contextlib.redirect_stderr(io.StringIO()) as err:
-            train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
-    except SystemExit:
-        p.error(f"--train-args {args.train_args!r}: train.py says: "
-                + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
 
 
 def main(argv=None):
