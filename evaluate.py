@@ -478,21 +478,6 @@ def tokenize_caption(s):
     return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
-def _ngram_counts(words, n=4):
-    return Counter(tuple(words[i:i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
-
-
-def _sim(cand, ref, sigma):
-    # clipped cosine per n-gram order, times the Gaussian length penalty
-    (vec_c, norm_c, len_c), (vec_r, norm_r, len_r) = cand, ref
-    penalty = math.exp(-((len_c - len_r) ** 2) / (2 * sigma ** 2))
-    out = []
-    for vc, vr, nc, nr in zip(vec_c, vec_r, norm_c, norm_r):
-        val = sum(min(v, vr.get(g, 0.0)) * vr.get(g, 0.0) for g, v in vc.items())
-        out.append(val / (nc * nr) * penalty if nc and nr else 0.0)  # at norm 0 the official val is 0 anyway
-    return out
-
-
 def cider_d(candidates, references, n=4, sigma=6.0):
     """CIDEr-D as pycocoevalcap's CiderScorer (coco-caption, the "CIDEr" of the COCO caption
     evaluation) computes it. candidates: {id: caption}, references: {id: [captions]}; captions are
@@ -503,7 +488,8 @@ def cider_d(candidates, references, n=4, sigma=6.0):
     whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here.
     Returns (corpus score = mean over ids, {id: score})."""
     assert candidates.keys() == references.keys(), "candidates and references must share ids"
-    refs = {i: [_ngram_counts(tokenize_caption(r), n) for r in references[i]] for i in references}
+    ngrams = lambda w: Counter(tuple(w[i:i + k]) for k in range(1, n + 1) for i in range(len(w) - k + 1))
+    refs = {i: [ngrams(tokenize_caption(r)) for r in references[i]] for i in references}
     assert all(refs.values()), "every id needs at least one reference"
     df = Counter(g for counts in refs.values() for g in set().union(*counts))
     log_num_images = math.log(len(refs))
@@ -517,10 +503,14 @@ def cider_d(candidates, references, n=4, sigma=6.0):
 
     scores = {}
     for i, cand in candidates.items():
-        c = features(_ngram_counts(tokenize_caption(cand), n))
+        vec_c, norm_c, len_c = features(ngrams(tokenize_caption(cand)))
         per_order = [0.0] * n
-        for r in refs[i]:
-            per_order = [a + b for a, b in zip(per_order, _sim(c, features(r), sigma))]
+        for r in refs[i]:  # per n-gram order the clipped cosine, times the Gaussian length penalty
+            vec_r, norm_r, len_r = features(r)
+            penalty = math.exp(-((len_c - len_r) ** 2) / (2 * sigma ** 2))
+            for k, (vc, vr, nc, nr) in enumerate(zip(vec_c, vec_r, norm_c, norm_r)):
+                val = sum(min(v, vr.get(g, 0.0)) * vr.get(g, 0.0) for g, v in vc.items())
+                per_order[k] += val / (nc * nr) * penalty if nc and nr else 0.0  # at norm 0 the official val is 0
         scores[i] = 10.0 * sum(per_order) / n / len(refs[i])
     return sum(scores.values()) / len(scores), scores
 
@@ -1075,10 +1065,8 @@ def benchmark_prompt(backbone, args, shots):
 
 
 def keep_freed_memory():
-    """CPU benchmarks: glibc's malloc keeps freed blocks (up to 32 MiB each) for reuse instead of handing them back to
-    the system, so that a run does not page-fault its activations in again. Measured on the mid-size prefill: about
-    60,000 page faults and 8% of the time per run before, none after, and less run-to-run noise. Changes nothing
-    where the C library is not glibc."""
+    """CPU benchmarks: glibc's malloc keeps freed blocks (up to 32 MiB each) for reuse, so that a run does not
+    page-fault its activations in again (docs/efficiency.md: 8% of a mid-size prefill's time). A no-op without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -1092,12 +1080,9 @@ def paired_latency(runs, device):
     speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
     Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
     on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
-    the median and quartiles over rounds of the ratio (the reference's are 1).
-
-    Not torch.utils.benchmark: its Timer times one statement at a time (on one thread unless told otherwise), so a
-    drift between two settings' measurements lands in their ratio. Unpaired timing (best of 3 medians, an earlier
-    version) put two rows doing the same work 11% apart on a shared 2-core machine (README, "How latency is
-    measured"); the pairing removes that."""
+    the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark
+    (which times one statement at a time, so a drift between two settings lands in their ratio): docs/efficiency.md,
+    "How latency is measured"."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
 
     def timer(f):
@@ -1173,7 +1158,7 @@ def benchmark(backbone, args):
             rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1],
                          "prefill_tflops": flops(backbone, inputs, 1) / 1e12,
                          "tflops": flops(backbone, inputs, new_tokens) / 1e12,
-                         "attention_mib": None if shots else attention_memory(attention, device)})
+                         "attention_mib": None if shots else peak_memory_mb(attention, device)})
         for part, k in (("prefill", 1), ("generate", new_tokens)):
             runs[part][name] = lambda timer, m=method, i=inputs, k=k: _in_setting(
                 backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
@@ -1226,23 +1211,17 @@ def peak_memory_mb(run, device="cpu"):
 def attention_call(model, T):
     """One decoder self-attention of `model` (its first layer's module and head sizes) on random q [1, H, T, d_h] and
     k, v [1, H_kv, T, d_h], causal: (forward, reference, sizes), closures running model.calibrated_attention (the
-    module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, and the sizes in
-    words."""
+    module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, both without autograd
+    (the adapter's parameters would otherwise keep its activations), and the sizes in words."""
     attn = M.decoder_self_attentions(model)[0]
     device, dtype = device_of(model), next(model.parameters()).dtype
     _, heads, head_dim = M.attention_shape(model)
     kv_heads = getattr(attn.config, "num_key_value_heads", None) or heads
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
-    return (lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling),
-            lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling),
+    return (torch.no_grad()(lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling)),
+            torch.no_grad()(lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling)),
             f"{heads} heads ({kv_heads} key/value) x {head_dim}")
-
-
-def attention_memory(run, device):
-    """peak_memory_mb of run() without autograd (the adapter's parameters would otherwise keep its activations)."""
-    with torch.no_grad():
-        return peak_memory_mb(run, device)
 
 
 def attention_benchmark(model, T=2048):
@@ -1257,7 +1236,7 @@ def attention_benchmark(model, T=2048):
     with torch.no_grad():
         for name, method, run in paths:
             with run_as(model, method):
-                memory[name] = attention_memory(run, device)
+                memory[name] = peak_memory_mb(run, device)
             runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
         latency = paired_latency(runs, device)
     print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
@@ -1447,18 +1426,6 @@ def answer_measures(backbone, kind, items, teacher, batch_size=8):
     return {"answer_logprob": logp / len(items), "teacher_kl": kl / tokens}
 
 
-def teacher_answer_logits(backbone, args, items, shots):
-    """The backbone's answer logits with `shots` random demonstrations from the training split (seed 0), per item."""
-    kind, support = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
-    icds = D.demonstrations([it.id for it in items], support, shots, 0)
-    pieces = D.query_pieces(backbone.processor, backbone.family, kind, items)
-    device, out = device_of(backbone.model), []
-    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
-        s = slice(i, i + args.batch_size)
-        out += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device, output="logits")
-    return out
-
-
 def method_of(flags):
     """The --method a row's train.py flags name (train.py's default: hyper-icl)."""
     return flags[flags.index("--method") + 1] if "--method" in flags else "hyper-icl"
@@ -1548,7 +1515,13 @@ def curve(args):
     items = eval_items(args)
     backbone = M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
-    teacher = teacher_answer_logits(backbone, args, items, shots)
+    # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
+    icds = D.demonstrations([it.id for it in items], D.load_task(args.task, "train", args.data_root), shots, 0)
+    pieces, teacher = D.query_pieces(backbone.processor, backbone.family, kind, items), []
+    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
+        s = slice(i, i + args.batch_size)
+        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device_of(backbone.model),
+                                     output="logits")
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
