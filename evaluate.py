@@ -655,8 +655,7 @@ def singularize(word):
 # chair.py's quirks, which its published numbers (the paper's Table 5 among them) include, so counted by default
 # (--chair; --chair corrected counts without them): pattern.en's singularize turns these caption words into
 # non-words ("bus" -> "bu", so a singular bus is never counted; "ties" -> "ty", "canoes" -> "cano"), and three
-# synonyms of synonyms.txt can never match as written there (" motor bike", " cheesecake" with a leading space,
-# "iPhone" with a capital against a lowercased caption).
+# synonyms of synonyms.txt can never match as written there (CHAIR_PY_UNMATCHED; read_synonyms says why).
 # pattern.en also keeps "doggies" as it is (no dog) and reads people, skis, oxen, tennis as person, ski, ox, "tenni"
 # (so "tennis racket" is a racket); chair.py joins no "dining table" (a table) and keeps punctuation tokens, which
 # part a pair ("hot, dog" is a dog).
@@ -739,9 +738,8 @@ def chair_metrics(items, predictions, count="chair.py"):
 # ------ training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd 2024)
 #
 # Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
-# prompt at the last prompt token of one decoder layer (steer: a forward hook); the FV, as Todd et al.'s code
-# does, also to each generated token. The layer is the one with the lowest target cross-entropy on queries held out
-# of the training split (never the evaluation split).
+# prompt at the last prompt token of one decoder layer (steer), the layer of lowest target cross-entropy on queries
+# held out of the training split (layer_losses; never the evaluation split).
 
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
@@ -918,15 +916,12 @@ def _rows_at(h, positions):
 
 @contextlib.contextmanager
 def steer(model, layer, vector, positions=None, add=False, decoding=False):
-    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
-    `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
-    Todd et al. 2024).
-
-    positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
-    prompt). Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding`
-    (Todd et al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens
-    see it through the KV cache). A forward hook on the layer module; nothing else changes.
-    """
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row (positions: [B], or
+    None for each row's last token, the last prompt token of a left-padded prompt): replace it by `vector` ([d], or
+    [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector, Todd et al. 2024).
+    Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding` (Todd et
+    al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens see it
+    through the KV cache)."""
     def hook(module, inputs, output):
         h = output[0] if isinstance(output, tuple) else output
         if h.shape[1] == 1 and not decoding:
@@ -1312,7 +1307,7 @@ def gate_analysis(backbone, args, items):
     hooks = [a.register_forward_pre_hook(lambda mod, inp: gates.append(mod.gate(inp[0])[..., 0]))
              for a in M.adapter_modules(model)]
     g_all, dA_all = [], []
-    try:
+    with M.hooked(*hooks):
         for (teacher, student), lengths in analysis_batches(backbone, args, items):
             gates.clear()
             model(**student)
@@ -1326,9 +1321,6 @@ def gate_analysis(backbone, args, items):
                                    int(student["attention_mask"][b].sum()), T)
                 g_all.append(g[:, b, :, -T:].flatten(1).float().cpu())
                 dA_all.append(dA.flatten(1).cpu())
-    finally:
-        for h in hooks:
-            h.remove()
     g, dA = torch.cat(g_all, 1), torch.cat(dA_all, 1)                         # [L, all heads x tokens]
     quarter = max(1, g.shape[0] // 4)
     per_layer = g.mean(1)
