@@ -34,6 +34,7 @@ import ctypes
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -115,11 +116,6 @@ def predict(backbone, task, items, icds=None, batch_size=8):
     return [p for i in starts for p in answers[i]]
 
 
-def with_option_text(item):
-    """A SEED-Bench item whose target is its answer's option text (the likelihood protocol's ICDs)."""
-    return dataclasses.replace(item, target=item.answers[D.SEED_LETTERS.index(item.target)])
-
-
 @torch.no_grad()
 def option_logliks(backbone, items, icds=None, prompt="official"):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
@@ -135,7 +131,8 @@ def option_logliks(backbone, items, icds=None, prompt="official"):
     kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
-        prefix = D.encode_prefix(proc, family, kind, [with_option_text(d) for d in ds])
+        with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
+        prefix = D.encode_prefix(proc, family, kind, with_text)
         rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
                  for o in it.answers]
     batch = train.to_device(D.collate(rows, proc, family), device_of(backbone.model))
@@ -198,7 +195,12 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
-    remove_file(stem + ".metrics.json")  # never the old metrics beside the new predictions, even if killed next
+    try:  # never the old metrics beside the new predictions, even if killed next
+        os.remove(stem + ".metrics.json")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -216,16 +218,6 @@ def evaluate(backbone, args, items, setting, vector=None):
         print(f"SEED-Bench ({args.seed_protocol}): " +
               ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
     return metrics
-
-
-def remove_file(path):
-    """Delete the file at `path` if it is there; an OSError naming it if it cannot be."""
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise OSError(f"could not remove the old {path} ({e.strerror or e})") from e
 
 
 def result_name(args, setting, n, vector_info):
@@ -276,34 +268,29 @@ def eval_items(args):
 
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
-    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter)."""
+    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter). Where N-shot
+    ICL is at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the
+    line says so: the backbone does not learn in context and no score beside it shows anything."""
     shots = D.default_shots(args.task, backbone.family)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
                 for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric = headline_metric(done[0])
+    metric, icl, verdict = headline_metric(done[0]), done[1], ""
+    chance = 100 * max(Counter(it.target for it in items).values()) / len(items) if metric != "cider" else None
+    if chance is not None and icl[metric] <= chance + 5:
+        verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
+                   "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
+                   "distilled")
     print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
-          f"{len(items)} items)" + no_icl_verdict(done[1], metric, items))
+          f"{len(items)} items)" + verdict)
     return done[-1] if args.checkpoint else done[0]
 
 
 def headline_metric(metrics):
     """The name of the metric an evaluation reports first: VQA accuracy, CIDEr, or (MME, SEED-Bench) accuracy."""
     return next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in metrics)
-
-
-def no_icl_verdict(icl, metric, items, margin=5.0):
-    """What the summary line adds where N-shot ICL is at chance (at most the most frequent answer's share of the
-    items + margin points): then the backbone does not learn in context and no score beside it shows anything."""
-    if metric == "cider":
-        return ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
-    if icl[metric] > chance + margin:
-        return ""
-    return (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always the most "
-            "frequent answer, + 5): this backbone does not learn in context, so nothing here can be distilled")
 
 
 # -------------------------------------- metrics, as the official tools compute them (VQA, CIDEr-D, MME, SEED-Bench)
@@ -354,29 +341,19 @@ def _clean_whitespace(s):
     return s.replace("\n", " ").replace("\t", " ").strip()
 
 
-def _process_punctuation(s):
-    # Each mark is deleted if it touches a space in the *input* or the input has a digit,digit comma;
-    # otherwise it becomes a space. The official call passes re.UNICODE (= 32) as sub's *count*
-    # argument, so at most 32 periods are removed.
-    out = s
-    for p in _PUNCT:
-        if p + " " in s or " " + p in s or _COMMA_STRIP.search(s) is not None:
-            out = out.replace(p, "")
-        else:
-            out = out.replace(p, " ")
-    return _PERIOD_STRIP.sub("", out, count=32)
-
-
-def _process_digit_article(s):
-    words = [_NUMBERS.get(w, w) for w in s.lower().split()]
-    return " ".join(_CONTRACTIONS.get(w, w) for w in words if w not in _ARTICLES)
-
-
 def normalize_vqa_answer(ans):
     """Normalise an answer as the official VQA evaluation (vqaEval.py, GT-Vision-Lab/VQA) does:
     newline/tab -> space and strip, then processPunctuation, then processDigitArticle (lowercase,
     number words -> digits, drop a/an/the, restore contractions like dont -> don't)."""
-    return _process_digit_article(_process_punctuation(_clean_whitespace(ans)))
+    s = out = _clean_whitespace(ans)
+    # processPunctuation: each mark is deleted if it touches a space in the *input* or the input has a digit,digit
+    # comma; otherwise it becomes a space. The official call passes re.UNICODE (= 32) as sub's *count* argument, so
+    # at most 32 periods are removed.
+    for p in _PUNCT:
+        delete = p + " " in s or " " + p in s or _COMMA_STRIP.search(s) is not None
+        out = out.replace(p, "" if delete else " ")
+    words = [_NUMBERS.get(w, w) for w in _PERIOD_STRIP.sub("", out, count=32).lower().split()]
+    return " ".join(_CONTRACTIONS.get(w, w) for w in words if w not in _ARTICLES)
 
 
 def vqa_accuracy(prediction, answers):
@@ -501,29 +478,6 @@ def tokenize_caption(s):
     return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
-def _ngram_counts(words, n=4):
-    return Counter(tuple(words[i:i + k]) for k in range(1, n + 1) for i in range(len(words) - k + 1))
-
-
-def _tfidf(counts, df, log_num_images, n=4):
-    # per order: {ngram: tf * idf}, and its L2 norm; idf = log(#images) - log(max(1, df))
-    vec = [{} for _ in range(n)]
-    for g, tf in counts.items():
-        vec[len(g) - 1][g] = tf * (log_num_images - math.log(max(1.0, df.get(g, 0.0))))
-    return vec, [math.sqrt(sum(v * v for v in d.values())) for d in vec]
-
-
-def _sim(cand, ref, sigma):
-    # clipped cosine per n-gram order, times the Gaussian length penalty
-    (vec_c, norm_c, len_c), (vec_r, norm_r, len_r) = cand, ref
-    penalty = math.exp(-((len_c - len_r) ** 2) / (2 * sigma ** 2))
-    out = []
-    for vc, vr, nc, nr in zip(vec_c, vec_r, norm_c, norm_r):
-        val = sum(min(v, vr.get(g, 0.0)) * vr.get(g, 0.0) for g, v in vc.items())
-        out.append(val / (nc * nr) * penalty if nc and nr else 0.0)  # at norm 0 the official val is 0 anyway
-    return out
-
-
 def cider_d(candidates, references, n=4, sigma=6.0):
     """CIDEr-D as pycocoevalcap's CiderScorer (coco-caption, the "CIDEr" of the COCO caption
     evaluation) computes it. candidates: {id: caption}, references: {id: [captions]}; captions are
@@ -534,21 +488,29 @@ def cider_d(candidates, references, n=4, sigma=6.0):
     whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here.
     Returns (corpus score = mean over ids, {id: score})."""
     assert candidates.keys() == references.keys(), "candidates and references must share ids"
-    refs = {i: [_ngram_counts(tokenize_caption(r), n) for r in references[i]] for i in references}
+    ngrams = lambda w: Counter(tuple(w[i:i + k]) for k in range(1, n + 1) for i in range(len(w) - k + 1))
+    refs = {i: [ngrams(tokenize_caption(r)) for r in references[i]] for i in references}
     assert all(refs.values()), "every id needs at least one reference"
     df = Counter(g for counts in refs.values() for g in set().union(*counts))
     log_num_images = math.log(len(refs))
 
-    def features(counts):
-        vec, norm = _tfidf(counts, df, log_num_images, n)
+    def features(counts):  # per order {ngram: tf * idf} and its L2 norm; idf = log(#images) - log(max(1, df))
+        vec = [{} for _ in range(n)]
+        for g, tf in counts.items():
+            vec[len(g) - 1][g] = tf * (log_num_images - math.log(max(1.0, df.get(g, 0.0))))
+        norm = [math.sqrt(sum(v * v for v in d.values())) for d in vec]
         return vec, norm, sum(tf for g, tf in counts.items() if len(g) == 1)
 
     scores = {}
     for i, cand in candidates.items():
-        c = features(_ngram_counts(tokenize_caption(cand), n))
+        vec_c, norm_c, len_c = features(ngrams(tokenize_caption(cand)))
         per_order = [0.0] * n
-        for r in refs[i]:
-            per_order = [a + b for a, b in zip(per_order, _sim(c, features(r), sigma))]
+        for r in refs[i]:  # per n-gram order the clipped cosine, times the Gaussian length penalty
+            vec_r, norm_r, len_r = features(r)
+            penalty = math.exp(-((len_c - len_r) ** 2) / (2 * sigma ** 2))
+            for k, (vc, vr, nc, nr) in enumerate(zip(vec_c, vec_r, norm_c, norm_r)):
+                val = sum(min(v, vr.get(g, 0.0)) * vr.get(g, 0.0) for g, v in vc.items())
+                per_order[k] += val / (nc * nr) * penalty if nc and nr else 0.0  # at norm 0 the official val is 0
         scores[i] = 10.0 * sum(per_order) / n / len(refs[i])
     return sum(scores.values()) / len(scores), scores
 
@@ -574,12 +536,10 @@ def option_letter(pred):
 
 
 def multiple_choice_accuracy(predictions, answers):
-    """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1].
-    Both sides are stripped and lowercased. If the answer is yes/no, the prediction is parsed as
-    MME's official eval_tool/calculation.py does (exact yes/no, else "yes" or, failing that, "no"
-    found in its first 4 characters, else wrong). Otherwise the answer is an option letter and the
-    prediction's is option_letter's, exact match. SEED-Bench's official evaluation ranks option likelihoods
-    (option_logliks); this is the generative variant."""
+    """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1]. Both sides are stripped
+    and lowercased; against a yes/no answer the prediction is parsed as MME's calculation.py does (_yes_no), against
+    an option letter by option_letter, exact match. (SEED-Bench's official evaluation ranks option likelihoods,
+    option_logliks; this is the generative variant.)"""
     assert len(predictions) == len(answers)
     correct = 0
     for pred, ans in zip(predictions, answers):
@@ -695,8 +655,7 @@ def singularize(word):
 # chair.py's quirks, which its published numbers (the paper's Table 5 among them) include, so counted by default
 # (--chair; --chair corrected counts without them): pattern.en's singularize turns these caption words into
 # non-words ("bus" -> "bu", so a singular bus is never counted; "ties" -> "ty", "canoes" -> "cano"), and three
-# synonyms of synonyms.txt can never match as written there (" motor bike", " cheesecake" with a leading space,
-# "iPhone" with a capital against a lowercased caption).
+# synonyms of synonyms.txt can never match as written there (CHAIR_PY_UNMATCHED; read_synonyms says why).
 # pattern.en also keeps "doggies" as it is (no dog) and reads people, skis, oxen, tennis as person, ski, ox, "tenni"
 # (so "tennis racket" is a racket); chair.py joins no "dining table" (a table) and keeps punctuation tokens, which
 # part a pair ("hot, dog" is a dog).
@@ -779,9 +738,8 @@ def chair_metrics(items, predictions, count="chair.py"):
 # ------ training-free in-context vectors (Table 1): task vectors (Hendel et al. 2023), function vectors (Todd 2024)
 #
 # Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
-# prompt at the last prompt token of one decoder layer (steer: a forward hook); the FV, as Todd et al.'s code
-# does, also to each generated token. The layer is the one with the lowest target cross-entropy on queries held out
-# of the training split (never the evaluation split).
+# prompt at the last prompt token of one decoder layer (steer), the layer of lowest target cross-entropy on queries
+# held out of the training split (layer_losses; never the evaluation split).
 
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
@@ -800,13 +758,6 @@ def vector_sets(pool, args, shots):
         raise ValueError(f"--vector-sets {args.vector_sets} + --vector-heldout {args.vector_heldout} exceed the "
                          f"{len(pool)} training items of {args.task}")
     return queries, D.demonstrations([q.id for q in queries], pool, shots, args.seed), heldout
-
-
-def shuffled_labels(icds, seed):
-    """Todd et al.'s corrupted prompts: each ICD list with its targets shuffled among its ICDs."""
-    rng = random.Random(seed)
-    return [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
-            for ds in icds]
 
 
 def target_batches(backbone, kind, queries, icds, batch_size):
@@ -848,7 +799,10 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
     """Average indirect effect of every head (Todd et al. 2024), [L, H]: on ICL prompts whose ICD labels are
     shuffled, the rise of the first answer token's probability when the head's output at the last prompt token is
     replaced by its mean over clean prompts (model.set_head_output), averaged over the prompts."""
-    batches = target_batches(backbone, kind, queries, shuffled_labels(icds, seed), batch_size)
+    rng = random.Random(seed)  # the corrupted prompts: each ICD list with its targets shuffled among its ICDs
+    shuffled = [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
+                for ds in icds]
+    batches = target_batches(backbone, kind, queries, shuffled, batch_size)
     base = [answer_probability(backbone, b, p) for b, p in batches]
     layers, heads, _ = M.attention_shape(backbone.model)
     aie = torch.zeros(layers, heads, dtype=torch.float64)
@@ -900,17 +854,6 @@ def vector_path(backbone, args, shots):
     return os.path.join(args.out, "vectors", name)
 
 
-def vector_shapes(backbone, args):
-    """What a saved vector file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it."""
-    layers, heads, _ = M.attention_shape(backbone.model)
-    shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
-              "losses": ((layers,), None)}
-    if args.vector == "fv":
-        shapes |= {"mean_heads": ((layers, heads, None), None), "aie": ((layers, heads), None),
-                   "heads": ((args.fv_heads, 2), None)}
-    return shapes
-
-
 def compute_vector(backbone, args, shots):
     """Extract a TV or FV from the training split and score every layer on the held-out queries.
 
@@ -935,16 +878,22 @@ def compute_vector(backbone, args, shots):
 def load_vector(backbone, args):
     """The TV or FV for --vector, computed once (compute_vector) and saved, else read back. Returns the steering
     (layer, vector, add) evaluate() applies and the facts the metrics file records."""
-    shots = args.shots or D.default_shots(args.task, backbone.family)
+    shots, fv = args.shots or D.default_shots(args.task, backbone.family), args.vector == "fv"
     layers, heads, _ = M.attention_shape(backbone.model)
     if args.vector_layer is not None and not 0 <= args.vector_layer < layers:
         raise ValueError(f"--vector-layer {args.vector_layer} is out of range: {backbone.name} has decoder layers "
                          f"0..{layers - 1}")
-    if args.vector == "fv" and not 0 < args.fv_heads <= layers * heads:
+    if fv and not 0 < args.fv_heads <= layers * heads:
         raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
     path, key = vector_path(backbone, args, shots), vector_key(backbone, args, shots)
     D.remove_stale_tmp(os.path.dirname(path))
-    saved = D.read_cache(path, key, vector_shapes(backbone, args))
+    # what the file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it
+    shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
+              "losses": ((layers,), None)}
+    if fv:
+        shapes |= {"mean_heads": ((layers, heads, None), None), "aie": ((layers, heads), None),
+                   "heads": ((args.fv_heads, 2), None)}
+    saved = D.read_cache(path, key, shapes)
     if saved is not None:
         print(f"{args.vector}: read {path}")
     else:
@@ -954,9 +903,8 @@ def load_vector(backbone, args):
     layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
     info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
             "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist()}
-    if args.vector == "fv":
+    if fv:
         info["fv_heads"] = saved["heads"].tolist()
-    fv = args.vector == "fv"
     return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
@@ -968,15 +916,12 @@ def _rows_at(h, positions):
 
 @contextlib.contextmanager
 def steer(model, layer, vector, positions=None, add=False, decoding=False):
-    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row: replace it by
-    `vector` ([d], or [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector,
-    Todd et al. 2024).
-
-    positions: [B] token index per row, or None for each row's last token (the last prompt token of a left-padded
-    prompt). Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding`
-    (Todd et al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens
-    see it through the KV cache). A forward hook on the layer module; nothing else changes.
-    """
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row (positions: [B], or
+    None for each row's last token, the last prompt token of a left-padded prompt): replace it by `vector` ([d], or
+    [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector, Todd et al. 2024).
+    Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding` (Todd et
+    al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens see it
+    through the KV cache)."""
     def hook(module, inputs, output):
         h = output[0] if isinstance(output, tuple) else output
         if h.shape[1] == 1 and not decoding:
@@ -1115,10 +1060,8 @@ def benchmark_prompt(backbone, args, shots):
 
 
 def keep_freed_memory():
-    """CPU benchmarks: glibc's malloc keeps freed blocks (up to 32 MiB each) for reuse instead of handing them back to
-    the system, so that a run does not page-fault its activations in again. Measured on the mid-size prefill: about
-    60,000 page faults and 8% of the time per run before, none after, and less run-to-run noise. Changes nothing
-    where the C library is not glibc."""
+    """CPU benchmarks: glibc's malloc keeps freed blocks (up to 32 MiB each) for reuse, so that a run does not
+    page-fault its activations in again (docs/efficiency.md: 8% of a mid-size prefill's time). A no-op without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -1132,12 +1075,9 @@ def paired_latency(runs, device):
     speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
     Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
     on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
-    the median and quartiles over rounds of the ratio (the reference's are 1).
-
-    Not torch.utils.benchmark: its Timer times one statement at a time (on one thread unless told otherwise), so a
-    drift between two settings' measurements lands in their ratio. Unpaired timing (best of 3 medians, an earlier
-    version) put two rows doing the same work 11% apart on a shared 2-core machine (README, "How latency is
-    measured"); the pairing removes that."""
+    the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark
+    (which times one statement at a time, so a drift between two settings lands in their ratio): docs/efficiency.md,
+    "How latency is measured"."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
 
     def timer(f):
@@ -1213,7 +1153,7 @@ def benchmark(backbone, args):
             rows.append({"setting": name, "prompt_tokens": inputs["input_ids"].shape[1],
                          "prefill_tflops": flops(backbone, inputs, 1) / 1e12,
                          "tflops": flops(backbone, inputs, new_tokens) / 1e12,
-                         "attention_mib": None if shots else attention_memory(attention, device)})
+                         "attention_mib": None if shots else peak_memory_mb(attention, device)})
         for part, k in (("prefill", 1), ("generate", new_tokens)):
             runs[part][name] = lambda timer, m=method, i=inputs, k=k: _in_setting(
                 backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
@@ -1260,33 +1200,23 @@ def peak_memory_mb(run, device="cpu"):
         run()
     records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                      if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2 ** 20
+    return max(itertools.accumulate((nbytes for _, nbytes in records), initial=0)) / 2 ** 20
 
 
 def attention_call(model, T):
     """One decoder self-attention of `model` (its first layer's module and head sizes) on random q [1, H, T, d_h] and
     k, v [1, H_kv, T, d_h], causal: (forward, reference, sizes), closures running model.calibrated_attention (the
-    module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, and the sizes in
-    words."""
+    module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, both without autograd
+    (the adapter's parameters would otherwise keep its activations), and the sizes in words."""
     attn = M.decoder_self_attentions(model)[0]
     device, dtype = device_of(model), next(model.parameters()).dtype
     _, heads, head_dim = M.attention_shape(model)
     kv_heads = getattr(attn.config, "num_key_value_heads", None) or heads
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
     k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
-    return (lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling),
-            lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling),
+    return (torch.no_grad()(lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling)),
+            torch.no_grad()(lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling)),
             f"{heads} heads ({kv_heads} key/value) x {head_dim}")
-
-
-def attention_memory(run, device):
-    """peak_memory_mb of run() without autograd (the adapter's parameters would otherwise keep its activations)."""
-    with torch.no_grad():
-        return peak_memory_mb(run, device)
 
 
 def attention_benchmark(model, T=2048):
@@ -1301,7 +1231,7 @@ def attention_benchmark(model, T=2048):
     with torch.no_grad():
         for name, method, run in paths:
             with run_as(model, method):
-                memory[name] = attention_memory(run, device)
+                memory[name] = peak_memory_mb(run, device)
             runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
         latency = paired_latency(runs, device)
     print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
@@ -1377,7 +1307,7 @@ def gate_analysis(backbone, args, items):
     hooks = [a.register_forward_pre_hook(lambda mod, inp: gates.append(mod.gate(inp[0])[..., 0]))
              for a in M.adapter_modules(model)]
     g_all, dA_all = [], []
-    try:
+    with M.hooked(*hooks):
         for (teacher, student), lengths in analysis_batches(backbone, args, items):
             gates.clear()
             model(**student)
@@ -1391,9 +1321,6 @@ def gate_analysis(backbone, args, items):
                                    int(student["attention_mask"][b].sum()), T)
                 g_all.append(g[:, b, :, -T:].flatten(1).float().cpu())
                 dA_all.append(dA.flatten(1).cpu())
-    finally:
-        for h in hooks:
-            h.remove()
     g, dA = torch.cat(g_all, 1), torch.cat(dA_all, 1)                         # [L, all heads x tokens]
     quarter = max(1, g.shape[0] // 4)
     per_layer = g.mean(1)
@@ -1491,18 +1418,6 @@ def answer_measures(backbone, kind, items, teacher, batch_size=8):
     return {"answer_logprob": logp / len(items), "teacher_kl": kl / tokens}
 
 
-def teacher_answer_logits(backbone, args, items, shots):
-    """The backbone's answer logits with `shots` random demonstrations from the training split (seed 0), per item."""
-    kind, support = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
-    icds = D.demonstrations([it.id for it in items], support, shots, 0)
-    pieces = D.query_pieces(backbone.processor, backbone.family, kind, items)
-    device, out = device_of(backbone.model), []
-    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
-        s = slice(i, i + args.batch_size)
-        out += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device, output="logits")
-    return out
-
-
 def method_of(flags):
     """The --method a row's train.py flags name (train.py's default: hyper-icl)."""
     return flags[flags.index("--method") + 1] if "--method" in flags else "hyper-icl"
@@ -1592,7 +1507,13 @@ def curve(args):
     items = eval_items(args)
     backbone = M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
-    teacher = teacher_answer_logits(backbone, args, items, shots)
+    # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
+    icds = D.demonstrations([it.id for it in items], D.load_task(args.task, "train", args.data_root), shots, 0)
+    pieces, teacher = D.query_pieces(backbone.processor, backbone.family, kind, items), []
+    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
+        s = slice(i, i + args.batch_size)
+        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device_of(backbone.model),
+                                     output="logits")
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
@@ -1780,8 +1701,18 @@ def parse_args(argv=None):
                    f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
-    args = p.parse_args(glued(sys.argv[1:] if argv is None else argv, "--train-args"))
-    check_seed_flags(p, args)
+    # `--train-args VALUE` written `--train-args=VALUE`, so that a value starting with '-' ("--resume") is taken as
+    # the flag's value, not as a flag of its own
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for k in range(len(argv) - 1):
+        if argv[k] == "--train-args":
+            argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
+    args = p.parse_args([a for a in argv if a is not None])
+    if args.seed_protocol and D.TASKS[args.task].kind != "choice":
+        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
+    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
+        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
+    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
                         "threads": 1}.items():
@@ -1798,7 +1729,16 @@ def parse_args(argv=None):
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
         if not 2 <= args.curve_seeds <= len(T_975) + 1:
             p.error(f"--curve-seeds must be in [2, {len(T_975) + 1}] for an interval (got {args.curve_seeds})")
-        check_train_args(p, args)
+        try:  # split as a shell does and parsed by train.py's parser now, before any work
+            flags = shlex.split(args.train_args)
+        except ValueError as e:
+            p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
+        try:
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
+        except SystemExit:
+            p.error(f"--train-args {args.train_args!r}: train.py says: "
+                    + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task not in ("coco", "toy-caption"):
@@ -1823,41 +1763,6 @@ def parse_args(argv=None):
                             or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
     train.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args
-
-
-def glued(argv, flag):
-    """argv with `flag VALUE` written `flag=VALUE`, so that a value starting with '-' (--train-args "--resume") is
-    taken as the flag's value, not as a flag of its own."""
-    out = list(argv)
-    for k in range(len(out) - 1):
-        if out[k] == flag:
-            out[k:k + 2] = [f"{flag}={out[k + 1]}", None]
-    return [a for a in out if a is not None]
-
-
-def check_seed_flags(p, args):
-    """--seed-protocol applies to SEED-Bench tasks only, --seed-prompt to --seed-protocol likelihood only: a parser
-    error otherwise; then their defaults (generate, official)."""
-    if args.seed_protocol and D.TASKS[args.task].kind != "choice":
-        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
-    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
-        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
-    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
-
-
-def check_train_args(p, args):
-    """--curve's --train-args, split as a shell does and parsed by train.py's parser now, before any work: a
-    parser error (naming the flag) if they do not parse."""
-    try:
-        flags = shlex.split(args.train_args)
-    except ValueError as e:
-        p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
-    try:
-        with contextlib.redirect_stderr(io.StringIO()) as err:
-            train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
-    except SystemExit:
-        p.error(f"--train-args {args.train_args!r}: train.py says: "
-                + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
 
 
 def main(argv=None):
