@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
-from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration,
-                          Idefics2ImageProcessorPil,
-                          Idefics2Processor, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
+from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
+                          Idefics2ImageProcessorPil, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
                           IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
                           LlavaOnevisionProcessor, LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil)
@@ -225,12 +224,6 @@ def hooked(*handles):
 
 # -------------------------------------------------------------------------------------- saving and loading adapters
 
-def _describe(backbone_name, model):
-    """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
-    layers, heads, head_dim = attention_shape(model)
-    return {**model.icl_settings, "backbone": backbone_name, "layers": layers, "heads": heads, "head_dim": head_dim}
-
-
 def fingerprint(backbone):
     """A short hash of the backbone's identity: its family and the values of some of its weights.
 
@@ -249,10 +242,11 @@ def fingerprint(backbone):
 
 
 def save_adapter(path, backbone):
-    """Save only the adapter's parameters, with its settings (and the backbone's family and fingerprint) as JSON
-    in the safetensors metadata."""
-    settings = {**_describe(backbone.name, backbone.model), "family": backbone.family,
-                "fingerprint": fingerprint(backbone)}
+    """Save only the adapter's parameters, with its settings (method, sizes, backbone, its attention shape, family
+    and fingerprint) as JSON in the safetensors metadata."""
+    settings = {**backbone.model.icl_settings, "backbone": backbone.name,
+                **dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model))),
+                "family": backbone.family, "fingerprint": fingerprint(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_modules(backbone.model).state_dict().items()}
     atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
 
@@ -327,7 +321,15 @@ def family_of(name):
         return short
     config_file = os.path.join(name, "config.json")
     if os.path.isfile(config_file):
-        model_type = read_config(config_file).get("model_type")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"--model: {config_file} is not valid JSON ({e}); restore the model folder's "
+                             "config.json") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"--model: {config_file} is not a JSON object; restore the model folder's config.json")
+        model_type = config.get("model_type")
         if model_type in CONFIG_TYPES:
             return CONFIG_TYPES[model_type]
         raise ValueError(f"--model: {config_file} has model_type {model_type!r}, none of {sorted(CONFIG_TYPES)}")
@@ -345,18 +347,6 @@ def family_of(name):
                      "local path of one of those families")
 
 
-def read_config(path):
-    """A model folder's config.json as a dict; one that is not a JSON object is a ValueError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"--model: {path} is not valid JSON ({e}); restore the model folder's config.json") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"--model: {path} is not a JSON object; restore the model folder's config.json")
-    return config
-
-
 def freeze(model):
     """No backbone parameter trains; eval mode (no dropout)."""
     model.requires_grad_(False)
@@ -367,23 +357,20 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
     """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
     weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
     (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"."""
-    family = family_of(name)
-    if name == "toy-idefics2" or is_toy_file(name):
-        model, processor = toy_idefics2(None if name == "toy-idefics2" else name)
+    family, toy = family_of(name), name == "toy-idefics2" or is_toy_file(name)
+    if toy or name.startswith("tiny-"):
+        model, processor = TINY_BUILDERS[family](seed) if not toy else \
+            toy_idefics2(None if name == "toy-idefics2" else name)
         images = image_setting(processor, family, image_splitting, "built-in processor")
-        return with_context_limit(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name,
-                                  images)
-    if name.startswith("tiny-"):
-        model, processor = TINY_BUILDERS[family](seed)
-        device = device or "cpu"
-        images = image_setting(processor, family, image_splitting, "built-in processor")
-        return with_context_limit(freeze(model.to(device, dtype or torch.float32)), processor, family, name, images)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    path = FAMILIES[family].hub_id if name == family else name
-    processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
-    model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
-    return with_context_limit(freeze(model), processor, family, name, images)
+        model = model.to(device or "cpu", dtype or torch.float32)
+    else:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        path = FAMILIES[family].hub_id if name == family else name
+        processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
+        model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
+    return Backbone(freeze(model), processor, family, name, images)
 
 
 def load_processor(path, family, image_splitting="checkpoint"):
@@ -442,12 +429,6 @@ def image_setting(processor, family, splitting="checkpoint", source="the checkpo
     crops = 5 if images.do_image_splitting else 1
     return (f"image splitting: {'on' if images.do_image_splitting else 'off'} ({source}): {crops} crop(s) x "
             f"{processor.image_seq_len} tokens an image")
-
-
-def with_context_limit(model, processor, family, name, images=""):
-    """A Backbone whose tokenizer knows the text model's context (model_max_length), which data.collate checks."""
-    context_limit(processor, model.config)
-    return Backbone(model, processor, family, name, images)
 
 
 def context_limit(processor, config):
@@ -519,7 +500,7 @@ def tiny_idefics(seed=0):
                                                           "<end_of_utterance>"]})
     processor = IdeficsProcessor(IdeficsImageProcessorPil(image_size=28), tok, image_size=28)
     config = IdeficsConfig(
-        vocab_size=len(tok), additional_vocab_size=0, **{k: v for k, v in TINY_TEXT.items()}, cross_layer_interval=1,
+        vocab_size=len(tok), additional_vocab_size=0, **TINY_TEXT, cross_layer_interval=1,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         use_resampler=True, vision_config=dict(embed_dim=32, image_size=28, patch_size=14, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=2),
@@ -645,15 +626,9 @@ def read_toy(path, sha256=None, shapes=None):
     if digest != expected or sha256 not in (None, digest):
         raise ValueError(f"toy backbone {path}: its weights do not match their checksum; restore the reference with "
                          "`git checkout tests/data` or build another with `python train.py --build-toy`")
-    if shapes is not None:
-        check_toy_shapes(path, tensors, shapes)
-    return tensors
-
-
-def check_toy_shapes(path, tensors, shapes):
-    """A ValueError naming `path` unless its tensors have exactly the toy model's names and shapes (a cache file the
-    scripts write, RICES features, teacher states or a task vector, has a checksum too, but other tensors)."""
-    if set(tensors) != set(shapes):
+    if shapes is None:
+        return tensors
+    if set(tensors) != set(shapes):  # a cache file (RICES features, teacher states, a task vector) has a checksum too
         missing = sorted(set(shapes) - set(tensors))
         names = ", ".join(sorted(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
         raise ValueError(f"{path} is not a toy backbone: it holds {len(tensors)} tensors ({names}), not the toy "
@@ -663,6 +638,7 @@ def check_toy_shapes(path, tensors, shapes):
         if tuple(tensors[name].shape) != tuple(shape):
             raise ValueError(f"{path} is not a toy backbone: {name} is {tuple(tensors[name].shape)}, the toy "
                              f"Idefics2's is {tuple(shape)}; pass a file written by `python train.py --build-toy`")
+    return tensors
 
 
 def toy_metadata(path):
@@ -681,18 +657,14 @@ def toy_idefics2(path=None):
     return model.eval(), processor
 
 
-def is_small(name):
-    """Whether a backbone name is one of the tiny or toy backbones (a few million parameters or fewer)."""
-    return name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
-
-
 def choose_threads(name, threads=None):
-    """Set torch's CPU threads: `threads` (--threads) if given, else one for a small backbone (is_small) on CPU,
-    where a second thread only adds synchronisation (10x slower on a busy 2-core machine, README), else torch's
-    default. Returns the count in force."""
+    """Set torch's CPU threads: `threads` (--threads) if given, else one for a tiny or toy backbone (a few million
+    parameters or fewer) on CPU, where a second thread only adds synchronisation (10x slower on a busy 2-core machine,
+    README), else torch's default. Returns the count in force."""
+    small = name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
     if threads:
         torch.set_num_threads(threads)
-    elif is_small(name) and not torch.cuda.is_available():
+    elif small and not torch.cuda.is_available():
         torch.set_num_threads(1)
     return torch.get_num_threads()
 
