@@ -176,12 +176,9 @@ def answer_kl(student_logits, teacher_logits, temperature):
 
 
 def share_of_global_mean(mean, count):
-    """This process's share of a mean over the global micro-batch, from the mean over its `count` items.
-
-    Under torchrun each of N processes holds part of the micro-batch and DDP averages their gradients, so the mean
-    over the process's items is rescaled to mean * count * N / (global count): the average over the processes is
-    then the mean over the whole micro-batch, as one process computes it. Without torchrun: `mean` unchanged.
-    """
+    """This process's share of a mean over the global micro-batch, from the mean over its `count` items: under
+    torchrun, N processes hold parts of the micro-batch and DDP averages their gradients, so mean * count * N /
+    (global count), whose average over the processes is the mean over the whole micro-batch. Else `mean` itself."""
     if not dist.is_initialized():
         return mean
     total = count.detach().float().clone()
@@ -228,11 +225,9 @@ def answer_positions(labels):
 
 @torch.no_grad()
 def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens.
-
-    Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens); with
-    output="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
-    """
+    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens,
+    [L, T_q, d] (L decoder layers, T_q the query + target tokens); output="logits" (LIVE's teacher): its logits at
+    the answer positions instead, [n_answer, V] in float32."""
     batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
     keep = data.answer_window(batch["labels"]) if output == "logits" else 1  # states: no vocabulary-wide logits
     inputs = {**data.model_inputs(batch), "logits_to_keep": keep}
@@ -452,10 +447,8 @@ def check_finite(parts, step):
 
 
 def end_of_epoch(run, epoch):
-    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
-
-    The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
-    """
+    """Score the held-out queries; keep the best epoch's adapter as <out>/adapter.safetensors. The epoch enters the
+    history only once its adapter is saved, so a run stopped in between scores it again."""
     progress, first = run.progress, rank_and_world()[0] == 0
     loss = heldout_loss(run.backbone, run.args, run.kind, run.heldout, run.device)
     if loss < progress["best"]:
@@ -469,10 +462,8 @@ def end_of_epoch(run, epoch):
 
 @torch.no_grad()
 def heldout_loss(backbone, args, kind, heldout, device):
-    """The supervised loss of the held-out queries: what picks the best epoch.
-
-    Under torchrun each process scores every N-th batch; the batches' values are gathered and summed in order.
-    """
+    """The supervised loss of the held-out queries, which picks the best epoch. Under torchrun each process scores
+    every N-th batch; the batches' values are gathered and summed in order."""
     rank, world = rank_and_world()
     starts, totals = range(0, len(heldout), args.batch_size), {}
     for i in starts[rank::world]:
@@ -628,13 +619,9 @@ def describe_probe(row):
 
 
 def meta_train(recipe, threads=1, log=print):
-    """Meta-train the toy Idefics2 from scratch (bit-identical for recipe["seed"] on one thread of one machine).
-
-    Phase 1 (recipe["named_steps"]): single images, the question names the attribute. Phase 2
-    (recipe["episode_steps"]): episodes of 0..max_shots ICDs + a query of a random attribute, the uninformative
-    question (named in a `named_fraction` of batches). AdamW, the warm-up cosine schedule of adapter training.
-    Returns (model, processor, learning curve, acceptance probe): probe rows on scenes never trained on.
-    """
+    """Meta-train the toy Idefics2 from scratch with the curriculum above, recipe["named_steps"] then
+    recipe["episode_steps"] (bit-identical for recipe["seed"] on one thread of one machine). Returns (model,
+    processor, learning curve, acceptance probe): probe rows on scenes never trained on."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -914,10 +901,9 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
     """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
     if rank_and_world()[0] != 0:
         return
-    state = {
-        "adapter": M.adapter_modules(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
-        "rng": torch.get_rng_state(), "processes": rank_and_world()[1]}
+    state = {"adapter": M.adapter_modules(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
+             "rng": torch.get_rng_state(), "processes": rank_and_world()[1]}
     data.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
@@ -974,12 +960,10 @@ LOCK_FILE = ".lock"
 
 @contextlib.contextmanager
 def locked(folder):
-    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid.
-
-    A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
-    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind.
-    Under torchrun the first process holds it for all of them.
-    """
+    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid. A second
+    process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder and the
+    holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
+    torchrun the first process holds it for all of them."""
     if rank_and_world()[0] != 0:
         yield
         return
@@ -1154,8 +1138,7 @@ def parse_args(argv=None):
                    "on CPU, which more threads only slow down on a busy machine, and for --build-toy, whose bytes "
                    "then repeat on the same machine; else torch's own choice)")
     args = p.parse_args(argv)
-    if args.rank is None:
-        args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"])
+    args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"]) if args.rank is None else args.rank
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
                 "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0, "build_tries": 1, "threads": 1}
@@ -1251,7 +1234,6 @@ def check_build_out(path, overwrite):
         above = os.path.dirname(above)
     if not os.path.isdir(above):
         raise ValueError(f"--out {path}: {above} is a file, not a folder; choose another --out")
-    probe = None
     try:
         os.makedirs(folder, exist_ok=True)
         probe = data.tmp_name(path)
