@@ -162,10 +162,8 @@ def lora_layers(model):
 
 @contextlib.contextmanager
 def attention_as(model, implementation):
-    """Run the text decoder's attention through another registered implementation for a while.
-
-    "sdpa": the backbone as it was, adapters bypassed; "eager": also returns attention probabilities.
-    """
+    """Run the text decoder's attention through another registered implementation for a while: "sdpa", the backbone
+    as it was, adapters bypassed; "eager", which also returns attention probabilities."""
     cfg = decoder_self_attentions(model)[0].config
     before, cfg._attn_implementation = cfg._attn_implementation, implementation
     try:
@@ -225,12 +223,10 @@ def hooked(*handles):
 # -------------------------------------------------------------------------------------- saving and loading adapters
 
 def fingerprint(backbone):
-    """A short hash of the backbone's identity: its family and the values of some of its weights.
-
-    The weights are the first four parameters and those of the first and last decoder self-attention (the layers
-    the adapters act in), rounded to bf16, so the same checkpoint loaded in float32 or bf16, by name or by path,
-    gives the same fingerprint, and tiny twins of different seeds differ.
-    """
+    """A short hash of the backbone's identity: its family and the values of some of its weights, the first four
+    parameters and those of the first and last decoder self-attention (the layers the adapters act in), rounded to
+    bf16, so the same checkpoint loaded in float32 or bf16, by name or by path, gives the same fingerprint, and tiny
+    twins of different seeds differ."""
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = decoder_self_attentions(backbone.model)
     params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
@@ -375,11 +371,9 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
 
 def load_processor(path, family, image_splitting="checkpoint"):
     """The processor of the checkpoint at `path` (a hub id or a folder), its images resized by PIL on every machine,
-    and the line that says how it encodes images (image_setting): (processor, line).
-
-    LLaVA-OneVision's is built from its tokenizer, image processor and processor_config.json without the video
-    processor that AutoProcessor would build, which needs torchvision (not a requirement: images never use it).
-    """
+    and the line that says how it encodes images (image_setting): (processor, line). LLaVA-OneVision's is built from
+    its tokenizer, image processor and processor_config.json without the video processor that AutoProcessor would
+    build, which needs torchvision (not a requirement: images never use it)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file
     source = "the checkpoint's processor config"
@@ -389,9 +383,8 @@ def load_processor(path, family, image_splitting="checkpoint"):
     if family != "llava-onevision":
         processor = AutoProcessor.from_pretrained(path, backend="pil")
         return processor, image_setting(processor, family, image_splitting, source)
-    config_file = os.path.join(path, "processor_config.json")
-    if not os.path.isdir(path):
-        config_file = cached_file(path, "processor_config.json")
+    config_file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else \
+        cached_file(path, "processor_config.json")
     try:
         with open(config_file) as f:
             settings = json.load(f)
@@ -448,10 +441,8 @@ TINY_CORPUS = ("Answer the question about the image in a few words. Describe the
 
 
 def tiny_tokenizer(special, vocab_size=384, corpus=TINY_CORPUS, **named):
-    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens.
-
-    special: every special token, in id order after the 256 byte symbols' merges; named: bos_token=..., etc.
-    """
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens:
+    `special`, every special token, in id order after the 256 byte symbols' merges; named: bos_token=..., etc."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -473,12 +464,17 @@ def _seeded(model_cls, config, seed):
     return model_cls(config)
 
 
-def tiny_idefics2(seed=0):
-    """Idefics2 (Mistral text model with grouped-query attention, perceiver resampler) at toy size."""
+def _idefics_tokenizer(**corpus):
     tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>")
+                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>", **corpus)
     tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
                                                           "<end_of_utterance>"]})
+    return tok
+
+
+def tiny_idefics2(seed=0):
+    """Idefics2 (Mistral text model with grouped-query attention, perceiver resampler) at toy size."""
+    tok = _idefics_tokenizer()
     n_latents = 4
     processor = Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 28,
                                   "shortest_edge": 28}), tok, image_seq_len=n_latents)
@@ -494,10 +490,7 @@ def tiny_idefics2(seed=0):
 
 def tiny_idefics(seed=0):
     """Idefics (LLaMA text model with gated cross-attention to a perceiver over CLIP features) at toy size."""
-    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>")
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
-                                                          "<end_of_utterance>"]})
+    tok = _idefics_tokenizer()
     processor = IdeficsProcessor(IdeficsImageProcessorPil(image_size=28), tok, image_size=28)
     config = IdeficsConfig(
         vocab_size=len(tok), additional_vocab_size=0, **TINY_TEXT, cross_layer_interval=1,
@@ -576,22 +569,16 @@ TOY_SHA256 = "94ddc506fac0b506d2c297e7d0e7c75396da7e2c8673c89586a28a74070d0463" 
 
 def toy_processor():
     """Idefics2's processor for 42 x 42 images and 9 latents, with a tokenizer that spells every answer as one token."""
-    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         vocab_size=400, corpus=TOY_CORPUS, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                         pad_token="<unk>")
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
-                                                          "<end_of_utterance>"]})
+    tok = _idefics_tokenizer(vocab_size=400, corpus=TOY_CORPUS)
     side = data.ICL_SIDE
     return Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side,
                              "shortest_edge": side}), tok, image_seq_len=9)
 
 
 def toy_model(processor, seed=0):
-    """The untrained toy Idefics2: text 128 wide x 4 layers, vision 64 x 2, perceiver latents drawn N(0, 0.02).
-
-    Idefics2 initialises its perceiver latents to ones; from there images differ by a fraction of a percent of an
-    image token's size and training stalls at "knows the task, ignores the image".
-    """
+    """The untrained toy Idefics2: text 128 wide x 4 layers, vision 64 x 2, perceiver latents drawn N(0, 0.02), not
+    Idefics2's ones, from which images differ by a fraction of a percent of an image token's size and training
+    stalls at "knows the task, ignores the image"."""
     tok = processor.tokenizer
     config = Idefics2Config(
         text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=128, intermediate_size=256,
@@ -709,10 +696,8 @@ PUBLISHED = {  # the real checkpoints' configs, written out, for parameter count
 
 
 def published_model(family, device="meta", dtype=torch.bfloat16):
-    """A real-size backbone of `family` built from its published config with random weights (no download).
-
-    On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed.
-    """
+    """A real-size backbone of `family` built from its published config with random weights (no download). On the
+    meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
     with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
         model = FAMILIES[family].model_cls._from_config(PUBLISHED[family](), dtype=dtype)
     return freeze(model)
