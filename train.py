@@ -356,7 +356,9 @@ class Run:
 
 def start(args):
     """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter,
-    AdamW and its schedule, the checkpoint of a resumed run, and the anchor's preparations (prepare_anchor)."""
+    AdamW and its schedule, the checkpoint of a resumed run; then a stop at once if the teacher cache would not fit
+    its folder (check_cache_room), the anchor's first-step value for --anchor-norm first, and its noise floor, printed
+    (anchor_regime)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
@@ -374,26 +376,19 @@ def start(args):
     progress = restore(args, backbone, optimizer, scheduler) if args.resume else \
         {"step": 0, "best": math.inf, "history": []}
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0, "images": image_key(backbone.processor)}
-    run = Run(args, backbone, data.TASKS[args.task].kind, queries, heldout, icds, device, cache, optimizer, scheduler,
-              student_model, progress, steps_per_epoch)
-    prepare_anchor(run)
+    kind = data.TASKS[args.task].kind
+    if args.anchor != "none" and not args.no_teacher_cache:
+        check_cache_room(backbone, args, kind, queries, icds, cache)
+    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in progress:
+        progress["anchor_scale"] = initial_anchor(backbone, args, kind, queries, icds, device, cache)
+    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:
+        first = [queries[i] for i in epoch_order(len(queries), args.batch_size, args.seed, 0)[0]]
+        anchor_regime(args, *micro_batch(backbone, args, kind, first, [icds[q.id] for q in first], device, cache))
+    run = Run(args, backbone, kind, queries, heldout, icds, device, cache, optimizer, scheduler, student_model,
+              progress, steps_per_epoch)
     run.bar = tqdm(total=total, initial=progress["step"], desc="train", dynamic_ncols=True,
                    disable=rank_and_world()[0] != 0)
     return run
-
-
-def prepare_anchor(run):
-    """Before the first step: stop at once if the teacher cache would not fit its folder (check_cache_room); the
-    anchor's first-step value for --anchor-norm first; the anchor's noise floor, printed (anchor_regime)."""
-    args, b = run.args, run.backbone
-    if args.anchor != "none" and not args.no_teacher_cache:
-        check_cache_room(b, args, run.kind, run.queries, run.icds, run.cache)
-    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in run.progress:
-        run.progress["anchor_scale"] = initial_anchor(b, args, run.kind, run.queries, run.icds, run.device, run.cache)
-    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:
-        first = [run.queries[i] for i in epoch_order(len(run.queries), args.batch_size, args.seed, 0)[0]]
-        anchor_regime(args, *micro_batch(b, args, run.kind, first, [run.icds[q.id] for q in first], run.device,
-                                         run.cache))
 
 
 def remaining_steps(run, epoch):
@@ -529,8 +524,8 @@ def autocast_dtype(device):
 
 def autocast(device):
     """bf16 autocast on CUDA; plain float32 on CPU."""
-    return torch.autocast("cuda", torch.bfloat16) if str(device).startswith("cuda") else torch.autocast("cpu",
-                                                                                                       enabled=False)
+    cuda = str(device).startswith("cuda")
+    return torch.autocast("cuda", torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
 
 # ---------------------------------------------------- toy-idefics2: meta-training a backbone that learns in context
