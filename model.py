@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
-from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration,
-                          Idefics2ImageProcessorPil,
-                          Idefics2Processor, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
+from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
+                          Idefics2ImageProcessorPil, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
                           IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
                           LlavaOnevisionProcessor, LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil)
@@ -163,10 +162,8 @@ def lora_layers(model):
 
 @contextlib.contextmanager
 def attention_as(model, implementation):
-    """Run the text decoder's attention through another registered implementation for a while.
-
-    "sdpa": the backbone as it was, adapters bypassed; "eager": also returns attention probabilities.
-    """
+    """Run the text decoder's attention through another registered implementation for a while: "sdpa", the backbone
+    as it was, adapters bypassed; "eager", which also returns attention probabilities."""
     cfg = decoder_self_attentions(model)[0].config
     before, cfg._attn_implementation = cfg._attn_implementation, implementation
     try:
@@ -225,19 +222,11 @@ def hooked(*handles):
 
 # -------------------------------------------------------------------------------------- saving and loading adapters
 
-def _describe(backbone_name, model):
-    """The settings saved beside an adapter's weights: method, sizes, backbone and its attention shape."""
-    layers, heads, head_dim = attention_shape(model)
-    return {**model.icl_settings, "backbone": backbone_name, "layers": layers, "heads": heads, "head_dim": head_dim}
-
-
 def fingerprint(backbone):
-    """A short hash of the backbone's identity: its family and the values of some of its weights.
-
-    The weights are the first four parameters and those of the first and last decoder self-attention (the layers
-    the adapters act in), rounded to bf16, so the same checkpoint loaded in float32 or bf16, by name or by path,
-    gives the same fingerprint, and tiny twins of different seeds differ.
-    """
+    """A short hash of the backbone's identity: its family and the values of some of its weights, the first four
+    parameters and those of the first and last decoder self-attention (the layers the adapters act in), rounded to
+    bf16, so the same checkpoint loaded in float32 or bf16, by name or by path, gives the same fingerprint, and tiny
+    twins of different seeds differ."""
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = decoder_self_attentions(backbone.model)
     params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
@@ -249,10 +238,11 @@ def fingerprint(backbone):
 
 
 def save_adapter(path, backbone):
-    """Save only the adapter's parameters, with its settings (and the backbone's family and fingerprint) as JSON
-    in the safetensors metadata."""
-    settings = {**_describe(backbone.name, backbone.model), "family": backbone.family,
-                "fingerprint": fingerprint(backbone)}
+    """Save only the adapter's parameters, with its settings (method, sizes, backbone, its attention shape, family
+    and fingerprint) as JSON in the safetensors metadata."""
+    settings = {**backbone.model.icl_settings, "backbone": backbone.name,
+                **dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model))),
+                "family": backbone.family, "fingerprint": fingerprint(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_modules(backbone.model).state_dict().items()}
     atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
 
@@ -327,7 +317,15 @@ def family_of(name):
         return short
     config_file = os.path.join(name, "config.json")
     if os.path.isfile(config_file):
-        model_type = read_config(config_file).get("model_type")
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                config = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"--model: {config_file} is not valid JSON ({e}); restore the model folder's "
+                             "config.json") from e
+        if not isinstance(config, dict):
+            raise ValueError(f"--model: {config_file} is not a JSON object; restore the model folder's config.json")
+        model_type = config.get("model_type")
         if model_type in CONFIG_TYPES:
             return CONFIG_TYPES[model_type]
         raise ValueError(f"--model: {config_file} has model_type {model_type!r}, none of {sorted(CONFIG_TYPES)}")
@@ -345,18 +343,6 @@ def family_of(name):
                      "local path of one of those families")
 
 
-def read_config(path):
-    """A model folder's config.json as a dict; one that is not a JSON object is a ValueError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"--model: {path} is not valid JSON ({e}); restore the model folder's config.json") from e
-    if not isinstance(config, dict):
-        raise ValueError(f"--model: {path} is not a JSON object; restore the model folder's config.json")
-    return config
-
-
 def freeze(model):
     """No backbone parameter trains; eval mode (no dropout)."""
     model.requires_grad_(False)
@@ -367,32 +353,27 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
     """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
     weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
     (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"."""
-    family = family_of(name)
-    if name == "toy-idefics2" or is_toy_file(name):
-        model, processor = toy_idefics2(None if name == "toy-idefics2" else name)
+    family, toy = family_of(name), name == "toy-idefics2" or is_toy_file(name)
+    if toy or name.startswith("tiny-"):
+        model, processor = TINY_BUILDERS[family](seed) if not toy else \
+            toy_idefics2(None if name == "toy-idefics2" else name)
         images = image_setting(processor, family, image_splitting, "built-in processor")
-        return with_context_limit(freeze(model.to(device or "cpu", dtype or torch.float32)), processor, family, name,
-                                  images)
-    if name.startswith("tiny-"):
-        model, processor = TINY_BUILDERS[family](seed)
-        device = device or "cpu"
-        images = image_setting(processor, family, image_splitting, "built-in processor")
-        return with_context_limit(freeze(model.to(device, dtype or torch.float32)), processor, family, name, images)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    path = FAMILIES[family].hub_id if name == family else name
-    processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
-    model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
-    return with_context_limit(freeze(model), processor, family, name, images)
+        model = model.to(device or "cpu", dtype or torch.float32)
+    else:
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        path = FAMILIES[family].hub_id if name == family else name
+        processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
+        model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+    context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
+    return Backbone(freeze(model), processor, family, name, images)
 
 
 def load_processor(path, family, image_splitting="checkpoint"):
     """The processor of the checkpoint at `path` (a hub id or a folder), its images resized by PIL on every machine,
-    and the line that says how it encodes images (image_setting): (processor, line).
-
-    LLaVA-OneVision's is built from its tokenizer, image processor and processor_config.json without the video
-    processor that AutoProcessor would build, which needs torchvision (not a requirement: images never use it).
-    """
+    and the line that says how it encodes images (image_setting): (processor, line). LLaVA-OneVision's is built from
+    its tokenizer, image processor and processor_config.json without the video processor that AutoProcessor would
+    build, which needs torchvision (not a requirement: images never use it)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file
     source = "the checkpoint's processor config"
@@ -402,9 +383,8 @@ def load_processor(path, family, image_splitting="checkpoint"):
     if family != "llava-onevision":
         processor = AutoProcessor.from_pretrained(path, backend="pil")
         return processor, image_setting(processor, family, image_splitting, source)
-    config_file = os.path.join(path, "processor_config.json")
-    if not os.path.isdir(path):
-        config_file = cached_file(path, "processor_config.json")
+    config_file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else \
+        cached_file(path, "processor_config.json")
     try:
         with open(config_file) as f:
             settings = json.load(f)
@@ -444,12 +424,6 @@ def image_setting(processor, family, splitting="checkpoint", source="the checkpo
             f"{processor.image_seq_len} tokens an image")
 
 
-def with_context_limit(model, processor, family, name, images=""):
-    """A Backbone whose tokenizer knows the text model's context (model_max_length), which data.collate checks."""
-    context_limit(processor, model.config)
-    return Backbone(model, processor, family, name, images)
-
-
 def context_limit(processor, config):
     """Cap the processor's tokenizer's model_max_length at the text model's positions (config's)."""
     positions = config.get_text_config().max_position_embeddings
@@ -467,10 +441,8 @@ TINY_CORPUS = ("Answer the question about the image in a few words. Describe the
 
 
 def tiny_tokenizer(special, vocab_size=384, corpus=TINY_CORPUS, **named):
-    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens.
-
-    special: every special token, in id order after the 256 byte symbols' merges; named: bos_token=..., etc.
-    """
+    """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens:
+    `special`, every special token, in id order after the 256 byte symbols' merges; named: bos_token=..., etc."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -492,12 +464,17 @@ def _seeded(model_cls, config, seed):
     return model_cls(config)
 
 
-def tiny_idefics2(seed=0):
-    """Idefics2 (Mistral text model with grouped-query attention, perceiver resampler) at toy size."""
+def _idefics_tokenizer(**corpus):
     tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>")
+                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>", **corpus)
     tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
                                                           "<end_of_utterance>"]})
+    return tok
+
+
+def tiny_idefics2(seed=0):
+    """Idefics2 (Mistral text model with grouped-query attention, perceiver resampler) at toy size."""
+    tok = _idefics_tokenizer()
     n_latents = 4
     processor = Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 28,
                                   "shortest_edge": 28}), tok, image_seq_len=n_latents)
@@ -513,13 +490,10 @@ def tiny_idefics2(seed=0):
 
 def tiny_idefics(seed=0):
     """Idefics (LLaMA text model with gated cross-attention to a perceiver over CLIP features) at toy size."""
-    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>")
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
-                                                          "<end_of_utterance>"]})
+    tok = _idefics_tokenizer()
     processor = IdeficsProcessor(IdeficsImageProcessorPil(image_size=28), tok, image_size=28)
     config = IdeficsConfig(
-        vocab_size=len(tok), additional_vocab_size=0, **{k: v for k, v in TINY_TEXT.items()}, cross_layer_interval=1,
+        vocab_size=len(tok), additional_vocab_size=0, **TINY_TEXT, cross_layer_interval=1,
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         use_resampler=True, vision_config=dict(embed_dim=32, image_size=28, patch_size=14, intermediate_size=64,
                                                num_hidden_layers=1, num_attention_heads=2),
@@ -595,22 +569,16 @@ TOY_SHA256 = "94ddc506fac0b506d2c297e7d0e7c75396da7e2c8673c89586a28a74070d0463" 
 
 def toy_processor():
     """Idefics2's processor for 42 x 42 images and 9 latents, with a tokenizer that spells every answer as one token."""
-    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         vocab_size=400, corpus=TOY_CORPUS, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                         pad_token="<unk>")
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
-                                                          "<end_of_utterance>"]})
+    tok = _idefics_tokenizer(vocab_size=400, corpus=TOY_CORPUS)
     side = data.ICL_SIDE
     return Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side,
                              "shortest_edge": side}), tok, image_seq_len=9)
 
 
 def toy_model(processor, seed=0):
-    """The untrained toy Idefics2: text 128 wide x 4 layers, vision 64 x 2, perceiver latents drawn N(0, 0.02).
-
-    Idefics2 initialises its perceiver latents to ones; from there images differ by a fraction of a percent of an
-    image token's size and training stalls at "knows the task, ignores the image".
-    """
+    """The untrained toy Idefics2: text 128 wide x 4 layers, vision 64 x 2, perceiver latents drawn N(0, 0.02), not
+    Idefics2's ones, from which images differ by a fraction of a percent of an image token's size and training
+    stalls at "knows the task, ignores the image"."""
     tok = processor.tokenizer
     config = Idefics2Config(
         text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=128, intermediate_size=256,
@@ -645,15 +613,9 @@ def read_toy(path, sha256=None, shapes=None):
     if digest != expected or sha256 not in (None, digest):
         raise ValueError(f"toy backbone {path}: its weights do not match their checksum; restore the reference with "
                          "`git checkout tests/data` or build another with `python train.py --build-toy`")
-    if shapes is not None:
-        check_toy_shapes(path, tensors, shapes)
-    return tensors
-
-
-def check_toy_shapes(path, tensors, shapes):
-    """A ValueError naming `path` unless its tensors have exactly the toy model's names and shapes (a cache file the
-    scripts write, RICES features, teacher states or a task vector, has a checksum too, but other tensors)."""
-    if set(tensors) != set(shapes):
+    if shapes is None:
+        return tensors
+    if set(tensors) != set(shapes):  # a cache file (RICES features, teacher states, a task vector) has a checksum too
         missing = sorted(set(shapes) - set(tensors))
         names = ", ".join(sorted(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
         raise ValueError(f"{path} is not a toy backbone: it holds {len(tensors)} tensors ({names}), not the toy "
@@ -663,6 +625,7 @@ def check_toy_shapes(path, tensors, shapes):
         if tuple(tensors[name].shape) != tuple(shape):
             raise ValueError(f"{path} is not a toy backbone: {name} is {tuple(tensors[name].shape)}, the toy "
                              f"Idefics2's is {tuple(shape)}; pass a file written by `python train.py --build-toy`")
+    return tensors
 
 
 def toy_metadata(path):
@@ -681,18 +644,14 @@ def toy_idefics2(path=None):
     return model.eval(), processor
 
 
-def is_small(name):
-    """Whether a backbone name is one of the tiny or toy backbones (a few million parameters or fewer)."""
-    return name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
-
-
 def choose_threads(name, threads=None):
-    """Set torch's CPU threads: `threads` (--threads) if given, else one for a small backbone (is_small) on CPU,
-    where a second thread only adds synchronisation (10x slower on a busy 2-core machine, README), else torch's
-    default. Returns the count in force."""
+    """Set torch's CPU threads: `threads` (--threads) if given, else one for a tiny or toy backbone (a few million
+    parameters or fewer) on CPU, where a second thread only adds synchronisation (10x slower on a busy 2-core machine,
+    README), else torch's default. Returns the count in force."""
+    small = name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
     if threads:
         torch.set_num_threads(threads)
-    elif is_small(name) and not torch.cuda.is_available():
+    elif small and not torch.cuda.is_available():
         torch.set_num_threads(1)
     return torch.get_num_threads()
 
@@ -737,10 +696,8 @@ PUBLISHED = {  # the real checkpoints' configs, written out, for parameter count
 
 
 def published_model(family, device="meta", dtype=torch.bfloat16):
-    """A real-size backbone of `family` built from its published config with random weights (no download).
-
-    On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed.
-    """
+    """A real-size backbone of `family` built from its published config with random weights (no download). On the
+    meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
     with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
         model = FAMILIES[family].model_cls._from_config(PUBLISHED[family](), dtype=dtype)
     return freeze(model)

@@ -176,12 +176,9 @@ def answer_kl(student_logits, teacher_logits, temperature):
 
 
 def share_of_global_mean(mean, count):
-    """This process's share of a mean over the global micro-batch, from the mean over its `count` items.
-
-    Under torchrun each of N processes holds part of the micro-batch and DDP averages their gradients, so the mean
-    over the process's items is rescaled to mean * count * N / (global count): the average over the processes is
-    then the mean over the whole micro-batch, as one process computes it. Without torchrun: `mean` unchanged.
-    """
+    """This process's share of a mean over the global micro-batch, from the mean over its `count` items: under
+    torchrun, N processes hold parts of the micro-batch and DDP averages their gradients, so mean * count * N /
+    (global count), whose average over the processes is the mean over the whole micro-batch. Else `mean` itself."""
     if not dist.is_initialized():
         return mean
     total = count.detach().float().clone()
@@ -228,11 +225,9 @@ def answer_positions(labels):
 
 @torch.no_grad()
 def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens.
-
-    Returns a list of [L, T_q, d] tensors, one per query (L decoder layers, T_q the query + target tokens); with
-    output="logits" (LIVE's teacher), its logits at the answer positions instead, [n_answer, V] in float32.
-    """
+    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens,
+    [L, T_q, d] (L decoder layers, T_q the query + target tokens); output="logits" (LIVE's teacher): its logits at
+    the answer positions instead, [n_answer, V] in float32."""
     batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
     keep = data.answer_window(batch["labels"]) if output == "logits" else 1  # states: no vocabulary-wide logits
     inputs = {**data.model_inputs(batch), "logits_to_keep": keep}
@@ -253,14 +248,6 @@ def read_teacher(path, key, shape, output="states"):
     return None if cached is None else cached[output]
 
 
-def teacher_shape(backbone, piece, output):
-    """The shape of a query's teacher tensor: states [L, T_q, d]; logits [answer tokens, vocabulary (any)]."""
-    if output == "logits":
-        return sum(label != -100 for label in piece["labels"]), None
-    return M.attention_shape(backbone.model)[0], len(piece["input_ids"]), \
-        backbone.model.config.get_text_config().hidden_size
-
-
 def teacher_path(args, key, output):
     """The cache file of one query's teacher tensor `output` ("states" or "logits") under --teacher-cache."""
     return os.path.join(args.teacher_cache, key + ("-logits" if output == "logits" else "") + ".safetensors")
@@ -268,11 +255,14 @@ def teacher_path(args, key, output):
 
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
-    stored once otherwise)."""
+    stored once otherwise). A cached tensor must have the shape of states [L, T_q, d] or logits [answer tokens, any]."""
     output = "logits" if args.anchor == "kl" else "states"
     keys = [teacher_key(cache["id"], args, q, d, cache.get("images")) for q, d in zip(queries, icds)]
     paths = [teacher_path(args, k, output) for k in keys]
-    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, teacher_shape(backbone, pieces[i], output), output)
+    layers, width = M.attention_shape(backbone.model)[0], backbone.model.config.get_text_config().hidden_size
+    shape = lambda piece: (sum(x != -100 for x in piece["labels"]), None) if output == "logits" else \
+        (layers, len(piece["input_ids"]), width)
+    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, shape(pieces[i]), output)
                                                for i, (p, k) in enumerate(zip(paths, keys))}
     missing = [i for i in range(len(queries)) if states.get(i) is None]
     fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
@@ -366,7 +356,9 @@ class Run:
 
 def start(args):
     """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter,
-    AdamW and its schedule, the checkpoint of a resumed run, and the anchor's preparations (prepare_anchor)."""
+    AdamW and its schedule, the checkpoint of a resumed run; then a stop at once if the teacher cache would not fit
+    its folder (check_cache_room), the anchor's first-step value for --anchor-norm first, and its noise floor, printed
+    (anchor_regime)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
@@ -379,31 +371,24 @@ def start(args):
     student_model = data_parallel(backbone.model, args, len(queries)) if rank_and_world()[1] > 1 else None
     steps_per_epoch = math.ceil(math.ceil(len(queries) / args.batch_size) / args.grad_accum)
     total = steps_per_epoch * args.epochs
-    scheduler = cosine_with_warmup(optimizer, total, max(1, round(args.warmup * total)))
+    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(args.warmup * total)), total)  # Section 4.1
     os.makedirs(args.teacher_cache, exist_ok=True)
     progress = restore(args, backbone, optimizer, scheduler) if args.resume else \
         {"step": 0, "best": math.inf, "history": []}
     cache = {"id": fingerprint(backbone), "hits": 0, "misses": 0, "images": image_key(backbone.processor)}
-    run = Run(args, backbone, data.TASKS[args.task].kind, queries, heldout, icds, device, cache, optimizer, scheduler,
-              student_model, progress, steps_per_epoch)
-    prepare_anchor(run)
+    kind = data.TASKS[args.task].kind
+    if args.anchor != "none" and not args.no_teacher_cache:
+        check_cache_room(backbone, args, kind, queries, icds, cache)
+    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in progress:
+        progress["anchor_scale"] = initial_anchor(backbone, args, kind, queries, icds, device, cache)
+    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:
+        first = [queries[i] for i in epoch_order(len(queries), args.batch_size, args.seed, 0)[0]]
+        anchor_regime(args, *micro_batch(backbone, args, kind, first, [icds[q.id] for q in first], device, cache))
+    run = Run(args, backbone, kind, queries, heldout, icds, device, cache, optimizer, scheduler, student_model,
+              progress, steps_per_epoch)
     run.bar = tqdm(total=total, initial=progress["step"], desc="train", dynamic_ncols=True,
                    disable=rank_and_world()[0] != 0)
     return run
-
-
-def prepare_anchor(run):
-    """Before the first step: stop at once if the teacher cache would not fit its folder (check_cache_room); the
-    anchor's first-step value for --anchor-norm first; the anchor's noise floor, printed (anchor_regime)."""
-    args, b = run.args, run.backbone
-    if args.anchor != "none" and not args.no_teacher_cache:
-        check_cache_room(b, args, run.kind, run.queries, run.icds, run.cache)
-    if args.anchor_norm == "first" and args.anchor != "none" and "anchor_scale" not in run.progress:
-        run.progress["anchor_scale"] = initial_anchor(b, args, run.kind, run.queries, run.icds, run.device, run.cache)
-    if args.anchor in ("hyperbolic", "euclidean") and not args.resume:
-        first = [run.queries[i] for i in epoch_order(len(run.queries), args.batch_size, args.seed, 0)[0]]
-        anchor_regime(args, *micro_batch(b, args, run.kind, first, [run.icds[q.id] for q in first], run.device,
-                                         run.cache))
 
 
 def remaining_steps(run, epoch):
@@ -428,6 +413,8 @@ def log_step(run, parts):
 def saved_on_interrupt(run):
     """Ctrl-C or SIGTERM (what job schedulers send before a kill) during training: save the run, then exit naming
     --resume. A second SIGTERM while saving is ignored."""
+    def on_sigterm(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
@@ -446,11 +433,6 @@ def save_run(run):
     checkpoint(run.args, run.backbone, run.optimizer, run.scheduler, run.progress)
 
 
-def cosine_with_warmup(optimizer, total, warmup_steps):
-    """Linear warm-up over `warmup_steps`, then cosine decay to 0 (Section 4.1): transformers' schedule."""
-    return get_cosine_schedule_with_warmup(optimizer, warmup_steps, total)
-
-
 def check_finite(parts, step):
     """Stop on a NaN or inf loss, naming the step and the loss part (the last checkpoint stays as it was)."""
     for name, value in parts.items():
@@ -460,10 +442,8 @@ def check_finite(parts, step):
 
 
 def end_of_epoch(run, epoch):
-    """Score the held-out queries; keep the adapter of the best epoch as <out>/adapter.safetensors.
-
-    The epoch enters the history only once its adapter is saved, so a run stopped in between scores it again.
-    """
+    """Score the held-out queries; keep the best epoch's adapter as <out>/adapter.safetensors. The epoch enters the
+    history only once its adapter is saved, so a run stopped in between scores it again."""
     progress, first = run.progress, rank_and_world()[0] == 0
     loss = heldout_loss(run.backbone, run.args, run.kind, run.heldout, run.device)
     if loss < progress["best"]:
@@ -477,10 +457,8 @@ def end_of_epoch(run, epoch):
 
 @torch.no_grad()
 def heldout_loss(backbone, args, kind, heldout, device):
-    """The supervised loss of the held-out queries: what picks the best epoch.
-
-    Under torchrun each process scores every N-th batch; the batches' values are gathered and summed in order.
-    """
+    """The supervised loss of the held-out queries, which picks the best epoch. Under torchrun each process scores
+    every N-th batch; the batches' values are gathered and summed in order."""
     rank, world = rank_and_world()
     starts, totals = range(0, len(heldout), args.batch_size), {}
     for i in starts[rank::world]:
@@ -494,22 +472,19 @@ def heldout_loss(backbone, args, kind, heldout, device):
 
 
 def finish(run):
-    """Final checkpoint and summary; returns the adapter's parameters."""
+    """Final checkpoint; history.json and the summary line (the first process's job). Returns the adapter's
+    parameters."""
     save_run(run)
     run.bar.close()
     if rank_and_world()[0] == 0:
-        finish_files(run.args, run.progress, run.cache)
+        progress, cache = run.progress, run.cache
+        data.atomic_write(os.path.join(run.args.out, "history.json"),
+                          lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
+        best = os.path.join(run.args.out, "adapter.safetensors")
+        print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
+              + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
+                 "(continue with --resume)"))
     return {k: v.detach().clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()}
-
-
-def finish_files(args, progress, cache):
-    """history.json and the summary line (the first process's job)."""
-    data.atomic_write(os.path.join(args.out, "history.json"),
-                   lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
-    best = os.path.join(args.out, "adapter.safetensors")
-    print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
-          + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
-             "(continue with --resume)"))
 
 
 def split_pool(args, family):
@@ -549,8 +524,8 @@ def autocast_dtype(device):
 
 def autocast(device):
     """bf16 autocast on CUDA; plain float32 on CPU."""
-    return torch.autocast("cuda", torch.bfloat16) if str(device).startswith("cuda") else torch.autocast("cpu",
-                                                                                                       enabled=False)
+    cuda = str(device).startswith("cuda")
+    return torch.autocast("cuda", torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
 
 
 # ---------------------------------------------------- toy-idefics2: meta-training a backbone that learns in context
@@ -639,13 +614,9 @@ def describe_probe(row):
 
 
 def meta_train(recipe, threads=1, log=print):
-    """Meta-train the toy Idefics2 from scratch (bit-identical for recipe["seed"] on one thread of one machine).
-
-    Phase 1 (recipe["named_steps"]): single images, the question names the attribute. Phase 2
-    (recipe["episode_steps"]): episodes of 0..max_shots ICDs + a query of a random attribute, the uninformative
-    question (named in a `named_fraction` of batches). AdamW, the warm-up cosine schedule of adapter training.
-    Returns (model, processor, learning curve, acceptance probe): probe rows on scenes never trained on.
-    """
+    """Meta-train the toy Idefics2 from scratch with the curriculum above, recipe["named_steps"] then
+    recipe["episode_steps"] (bit-identical for recipe["seed"] on one thread of one machine). Returns (model,
+    processor, learning curve, acceptance probe): probe rows on scenes never trained on."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -657,7 +628,7 @@ def meta_train(recipe, threads=1, log=print):
         probe_set = toy_scenes(processor, max(64, recipe["scenes"] // 8), random.Random(recipe["seed"] + 1))
         total = recipe["named_steps"] + recipe["episode_steps"]
         optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"])
-        scheduler = cosine_with_warmup(optimizer, total, recipe["warmup"])
+        scheduler = get_cosine_schedule_with_warmup(optimizer, recipe["warmup"], total)
         curve, losses = [], []
         for step in (bar := tqdm(range(total), desc=f"meta-training toy-idefics2 (seed {recipe['seed']})",
                                  dynamic_ncols=True)):
@@ -738,18 +709,13 @@ def size(n):
     return f"{n:.0f} B"
 
 
-def cache_file_bytes(shape, dtype):
-    """The bytes of one cache file holding a tensor of `shape` and `dtype` (data.write_cache)."""
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size() + CACHE_HEADER
-
-
-def teacher_tensor(config, tokens, answers, output, dtype):
-    """(shape, dtype) of a query's cached teacher tensor: states [L, T_q, d] in the training dtype, or LIVE's answer
-    logits [answer tokens, vocabulary] in float32 (run_teacher)."""
+def cache_file_bytes(config, tokens, answers, output, dtype):
+    """The bytes of one query's cache file (data.write_cache): its teacher tensor, states [L, T_q, d] in the training
+    dtype or LIVE's answer logits [answer tokens, vocabulary] in float32 (run_teacher), and CACHE_HEADER."""
     text = config.get_text_config()
-    if output == "logits":
-        return (answers, text.vocab_size), torch.float32
-    return (text.num_hidden_layers, tokens, text.hidden_size), dtype
+    shape, dtype = ((answers, text.vocab_size), torch.float32) if output == "logits" else \
+        ((text.num_hidden_layers, tokens, text.hidden_size), dtype)
+    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size() + CACHE_HEADER
 
 
 def check_cache_room(backbone, args, kind, queries, icds, cache):
@@ -762,9 +728,8 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
         return
     pieces = data.query_pieces(backbone.processor, backbone.family, kind, todo[:PLAN_SAMPLE])
     dtype = autocast_dtype(next(backbone.model.parameters()).device)
-    per_query = sum(cache_file_bytes(*teacher_tensor(backbone.model.config, len(p["input_ids"]),
-                                                     sum(x != -100 for x in p["labels"]), output, dtype))
-                    for p in pieces) / len(pieces)
+    per_query = sum(cache_file_bytes(backbone.model.config, len(p["input_ids"]), sum(x != -100 for x in p["labels"]),
+                                     output, dtype) for p in pieces) / len(pieces)
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
     if need > free:
         raise ValueError(f"the teacher cache needs {size(need)} for {len(todo)} queries ({size(per_query)} each) but "
@@ -783,7 +748,16 @@ def plan_backbone(args, family):
     if args.processor and not os.path.isdir(args.processor):
         raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
                          "and preprocessor files")
-    folder = args.processor or (args.model if os.path.isdir(args.model) else hub_snapshot(M.FAMILIES[family].hub_id))
+    folder = args.processor or (args.model if os.path.isdir(args.model) else None)
+    if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
+        from huggingface_hub import snapshot_download
+        hub_id = M.FAMILIES[family].hub_id
+        try:
+            folder = snapshot_download(hub_id, local_files_only=True)
+        except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
+            raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
+                             f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
+                             f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
     try:
         processor, images = M.load_processor(folder, family, args.image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
@@ -799,29 +773,6 @@ def plan_backbone(args, family):
         config = model.config
     M.context_limit(processor, config)
     return config, processor, model, images, f"config {source}, processor {folder}, no weights"
-
-
-def hub_snapshot(hub_id):
-    """The local Hugging Face cache's copy of `hub_id` (the plan downloads nothing), or a ValueError saying what to
-    pass instead."""
-    from huggingface_hub import snapshot_download
-    try:
-        return snapshot_download(hub_id, local_files_only=True)
-    except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
-        raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
-                         f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer and "
-                         f"preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
-
-
-def plan_queries(args, family, training):
-    """The queries a run would see, the support set of their ICDs and the shots: train.py's training queries
-    (split_pool), or evaluate.py's --split items (--n-eval) with ICDs from the training split."""
-    if training:
-        queries, _, pool, shots = split_pool(args, family)
-        return queries, pool, shots
-    queries = data.load_task(args.task, args.split, args.data_root)[:args.n_eval]
-    shots = args.shots if args.shots else data.default_shots(args.task, family)
-    return queries, data.load_task(args.task, "train", args.data_root), shots
 
 
 def plan_rows(processor, family, kind, queries, icds, patch):
@@ -869,7 +820,12 @@ def plan(args, training=True):
     configured shots (the collated rows of a sample of the queries), image crops, the teacher cache on disk and the
     peak accelerator memory of training and evaluation (MEMORY_ASSUMPTIONS). Returns the figures as a dict."""
     family, kind = M.family_of(args.model), data.TASKS[args.task].kind
-    queries, pool, shots = plan_queries(args, family, training)
+    if training:  # train.py's training queries; evaluate.py's --split items (--n-eval), ICDs from the training split
+        queries, _, pool, shots = split_pool(args, family)
+    else:
+        queries = data.load_task(args.task, args.split, args.data_root)[:args.n_eval]
+        shots = args.shots if args.shots else data.default_shots(args.task, family)
+        pool = data.load_task(args.task, "train", args.data_root)
     config, processor, model, images, source = plan_backbone(args, family)
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
@@ -913,7 +869,7 @@ def plan_cache(args, config, rows, n_queries, dtype):
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
     output = "logits" if args.anchor == "kl" else "states"
-    per_query = sum(cache_file_bytes(*teacher_tensor(config, rows["query"][q], rows["answers"][q], output, dtype))
+    per_query = sum(cache_file_bytes(config, rows["query"][q], rows["answers"][q], output, dtype)
                     for q in rows["query"]) / len(rows["query"])
     folder = args.teacher_cache
     while not os.path.isdir(folder):
@@ -940,17 +896,15 @@ def checkpoint(args, backbone, optimizer, scheduler, progress):
     """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
     if rank_and_world()[0] != 0:
         return
-    state = {
-        "adapter": M.adapter_modules(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
-        "rng": torch.get_rng_state(), "processes": rank_and_world()[1]}
+    state = {"adapter": M.adapter_modules(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
+             "rng": torch.get_rng_state(), "processes": rank_and_world()[1]}
     data.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "n_train", "n_heldout", "epochs",
                      "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa",
-                     "lam",
-                     "anchor", "anchor_norm", "temperature", "seed")
+                     "lam", "anchor", "anchor_norm", "temperature", "seed")
 
 
 def restore(args, backbone, optimizer, scheduler):
@@ -967,8 +921,7 @@ def restore(args, backbone, optimizer, scheduler):
               if state["args"].get(k) != getattr(args, k)]
     if state.get("processes", 1) != rank_and_world()[1]:
         differ.append(f"{state.get('processes', 1)} processes (now {rank_and_world()[1]}; a resume is exact only "
-                      "with as "
-                      "many as before)")
+                      "with as many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
@@ -1002,12 +955,10 @@ LOCK_FILE = ".lock"
 
 @contextlib.contextmanager
 def locked(folder):
-    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid.
-
-    A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
-    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind.
-    Under torchrun the first process holds it for all of them.
-    """
+    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid. A second
+    process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder and the
+    holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
+    torchrun the first process holds it for all of them."""
     if rank_and_world()[0] != 0:
         yield
         return
@@ -1054,11 +1005,6 @@ def make_folder(path, flag):
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise OSError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from e
-
-
-def on_sigterm(signum, frame):
-    """SIGTERM (what job schedulers send before they kill a job) stops the run as Ctrl-C does: checkpoint, exit."""
-    raise KeyboardInterrupt("SIGTERM")
 
 
 # --------------------------------------------------------------------------------------------------------- torchrun
@@ -1187,8 +1133,7 @@ def parse_args(argv=None):
                    "on CPU, which more threads only slow down on a busy machine, and for --build-toy, whose bytes "
                    "then repeat on the same machine; else torch's own choice)")
     args = p.parse_args(argv)
-    if args.rank is None:
-        args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"])
+    args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"]) if args.rank is None else args.rank
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
                 "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0, "build_tries": 1, "threads": 1}
@@ -1267,12 +1212,6 @@ def benchmark(args):
     return times
 
 
-def build(args):
-    """train.py --build-toy: a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)."""
-    check_build_out(args.out, args.overwrite)
-    return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads or 1)
-
-
 def check_build_out(path, overwrite):
     """Refuse, before the minutes-long build, an --out that the build could not be written to or used from: not a
     .safetensors name (--model takes no other), a folder, an existing file without --overwrite, a path under a
@@ -1290,7 +1229,6 @@ def check_build_out(path, overwrite):
         above = os.path.dirname(above)
     if not os.path.isdir(above):
         raise ValueError(f"--out {path}: {above} is a file, not a folder; choose another --out")
-    probe = None
     try:
         os.makedirs(folder, exist_ok=True)
         probe = data.tmp_name(path)
@@ -1302,8 +1240,9 @@ def check_build_out(path, overwrite):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.build_toy:
-        return build(args)
+    if args.build_toy:  # a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)
+        check_build_out(args.out, args.overwrite)
+        return build_toy(args.out, {**TOY_RECIPE, "seed": args.seed}, args.build_tries, args.threads or 1)
     if args.plan:
         return plan(args)
     M.choose_threads(args.model, args.threads)
