@@ -934,17 +934,22 @@ def steer(model, layer, vector, positions=None, add=False, decoding=False):
         yield
 
 
+def _recorder(store, layer, positions, shape=(-1,)):
+    """A forward hook (a pre-hook: of the input) appending the rows at positions (_rows_at), viewed as [B, *shape],
+    to store[layer] on forward passes over the prompt."""
+    def hook(module, inputs, output=None):
+        h = inputs[0] if output is None else output[0] if isinstance(output, tuple) else output
+        if h.shape[1] > 1:
+            store.setdefault(layer, []).append(h[_rows_at(h, positions)].view(h.shape[0], *shape).detach())
+    return hook
+
+
 @contextlib.contextmanager
 def layer_states_at(model, store, positions=None):
     """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
     [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
-    def record(layer):
-        def hook(module, inputs, output):
-            h = output[0] if isinstance(output, tuple) else output
-            if h.shape[1] > 1:
-                store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
-        return hook
-    with M.hooked(*(m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers))):
+    layers = model.get_decoder().layers
+    with M.hooked(*(m.register_forward_hook(_recorder(store, l, positions)) for l, m in enumerate(layers))):
         yield store
 
 
@@ -952,17 +957,9 @@ def layer_states_at(model, store, positions=None):
 def head_outputs(model, store, positions=None):
     """Record, per decoder layer, every head's output (the input of the output projection o_proj, head-major) at one
     position per row (None: the last): store[l] gets a [B, H, d_h] tensor per forward pass over the prompt."""
-    _, heads, head_dim = M.attention_shape(model)
-
-    def record(layer):
-        def hook(module, inputs):
-            x = inputs[0]
-            if x.shape[1] > 1:
-                rows, cols = _rows_at(x, positions)
-                store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
-        return hook
-    attns = M.decoder_self_attentions(model)
-    with M.hooked(*(a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(attns))):
+    shape, attns = M.attention_shape(model)[1:], M.decoder_self_attentions(model)
+    with M.hooked(*(a.o_proj.register_forward_pre_hook(_recorder(store, l, positions, shape))
+                    for l, a in enumerate(attns))):
         yield store
 
 
@@ -1368,11 +1365,8 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
 # --------------------------- learning curves (Table 1, Table 4, Fig 2-3 on the toy world): every method, with seeds
 #
 # The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
-# per point cannot say: on the toy world a run either flips the task or not. So --curve trains every row at several
-# numbers of training queries with several seeds and reports the mean with a 95% interval per point, beside two
-# measures that are graded where accuracy is all or nothing: the log-probability of the reference answer and the KL
-# divergence from the 8-shot teacher's answer distribution, both teacher-forced on held-out (evaluation) items.
-# Before the curve, each method's learning rate is tuned by the rule of `tune` (below), never on evaluation items.
+# per point cannot say (on the toy world a run either flips the task or not), hence seeds, intervals and two graded
+# measures (`curve`, `answer_measures`); rates are tuned by the rule of `tune` (below), never on evaluation items.
 
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query draw, demonstrations, order, init
@@ -1530,7 +1524,7 @@ def curve(args):
             for seed in range(args.curve_seeds)]
     for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
-        row = row_flags(flags, chosen)  # the tuned rate first, so the row's own flags override it
+        row = row_flags(flags, chosen)
         adapter = train.main(common + shlex.split(args.train_args) + row + [
             "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
             "--teacher-cache", os.path.join(args.out, "teacher")])
