@@ -1772,54 +1772,49 @@ def main(argv=None):
     ROUNDS = args.rounds or ROUNDS
     with train.process_group(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):
         D.remove_stale_tmp(args.out)
-        return run(args)
-
-
-def run(args):
-    """Do what the flags ask (main's body)."""
-    if args.benchmark or args.benchmark_attention:
-        keep_freed_memory()
-    if args.benchmark_attention:
-        return attention_benchmark(attention_model(args), args.attention_tokens)
-    if args.curve:
-        return curve(args)
-    items = None if args.benchmark else eval_items(args)
-    if items == []:
-        raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-    if args.random_weights:
-        family = M.family_of(args.model)
-        model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
-            M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
-        size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
-        backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
-    else:
-        backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
-        if backbone.images:
-            print(backbone.images)
-    setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
-    default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) and \
-        args.checkpoint in (None, default_checkpoint(args.model, args.task))
-    if args.checkpoint:
-        method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
-        setting = method if not args.shots else f"{method}+{setting}"
-        print(f"adapter: {args.checkpoint} ({method})")
-    elif not args.benchmark:
-        default = default_checkpoint(args.model, args.task)
-        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
-                                                      not args.vector else ""))
-    if args.benchmark:
-        return benchmark(backbone, args)
-    if not (args.gates or args.hyperbolicity):
-        if default_job:
-            return evaluate_with_baselines(backbone, args, items, setting)
-        return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
-    result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
-    if train.rank_and_world()[0] != 0:
+        if args.benchmark or args.benchmark_attention:
+            keep_freed_memory()
+        if args.benchmark_attention:
+            return attention_benchmark(attention_model(args), args.attention_tokens)
+        if args.curve:
+            return curve(args)
+        items = None if args.benchmark else eval_items(args)
+        if items == []:
+            raise ValueError(f"{args.task} has no {args.split} items to evaluate")
+        if args.random_weights:
+            family = M.family_of(args.model)
+            model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
+                M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
+            size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
+            backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
+        else:
+            backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
+            if backbone.images:
+                print(backbone.images)
+        setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+        default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) \
+            and args.checkpoint in (None, default_checkpoint(args.model, args.task))
+        if args.checkpoint:
+            method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
+            setting = method if not args.shots else f"{method}+{setting}"
+            print(f"adapter: {args.checkpoint} ({method})")
+        elif not args.benchmark:
+            default = default_checkpoint(args.model, args.task)
+            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
+                                                          not args.vector else ""))
+        if args.benchmark:
+            return benchmark(backbone, args)
+        if not (args.gates or args.hyperbolicity):
+            if default_job:
+                return evaluate_with_baselines(backbone, args, items, setting)
+            return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
+        result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
+        if train.rank_and_world()[0] != 0:
+            return result
+        path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
+        D.write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result}, indent=2)
+        print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
         return result
-    path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-    D.write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result}, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
-    return result
 
 
 if __name__ == "__main__":
