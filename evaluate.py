@@ -1610,9 +1610,8 @@ def parse_args(argv=None):
                                         f"{default_checkpoint('<model>', '<task>')} if it exists "
                                         "and --shots is not given, else none (zero-shot)")
     p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
-                                             "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For "
-                                             "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
-                                             "data.default_shots: 2 for MME and SEED)")
+                   "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For --gates / --hyperbolicity: the "
+                   "teacher's ICDs (default: the paper's, data.default_shots: 2 for MME and SEED)")
     train.add_icd_flags(p)
     train.add_plan_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
