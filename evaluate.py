@@ -1152,8 +1152,8 @@ def benchmark(backbone, args):
                          "tflops": flops(backbone, inputs, new_tokens) / 1e12,
                          "attention_mib": None if shots else peak_memory_mb(attention, device)})
         for part, k in (("prefill", 1), ("generate", new_tokens)):
-            runs[part][name] = lambda timer, m=method, i=inputs, k=k: _in_setting(
-                backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
+            runs[part][name] = lambda timer, m=method, i=inputs, k=k: run_as(backbone.model, m)(
+                lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))()
     for part, key in (("prefill", "prefill_ms"), ("generate", "ms")):
         for r, (ms, ratio, q1, q3) in zip(rows, paired_latency(runs[part], device).values()):
             r[key], r[key + "_ratio"], r[key + "_quartiles"] = ms, ratio, [q1, q3]
@@ -1229,7 +1229,7 @@ def attention_benchmark(model, T=2048):
         for name, method, run in paths:
             with run_as(model, method):
                 memory[name] = peak_memory_mb(run, device)
-            runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
+            runs[name] = lambda timer, m=method, run=run: run_as(model, m)(lambda: timer(run))()  # in its setting
         latency = paired_latency(runs, device)
     print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
           f"median ms, and the median [quartiles] over {ROUNDS} rounds of the time over SDPA runs on both sides; "
@@ -1239,12 +1239,6 @@ def attention_benchmark(model, T=2048):
         print(f"{name:<20} {ms:>9.2f} ms {ratio:>6.2f}x [{q1:.2f}, {q3:.2f}] {memory[name]:>10.1f} MiB "
               f"{memory[name] / memory['sdpa']:>6.2f}x")
     return {name: (latency[name][0], memory[name]) for name in latency}
-
-
-def _in_setting(model, method, run):
-    """run() under run_as(model, method)."""
-    with run_as(model, method):
-        return run()
 
 
 def attention_model(args):
