@@ -934,17 +934,22 @@ def steer(model, layer, vector, positions=None, add=False, decoding=False):
         yield
 
 
+def _recorder(store, layer, positions, shape=(-1,)):
+    """A forward hook (a pre-hook: of the input) appending the rows at positions (_rows_at), viewed as [B, *shape],
+    to store[layer] on forward passes over the prompt."""
+    def hook(module, inputs, output=None):
+        h = inputs[0] if output is None else output[0] if isinstance(output, tuple) else output
+        if h.shape[1] > 1:
+            store.setdefault(layer, []).append(h[_rows_at(h, positions)].view(h.shape[0], *shape).detach())
+    return hook
+
+
 @contextlib.contextmanager
 def layer_states_at(model, store, positions=None):
     """Record each decoder layer's output hidden state at one position per row (None: the last): store[l] gets a
     [B, d] tensor per forward pass over the prompt (the states a task vector is made of)."""
-    def record(layer):
-        def hook(module, inputs, output):
-            h = output[0] if isinstance(output, tuple) else output
-            if h.shape[1] > 1:
-                store.setdefault(layer, []).append(h[_rows_at(h, positions)].detach())
-        return hook
-    with M.hooked(*(m.register_forward_hook(record(l)) for l, m in enumerate(model.get_decoder().layers))):
+    layers = model.get_decoder().layers
+    with M.hooked(*(m.register_forward_hook(_recorder(store, l, positions)) for l, m in enumerate(layers))):
         yield store
 
 
@@ -952,17 +957,9 @@ def layer_states_at(model, store, positions=None):
 def head_outputs(model, store, positions=None):
     """Record, per decoder layer, every head's output (the input of the output projection o_proj, head-major) at one
     position per row (None: the last): store[l] gets a [B, H, d_h] tensor per forward pass over the prompt."""
-    _, heads, head_dim = M.attention_shape(model)
-
-    def record(layer):
-        def hook(module, inputs):
-            x = inputs[0]
-            if x.shape[1] > 1:
-                rows, cols = _rows_at(x, positions)
-                store.setdefault(layer, []).append(x[rows, cols].view(x.shape[0], heads, head_dim).detach())
-        return hook
-    attns = M.decoder_self_attentions(model)
-    with M.hooked(*(a.o_proj.register_forward_pre_hook(record(l)) for l, a in enumerate(attns))):
+    shape, attns = M.attention_shape(model)[1:], M.decoder_self_attentions(model)
+    with M.hooked(*(a.o_proj.register_forward_pre_hook(_recorder(store, l, positions, shape))
+                    for l, a in enumerate(attns))):
         yield store
 
 
@@ -1155,8 +1152,8 @@ def benchmark(backbone, args):
                          "tflops": flops(backbone, inputs, new_tokens) / 1e12,
                          "attention_mib": None if shots else peak_memory_mb(attention, device)})
         for part, k in (("prefill", 1), ("generate", new_tokens)):
-            runs[part][name] = lambda timer, m=method, i=inputs, k=k: _in_setting(
-                backbone.model, m, lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))
+            runs[part][name] = lambda timer, m=method, i=inputs, k=k: run_as(backbone.model, m)(
+                lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))()
     for part, key in (("prefill", "prefill_ms"), ("generate", "ms")):
         for r, (ms, ratio, q1, q3) in zip(rows, paired_latency(runs[part], device).values()):
             r[key], r[key + "_ratio"], r[key + "_quartiles"] = ms, ratio, [q1, q3]
@@ -1232,7 +1229,7 @@ def attention_benchmark(model, T=2048):
         for name, method, run in paths:
             with run_as(model, method):
                 memory[name] = peak_memory_mb(run, device)
-            runs[name] = lambda timer, m=method, run=run: _in_setting(model, m, lambda: timer(run))
+            runs[name] = lambda timer, m=method, run=run: run_as(model, m)(lambda: timer(run))()  # in its setting
         latency = paired_latency(runs, device)
     print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
           f"median ms, and the median [quartiles] over {ROUNDS} rounds of the time over SDPA runs on both sides; "
@@ -1242,12 +1239,6 @@ def attention_benchmark(model, T=2048):
         print(f"{name:<20} {ms:>9.2f} ms {ratio:>6.2f}x [{q1:.2f}, {q3:.2f}] {memory[name]:>10.1f} MiB "
               f"{memory[name] / memory['sdpa']:>6.2f}x")
     return {name: (latency[name][0], memory[name]) for name in latency}
-
-
-def _in_setting(model, method, run):
-    """run() under run_as(model, method)."""
-    with run_as(model, method):
-        return run()
 
 
 def attention_model(args):
@@ -1368,11 +1359,8 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
 # --------------------------- learning curves (Table 1, Table 4, Fig 2-3 on the toy world): every method, with seeds
 #
 # The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
-# per point cannot say: on the toy world a run either flips the task or not. So --curve trains every row at several
-# numbers of training queries with several seeds and reports the mean with a 95% interval per point, beside two
-# measures that are graded where accuracy is all or nothing: the log-probability of the reference answer and the KL
-# divergence from the 8-shot teacher's answer distribution, both teacher-forced on held-out (evaluation) items.
-# Before the curve, each method's learning rate is tuned by the rule of `tune` (below), never on evaluation items.
+# per point cannot say (on the toy world a run either flips the task or not), hence seeds, intervals and two graded
+# measures (`curve`, `answer_measures`); rates are tuned by the rule of `tune` (below), never on evaluation items.
 
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query draw, demonstrations, order, init
@@ -1530,7 +1518,7 @@ def curve(args):
             for seed in range(args.curve_seeds)]
     for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
-        row = row_flags(flags, chosen)  # the tuned rate first, so the row's own flags override it
+        row = row_flags(flags, chosen)
         adapter = train.main(common + shlex.split(args.train_args) + row + [
             "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
             "--teacher-cache", os.path.join(args.out, "teacher")])
@@ -1616,9 +1604,8 @@ def parse_args(argv=None):
                                         f"{default_checkpoint('<model>', '<task>')} if it exists "
                                         "and --shots is not given, else none (zero-shot)")
     p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
-                                             "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For "
-                                             "--gates / --hyperbolicity: the teacher's ICDs (default: the paper's, "
-                                             "data.default_shots: 2 for MME and SEED)")
+                   "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For --gates / --hyperbolicity: the "
+                   "teacher's ICDs (default: the paper's, data.default_shots: 2 for MME and SEED)")
     train.add_icd_flags(p)
     train.add_plan_flags(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
@@ -1778,54 +1765,49 @@ def main(argv=None):
     ROUNDS = args.rounds or ROUNDS
     with train.process_group(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):
         D.remove_stale_tmp(args.out)
-        return run(args)
-
-
-def run(args):
-    """Do what the flags ask (main's body)."""
-    if args.benchmark or args.benchmark_attention:
-        keep_freed_memory()
-    if args.benchmark_attention:
-        return attention_benchmark(attention_model(args), args.attention_tokens)
-    if args.curve:
-        return curve(args)
-    items = None if args.benchmark else eval_items(args)
-    if items == []:
-        raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-    if args.random_weights:
-        family = M.family_of(args.model)
-        model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
-            M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
-        size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
-        backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
-    else:
-        backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
-        if backbone.images:
-            print(backbone.images)
-    setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
-    default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) and \
-        args.checkpoint in (None, default_checkpoint(args.model, args.task))
-    if args.checkpoint:
-        method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
-        setting = method if not args.shots else f"{method}+{setting}"
-        print(f"adapter: {args.checkpoint} ({method})")
-    elif not args.benchmark:
-        default = default_checkpoint(args.model, args.task)
-        print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
-                                                      not args.vector else ""))
-    if args.benchmark:
-        return benchmark(backbone, args)
-    if not (args.gates or args.hyperbolicity):
-        if default_job:
-            return evaluate_with_baselines(backbone, args, items, setting)
-        return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
-    result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
-    if train.rank_and_world()[0] != 0:
+        if args.benchmark or args.benchmark_attention:
+            keep_freed_memory()
+        if args.benchmark_attention:
+            return attention_benchmark(attention_model(args), args.attention_tokens)
+        if args.curve:
+            return curve(args)
+        items = None if args.benchmark else eval_items(args)
+        if items == []:
+            raise ValueError(f"{args.task} has no {args.split} items to evaluate")
+        if args.random_weights:
+            family = M.family_of(args.model)
+            model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
+                M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
+            size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
+            backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
+        else:
+            backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
+            if backbone.images:
+                print(backbone.images)
+        setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+        default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) \
+            and args.checkpoint in (None, default_checkpoint(args.model, args.task))
+        if args.checkpoint:
+            method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
+            setting = method if not args.shots else f"{method}+{setting}"
+            print(f"adapter: {args.checkpoint} ({method})")
+        elif not args.benchmark:
+            default = default_checkpoint(args.model, args.task)
+            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
+                                                          not args.vector else ""))
+        if args.benchmark:
+            return benchmark(backbone, args)
+        if not (args.gates or args.hyperbolicity):
+            if default_job:
+                return evaluate_with_baselines(backbone, args, items, setting)
+            return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
+        result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
+        if train.rank_and_world()[0] != 0:
+            return result
+        path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
+        D.write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result}, indent=2)
+        print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
         return result
-    path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-    D.write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result}, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
-    return result
 
 
 if __name__ == "__main__":
