@@ -663,8 +663,10 @@ def is_toy_file(name):
 
 # ------------------------------------------------------------------------------------ published sizes (no download)
 
-SIGLIP_384 = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
-                  num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False)  # both LLaVA models
+LLAVA_384 = dict(  # both LLaVA models: the SigLIP-384 tower, its full features, the image token
+    vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
+                       num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False),
+    vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646)
 PUBLISHED = {  # the real checkpoints' configs, written out, for parameter counts and latency (weights don't matter)
     "idefics2": lambda: Idefics2Config(
         text_config=dict(model_type="mistral", vocab_size=32003, hidden_size=4096, intermediate_size=14336,
@@ -684,14 +686,10 @@ PUBLISHED = {  # the real checkpoints' configs, written out, for parameter count
                               resampler_head_dim=96)),
     "llava-interleave": lambda: LlavaConfig(
         text_config=dict(model_type="qwen2", vocab_size=152000, hidden_size=4096, intermediate_size=11008,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
-        vision_config=SIGLIP_384,
-        vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646),
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32), **LLAVA_384),
     "llava-onevision": lambda: LlavaOnevisionConfig(
         text_config=dict(model_type="qwen2", vocab_size=152128, hidden_size=3584, intermediate_size=18944,
-                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
-        vision_config=SIGLIP_384,
-        vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646),
+                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4), **LLAVA_384),
 }
 
 
