@@ -509,9 +509,13 @@ def _qwen_tokenizer():
     return tok
 
 
-def _qwen_text(tok):
-    return dict(model_type="qwen2", vocab_size=len(tok), num_key_value_heads=2, **TINY_TEXT,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+def _qwen_config(tok):
+    """The config arguments both tiny LLaVA twins share: a Qwen2 text model, a SigLIP tower, full features."""
+    return dict(text_config=dict(model_type="qwen2", vocab_size=len(tok), num_key_value_heads=2, **TINY_TEXT,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id),
+                vision_config=dict(model_type="siglip_vision_model", **TINY_VISION),
+                vision_feature_select_strategy="full", vision_feature_layer=-1,
+                image_token_index=tok.convert_tokens_to_ids("<image>"))
 
 
 def tiny_llava_interleave(seed=0):
@@ -519,10 +523,7 @@ def tiny_llava_interleave(seed=0):
     tok = _qwen_tokenizer()
     processor = LlavaProcessor(SiglipImageProcessorPil(size={"height": 28, "width": 28}), tok, patch_size=14,
                                vision_feature_select_strategy="full")
-    config = LlavaConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
-                         **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
-                         image_token_index=tok.convert_tokens_to_ids("<image>"))
-    return _seeded(LlavaForConditionalGeneration, config, seed), processor
+    return _seeded(LlavaForConditionalGeneration, LlavaConfig(**_qwen_config(tok)), seed), processor
 
 
 class ImageOnlyOnevisionProcessor(LlavaOnevisionProcessor):
@@ -540,10 +541,7 @@ def tiny_llava_onevision(seed=0):
     processor = ImageOnlyOnevisionProcessor(
         LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints), tok, None,
         num_image_tokens=4, vision_feature_select_strategy="full")
-    config = LlavaOnevisionConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
-                                  **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
-                                  image_grid_pinpoints=pinpoints,
-                                  image_token_index=tok.convert_tokens_to_ids("<image>"))
+    config = LlavaOnevisionConfig(**_qwen_config(tok), image_grid_pinpoints=pinpoints)
     return _seeded(LlavaOnevisionForConditionalGeneration, config, seed), processor
 
 
