@@ -685,7 +685,7 @@ def read_seed(root):
     obj = read_json(path, "seed")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"seed: expected the image folder {folder} (see the data_root layout in data.py)")
-    images, items = set(os.listdir(folder)), []
+    images, items, seen = set(os.listdir(folder)), [], set()
     try:
         names = {int(v): k for k, v in obj["question_type"].items()}
         questions = obj["questions"]
@@ -693,7 +693,6 @@ def read_seed(root):
             raise TypeError(f"`questions` is {type(questions).__name__}, not a list")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
-    seen = set()
     for n, q in enumerate(questions):
         where = f"question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'}) in {path}"
         try:
@@ -761,14 +760,13 @@ def read_seed2(root):
     multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
     which a single-image model cannot give, and are skipped."""
     path = os.path.join(root, "seed-bench-2", SEED2_FILE)
-    obj, items, listings = read_json(path, "seed2"), [], {}
+    obj, items, listings, seen = read_json(path, "seed2"), [], {}, set()
     try:
         names = {int(v): k for k, v in obj["question_type"].items()}
         questions = [q for q in obj["questions"] if q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"seed2: {path} needs `questions` (with `subpart` and `level`) and a `question_type` "
                          f"name -> id mapping ({e!r})") from e
-    seen = set()
     for n, q in enumerate(questions):
         try:
             items.append(seed2_item(root, listings, q, names))

@@ -509,9 +509,13 @@ def _qwen_tokenizer():
     return tok
 
 
-def _qwen_text(tok):
-    return dict(model_type="qwen2", vocab_size=len(tok), num_key_value_heads=2, **TINY_TEXT,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+def _qwen_config(tok):
+    """The config arguments both tiny LLaVA twins share: a Qwen2 text model, a SigLIP tower, full features."""
+    return dict(text_config=dict(model_type="qwen2", vocab_size=len(tok), num_key_value_heads=2, **TINY_TEXT,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id),
+                vision_config=dict(model_type="siglip_vision_model", **TINY_VISION),
+                vision_feature_select_strategy="full", vision_feature_layer=-1,
+                image_token_index=tok.convert_tokens_to_ids("<image>"))
 
 
 def tiny_llava_interleave(seed=0):
@@ -519,10 +523,7 @@ def tiny_llava_interleave(seed=0):
     tok = _qwen_tokenizer()
     processor = LlavaProcessor(SiglipImageProcessorPil(size={"height": 28, "width": 28}), tok, patch_size=14,
                                vision_feature_select_strategy="full")
-    config = LlavaConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
-                         **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
-                         image_token_index=tok.convert_tokens_to_ids("<image>"))
-    return _seeded(LlavaForConditionalGeneration, config, seed), processor
+    return _seeded(LlavaForConditionalGeneration, LlavaConfig(**_qwen_config(tok)), seed), processor
 
 
 class ImageOnlyOnevisionProcessor(LlavaOnevisionProcessor):
@@ -540,10 +541,7 @@ def tiny_llava_onevision(seed=0):
     processor = ImageOnlyOnevisionProcessor(
         LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints), tok, None,
         num_image_tokens=4, vision_feature_select_strategy="full")
-    config = LlavaOnevisionConfig(text_config=_qwen_text(tok), vision_config=dict(model_type="siglip_vision_model",
-                                  **TINY_VISION), vision_feature_select_strategy="full", vision_feature_layer=-1,
-                                  image_grid_pinpoints=pinpoints,
-                                  image_token_index=tok.convert_tokens_to_ids("<image>"))
+    config = LlavaOnevisionConfig(**_qwen_config(tok), image_grid_pinpoints=pinpoints)
     return _seeded(LlavaOnevisionForConditionalGeneration, config, seed), processor
 
 
@@ -663,8 +661,10 @@ def is_toy_file(name):
 
 # ------------------------------------------------------------------------------------ published sizes (no download)
 
-SIGLIP_384 = dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
-                  num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False)  # both LLaVA models
+LLAVA_384 = dict(  # both LLaVA models: the SigLIP-384 tower, its full features, the image token
+    vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304, num_hidden_layers=26,
+                       num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False),
+    vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646)
 PUBLISHED = {  # the real checkpoints' configs, written out, for parameter counts and latency (weights don't matter)
     "idefics2": lambda: Idefics2Config(
         text_config=dict(model_type="mistral", vocab_size=32003, hidden_size=4096, intermediate_size=14336,
@@ -684,14 +684,10 @@ PUBLISHED = {  # the real checkpoints' configs, written out, for parameter count
                               resampler_head_dim=96)),
     "llava-interleave": lambda: LlavaConfig(
         text_config=dict(model_type="qwen2", vocab_size=152000, hidden_size=4096, intermediate_size=11008,
-                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32),
-        vision_config=SIGLIP_384,
-        vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646),
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32), **LLAVA_384),
     "llava-onevision": lambda: LlavaOnevisionConfig(
         text_config=dict(model_type="qwen2", vocab_size=152128, hidden_size=3584, intermediate_size=18944,
-                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
-        vision_config=SIGLIP_384,
-        vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646),
+                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4), **LLAVA_384),
 }
 
 

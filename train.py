@@ -987,16 +987,13 @@ def locked(folder):
 
 def open_lock(path):
     """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be."""
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise OSError(f"could not make the lock file {path} ({e.strerror or e})") from e
-    try:
-        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666), False
-    except OSError as e:
-        raise OSError(f"could not open the lock file {path} ({e.strerror or e})") from e
+    for made, verb, exclusive in ((True, "make", os.O_EXCL), (False, "open", 0)):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | exclusive, 0o666), made
+        except FileExistsError:  # only with O_EXCL: someone made it first, open it
+            continue
+        except OSError as e:
+            raise OSError(f"could not {verb} the lock file {path} ({e.strerror or e})") from e
 
 
 def make_folder(path, flag):
@@ -1146,12 +1143,10 @@ def parse_args(argv=None):
         p.error(f"--temperature must be > 0 (got {args.temperature})")
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
-    for name, value in {"lr": args.lr, "clip": args.clip}.items():
-        if not value > 0:
-            p.error(f"--{name} must be > 0 (got {value})")
-    for name, value in {"weight-decay": args.weight_decay, "lam": args.lam}.items():
-        if not value >= 0:
-            p.error(f"--{name} must be >= 0 (got {value})")
+    for name, value, positive in (("lr", args.lr, True), ("clip", args.clip, True),
+                                  ("weight-decay", args.weight_decay, False), ("lam", args.lam, False)):
+        if not (value > 0 if positive else value >= 0):
+            p.error(f"--{name} must be {'>' if positive else '>='} 0 (got {value})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
