@@ -170,6 +170,12 @@ def encode_piece(processor, family, text, image):
     return {"input_ids": out["input_ids"][0].tolist(), "images": {k: out[k][0] if squeeze else out[k] for k in names}}
 
 
+def onevision_tokens(processor):
+    """The tokens of one LLaVA-OneVision image in multi-image mode: its base view and a newline (less CLS under the
+    "default" feature strategy)."""
+    return processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
+
+
 def onevision_piece(processor, text, image):
     """A LLaVA-OneVision piece with its image encoded as one of several images, the model's multi-image mode.
 
@@ -180,8 +186,7 @@ def onevision_piece(processor, text, image):
     this way, in training and evaluation alike (`image_inputs` tells the model). Returns what encode_piece returns.
     """
     views = processor.image_processor([[image, image]], return_tensors="pt")  # a prompt of two images: base views
-    n = processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
-    ids = processor.tokenizer(text.replace(processor.image_token, processor.image_token * n),
+    ids = processor.tokenizer(text.replace(processor.image_token, processor.image_token * onevision_tokens(processor)),
                               add_special_tokens=False)["input_ids"]
     return {"input_ids": ids, "images": {k: views[k][:1] for k in ("pixel_values", "image_sizes")}}
 

@@ -413,8 +413,7 @@ def image_setting(processor, family, splitting="checkpoint", source="the checkpo
         if splitting != "checkpoint":
             raise ValueError(f"--image-splitting {splitting}: only Idefics2 splits images, not {family}; drop the flag")
         if family == "llava-onevision":
-            n = processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
-            return f"images: multi-image mode, {n} tokens each (data.onevision_piece)"
+            return f"images: multi-image mode, {data.onevision_tokens(processor)} tokens each (data.onevision_piece)"
         return ""
     images = processor.image_processor
     if splitting != "checkpoint":

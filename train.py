@@ -229,13 +229,12 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
     [L, T_q, d] (L decoder layers, T_q the query + target tokens); output="logits" (LIVE's teacher): its logits at
     the answer positions instead, [n_answer, V] in float32."""
     batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
-    keep = data.answer_window(batch["labels"]) if output == "logits" else 1  # states: no vocabulary-wide logits
-    inputs = {**data.model_inputs(batch), "logits_to_keep": keep}
     with M.without_adapter(backbone.model), autocast(device):
         if output == "logits":
-            logits = backbone.model(**inputs).logits
-            answer = answer_positions(batch["labels"][:, -keep:])
+            logits, labels = target_logits(backbone.model, batch)
+            answer = answer_positions(labels)
             return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
+        inputs = {**data.model_inputs(batch), "logits_to_keep": 1}  # states: no vocabulary-wide logits
         states = torch.stack(M.layer_outputs(backbone.model, **inputs)[1])  # [L, B, W, d]
     return [states[:, b, batch["query_target"][b]].cpu() for b in range(len(queries))]
 
