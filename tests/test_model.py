@@ -45,6 +45,22 @@ def test_hyper_icl_at_init_is_the_base_model(plain):
     assert torch.equal(ours_gen, base_gen)
 
 
+def test_attention_without_an_adapter_is_transformers_sdpa():
+    """Eq 4 where no adapter sits: Idefics' vision tower and gated cross-attention also run through
+    calibrated_attention. Their gates start closed in the twin (alpha = 0), so they are opened here, as a trained
+    checkpoint has them; the attached model at init must then equal the unadapted one."""
+    backbone = M.load_backbone("tiny-idefics")
+    for layer in backbone.model.model.gated_cross_attn_layers:
+        torch.nn.init.normal_(layer.alpha_cross_attn, std=1.0)
+        torch.nn.init.normal_(layer.alpha_dense, std=1.0)
+    batch = prompts(backbone, TEXTS)
+    with torch.no_grad():
+        base = backbone.model(**batch).logits
+        M.attach(backbone.model, "hyper-icl", rank=4)
+        ours = backbone.model(**batch).logits
+    assert (ours - base)[batch["attention_mask"].bool()].abs().max() <= 1e-5
+
+
 def test_the_adapter_is_in_the_text_decoder_only(plain):
     M.attach(plain.model, "hyper-icl", rank=2)
     owners = [name for name, module in plain.model.named_modules() if hasattr(module, "icl_adapter")]
