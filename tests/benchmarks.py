@@ -21,6 +21,7 @@ ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" +
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
 MME_IMAGES = 12                          # per subtask, two questions each
 SEED_IMAGES = 150                        # SEED-Bench-1 and -2 each
+SEED = 0                                 # each writer draws from random.Random(SEED)
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30),
            "purple": (140, 50, 170), "orange": (245, 140, 20)}
 NEAR_COLOUR = {"red": "orange", "green": "blue", "blue": "purple", "yellow": "orange", "purple": "blue",
@@ -131,7 +132,7 @@ def instances(scene, image_id, first_id):
 def write_coco(root):
     """COCO 2014 images, the VQAv2 questions and annotations, the Karpathy split file (the val images form its
     "test" split) and the instances files."""
-    rng, karpathy = random.Random("coco"), []
+    rng, karpathy = random.Random(SEED), []
     for split, n_images in COCO_SIZES.items():
         questions, annotations, images, objects = [], [], [], []
         for i in range(n_images):
@@ -153,10 +154,10 @@ def write_coco(root):
             images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
             objects += instances(s, image_id, len(objects) + 1)
         D.write_json(D.instances_path(root, f"{split}2014"), {
-            "info": {"description": "hyper-icl test instances"}, "licenses": [], "images": images,
+            "info": {"description": "hyper-icl toy instances"}, "licenses": [], "images": images,
             "annotations": objects, "categories": [{"id": i, "name": s, "supercategory": "shape"}
                                                    for s, i in CATEGORIES.items()]})
-        D.write_vqa(root, split, "hyper-icl test VQA", questions, annotations)
+        D.write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
     D.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
 
 # ------------------------------------------------------------------------------------------------- MME (Table 2)
@@ -187,7 +188,7 @@ def mme_pair(ask, scene, rng):
 def write_mme(root):
     """Every MME subtask in the release layout: the MME_NESTED ones in images/ + questions_answers_YN/, the others
     with the image (.png for cognition, else .jpg) beside its question file."""
-    rng = random.Random("mme")
+    rng = random.Random(SEED)
     for subtask in D.MME_PERCEPTION + D.MME_COGNITION:
         folder, ask = os.path.join(root, "mme", subtask), MME_ASKS.get(subtask, subtask)
         nested = subtask in MME_NESTED
@@ -247,7 +248,7 @@ def seed_question(dimension, scene, rng):
 def write_seed(root):
     """SEED-Bench-1: SEED-Bench.json (dimensions 1-5; most images get two questions of different dimensions; two
     video questions that the reader skips) and SEED-Bench-image/<data_id>.jpg (data_id without the extension)."""
-    rng, folder, questions = random.Random("seed"), os.path.join(root, "seed-bench", "SEED-Bench-image"), []
+    rng, folder, questions = random.Random(SEED), os.path.join(root, "seed-bench", "SEED-Bench-image"), []
     for i in range(SEED_IMAGES):
         s, data_id = scene(rng), f"{1000 + i}_{rng.randrange(10**9)}"
         save(s, os.path.join(folder, data_id + ".jpg"), quality=90)
@@ -267,7 +268,7 @@ def write_seed2(root):
     """SEED-Bench-2: seed-bench-2/SEED-Bench_v2_level1_2_3.json, cc3m-image/<data_id>.jpg (dimensions 1-5, data_id
     without extension) and SEED-Bench-2-image/task16/... (dimension 16, asking the count; data_id a path), plus
     multi-image, video and generation questions that read_seed2 skips."""
-    rng, base, questions = random.Random("seed2"), os.path.join(root, "seed-bench-2"), []
+    rng, base, questions = random.Random(SEED), os.path.join(root, "seed-bench-2"), []
     for i in range(SEED_IMAGES):
         s, v2 = scene(rng), i % 3 == 0
         data_id = f"task16/toy/{i:04d}.png" if v2 else f"{1000 + i}_{rng.randrange(10**9)}"
