@@ -18,7 +18,7 @@ query + target (T tokens) are the last T positions of both (`query_target`). LLa
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
 Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
-the README ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy datasets and the
+the README ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy-icl datasets and the
 project's file writes (atomic, with checked caches).
 """
 import contextlib
@@ -66,10 +66,8 @@ class Task:
 
 TASKS = {
     "vqav2": Task("vqa", 5), "ok-vqa": Task("vqa", 5), "coco": Task("caption", 20), "flickr30k": Task("caption", 20),
-    "toy-vqa": Task("vqa", 5), "toy-caption": Task("caption", 20),
     "mme": Task("yes-no", 5, shots=2), "seed": Task("choice", 5, shots=2),  # the paper's 2-shot ICL (Table 2)
-    "toy-mme": Task("yes-no", 5, shots=2), "toy-seed": Task("choice", 5, shots=2),
-    "seed2": Task("choice", 5, shots=2), "toy-seed2": Task("choice", 5, shots=2),  # SEED-Bench-2's single image
+    "seed2": Task("choice", 5, shots=2),  # SEED-Bench-2's single image
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
@@ -428,30 +426,22 @@ def clip_encoder(hub_id, device="cpu"):
 # ---------------------------------------------------------------------------------- readers of the official formats
 
 def load_task(task, split, data_root=None):
-    """The items of one split ("train" or "val") of a task; the toy tasks are generated on first use. MME and
-    SEED-Bench (and their toy versions) have no training split: "train" is their training pool, "val" the evaluation
-    part (pool_split), and the sizes of both are printed."""
+    """The items of one split ("train" or "val") of a task; the toy-icl tasks are generated on first use. MME and
+    SEED-Bench have no training split: "train" is their training pool, "val" the evaluation part (pool_split), and
+    the sizes of both are printed."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
         raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
-    benchmark, name = TASKS[task].kind in ("yes-no", "choice"), task.removeprefix("toy-")
     if task.startswith("toy-icl-"):
         return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
-    if task.startswith("toy-") and not benchmark:
-        root = toy_root(data_root)
-        return read_vqa(root, split, "vqav2") if task == "toy-vqa" else read_karpathy(root, split, "coco")
-    if task.startswith("toy-"):
-        root = generated(toy_folder(task, data_root), TOY_WRITERS[task])
-        items = read_mme(root, TOY_MME_SUBTASKS) if name == "mme" else BENCHMARK_READERS[name](root)
-    elif data_root is None:
+    if data_root is None:
         raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
-    elif not benchmark:
+    if TASKS[task].kind not in ("yes-no", "choice"):
         return (read_vqa if TASKS[task].kind == "vqa" else read_karpathy)(data_root, split, task)
-    else:
-        items = BENCHMARK_READERS[name](data_root)
+    items = BENCHMARK_READERS[task](data_root)
     pool, rest = pool_split(items, POOL_FRACTION[task])
     count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
@@ -790,7 +780,7 @@ BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
 # The share of each subtask's (dimension's) images in the training pool: MME's half (about 1,187 questions) holds
 # the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
 # stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
-POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2, "toy-mme": 0.5, "toy-seed": 0.5, "toy-seed2": 0.5}
+POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2}
 SPLIT_SEED = 0
 
 
@@ -859,6 +849,7 @@ def stratified_subset(items, n, seed=0):
 ICL_QUESTION = "What is it?"
 ICL_ATTRIBUTES = {"colour": ("red", "green", "blue", "yellow"), "background": ("white", "grey", "black", "purple")}
 ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
+ICL_COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30)}
 ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
 ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
 ICL_SIDE, ICL_CELL = 42, 14
@@ -877,7 +868,7 @@ def icl_jpeg(scene):
     """The scene drawn on a light background and encoded as a JPEG (4:4:4, quality 95): the bytes of its file."""
     im = Image.new("RGB", (ICL_SIDE, ICL_SIDE), ICL_BACKGROUNDS[scene["background"]])
     draw = ImageDraw.Draw(im)
-    fill = tuple(max(0, min(255, c + s)) for c, s in zip(COLOURS[scene["colour"]], scene["shade"]))
+    fill = tuple(max(0, min(255, c + s)) for c, s in zip(ICL_COLOURS[scene["colour"]], scene["shade"]))
     for cell, (left, top, right, bottom) in zip(scene["cells"], scene["margins"]):
         x, y = cell % 3 * ICL_CELL, cell // 3 * ICL_CELL
         x0, y0, x1, y1 = x + left, y + top, x + ICL_CELL - 1 - right, y + ICL_CELL - 1 - bottom
@@ -963,140 +954,6 @@ def toy_icl_root(attribute, data_root=None):
     return generated(folder, lambda tmp: write_toy_icl(tmp, attribute))
 
 
-# ----------------------------------------------------------------------------- toy datasets in the official formats
-
-TOY_SIZES = {"train": 300, "val": 100}  # images per split; one question and five captions each
-TOY_SEED = 0
-COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30),
-           "purple": (140, 50, 170), "orange": (245, 140, 20)}
-NEAR_COLOUR = {"red": "orange", "green": "blue", "blue": "purple", "yellow": "orange", "purple": "blue",
-               "orange": "red"}
-SHAPES = {"circle": "oval", "square": "rectangle", "triangle": "pyramid"}  # shape -> what some annotators say
-WORDS = ["zero", "one", "two", "three", "four"]
-
-
-def toy_scene(rng):
-    """A random scene: `count` shapes of one kind and colour; a single shape sits on the left or the right."""
-    shape, colour, count = rng.choice(list(SHAPES)), rng.choice(list(COLOURS)), rng.randint(1, 4)
-    if count == 1:
-        side = rng.choice(["left", "right"])
-        cells = [(0 if side == "left" else 2, rng.randint(0, 2))]
-    else:
-        side = None
-        cells = rng.sample([(x, y) for x in range(3) for y in range(3)], count)
-    return dict(shape=shape, colour=colour, count=count, side=side, cells=cells)
-
-
-def draw_scene(scene, size=64):
-    """Draw a scene on a light background: one shape per cell of a 3 x 3 grid."""
-    im = Image.new("RGB", (size, size), (245, 245, 240))
-    draw, cell, fill = ImageDraw.Draw(im), size // 3, COLOURS[scene["colour"]]
-    for x, y in scene["cells"]:
-        x0, y0, x1, y1 = x * cell + 3, y * cell + 3, (x + 1) * cell - 3, (y + 1) * cell - 3
-        if scene["shape"] == "circle":
-            draw.ellipse((x0, y0, x1, y1), fill=fill)
-        elif scene["shape"] == "square":
-            draw.rectangle((x0, y0, x1, y1), fill=fill)
-        else:
-            draw.polygon([((x0 + x1) / 2, y0), (x1, y1), (x0, y1)], fill=fill)
-    return im
-
-
-def toy_question(scene, rng):
-    """One question about a scene: (question, answer, a plausible wrong answer, VQA answer type)."""
-    s, c, n = scene["shape"], scene["colour"], scene["count"]
-    kinds = ["colour", "count", "shape", "yes/no"] + (["side"] if scene["side"] else [])
-    kind = rng.choice(kinds)
-    if kind == "colour":
-        return f"What colour is the {s}?" if n == 1 else f"What colour are the {s}s?", c, NEAR_COLOUR[c], "other"
-    if kind == "count":
-        return f"How many {s}s are there?", str(n), str(n + rng.choice([-1, 1]) if n > 1 else 2), "number"
-    if kind == "shape":
-        return "Which shape is in the picture?", s, SHAPES[s], "other"
-    if kind == "side":
-        return f"Is the {s} on the left or the right?", scene["side"], "middle", "other"
-    asked = rng.choice([c, NEAR_COLOUR[c]])
-    question = f"Is the {s} {asked}?" if n == 1 else f"Are the {s}s {asked}?"
-    return (question, "yes", "no", "yes/no") if asked == c else (question, "no", "yes", "yes/no")
-
-
-def toy_captions(scene):
-    """Five reference captions of a scene."""
-    s, c, n = scene["shape"], scene["colour"], scene["count"]
-    if n == 1:
-        where = f" on the {scene['side']}"
-        return [f"A {c} {s}{where}.", f"A single {c} {s} on a plain background.",
-                f"One {c} {s}{where} of the image.", f"A small {c} {s}.", f"There is a {c} {s}{where}."]
-    w = WORDS[n]
-    return [f"{w.capitalize()} {c} {s}s.", f"{w.capitalize()} {c} {s}s on a plain background.",
-            f"A picture of {w} {c} {s}s.", f"There are {w} {s}s and they are {c}.", f"Some {c} {s}s."]
-
-
-TOY_CATEGORIES = {shape: k + 1 for k, shape in enumerate(SHAPES)}  # toy shape -> COCO-style category id
-
-
-def toy_instances(scene, image_id, first_id, size=64):
-    """COCO instance annotations of one toy image: one per drawn shape, its category the shape's own name.
-
-    The toy scenes hold none of COCO's 80 objects, so the instances files declare the three shapes as categories
-    (TOY_CATEGORIES, supercategory "shape"); CHAIR reads the objects to look for from the file's categories.
-    Box and polygon are the shape's cell inset by 3 px, as draw_scene draws it.
-    """
-    cell, out = size // 3, []
-    for k, (x, y) in enumerate(scene["cells"]):
-        x0, y0, x1, y1 = x * cell + 3, y * cell + 3, (x + 1) * cell - 3, (y + 1) * cell - 3
-        out.append({"id": first_id + k, "image_id": image_id, "category_id": TOY_CATEGORIES[scene["shape"]],
-                    "bbox": [x0, y0, x1 - x0, y1 - y0], "area": (x1 - x0) * (y1 - y0), "iscrowd": 0,
-                    "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]})
-    return out
-
-
-def write_json(path, obj, indent=None):
-    """Write obj as JSON to path atomically (atomic_write), creating its folder."""
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=indent).encode()))
-
-
-def write_toy(root, seed=TOY_SEED):
-    """Write the toy dataset under `root` in the official formats: COCO images, VQAv2 files, Karpathy COCO file."""
-    rng = random.Random(seed)
-    karpathy = []
-    for split, n_images in TOY_SIZES.items():
-        os.makedirs(os.path.join(root, "coco", f"{split}2014"))
-        questions, annotations, images, instances = [], [], [], []
-        for i in range(n_images):
-            image_id, scene = (i + 1 if split == "train" else 100_000 + i), toy_scene(rng)
-            path = coco_image(root, split, image_id)
-            draw_scene(scene).save(path, quality=90)
-            question, answer, wrong, answer_type = toy_question(scene, rng)
-            answers = [answer] * 10  # ten human answers: unanimous, or one to four dissenters for about a third
-            if rng.random() < 0.35:
-                for k in rng.sample(range(10), rng.randint(1, 4)):
-                    answers[k] = wrong
-            add_vqa(questions, annotations, image_id, question, answers, answer_type)
-            imgid = len(karpathy)  # toy "val" images form the Karpathy "test" split
-            sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
-                         for k, c in enumerate(toy_captions(scene))]
-            karpathy.append({"filepath": f"{split}2014", "filename": os.path.basename(path), "imgid": imgid,
-                             "cocoid": image_id, "split": "train" if split == "train" else "test",
-                             "sentences": sentences, "sentids": [x["sentid"] for x in sentences]})
-            images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
-            instances += toy_instances(scene, image_id, len(instances) + 1)
-        write_json(instances_path(root, f"{split}2014"), {
-            "info": {"description": "hyper-icl toy instances"}, "licenses": [], "images": images,
-            "annotations": instances, "categories": [{"id": i, "name": s, "supercategory": "shape"}
-                                                     for s, i in TOY_CATEGORIES.items()]})
-        write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
-    write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
-
-
-TOY_DIR = "toy-v2"  # v2 added the instances files; bump on any change so stale caches are never read
-
-
-def toy_root(data_root=None):
-    """The toy data_root (data_root/toy-v2, or ~/.cache/hyper-icl/toy-v2), generated if it is not there."""
-    return generated(toy_folder(TOY_DIR, data_root), write_toy)
-
-
 def toy_folder(name, data_root=None):
     """Where the generated dataset `name` lives: data_root/<name>, or ~/.cache/hyper-icl/<name>."""
     return os.path.join(data_root, name) if data_root else os.path.expanduser(f"~/.cache/hyper-icl/{name}")
@@ -1122,147 +979,6 @@ def generated(root, write):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
-
-TOY_MME_SUBTASKS = ("existence", "count", "position", "color", "scene", "numerical_calculation")
-TOY_MME_IMAGES = 24  # per subtask
-
-
-def toy_mme_pair(subtask, scene, rng):
-    """MME's two questions about a toy scene, the one answered Yes first (as in the release)."""
-    s, c, n, ask = scene["shape"], scene["colour"], scene["count"], " Please answer yes or no."
-    other_shape, other_colour = rng.choice([x for x in SHAPES if x != s]), NEAR_COLOUR[c]
-    yes_no = {
-        "existence": (f"Is there a {s} in this image?", f"Is there a {other_shape} in this image?"),
-        "count": (f"Are there {n} {s}s in this image?", f"Are there {n % 4 + 1} {s}s in this image?"),
-        "position": (f"Is the {s} on the {scene['side']} of the image?",
-                     f"Is the {s} on the {'right' if scene['side'] == 'left' else 'left'} of the image?"),
-        "color": (f"Is the colour of the {s}s {c}?", f"Is the colour of the {s}s {other_colour}?"),
-        "scene": (f"Is this a picture of {c} shapes?", f"Is this a picture of {other_colour} shapes?"),
-        "numerical_calculation": (f"Is the number of {s}s plus two equal to {n + 2}?",
-                                  f"Is the number of {s}s plus two equal to {n + 3}?"),
-    }[subtask]
-    return [(yes_no[0] + ask, "Yes"), (yes_no[1] + ask, "No")]
-
-
-def write_toy_mme(root, seed=TOY_SEED):
-    """A toy MME in the release layout: scene uses images/ + questions_answers_YN/, the rest keep the image
-    (numerical_calculation as .png, the others .jpg) beside its question file."""
-    rng = random.Random(seed)
-    for subtask in TOY_MME_SUBTASKS:
-        folder = os.path.join(root, "mme", subtask)
-        idir, qdir = [os.path.join(folder, d) for d in ("images", "questions_answers_YN")] if subtask == "scene" \
-            else (folder, folder)
-        for d in (idir, qdir):
-            os.makedirs(d, exist_ok=True)
-        for i in range(TOY_MME_IMAGES):
-            scene = toy_scene(rng)
-            while subtask == "position" and scene["side"] is None:
-                scene = toy_scene(rng)
-            ext = ".png" if subtask == "numerical_calculation" else ".jpg"
-            draw_scene(scene).save(os.path.join(idir, f"{i:04d}{ext}"))
-            with open(os.path.join(qdir, f"{i:04d}.txt"), "w") as f:
-                f.writelines(f"{q}\t{a}\n" for q, a in toy_mme_pair(subtask, scene, rng))
-
-
-SEED_V1_DIMENSIONS = ("Scene Understanding", "Instance Identity", "Instance Attributes", "Instance Location",
-                      "Instances Counting", "Spatial Relation", "Instance Interaction", "Visual Reasoning",
-                      "Text Understanding", "Action Recognition", "Action Prediction", "Procedure Understanding")
-TOY_SEED_IMAGES = 150
-
-
-def toy_seed_question(dimension, scene, rng):
-    """One multiple-choice question about a toy scene: (question, {"answer": letter, "choice_a": .., "choice_d": ..}),
-    the right option shuffled among three wrong ones."""
-    s, c, n = scene["shape"], scene["colour"], scene["count"]
-    if dimension == 1:
-        things = lambda k, colour, shape: f"{WORDS[k]} {colour} {shape}{'s' if k > 1 else ''}"
-        question, right, wrong = "What does the picture show?", things(n, c, s), \
-            [things(n, NEAR_COLOUR[c], s), things(n % 4 + 1, c, s), things(n, c, SHAPES[s])]
-    elif dimension == 2:
-        question, right, wrong = "Which shape is in the image?", s, [x for x in ("circle", "square", "triangle",
-                                                                                 "star") if x != s]
-    elif dimension == 3:
-        question, right, wrong = f"What colour is the {s}?", c, rng.sample([x for x in COLOURS if x != c], 3)
-    elif dimension == 4:
-        question, right, wrong = f"Where is the {s}?", f"on the {scene['side']}", \
-            [f"on the {x}" for x in ("left", "right", "top", "bottom") if x != scene["side"]]
-    else:
-        question, right, wrong = f"How many {s}s are in the image?", WORDS[n].capitalize(), \
-            [w.capitalize() for w in WORDS[1:] if w != WORDS[n]]
-    options = [right] + list(wrong)
-    rng.shuffle(options)
-    return question, {"answer": SEED_LETTERS[options.index(right)],
-                      **{f"choice_{x}": o for x, o in zip("abcd", options)}}
-
-
-def write_toy_seed(root, seed=TOY_SEED):
-    """A toy SEED-Bench-1: SEED-Bench.json in the official form (dimensions 1-5 about toy scenes, two video
-    questions that the reader skips) and SEED-Bench-image/<data_id>.jpg (data_id without the extension).
-    Most images get two questions, of different dimensions."""
-    rng = random.Random(seed)
-    folder = os.path.join(root, "seed-bench", "SEED-Bench-image")
-    os.makedirs(folder)
-    questions = []
-    for i in range(TOY_SEED_IMAGES):
-        scene, data_id = toy_scene(rng), f"{1000 + i}_{rng.randrange(10**9)}"
-        draw_scene(scene).save(os.path.join(folder, data_id + ".jpg"), quality=90)
-        dimensions = [1, 2, 3, 5] + ([4] if scene["side"] else [])
-        for dimension in rng.sample(dimensions, rng.choice([1, 2, 2])):
-            question, options = toy_seed_question(dimension, scene, rng)
-            questions.append({**options, "data_id": data_id, "data_type": "image", "question": question,
-                              "question_id": str(100_000 + len(questions)), "question_type_id": dimension})
-    questions += [{"answer": "A", "choice_a": "rolling", "choice_b": "falling", "choice_c": "sliding",
-                   "choice_d": "spinning", "data_id": f"{k}.webm", "data_type": "video",
-                   "question": "What is the action being carried out in the video?", "question_id": f"v{k}",
-                   "question_type_id": 10} for k in range(2)]
-    write_json(os.path.join(root, "seed-bench", "SEED-Bench.json"),
-               {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V1_DIMENSIONS)}})
-
-
-SEED_V2_DIMENSIONS = SEED_V1_DIMENSIONS[:9] + (
-    "Celebrity Recognition", "Landmark Recognition", "Chart Understanding", "Visual Referring Expression",
-    "Science Knowledge", "Emotion Recognition", "Visual Mathematics", "Difference Spotting", "Meme Comprehension",
-    "Global Video Understanding", "Action Recognition", "Action Prediction", "Procedure Understanding",
-    "In-Context Captioning", "Interleaved Image-Text Analysis", "Text-to-Image Generation", "Next Image Prediction",
-    "Text-Image Creation")  # SEED-Bench-2's question_type ids 1-27 (its DATASET.md)
-TOY_SEED2_SKIPPED = [  # (question_type_id, data_type, subpart, level, data_id): questions read_seed2 leaves out
-    (17, "Multiple Images", "Multiple-Images & Text Comprehension", "L1", ["task17/a_1.png", "task17/a_2.png"]),
-    (19, "Video", "Video & Text Comprehension", "L1", [f"task19/v/{k}.png" for k in range(1, 9)]),
-    (25, "Image Generation", "Image Generation", "L3", [f"task25/image/0/{k}.jpg" for k in range(1, 5)])]
-
-
-def write_toy_seed2(root, seed=TOY_SEED):
-    """A toy SEED-Bench-2: seed-bench-2/SEED-Bench_v2_level1_2_3.json in the official layout, cc3m-image/<data_id>.jpg
-    (dimensions 1-5, data_id without extension) and SEED-Bench-2-image/task16/... (dimension 16, data_id a path),
-    plus multi-image, video and generation questions that read_seed2 skips. The questions are toy_seed_question's
-    (dimension 16 asks the count)."""
-    rng, base = random.Random(seed), os.path.join(root, "seed-bench-2")
-    questions = []
-    for i in range(TOY_SEED_IMAGES):
-        scene, v2 = toy_scene(rng), i % 3 == 0
-        data_id = f"task16/toy/{i:04d}.png" if v2 else f"{1000 + i}_{rng.randrange(10**9)}"
-        path = os.path.join(base, "SEED-Bench-2-image", data_id) if v2 else \
-            os.path.join(base, "cc3m-image", data_id + ".jpg")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        draw_scene(scene).save(path)
-        dimension = 16 if v2 else rng.choice([1, 2, 3, 5] + ([4] if scene["side"] else []))
-        question, options = toy_seed_question(5 if dimension == 16 else dimension, scene, rng)
-        questions.append({**options, "data_id": data_id, "data_source": "SEED-Bench v2" if v2 else "cc3m",
-                          "data_type": "Single Image", "level": "L1", "question": question,
-                          "question_type_id": dimension, "subpart": SEED2_SUBPART, "version": "v2" if v2 else "v1"})
-    questions += [{"answer": "A", **{f"choice_{x}": x for x in "abcd"}, "data_id": data_id,
-                   "data_source": "SEED-Bench v2", "data_type": data_type, "level": level, "question": "Which?",
-                   "question_type_id": d, "subpart": subpart, "version": "v2"}
-                  for d, data_type, subpart, level, data_id in TOY_SEED2_SKIPPED]
-    per_dimension = Counter()
-    for q in questions:  # "{dimension}_{k}", k counting within the dimension, as the release numbers them
-        q["question_id"] = f"{q['question_type_id']}_{per_dimension[q['question_type_id']]}"
-        per_dimension[q["question_type_id"]] += 1
-    write_json(os.path.join(base, SEED2_FILE),
-               {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}})
-
-
-TOY_WRITERS = {"toy-mme": write_toy_mme, "toy-seed": write_toy_seed, "toy-seed2": write_toy_seed2}
 
 
 # -------------------------------------------------------------------------- files: atomic writes and checked caches
@@ -1294,6 +1010,11 @@ def atomic_write(path, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(path, obj, indent=None):
+    """Write obj as JSON to path atomically (atomic_write), creating its folder."""
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=indent).encode()))
 
 
 STALE_TMP_S = 15 * 60  # a temporary file of another machine untouched this long has no live writer

@@ -623,7 +623,6 @@ COCO_SYNONYMS = read_synonyms(published_synonyms())
 # Word pairs read as another word before matching, as chair.py's double_word_dict: an age qualifier or "passenger"
 # before an animal or a vehicle is not a person ("baby elephant" -> elephant), a toilet seat is the toilet, not a
 # chair, a bow tie a tie, and "train track" and "home plate" are no object (no train; "plate" is none anyway).
-TOY_SYNONYMS = {s: f"{s}, {alt}" for s, alt in D.SHAPES.items()}  # toy-caption's categories (data.toy_instances)
 _ANIMALS = ("bird", "cat", "dog", "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "animal", "cub")
 _READ_AS = {f"{q} {a}": a for q in ("baby", "adult") for a in _ANIMALS} | \
     {"passenger jet": "jet", "passenger train": "train", "toilet seat": "toilet", "bow tie": "tie"} | \
@@ -728,7 +727,7 @@ def chair_metrics(items, predictions, count="chair.py"):
     the items' image folders (data.read_instances) and the items' reference captions. count "chair.py" (chair.py's
     count, quirks included) names them chair_s, chair_i, recall; "corrected" chair_s_corrected, ..."""
     annotated, categories = D.read_instances(items)
-    vocabulary = chair_vocabulary(categories, COCO_SYNONYMS | TOY_SYNONYMS)
+    vocabulary = chair_vocabulary(categories)
     result, _ = chair({it.id: p for it, p in zip(items, predictions)}, annotated,
                       {it.id: it.answers for it in items}, vocabulary, count)
     suffix = "" if count == "chair.py" else "_" + count
@@ -1613,7 +1612,7 @@ def parse_args(argv=None):
                                               "MME and SEED-Bench: about N questions drawn by image, stratified by "
                                               "subtask / dimension and seeded by --seed (data.stratified_subset)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
-    p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
+    p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy-icl tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
     p.add_argument("--seed-protocol", choices=["generate", "likelihood"],
@@ -1667,7 +1666,7 @@ def parse_args(argv=None):
                    "indirect effect (default: %(default)s, Todd et al.'s)")
     p.add_argument("--chair", nargs="?", const="chair.py", choices=CHAIR_COUNTS, help="also CHAIR_s, CHAIR_i and "
                    "object Recall (Table 5) of the captions, from coco/annotations/instances_{train,val}2014.json "
-                   "under --data-root (coco, toy-caption); counted as the published chair.py counts, its quirks "
+                   "under --data-root (coco); counted as the published chair.py counts, its quirks "
                    "included (as in published numbers), or with `--chair corrected` without them (chair_s_corrected, "
                    "...)")
     p.add_argument("--random-weights", nargs="?", const="published", choices=["published", "mid"],
@@ -1728,8 +1727,8 @@ def parse_args(argv=None):
                     + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
-    if args.chair and args.task not in ("coco", "toy-caption"):
-        p.error(f"--chair scores COCO captions against COCO instance annotations (coco, toy-caption), not {args.task}")
+    if args.chair and args.task != "coco":
+        p.error(f"--chair scores COCO captions against COCO instance annotations (coco), not {args.task}")
     if args.random_weights and not (args.benchmark or args.benchmark_attention):
         p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():

@@ -1059,8 +1059,8 @@ def parse_args(argv=None):
                    "llava-onevision, tiny-<one of those> (offline twin, random weights), toy-idefics2 (meta-trained "
                    "to learn in context: the shipped reference copy), a toy backbone's file (--build-toy), or a local "
                    "checkpoint path")
-    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-* need no download; "
-                   "toy-icl-* can only be solved from demonstrations)")
+    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-icl-* need no "
+                   "download and can only be solved from demonstrations)")
     p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
                    "(gated logit bias), static-layer / static-layer-head (its gate a learned constant per layer / per "
                    "layer and head, Fig 3a), output-level (the same module on the attention output, Table 11), "

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import benchmarks
 import evaluate
 import model as M
 import train
@@ -243,22 +244,22 @@ def test_answer_kl_is_lives_tempered_kl():
 @pytest.mark.parametrize("method", BASELINES)
 def test_trains_and_evaluates_end_to_end(method, tmp_path):
     out = str(tmp_path / method)
-    train.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--method", method, "--out", out,
-                "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs", "1",
-                "--lr", "1e-2"])
+    train.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
+                "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs",
+                "1", "--lr", "1e-2"])
     history = train.json.load(open(f"{out}/history.json"))
     assert len(history) == 1 and math.isfinite(history[0]["heldout_loss"])
-    metrics = evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--checkpoint",
-                             f"{out}/adapter.safetensors", "--n-eval", "1"])
+    metrics = evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                             "--checkpoint", f"{out}/adapter.safetensors", "--n-eval", "1"])
     assert metrics["setting"] == method and 0 <= metrics["vqa_accuracy"] <= 100
 
 
 @pytest.mark.parametrize("method,anchor", [("mimic", "mse"), ("live", "kl"), ("lora", "none")])
 def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, method, anchor, tmp_path):
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--method", method,
-                             "--teacher-cache", str(tmp_path)])
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                             "--method", method, "--teacher-cache", str(tmp_path)])
     assert args.anchor == anchor and args.lam == 0.5
-    pool = train.data.load_task(args.task, "train")
+    pool = train.data.load_task(args.task, "train", args.data_root)
     queries = pool[:3]
     icds = train.data.demonstrations([q.id for q in queries], pool, 1, args.seed)
     M.attach(plain.model, method, **train.method_sizes(args))

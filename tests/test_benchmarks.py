@@ -1,6 +1,6 @@
 """MME and SEED-Bench (Table 2): the readers on hand-written files in the official formats, the seeded split,
 MME's acc / acc+ / score on a hand-computed example, option-letter extraction, SEED's likelihood ranking against
-a plain per-option forward pass, and evaluate.py on the toy versions."""
+a plain per-option forward pass, and evaluate.py on the benchmarks of tests/benchmarks.py."""
 import dataclasses
 import json
 import os
@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, strategies as st
 from PIL import Image
 
+import benchmarks
 import data as D
 import evaluate as E
 import model as M
@@ -105,7 +106,7 @@ def seed_root(tmp_path):
                  seed_question(101670, 10, "94328.webm"),                   # video: skipped, never looked up
                  seed_question(7, 1, "77_1.png", answer="D"),              # data_id with it
                  seed_question(8, 9, "1454426_2591111986", answer="A")]
-    obj = {"questions": questions, "question_type": {n: k + 1 for k, n in enumerate(D.SEED_V1_DIMENSIONS)}}
+    obj = {"questions": questions, "question_type": {n: k + 1 for k, n in enumerate(benchmarks.SEED_V1_DIMENSIONS)}}
     write(folder / "SEED-Bench.json", json.dumps(obj))
     return str(tmp_path), obj
 
@@ -147,19 +148,19 @@ def test_seed_missing_key_is_named(seed_root):
 # split, shots
 
 
-@pytest.mark.parametrize("task", ["toy-mme", "toy-seed"])
+@pytest.mark.parametrize("task", ["mme", "seed"])
 def test_split_by_image(task, capsys):
-    pool, rest = D.load_task(task, "train"), D.load_task(task, "val")
+    pool, rest = D.load_task(task, "train", benchmarks.ROOT), D.load_task(task, "val", benchmarks.ROOT)
     assert "training pool" in capsys.readouterr().out
-    root = D.generated(D.toy_folder(task), D.TOY_WRITERS[task])
-    everything = D.read_mme(root, D.TOY_MME_SUBTASKS) if task == "toy-mme" else D.read_seed(root)
+    everything = D.read_mme(benchmarks.ROOT) if task == "mme" else D.read_seed(benchmarks.ROOT)
     assert sorted(it.id for it in pool + rest) == sorted(it.id for it in everything)
     assert not {it.image_path for it in pool} & {it.image_path for it in rest}  # no image on both sides
-    assert [it.id for it in pool] == [it.id for it in D.pool_split(everything, D.POOL_FRACTION[task])[0]]
+    fraction = D.POOL_FRACTION[task]
+    assert [it.id for it in pool] == [it.id for it in D.pool_split(everything, fraction)[0]]
     for category in {it.category for it in everything if it.category != "Instance Location"}:
         share = sum(it.category == category for it in pool) / sum(it.category == category for it in everything)
-        assert 0.25 < share < 0.75, category
-    if task == "toy-mme":  # MME: both questions of every image on the same side
+        assert fraction / 2 < share < 1.5 * fraction, category
+    if task == "mme":  # MME: both questions of every image on the same side
         assert all(len([it for it in pool if it.image_path == p]) == 2 for p in {it.image_path for it in pool})
 
 
@@ -182,8 +183,8 @@ def test_pool_split_properties(questions, fraction, seed):
 
 
 def test_default_shots():
-    assert [D.default_shots(t, "idefics") for t in ("mme", "seed", "toy-seed", "vqav2")] == [2, 2, 2, 32]
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-mme"])
+    assert [D.default_shots(t, "idefics") for t in ("mme", "seed", "seed2", "vqav2")] == [2, 2, 2, 32]
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "mme", "--data-root", benchmarks.ROOT])
     assert train.split_pool(args, "idefics2")[3] == 2
 
 # -----------------------------------------------------------------------------
@@ -242,7 +243,7 @@ def test_seed_scores_per_dimension():
     assert m == {"dimensions": {"d1": 50.0, "d2": 200 / 3}, "accuracy": 60.0}
 
 # -----------------------------------------------------------------------------
-# SEED likelihood ranking vs a plain forward per option, and evaluate.py on the toys
+# SEED likelihood ranking vs a plain forward per option, and evaluate.py on the benchmarks
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def plain_loglik(backbone, row):
 @pytest.mark.parametrize("prompt, kind", [("official", "choice-likelihood"), ("project", "choice-likelihood-project")])
 def test_likelihood_ranking_matches_plain_forward(backbone, prompt, kind):
     proc, family = backbone.processor, backbone.family
-    items, pool = D.load_task("toy-seed", "val")[:2], D.load_task("toy-seed", "train")
+    items, pool = D.load_task("seed", "val", benchmarks.ROOT)[:2], D.load_task("seed", "train", benchmarks.ROOT)
     icds = D.demonstrations([it.id for it in items], pool, 1, seed=0)
     got = E.option_logliks(backbone, items, icds, prompt)
     end = proc.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
@@ -279,20 +280,21 @@ def test_likelihood_ranking_matches_plain_forward(backbone, prompt, kind):
     assert E.rank_options(backbone, items, icds, prompt=prompt) == ["ABCD"[k] for k in expected.argmax(-1).tolist()]
 
 
-@pytest.mark.parametrize("task, protocol", [("toy-mme", None), ("toy-seed", "likelihood")])
-def test_evaluate_toy_benchmarks(backbone, tmp_path, task, protocol):
+@pytest.mark.parametrize("task, protocol", [("mme", None), ("seed", "likelihood")])
+def test_evaluate_on_mme_and_seed(backbone, tmp_path, task, protocol):
+    protocol = ["--seed-protocol", protocol] if protocol else []  # MME refuses a SEED protocol
     args = E.parse_args(["--model", "tiny-idefics2", "--task", task, "--shots", "2", "--out", str(tmp_path),
-                         *(["--seed-protocol", protocol] if protocol else [])])  # MME refuses a SEED protocol
-    items = D.load_task(task, "val")[:4]
+                         "--data-root", benchmarks.ROOT, *protocol])
+    items = D.load_task(task, "val", benchmarks.ROOT)[:4]
     metrics = E.evaluate(backbone, args, items, "2-shot")
-    if task == "toy-mme":
+    if task == "mme":
         assert metrics["accuracy"] == metrics["mme"]["accuracy"]
         assert set(metrics["mme"]["subtasks"]) == {"existence"}
-        with open(tmp_path / "toy-mme-val-2-shot-seed0-n4.mme" / "existence.txt") as f:
+        with open(tmp_path / "mme-val-2-shot-seed0-n4.mme" / "existence.txt") as f:
             lines = [line.rstrip("\n").split("\t") for line in f]
         assert [(name, q, a) for name, q, a, _ in lines] == [
             (os.path.basename(it.image_path), it.question, it.target) for it in items]
     else:
         assert metrics["protocol"] == "likelihood" and metrics["accuracy"] == metrics["seed_bench"]["accuracy"]
-        with open(tmp_path / "toy-seed-val-2-shot-likelihood-seed0-n4.predictions.jsonl") as f:
+        with open(tmp_path / "seed-val-2-shot-likelihood-seed0-n4.predictions.jsonl") as f:
             assert all(json.loads(line)["prediction"] in "ABCD" for line in f)

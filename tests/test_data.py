@@ -1,4 +1,5 @@
-"""data.py: readers on files in the official formats, the toy task, demonstrations, teacher/student batches."""
+"""data.py: readers on files in the official formats (hand-written, and the benchmarks of tests/benchmarks.py),
+demonstrations, teacher/student batches."""
 import os
 import random
 
@@ -8,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
+import benchmarks
 import data
 from data import Item
 from model import load_backbone
@@ -127,10 +129,10 @@ def test_unreadable_or_missing_image_names_item_and_path(tmp_path):
 
 
 def test_unknown_task_and_split_list_the_valid_ones(tmp_path):
-    with pytest.raises(ValueError, match="toy-vqa.*toy-caption"):
+    with pytest.raises(ValueError, match="vqav2, ok-vqa, coco.*seed2, toy-icl-colour"):
         data.load_task("gqa", "val", tmp_path)
     with pytest.raises(ValueError, match="train, val"):
-        data.load_task("toy-vqa", "test", tmp_path)
+        data.load_task("vqav2", "test", tmp_path)
     with pytest.raises(ValueError, match="--data-root"):
         data.load_task("vqav2", "val")
 
@@ -184,9 +186,9 @@ def test_seed2_bad_question_names_it(tmp_path, question, message):
         data.read_seed2(str(tmp_path))
 
 
-def test_toy_seed2_is_selectable_like_seed(tmp_path):
-    val, train = data.load_task("toy-seed2", "val", tmp_path), data.load_task("toy-seed2", "train", tmp_path)
-    assert len(val) + len(train) == data.TOY_SEED_IMAGES     # the skipped multi-image / video / L3 ones are not read
+def test_seed2_is_selectable_like_seed():
+    val, train = (data.load_task("seed2", s, benchmarks.ROOT) for s in ("val", "train"))
+    assert len(val) + len(train) == benchmarks.SEED_IMAGES  # the skipped multi-image / video / L3 ones are not read
     assert {it.category for it in val + train} >= {"Visual Mathematics", "Scene Understanding"}
     assert not {it.image_path for it in val} & {it.image_path for it in train}
     assert data.default_shots("seed2", "idefics2") == 2 and data.TASKS["seed2"].kind == "choice"
@@ -235,50 +237,52 @@ def test_stratified_subset_of_single_question_images_is_exact():
     assert len(subset) == 10 and sum(it.category == "dim2" for it in subset) == 1   # 9 : 1 as 90 : 10
 
 
-# ---------------------------------------------------------------------------------------------------------- toy
+# ---------------------------------------------------------------------------- the benchmarks of tests/benchmarks.py
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    return root, {(t, s): data.load_task(t, s, root) for t in ("toy-vqa", "toy-caption") for s in data.SPLITS}
+def bench():
+    return benchmarks.ROOT, {(t, s): data.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco")
+                             for s in data.SPLITS}
 
 
-def test_toy_is_written_in_the_official_formats_and_read_back(toy):
-    root, tasks = toy
-    assert {k: len(v) for k, v in tasks.items()} == {("toy-vqa", "train"): 300, ("toy-vqa", "val"): 100,
-                                                      ("toy-caption", "train"): 300, ("toy-caption", "val"): 100}
-    assert os.path.isfile(root / data.TOY_DIR / "vqav2" / "v2_OpenEnded_mscoco_train2014_questions.json")
-    vqa = tasks["toy-vqa", "train"]
+def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench):
+    root, tasks = bench
+    assert {k: len(v) for k, v in tasks.items()} == {("vqav2", "train"): 300, ("vqav2", "val"): 100,
+                                                      ("coco", "train"): 300, ("coco", "val"): 100}
+    assert os.path.isfile(os.path.join(root, "vqav2", "v2_OpenEnded_mscoco_train2014_questions.json"))
+    vqa = tasks["vqav2", "train"]
     assert all(len(i.answers) == 10 and i.target == data.most_frequent(list(i.answers)) for i in vqa)
     assert 0.2 < sum(len(set(i.answers)) > 1 for i in vqa) / len(vqa) < 0.5  # some annotators disagree
     assert {"yes", "no", "left", "red", "circle", "3"} <= {i.target for i in vqa}
     assert data.load_image(vqa[0]).size == (64, 64)
-    caption = tasks["toy-caption", "val"][0]
+    caption = tasks["coco", "val"][0]
     assert caption.question is None and len(caption.answers) == 5 and caption.target == caption.answers[0]
-    assert not {i.id for i in vqa} & {i.id for i in tasks["toy-vqa", "val"]}
+    assert not {i.id for i in vqa} & {i.id for i in tasks["vqav2", "val"]}
 
 
-def test_toy_is_seeded(toy, tmp_path):
-    root, _ = toy
-    data.write_toy(tmp_path / "again")
-    for f in ("vqav2/v2_mscoco_val2014_annotations.json", "coco/dataset_coco.json"):
-        assert (tmp_path / "again" / f).read_text() == (root / data.TOY_DIR / f).read_text()
+def test_the_benchmarks_are_seeded(bench, tmp_path):
+    root, _ = bench
+    benchmarks.write(tmp_path)
+    for f in ("vqav2/v2_mscoco_val2014_annotations.json", "coco/dataset_coco.json", "mme/count/0003.txt",
+              "seed-bench/SEED-Bench.json", f"seed-bench-2/{data.SEED2_FILE}", "coco/val2014/COCO_val2014_"
+              "000000100007.jpg"):
+        assert (tmp_path / f).read_bytes() == open(os.path.join(root, f), "rb").read(), f
 
 
-def test_toy_generation_is_atomic(tmp_path, monkeypatch):
-    def interrupted(root, seed=0):
+def test_generation_is_atomic(tmp_path, monkeypatch):
+    def interrupted(root, attribute):
         os.makedirs(os.path.join(root, "vqav2"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "write_toy", interrupted)
+    monkeypatch.setattr(data, "write_toy_icl", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        data.load_task("toy-vqa", "train", tmp_path)
-    assert os.listdir(tmp_path) == []  # neither a half-written toy/ nor a temporary folder
+        data.load_task("toy-icl-colour", "train", tmp_path)
+    assert os.listdir(tmp_path / "toy-icl") == []  # neither a half-written colour/ nor a temporary folder
     monkeypatch.undo()
-    assert len(data.load_task("toy-vqa", "train", tmp_path)) == 300
-    monkeypatch.setattr(data, "write_toy", interrupted)  # generated once, then only read
-    assert len(data.load_task("toy-vqa", "val", tmp_path)) == 100
+    assert len(data.load_task("toy-icl-colour", "train", tmp_path)) == data.ICL_SIZES["train"]
+    monkeypatch.setattr(data, "write_toy_icl", interrupted)  # generated once, then only read
+    assert len(data.load_task("toy-icl-colour", "val", tmp_path)) == data.ICL_SIZES["val"]
 
 # ----------------------------------------------------------------------------------------------- demonstrations
 
@@ -343,10 +347,10 @@ def teacher_and_student(processor, family, kind, queries, icds):
 
 
 @pytest.mark.parametrize("kind", ["vqa", "caption"])
-def test_teacher_and_student_rows_line_up(backbone, toy, kind):
-    _, tasks = toy
+def test_teacher_and_student_rows_line_up(backbone, bench, kind):
+    _, tasks = bench
     p, family = backbone.processor, backbone.family
-    items = tasks["toy-vqa" if kind == "vqa" else "toy-caption", "train"]
+    items = tasks["vqav2" if kind == "vqa" else "coco", "train"]
     queries, m = items[:3], 2
     teacher, student = teacher_and_student(p, family, kind, queries, data.demonstrations(
         [q.id for q in queries], items, m, seed=0))
@@ -371,10 +375,10 @@ def test_teacher_and_student_rows_line_up(backbone, toy, kind):
         assert n_images(batch, family) == ([per_row] * 3 if family in ("idefics2", "idefics") else 3 * per_row)
 
 
-def test_position_ids_ignore_padding(backbone, toy):
-    _, tasks = toy
+def test_position_ids_ignore_padding(backbone, bench):
+    _, tasks = bench
     p, family = backbone.processor, backbone.family
-    items = tasks["toy-vqa", "train"]
+    items = tasks["vqav2", "train"]
     batch = data.prompt_batch(p, family, "vqa", items[:2], [[], items[2:5]])  # zero-shot and 3-shot rows
     mask = batch["attention_mask"]
     assert mask[0, 0] == 0 and mask[1].all()  # the short row is left-padded
@@ -386,31 +390,31 @@ def test_position_ids_ignore_padding(backbone, toy):
     assert (batch["labels"] == -100).all()
 
 
-def test_prompt_is_the_student_row_without_its_answer(backbone, toy):
-    _, tasks = toy
+def test_prompt_is_the_student_row_without_its_answer(backbone, bench):
+    _, tasks = bench
     p, family = backbone.processor, backbone.family
-    q = tasks["toy-vqa", "val"][0]
+    q = tasks["vqav2", "val"][0]
     _, student = teacher_and_student(p, family, "vqa", [q], [[]])
     prompt = data.prompt_batch(p, family, "vqa", [q])
     n_answer = int((student["labels"] != -100).sum())
     assert torch.equal(prompt["input_ids"][0], student["input_ids"][0, :-n_answer])
 
 
-def test_idefics_query_cross_attends_as_in_the_student(toy):
+def test_idefics_query_cross_attends_as_in_the_student(bench):
     """Idefics' image_attention_mask, rebuilt for the joined row: query tokens see only the query image, as alone."""
-    _, tasks = toy
+    _, tasks = bench
     bb = load_backbone("tiny-idefics")
-    items = tasks["toy-vqa", "train"]
+    items = tasks["vqav2", "train"]
     teacher, student = teacher_and_student(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
     t_mask = teacher["image_attention_mask"][0][teacher["query_target"][0]]  # [query tokens, 4 images]
     s_mask = student["image_attention_mask"][0][student["query_target"][0]]  # [query tokens, 1 image]
     assert (t_mask[:, :3] == 0).all() and torch.equal(t_mask[:, 3:], s_mask) and s_mask.sum() == len(s_mask) - 1
 
 
-def test_forward_pass_on_collated_batches(backbone, toy):
-    _, tasks = toy
+def test_forward_pass_on_collated_batches(backbone, bench):
+    _, tasks = bench
     p, family = backbone.processor, backbone.family
-    items = tasks["toy-vqa", "train"]
+    items = tasks["vqav2", "train"]
     rng = random.Random(0)
     queries = rng.sample(items, 2)
     teacher, student = teacher_and_student(p, family, "vqa", queries, data.demonstrations(

@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import benchmarks
 import evaluate
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-train", "8", "--n-heldout", "4", "--batch-size", "4",
-        "--shots", "1", "--epochs", "2", "--save-every", "1"]
+TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
+        "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "2", "--save-every", "1"]
 # rank 1 dies (kill -9) in its third micro-batch; the others are stopped by torchrun
 KILL_RANK_1 = ("import os, signal, sys; sys.path.insert(0, {root!r}); import train; calls = []; step = train.losses\n"
                "def losses(*a):\n"
@@ -87,14 +88,15 @@ ECHO_SCRIPT = "import sys; sys.path.insert(0, {root!r}); import evaluate; evalua
 
 
 def test_two_processes_write_the_predictions_and_metrics_of_one(tmp_path, monkeypatch):
-    flags = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-eval", "7", "--batch-size", "2", "--shots", "1"]
+    flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "7",
+             "--batch-size", "2", "--shots", "1"]
     monkeypatch.setattr(evaluate, "generate", eval(ECHO))
     one = evaluate.main([*flags, "--out", str(tmp_path / "one")])
     script = tmp_path / "echo.py"
     script.write_text(ECHO_SCRIPT.format(root=ROOT))
     two = torchrun(str(script), *flags, "--out", str(tmp_path / "two"))
     assert two.returncode == 0, two.stderr[-3000:]
-    stem = "toy-vqa-val-1-shot-seed0-n7"
+    stem = "vqav2-val-1-shot-seed0-n7"
     for name in (stem + ".predictions.jsonl", stem + ".metrics.json"):
         assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text(), name
     answers = [json.loads(line)["prediction"] for line in (tmp_path / "one" / (stem + ".predictions.jsonl")).open()]

@@ -3,6 +3,7 @@ Benchmarks are measurements: nothing here asserts a latency."""
 import pytest
 import torch
 
+import benchmarks
 import adapters
 import evaluate as E
 import model as M
@@ -38,8 +39,8 @@ class Extra(HiFICL):
 def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
     monkeypatch.setattr(M, "METHODS", {**M.METHODS, "extra": Extra})
     monkeypatch.setattr(E, "ROUNDS", 1)
-    rows = E.main(["--benchmark", "--model", "tiny-idefics2", "--task", "toy-vqa", "--bench-shots",
-                   "--out", str(tmp_path)])
+    rows = E.main(["--benchmark", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                   "--bench-shots", "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS]
     # each row really ran its adapter (LIVE's elementwise shift has no FLOPs FlopCounterMode counts)
     assert all(r["tflops_ratio"] > 1 for r in rows[1:] if r["setting"] != "live")

@@ -1,5 +1,5 @@
-"""evaluate.py end to end on the tiny twins and the toy tasks (CPU): evaluation files, post-processing, the
-efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
+"""evaluate.py end to end on the tiny twins and the benchmarks of tests/benchmarks.py (CPU): evaluation files,
+post-processing, the efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
 import hashlib
 import json
 import math
@@ -10,13 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
+import benchmarks
 import data as D
 import evaluate as E
 import model as M
 import train
 
 N_EVAL = 6
-TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa"]  # the random twin (the defaults build toy-idefics2)
+# the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
+TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 
 
 @pytest.fixture(scope="module")
@@ -64,36 +66,37 @@ def read_outputs(out, stem, n):
 
 
 @pytest.mark.parametrize("task, flags, setting", [
-    ("toy-vqa", ["--shots", "0"], "0-shot"),
-    ("toy-vqa", ["--shots", "2"], "2-shot"),
-    ("toy-vqa", ["--checkpoint", None], "hyper-icl"),
-    ("toy-caption", ["--shots", "0", "--n-eval", "3"], "0-shot"),
+    ("vqav2", ["--shots", "0"], "0-shot"),
+    ("vqav2", ["--shots", "2"], "2-shot"),
+    ("vqav2", ["--checkpoint", None], "hyper-icl"),
+    ("coco", ["--shots", "0", "--n-eval", "3"], "0-shot"),
 ])
 def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, flags, setting):
     flags = [checkpoint if f is None else f for f in flags]
     metrics = E.main(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4",
-                      "--out", str(tmp_path), *flags])
+                      "--data-root", benchmarks.ROOT, "--out", str(tmp_path), *flags])
     n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
     records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}-", n)
-    items = D.load_task(task, "val")[:n]
+    items = D.load_task(task, "val", benchmarks.ROOT)[:n]
     assert saved == metrics and saved["n"] == n == len(records) and saved["setting"] == setting
     assert [r["id"] for r in records] == [it.id for it in items]
     assert all(set(r) == {"id", "prediction", "references"} and isinstance(r["prediction"], str) for r in records)
     assert all(r["references"] == list(it.answers) for r, it in zip(records, items))
-    if task == "toy-vqa":
+    if task == "vqav2":
         assert 0 <= saved["vqa_accuracy"] <= 100
     else:
         assert saved["cider"] >= 0
 
 
 def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_path):
-    metrics = E.main(["--model", "tiny-idefics2", "--task", "toy-mme", "--shots", "0", "--n-eval", "13",
-                      "--out", str(tmp_path)])
-    # the evaluation part holds 144 questions on 72 images, 12 per subtask: round(13 x 72 / 144) = 6 images
+    metrics = E.main(["--model", "tiny-idefics2", "--task", "mme", "--shots", "0", "--n-eval", "29",
+                      "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
+    # the evaluation part holds 168 questions on 84 images, 6 per subtask: round(29 x 84 / 168) = 14 images
     # (round half to even), one per subtask, both of its questions
-    assert metrics["n"] == 12 and set(metrics["mme"]["subtasks"]) == set(D.TOY_MME_SUBTASKS)
-    for subtask in D.TOY_MME_SUBTASKS:
-        with open(tmp_path / "toy-mme-val-0-shot-seed0-n12.mme" / f"{subtask}.txt") as f:
+    subtasks = D.MME_PERCEPTION + D.MME_COGNITION
+    assert metrics["n"] == 28 and set(metrics["mme"]["subtasks"]) == set(subtasks)
+    for subtask in subtasks:
+        with open(tmp_path / "mme-val-0-shot-seed0-n28.mme" / f"{subtask}.txt") as f:
             images = [line.split("\t")[0] for line in f]
         assert len(images) == 2 and images[0] == images[1]  # calculation.py reads an image's two lines in a row
 
@@ -108,19 +111,19 @@ def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch
         dst.write(src.read())
     metrics = E.main([*TINY, "--n-eval", "2"])
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == default
-    assert os.path.isfile(os.path.join(os.path.dirname(default), "toy-vqa-val-hyper-icl-seed0-n2.metrics.json"))
+    assert os.path.isfile(os.path.join(os.path.dirname(default), "vqav2-val-hyper-icl-seed0-n2.metrics.json"))
 
 
 @pytest.mark.parametrize("family", sorted(M.FAMILIES))
 def test_batched_generation_matches_one_at_a_time(family):
     """Left padding changes nothing: the same answers batched (rows of different lengths) and one by one."""
     backbone = M.load_backbone("tiny-" + family)
-    items = D.load_task("toy-vqa", "val")[:4]
-    icds = D.demonstrations([it.id for it in items], D.load_task("toy-vqa", "train"), 1, seed=0)
+    items = D.load_task("vqav2", "val", benchmarks.ROOT)[:4]
+    icds = D.demonstrations([it.id for it in items], D.load_task("vqav2", "train", benchmarks.ROOT), 1, seed=0)
     assert len({len(D.prompt_batch(backbone.processor, family, "vqa", [it], [d])["input_ids"][0])
                 for it, d in zip(items, icds)}) > 1
-    assert E.predict(backbone, "toy-vqa", items, icds, batch_size=4) == \
-        E.predict(backbone, "toy-vqa", items, icds, batch_size=1)
+    assert E.predict(backbone, "vqav2", items, icds, batch_size=4) == \
+        E.predict(backbone, "vqav2", items, icds, batch_size=1)
 
 
 # -----------------------------------------------------------------------------
@@ -165,8 +168,8 @@ def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(M, "published_model", lambda family, device: M.load_backbone("tiny-" + family).model)
     monkeypatch.setattr(E, "ROUNDS", 1)
-    rows = E.main(["--benchmark", "--random-weights", "--model", "llava-interleave", "--task", "toy-vqa",
-                   "--out", str(tmp_path)])
+    rows = E.main(["--benchmark", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
+                   "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]
     assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (E.ICD_TEXT + 4) for s in
                                                       (8, 16, 32)]  # the tiny twin: 2 x 2 patches per image
@@ -208,7 +211,7 @@ def test_gates(tmp_path, checkpoint):
         assert 0 < v < 1
     assert 0 < r["per_layer_std"] < 0.5
     assert -1 <= r["corr_g_delta_attention"] <= 1
-    assert os.path.isfile(tmp_path / "gates-toy-vqa-val.json")
+    assert os.path.isfile(tmp_path / "gates-vqav2-val.json")
 
 
 def test_gates_need_a_checkpoint(tmp_path, monkeypatch):
@@ -223,7 +226,7 @@ def test_hyperbolicity(tmp_path, checkpoint):
     for name in ("teacher", "student"):
         assert 0 <= r[name]["mean"] <= 1 and r[name]["std"] >= 0
     assert r["teacher"] != r["student"]
-    assert os.path.isfile(tmp_path / "hyperbolicity-toy-vqa-val.json")
+    assert os.path.isfile(tmp_path / "hyperbolicity-vqav2-val.json")
 
 
 def test_middle_layers():
@@ -255,7 +258,7 @@ def test_answer_measures_against_the_models_own_logits():
     """With the teacher's logits replaced by the model's own zero-shot ones the KL is 0, and log p(target) summed
     over the items is minus the cross-entropy of train.supervised_loss times the number of target tokens."""
     backbone = M.load_backbone("tiny-idefics2")
-    items = D.load_task("toy-vqa", "val")[:5]
+    items = D.load_task("vqav2", "val", benchmarks.ROOT)[:5]
     rows = [D.encode(backbone.processor, backbone.family, "vqa", [], q) for q in items]
     batch = D.collate(rows, backbone.processor, backbone.family)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import benchmarks
 import data
 import model as M
 import train
@@ -21,8 +22,8 @@ def with_final_norm_not_one(family, seed=0):
 
 
 def prompts(backbone):
-    """Two toy-vqa prompts (images included) in the family's format, left-padded."""
-    items = data.load_task("toy-vqa", "val")[:2]
+    """Two VQAv2 prompts (images included) in the family's format, left-padded."""
+    items = data.load_task("vqav2", "val", benchmarks.ROOT)[:2]
     return data.model_inputs(data.prompt_batch(backbone.processor, backbone.family, "vqa", items, None), "cpu")
 
 
@@ -44,8 +45,9 @@ def test_layer_outputs_are_every_layers_own_output(family):
 
 def test_teacher_and_student_both_align_the_last_layers_own_output():
     backbone, norm = with_final_norm_not_one("idefics2")
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--no-teacher-cache"])
-    queries = data.load_task(args.task, "train")[:3]
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                             "--no-teacher-cache"])
+    queries = data.load_task(args.task, "train", args.data_root)[:3]
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     student = data.student_batch(backbone.processor, backbone.family, "vqa", pieces)
     with torch.no_grad():
@@ -61,8 +63,8 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
 
 
 def test_the_teacher_cache_key_names_the_state_definition(monkeypatch):
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa"])
-    query = data.load_task(args.task, "train")[0]
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT])
+    query = data.load_task(args.task, "train", args.data_root)[0]
     key = train.teacher_key("b", args, query, [])
     monkeypatch.setattr(M, "LAYER_OUTPUTS_VERSION", M.LAYER_OUTPUTS_VERSION + 1)
     assert train.teacher_key("b", args, query, []) != key

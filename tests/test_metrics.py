@@ -5,6 +5,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import benchmarks
 import data as D
 import evaluate as E
 from evaluate import cider_d, multiple_choice_accuracy, normalize_vqa_answer, tokenize_caption, vqa_accuracy
@@ -355,9 +356,9 @@ def test_default_chair_equals_chair_pys_count_on_hand_worked_captions():
 
 
 def test_the_corrected_count_is_named_in_the_output(tmp_path):
-    items = D.load_task("toy-caption", "val")[:2]
+    items = D.load_task("coco", "val", benchmarks.ROOT)[:2]
     assert set(E.chair_metrics(items, [it.target for it in items], "corrected")) == \
         {"chair_s_corrected", "chair_i_corrected", "recall_corrected"}
-    args = E.parse_args(["--model", "tiny-idefics2", "--task", "toy-caption", "--chair", "corrected"])
+    args = E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair", "corrected"])
     assert args.chair == "corrected" and "chair-corrected" in E.result_name(args, "0-shot", 2, {})
-    assert E.parse_args(["--model", "tiny-idefics2", "--task", "toy-caption", "--chair"]).chair == "chair.py"
+    assert E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair"]).chair == "chair.py"

@@ -7,6 +7,7 @@ from collections import namedtuple
 import pytest
 import transformers
 
+import benchmarks
 import data
 import evaluate
 import model as M
@@ -48,8 +49,9 @@ def recorded_rows(monkeypatch):
 
 @pytest.mark.parametrize("name, shots", [("idefics2", "8"), ("idefics2-split", "2"), ("llava-onevision", "2")])
 def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path, monkeypatch, capsys):
-    flags = ["--model", twins[name], "--task", "toy-vqa", "--n-train", "3", "--n-heldout", "1", "--batch-size", "3",
-             "--shots", shots, "--epochs", "1", "--max-steps", "1", "--out", str(tmp_path / "run")]
+    flags = ["--model", twins[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "3",
+             "--n-heldout", "1", "--batch-size", "3", "--shots", shots, "--epochs", "1", "--max-steps", "1",
+             "--out", str(tmp_path / "run")]
     with monkeypatch.context() as m:
         no_weights(m)
         planned = train.main([*flags, "--plan", "cpu"])  # float32: the dtype a CPU run caches in
@@ -72,7 +74,7 @@ def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path
 def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, splitting, per_query, monkeypatch, capsys):
     no_weights(monkeypatch)
     planned = train.main(["--plan", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
-                          "--data-root", data.toy_root(), "--image-splitting", splitting])
+                          "--data-root", benchmarks.ROOT, "--image-splitting", splitting])
     n = len(planned["rows"]["query"])
     assert planned["cache"] / planned["queries"] == pytest.approx(per_query, rel=0.1)  # issue 30: ~21 MB, ~89 MB
     out = capsys.readouterr().out
@@ -84,7 +86,7 @@ def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, split
 def test_evaluate_plan_loads_no_weights(twins, monkeypatch, capsys):
     no_weights(monkeypatch)
     planned = evaluate.main(["--plan", "--model", "llava-onevision", "--processor", twins["llava-onevision"],
-                             "--task", "toy-vqa", "--n-eval", "4", "--shots", "2"])
+                             "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "4", "--shots", "2"])
     out = capsys.readouterr().out
     assert "images: multi-image mode, 730 tokens each (data.onevision_piece)" in out
     assert "peak memory, evaluation at batch 4" in out and "cache" not in planned
@@ -99,9 +101,9 @@ def test_a_short_name_without_its_processor_says_what_to_pass(tmp_path, monkeypa
 
 
 def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, monkeypatch):
-    flags = ["--model", twins["idefics2"], "--task", "toy-vqa", "--n-train", "4", "--n-heldout", "1",
-             "--batch-size", "2", "--shots", "2", "--epochs", "2", "--max-steps", "1", "--out", str(tmp_path / "run"),
-             "--teacher-cache", str(tmp_path / "cache")]
+    flags = ["--model", twins["idefics2"], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "4",
+             "--n-heldout", "1", "--batch-size", "2", "--shots", "2", "--epochs", "2", "--max-steps", "1",
+             "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "cache")]
     monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
     steps = []
     monkeypatch.setattr(train, "losses", lambda *a, **k: steps.append(1))
@@ -124,10 +126,10 @@ def test_image_splitting_is_explicit(twins, capsys):
     unsplit = M.load_backbone(twins["idefics2-split"], image_splitting="off")
     assert split.images.startswith("image splitting: on (the checkpoint's processor config): 5 crop(s)")
     assert unsplit.images.startswith("image splitting: off (--image-splitting off): 1 crop(s)")
-    query = data.load_task("toy-vqa", "train")[:1]
+    query = data.load_task("vqav2", "train", benchmarks.ROOT)[:1]
     tokens = lambda b: len(data.query_pieces(b.processor, b.family, "vqa", query)[0]["input_ids"])
     assert tokens(split) - tokens(unsplit) == 4 * 65  # 4 more crops: 64 latents and a fake token each
-    args = train.parse_args(["--model", twins["idefics2-split"], "--task", "toy-vqa"])
+    args = train.parse_args(["--model", twins["idefics2-split"], "--task", "vqav2", "--data-root", benchmarks.ROOT])
     keys = {train.teacher_key("b", args, query[0], [], train.image_key(b.processor)) for b in (split, unsplit)}
     assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
     with pytest.raises(ValueError, match="--image-splitting on: only Idefics2 splits images"):
@@ -136,8 +138,9 @@ def test_image_splitting_is_explicit(twins, capsys):
 
 # Hostile inputs of the newest surface (issue 32): each ends in a one-line ValueError naming the file, flag or entry.
 def plan_flags(model, tmp_path, *more):
-    return ["--model", str(model), "--task", "toy-vqa", "--n-train", "3", "--n-heldout", "1", "--batch-size", "2",
-            "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"), "--plan", "cpu", *more]
+    return ["--model", str(model), "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "3", "--n-heldout",
+            "1", "--batch-size", "2", "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"), "--plan", "cpu",
+            *more]
 
 
 def copy_twin(twins, name, tmp_path):

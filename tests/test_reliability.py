@@ -16,14 +16,15 @@ import time
 import pytest
 import torch
 
+import benchmarks
 import data
 import evaluate
 import model as M
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-train", "8", "--n-heldout", "4", "--batch-size", "4",
-        "--shots", "1", "--epochs", "2", "--save-every", "1"]
+TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
+        "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "2", "--save-every", "1"]
 
 
 def dead_pid():
@@ -172,8 +173,9 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
                           (whole / "run" / "last.pt", "not a readable adapter checkpoint")):
         with pytest.raises(ValueError, match=message):
             M.read_settings(path)
-    cli = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "toy-vqa",
-                          "--checkpoint", str(whole / "run")], cwd=ROOT, capture_output=True, text=True)
+    cli = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
+                          benchmarks.ROOT, "--checkpoint", str(whole / "run")], cwd=ROOT, capture_output=True,
+                         text=True)
     assert cli.returncode == 1 and "Traceback" not in cli.stderr
     assert cli.stderr.strip().splitlines()[-1] == f"error: {whole / 'run'} is a folder; pass the adapter file in " \
                                                    "it (train.py writes <out>/adapter.safetensors)"
@@ -182,11 +184,12 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
 # -------------------------------------------------------------------------------------------- the teacher cache
 
 def teacher_inputs(tmp_path, n):
-    """train.teacher_states' arguments for the first n toy-vqa training queries, one ICD each, on the tiny twin."""
+    """train.teacher_states' arguments for the first n VQAv2 training queries, one ICD each, on the tiny twin."""
     args = train.parse_args(flags(tmp_path, "run"))
     backbone = M.load_backbone("tiny-idefics2")
-    queries = data.load_task("toy-vqa", "train")[:n]
-    icds = data.demonstrations([q.id for q in queries], data.load_task("toy-vqa", "train"), 1, 0)
+    pool = data.load_task("vqav2", "train", benchmarks.ROOT)
+    queries = pool[:n]
+    icds = data.demonstrations([q.id for q in queries], pool, 1, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     return args, backbone, queries, icds, pieces, {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
 
@@ -227,14 +230,14 @@ def test_rank_default_is_per_method_and_never_replaces_a_given_rank():
 @pytest.mark.parametrize("flag, value", [("--n-eval", "0"), ("--batch-size", "0"), ("--shots", "-1")])
 def test_evaluate_rejects_bad_flags(flag, value, capsys):
     with pytest.raises(SystemExit) as e:
-        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", flag, value])
+        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", flag, value])
     assert e.value.code == 2 and f"error: {flag} must be at least" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------------- data
 
 def vqa_root(tmp_path, questions, annotations, split="val"):
-    folder = tmp_path / data.TOY_DIR / "vqav2"
+    folder = tmp_path / "vqav2"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"v2_OpenEnded_mscoco_{split}2014_questions.json").write_text(json.dumps(questions))
     (folder / f"v2_mscoco_{split}2014_annotations.json").write_text(json.dumps(annotations))
@@ -258,29 +261,29 @@ ANNOTATION = {"question_id": 7, "answers": [{"answer": "red"}] * 10, "multiple_c
 def test_malformed_dataset_json_names_the_file_and_entry(tmp_path, questions, annotations, message):
     root = vqa_root(tmp_path, questions, annotations)
     with pytest.raises(ValueError, match=message):
-        data.load_task("toy-vqa", "val", str(root))
+        data.load_task("vqav2", "val", str(root))
 
 
 def test_karpathy_file_of_the_wrong_shape_names_the_file(tmp_path):
-    (tmp_path / data.TOY_DIR / "coco").mkdir(parents=True)
-    (tmp_path / data.TOY_DIR / "coco" / "dataset_coco.json").write_text(json.dumps([{"split": "test"}]))
+    (tmp_path / "coco").mkdir(parents=True)
+    (tmp_path / "coco" / "dataset_coco.json").write_text(json.dumps([{"split": "test"}]))
     with pytest.raises(ValueError, match="dataset_coco.json should be a JSON object with a list under 'images'"):
-        data.load_task("toy-caption", "val", str(tmp_path))
+        data.load_task("coco", "val", str(tmp_path))
 
 
 def test_an_empty_split_is_a_clear_error(tmp_path):
     root = vqa_root(tmp_path, {"questions": []}, {"annotations": []})
-    with pytest.raises(ValueError, match="toy-vqa has no val items to evaluate"):
-        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--data-root", str(root), "--shots", "0",
+    with pytest.raises(ValueError, match="vqav2 has no val items to evaluate"):
+        evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", str(root), "--shots", "0",
                        "--out", str(tmp_path / "eval")])
     vqa_root(tmp_path, {"questions": [QUESTION]}, {"annotations": [ANNOTATION]}, split="train")
-    with pytest.raises(ValueError, match="toy-vqa has 1 training items: none left to train on after --n-heldout 4"):
+    with pytest.raises(ValueError, match="vqav2 has 1 training items: none left to train on after --n-heldout 4"):
         train.main([*flags(tmp_path, "run"), "--data-root", str(root)])
 
 
 def test_a_prompt_longer_than_the_context_names_its_item():
     backbone = M.load_backbone("tiny-idefics2")
-    item = data.load_task("toy-vqa", "train")[0]
+    item = data.load_task("vqav2", "train", benchmarks.ROOT)[0]
     long = dataclasses.replace(item, question=" ".join(["quizzical"] * 2000))
     assert backbone.processor.tokenizer.model_max_length == 4096           # the tiny twin's max_position_embeddings
     with pytest.raises(ValueError, match=rf"item {item.id}: its prompt has \d+ tokens, more than the model's 4096 "
@@ -306,8 +309,8 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
             assert first.poll() is None, "the first run ended early"
             time.sleep(0.2)
         second = [[sys.executable, "train.py", *flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
-                  [sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "toy-vqa", "--shots", "0",
-                   "--out", str(out)]]
+                  [sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
+                   benchmarks.ROOT, "--shots", "0", "--out", str(out)]]
         for argv in second:
             cli = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
             assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-2000:]
@@ -323,7 +326,8 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
 
 # ------------------------------------------------------------------------------------------ evaluation files
 
-EVAL = ["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-eval", "3", "--batch-size", "3", "--shots", "1"]
+EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "3", "--batch-size",
+        "3", "--shots", "1"]
 KILL_AT_FIRST_PREDICTION = "import json, os, signal, sys, evaluate; dumps = json.dumps; json.dumps = lambda o, " \
     "*a, **k: os.kill(os.getpid(), signal.SIGKILL) if isinstance(o, dict) and 'prediction' in o else " \
     "dumps(o, *a, **k); evaluate.main(sys.argv[1:])"
@@ -337,7 +341,7 @@ def read_result(out, name):
 def test_metrics_name_their_predictions_and_a_kill_while_writing_leaves_the_old_pair(tmp_path):
     import hashlib
     evaluate.main([*EVAL, "--out", str(tmp_path)])
-    name = "toy-vqa-val-1-shot-seed0-n3"
+    name = "vqav2-val-1-shot-seed0-n3"
     metrics, predictions = read_result(tmp_path, name)
     assert metrics["predictions"] == f"{name}.predictions.jsonl"
     assert metrics["predictions_sha256"] == hashlib.sha256(predictions).hexdigest()
@@ -350,19 +354,19 @@ def test_results_of_other_seeds_and_protocols_are_other_files(tmp_path):
     for seed in ("0", "1"):
         evaluate.main([*EVAL, "--seed", seed, "--out", str(tmp_path)])
     names = sorted(f for f in os.listdir(tmp_path) if f.endswith(".metrics.json"))
-    assert names == ["toy-vqa-val-1-shot-seed0-n3.metrics.json", "toy-vqa-val-1-shot-seed1-n3.metrics.json"]
-    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-seed", "--shots", "2", "--icds", "rices",
+    assert names == ["vqav2-val-1-shot-seed0-n3.metrics.json", "vqav2-val-1-shot-seed1-n3.metrics.json"]
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "seed", "--shots", "2", "--icds", "rices",
                                 "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
-    assert evaluate.result_name(args, "2-shot-rices", 5, {}).startswith("toy-seed-val-2-shot-rices-likelihood-encoder-")
-    info = {"vector_file": "x/m-toy-vqa-tv-0123456789ab.safetensors", "vector_layer": 1}
-    assert evaluate.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "toy-vqa-val-tv-layer1-0123456789ab-" \
-                                                                               "seed0-n3"
+    assert evaluate.result_name(args, "2-shot-rices", 5, {}).startswith("seed-val-2-shot-rices-likelihood-encoder-")
+    info = {"vector_file": "x/m-vqav2-tv-0123456789ab.safetensors", "vector_layer": 1}
+    assert evaluate.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-" \
+                                                                             "seed0-n3"
 
 
 # ---------------------------------------------------------------------------------------------------- caches
 
 def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warning(tmp_path, capsys):
-    items = data.load_task("toy-vqa", "train")[:3]
+    items = data.load_task("vqav2", "train", benchmarks.ROOT)[:3]
     encode = lambda images: torch.ones(len(images), 4)
     first = data.image_features(encode, "enc", items, tmp_path)
     (path,) = tmp_path.glob("*.safetensors")
@@ -383,8 +387,9 @@ def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warn
 def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_out(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     backbone = M.load_backbone("tiny-idefics2")
-    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--vector", "tv", "--shots", "1",
-                                "--vector-sets", "2", "--vector-heldout", "2", "--out", str(tmp_path / "out")])
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                                "--vector", "tv", "--shots", "1", "--vector-sets", "2", "--vector-heldout", "2",
+                                "--out", str(tmp_path / "out")])
     calls = []
     fake = lambda *a: calls.append(1) or {"vectors": torch.ones(2, 32), "losses": torch.tensor([1.0, 0.5])}
     monkeypatch.setattr(evaluate, "compute_vector", fake)
@@ -413,7 +418,7 @@ def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys)
 # ------------------------------------------------------------------------------------------------ input files
 
 def seed_root(tmp_path, change):
-    root = data.generated(data.toy_folder("toy-seed", str(tmp_path)), data.write_toy_seed)
+    root = benchmarks.copy(tmp_path, "seed-bench")
     path = os.path.join(root, "seed-bench", "SEED-Bench.json")
     obj = json.load(open(path))
     change(obj["questions"])
@@ -444,17 +449,17 @@ def test_seed_bench_questions_that_are_not_a_list_name_the_file(tmp_path):
 def test_a_null_or_empty_question_names_the_file_and_entry(tmp_path, question, message):
     root = vqa_root(tmp_path, {"questions": [{**QUESTION, "question": question}]}, {"annotations": [ANNOTATION]})
     with pytest.raises(ValueError, match=rf"vqav2: entry 0 of .*questions.json .*: {message}"):
-        data.load_task("toy-vqa", "val", str(root))
+        data.load_task("vqav2", "val", str(root))
 
 
 def test_duplicate_vqa_question_ids_are_an_error(tmp_path):
     root = vqa_root(tmp_path, {"questions": [QUESTION, QUESTION]}, {"annotations": [ANNOTATION]})
     with pytest.raises(ValueError, match=r"entry 1 of .*questions.json .*duplicate question_id 7"):
-        data.load_task("toy-vqa", "val", str(root))
+        data.load_task("vqav2", "val", str(root))
 
 
 def mme_file(tmp_path):
-    root = data.generated(data.toy_folder("toy-mme", str(tmp_path)), data.write_toy_mme)
+    root = benchmarks.copy(tmp_path, "mme")
     return root, os.path.join(root, "mme", "existence", "0000.txt")
 
 
@@ -490,8 +495,8 @@ def test_an_mme_line_without_a_question_is_an_error(tmp_path):
                                                                  r"category_id 99 is not among the file's categories"),
 ])
 def test_coco_instances_without_categories_or_with_unknown_ones_are_named(tmp_path, change, message):
-    items = data.load_task("toy-caption", "val", str(tmp_path))[:2]
-    path = data.instances_path(os.path.join(tmp_path, data.TOY_DIR), "val2014")
+    items = data.load_task("coco", "val", benchmarks.copy(tmp_path, "coco"))[:2]
+    path = data.instances_path(str(tmp_path), "val2014")
     coco = json.load(open(path))
     change(coco)
     open(path, "w").write(json.dumps(coco))
@@ -517,19 +522,19 @@ def test_an_oversized_image_is_refused_by_name_with_its_size(tmp_path):
 def test_a_data_root_or_cache_that_is_a_file_is_named(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match=f"--data-root {tmp_path / 'file'} is a file"):
-        data.load_task("toy-vqa", "train", str(tmp_path / "file"))
+        data.load_task("vqav2", "train", str(tmp_path / "file"))
     for parse, flag in ((train.parse_args, "--rices-cache"), (evaluate.parse_args, "--rices-cache"),
                         (train.parse_args, "--out"), (evaluate.parse_args, "--out")):
         with pytest.raises(SystemExit):
-            parse(["--model", "tiny-idefics2", "--task", "toy-vqa", flag, str(tmp_path / "file")])
+            parse(["--model", "tiny-idefics2", "--task", "vqav2", flag, str(tmp_path / "file")])
         assert f"error: {flag} {tmp_path / 'file'} is a file; it must be a folder" in capsys.readouterr().err
 
 
 def test_stale_temporary_folders_of_a_killed_generation_are_removed(tmp_path):
-    stale = data.tmp_name(tmp_path / data.TOY_DIR, dead_pid())
+    stale = data.tmp_name(tmp_path / "toy-icl" / "colour", dead_pid())
     os.makedirs(os.path.join(stale, "coco"))
-    data.load_task("toy-vqa", "val", str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == [data.TOY_DIR]
+    data.load_task("toy-icl-colour", "val", str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "toy-icl")) == ["colour"]
 
 
 # ----------------------------------------------------------------------------------------------------- flags
@@ -547,7 +552,7 @@ def test_train_rejects_fractions_and_rates_out_of_range(flag, value, capsys):
                                          ("--attention-tokens", "0"), ("--threads", "0"), ("--bench-shots", "-8")])
 def test_evaluate_rejects_counts_out_of_range(flag, value, capsys):
     with pytest.raises(SystemExit) as e:
-        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", flag, value])
+        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", flag, value])
     assert e.value.code == 2 and f"error: {flag} must be at least" in capsys.readouterr().err
 
 
@@ -558,7 +563,7 @@ def test_evaluate_rejects_counts_out_of_range(flag, value, capsys):
 def test_curve_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
     monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", f"--train-args={train_args}"])
+        evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", f"--train-args={train_args}"])
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -571,7 +576,7 @@ def test_bad_data_is_reported_before_the_backbone_loads(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="its question is None"):
         train.main([*flags(tmp_path, "run"), "--data-root", str(root)])
     with pytest.raises(ValueError, match="its question is None"):
-        evaluate.main(["--model", "tiny-idefics2", "--task", "toy-vqa", "--data-root", str(root), "--shots", "0",
+        evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", str(root), "--shots", "0",
                        "--out", str(tmp_path / "eval")])
 
 
@@ -601,7 +606,7 @@ def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkey
     train.claim(args)
     for f in folders:
         data.remove_stale_tmp(f)
-    data.load_task("toy-vqa", "val", str(tmp_path / "data"))
+    data.generated(str(tmp_path / "data" / "dataset"), lambda folder: open(os.path.join(folder, "f"), "w").close())
     data.atomic_write(tmp_path / "result.json", lambda f: f.write(b"{}"))
     assert all(open(p).read() == "mine" for p in mine) and not any(os.path.exists(p) for p in stale)
 
@@ -625,7 +630,7 @@ def test_a_temporary_name_of_another_machine_waits_its_15_minutes(tmp_path):
 
 
 def seed2_root(tmp_path, change):
-    root = data.generated(data.toy_folder("toy-seed2", str(tmp_path)), data.write_toy_seed2)
+    root = benchmarks.copy(tmp_path, "seed-bench-2")
     path = os.path.join(root, "seed-bench-2", data.SEED2_FILE)
     obj = json.load(open(path))
     change([q for q in obj["questions"] if q["subpart"] == data.SEED2_SUBPART])
@@ -655,7 +660,7 @@ def test_seed_bench_2_ids_cannot_collide():
 
 
 def test_an_mme_image_present_as_jpg_and_png_is_an_error_naming_both(tmp_path):
-    root = data.generated(data.toy_folder("toy-mme", str(tmp_path)), data.write_toy_mme)
+    root = benchmarks.copy(tmp_path, "mme")
     folder = os.path.join(root, "mme", "existence")
     jpg = sorted(f for f in os.listdir(folder) if f.endswith(".jpg"))[0]
     shutil.copy(os.path.join(folder, jpg), os.path.join(folder, jpg[:-4] + ".png"))
@@ -708,7 +713,7 @@ def test_build_toy_checks_out_before_it_builds(tmp_path, monkeypatch, out, overw
 
 def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path, monkeypatch):
     evaluate.main([*EVAL, "--out", str(tmp_path)])
-    name = "toy-vqa-val-1-shot-seed0-n3"
+    name = "vqav2-val-1-shot-seed0-n3"
     assert (tmp_path / f"{name}.metrics.json").exists()
     def killed(path, obj, indent=None):
         raise KeyboardInterrupt
@@ -735,25 +740,25 @@ def test_an_out_that_cannot_be_made_names_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--task", "toy-seed", "--seed-prompt", "project"], "--seed-prompt applies to --seed-protocol likelihood only"),
-    (["--task", "toy-seed", "--seed-protocol", "generate", "--seed-prompt", "official"], "--seed-prompt applies"),
-    (["--task", "toy-vqa", "--seed-prompt", "project", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
-    (["--task", "toy-vqa", "--seed-protocol", "generate"], "--seed-protocol applies to the SEED-Bench tasks"),
+    (["--task", "seed", "--seed-prompt", "project"], "--seed-prompt applies to --seed-protocol likelihood only"),
+    (["--task", "seed", "--seed-protocol", "generate", "--seed-prompt", "official"], "--seed-prompt applies"),
+    (["--task", "vqav2", "--seed-prompt", "project", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
+    (["--task", "vqav2", "--seed-protocol", "generate"], "--seed-protocol applies to the SEED-Bench tasks"),
 ])
 def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
     with pytest.raises(SystemExit):
         evaluate.parse_args(["--model", "tiny-idefics2", *extra])
     assert message in capsys.readouterr().err
-    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-seed"])
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "seed"])
     assert (args.seed_protocol, args.seed_prompt) == ("generate", "official")
 
 
 def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
-    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", "--train-args",
+    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", "--train-args",
                                 "--epochs 2"])
     assert args.train_args == "--epochs 2"
     with pytest.raises(SystemExit):
-        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--curve", "--train-args", "--resume"])
+        evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", "--train-args", "--resume"])
     assert "--train-args '--resume': train.py says:" in capsys.readouterr().err
 
 

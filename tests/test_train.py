@@ -1,16 +1,19 @@
-"""The distillation loop on the tiny Idefics2 twin and toy-vqa (CPU): losses, teacher reuse, resume, failures."""
+"""The distillation loop on the tiny Idefics2 twin and the VQAv2 of tests/benchmarks.py (CPU): losses, teacher reuse,
+resume, failures."""
 import contextlib
 import os
 
 import pytest
 import torch
 
+import benchmarks
 import data
 import lorentz
 import model as M
 import train
 
-TINY = ["--model", "tiny-idefics2", "--task", "toy-vqa"]  # the random twin (the defaults build toy-idefics2)
+# the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
+TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
          "--save-every", "1"]
 
@@ -23,8 +26,8 @@ def run(tmp_path, *extra, name="run"):
 def setup():
     args = train.parse_args([*TINY, "--shots", "2"])
     backbone = M.load_backbone(args.model)
-    queries = data.load_task(args.task, "train")[:4]
-    pool = data.load_task(args.task, "train")
+    queries = data.load_task(args.task, "train", args.data_root)[:4]
+    pool = data.load_task(args.task, "train", args.data_root)
     icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
     return args, backbone, queries, icds
 
@@ -153,7 +156,7 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     assert key != train.teacher_key(cache["id"], args, queries[0], icds[1])        # other demonstrations
     other = M.load_backbone(args.model, seed=1)
     assert key != train.teacher_key(train.fingerprint(other), args, queries[0], icds[0])  # other backbone
-    other_task = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-caption"])
+    other_task = train.parse_args(["--model", "tiny-idefics2", "--task", "coco"])
     assert key != train.teacher_key(cache["id"], other_task, queries[0], icds[0])
 
 
@@ -209,11 +212,12 @@ def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path
 def test_demonstrations_are_drawn_without_the_held_out_queries():
     """The held-out queries pick the best epoch, so they must not reach the adapter as demonstrations in the teacher's
     rows; the training queries may (each never as its own)."""
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--n-train", "40", "--n-heldout", "60"])
+    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                             "--n-train", "40", "--n-heldout", "60"])
     queries, heldout, support, shots = train.split_pool(args, "idefics2")
     held = {q.id for q in heldout}
     assert held and not held & {it.id for it in support}
-    assert len(support) == len(train.data.load_task("toy-vqa", "train")) - 60
+    assert len(support) == len(train.data.load_task("vqav2", "train", benchmarks.ROOT)) - 60
     icds = train.data.demonstrations([q.id for q in queries], support, 8, args.seed)
     assert all(d.id not in held and d.id != q.id for q, ds in zip(queries, icds) for d in ds)
 
@@ -223,7 +227,7 @@ def test_the_teacher_runs_without_the_adapter(method):
     """Eq 14's h'^(l) are the frozen backbone's: an attached adapter (trained, so it changes the student) leaves the
     teacher's states as they were without it."""
     backbone = M.load_backbone("tiny-idefics2")
-    pool = data.load_task("toy-vqa", "train")
+    pool = data.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:2]
     icds = data.demonstrations([q.id for q in queries], pool, 2, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+import benchmarks
 import data as D
 import evaluate as E
 import model as M
@@ -40,7 +41,7 @@ def backbones(folders):
 
 @pytest.fixture(scope="module")
 def pool():
-    return D.load_task("toy-vqa", "train")
+    return D.load_task("vqav2", "train", benchmarks.ROOT)
 
 
 def rows(backbone, pool, shots, n=2, kind="vqa"):
@@ -185,7 +186,7 @@ def test_the_teacher_states_need_no_vocabulary_wide_logits(lm_head_positions, po
 
 def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positions):
     b, seen = lm_head_positions
-    items = D.load_task("toy-seed", "val")[:2]
+    items = D.load_task("seed", "val", benchmarks.ROOT)[:2]
     ll = E.option_logliks(b, items, [items[1:2], items[:1]])
     option_tokens = max(len(b.processor.tokenizer(" " + o)["input_ids"]) for it in items for o in it.answers)
     assert ll.shape == (2, 4) and len(seen) == 1 and seen[0] <= option_tokens + 2  # + end token, + the one before
@@ -194,7 +195,7 @@ def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positio
 
 def test_option_likelihoods_equal_the_full_forward(backbones):
     b = backbones["idefics2"]  # the full forward's logits are affordable at its 32k vocabulary
-    items = D.load_task("toy-seed", "val")[:1]
+    items = D.load_task("seed", "val", benchmarks.ROOT)[:1]
     rows_ = [D.join(D.encode_prefix(b.processor, b.family, "choice-likelihood", []),
                     D.encode_query(b.processor, b.family, "choice-likelihood", dataclasses.replace(items[0], target=o)))
              for o in items[0].answers]
@@ -212,8 +213,9 @@ def test_option_likelihoods_equal_the_full_forward(backbones):
 def test_seed_likelihood_at_2_shots_runs_in_under_4_gb(folders, tmp_path):
     code = ("import resource, sys, evaluate; evaluate.main(sys.argv[1:]); "
             "print('maxrss_kb', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-    out = subprocess.run([sys.executable, "-c", code, "--model", folders["llava-interleave"], "--task", "toy-seed",
-                          "--shots", "2", "--seed-protocol", "likelihood", "--n-eval", "8", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-c", code, "--model", folders["llava-interleave"], "--task", "seed",
+                          "--data-root", benchmarks.ROOT, "--shots", "2", "--seed-protocol", "likelihood", "--n-eval",
+                          "8", "--out", str(tmp_path)],
                          cwd=os.path.dirname(HERE), capture_output=True, text=True, env={**os.environ,
                                                                                           "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -245,27 +247,28 @@ METHOD_OF = {"idefics2": "hificl", "idefics2-split": "live", "llava-interleave":
 def test_train_and_evaluate_end_to_end_at_8_shots(folders, tmp_path, name):
     for method in ("hyper-icl", METHOD_OF[name]):
         out = str(tmp_path / method)
-        train.main(["--model", folders[name], "--task", "toy-vqa", "--method", method, "--out", out, "--shots", "8",
-                    "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
+        train.main(["--model", folders[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
+                    "--out", out, "--shots", "8", "--n-train", "2", "--n-heldout", "1", "--batch-size", "2",
+                    "--epochs", "1"])
         with open(os.path.join(out, "history.json")) as f:
             assert len(json.load(f)) == 1
-        m = E.main(["--model", folders[name], "--task", "toy-vqa", "--checkpoint", f"{out}/adapter.safetensors",
-                    "--n-eval", "2", "--out", str(tmp_path / "eval")])
+        m = E.main(["--model", folders[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--checkpoint",
+                    f"{out}/adapter.safetensors", "--n-eval", "2", "--out", str(tmp_path / "eval")])
         assert m["setting"] == method and m["n"] == 2
     for shots in ("0", "8"):
-        m = E.main(["--model", folders[name], "--task", "toy-vqa", "--shots", shots, "--n-eval", "2",
-                    "--out", str(tmp_path / "eval")])
+        m = E.main(["--model", folders[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--shots", shots,
+                    "--n-eval", "2", "--out", str(tmp_path / "eval")])
         assert m["setting"] == f"{shots}-shot" and 0 <= m["vqa_accuracy"] <= 100
 
 
-KINDS = [("toy-caption", []), ("toy-mme", []), ("toy-seed", ["--seed-protocol", "generate"]),
-         ("toy-seed", ["--seed-protocol", "likelihood"]), ("toy-seed2", [])]
+KINDS = [("coco", []), ("mme", []), ("seed", ["--seed-protocol", "generate"]),
+         ("seed", ["--seed-protocol", "likelihood"]), ("seed2", [])]
 
 
 @pytest.mark.parametrize("task, flags", KINDS)
 @pytest.mark.parametrize("shots", ["0", "8"])
 def test_every_task_kind_evaluates_on_a_twin(folders, tmp_path, task, flags, shots):
     name = TWINS[KINDS.index((task, flags)) % len(TWINS)]
-    m = E.main(["--model", folders[name], "--task", task, "--shots", shots, "--n-eval", "2", "--out", str(tmp_path),
-                *flags])
+    m = E.main(["--model", folders[name], "--task", task, "--data-root", benchmarks.ROOT, "--shots", shots, "--n-eval",
+                "2", "--out", str(tmp_path), *flags])
     assert m["setting"] == f"{shots}-shot" and m["n"] >= 2

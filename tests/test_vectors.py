@@ -1,5 +1,6 @@
 """Non-learnable baselines and the hallucination metric: CHAIR (Table 5), RICES demonstration retrieval, task vectors
-and function vectors (Table 1), on hand-made data, the toy caption task and the tiny Idefics2 twin (CPU, offline)."""
+and function vectors (Table 1), on hand-made data, the COCO of tests/benchmarks.py and the tiny Idefics2 twin (CPU,
+offline)."""
 import argparse
 import time
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+import benchmarks
 import data as D
 import evaluate as E
 import model as M
@@ -48,13 +50,13 @@ def test_caption_objects(caption, mentions):
 
 
 def test_chair_on_toy_instances():
-    items = D.load_task("toy-caption", "val")[:2]
+    items = D.load_task("coco", "val", benchmarks.ROOT)[:2]
     annotated, categories = D.read_instances(items)
-    assert categories == set(D.SHAPES)
-    shapes = [next(s for s in D.SHAPES if s in it.target) for it in items]
+    assert categories == set(benchmarks.SHAPES)
+    shapes = [next(s for s in benchmarks.SHAPES if s in it.target) for it in items]
     assert [annotated[it.id] for it in items] == [{s} for s in shapes]
-    other = next(s for s in D.SHAPES if s != shapes[1])
-    result = E.chair_metrics(items, [items[0].target, f"A red {other}."])
+    other = next(s for s in benchmarks.SHAPES if s != shapes[1])
+    result = E.chair_metrics(items, [items[0].target, f"A red {other}."])  # each shape read by its own name
     assert result == {"chair_s": 50.0, "chair_i": 50.0, "recall": 50.0}
 
 
@@ -116,7 +118,8 @@ def backbone():
 
 
 def test_rices_with_the_vision_tower(backbone, tmp_path):
-    support, queries = D.load_task("toy-caption", "train")[:12], D.load_task("toy-caption", "val")[:2]
+    support, queries = D.load_task("coco", "train", benchmarks.ROOT)[:12], D.load_task("coco", "val",
+                                                                                      benchmarks.ROOT)[:2]
     queries = queries + [support[3]]                        # a query that is also in the support set
     args = argparse.Namespace(icds="rices", rices_encoder=None, rices_cache=str(tmp_path), seed=0)
     icds = D.choose_demonstrations(backbone, args, queries, support, 4)
@@ -138,7 +141,7 @@ def test_clip_encoder_from_a_local_checkpoint(tmp_path):
     process = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     clip.save_pretrained(tmp_path)
     process.save_pretrained(tmp_path)
-    images = [D.load_image(it) for it in D.load_task("toy-caption", "val")[:2]]
+    images = [D.load_image(it) for it in D.load_task("coco", "val", benchmarks.ROOT)[:2]]
     with torch.no_grad():
         expected = clip.get_image_features(pixel_values=process(images, return_tensors="pt")["pixel_values"])
     expected = expected if torch.is_tensor(expected) else expected.pooler_output
@@ -197,7 +200,7 @@ def test_steer_equals_the_forward_written_out(backbone, layer, add):
 
 @torch.no_grad()
 def test_zero_function_vector_and_own_state_leave_the_model_unchanged(backbone):
-    model, items = backbone.model, D.load_task("toy-vqa", "val")[:2]
+    model, items = backbone.model, D.load_task("vqav2", "val", benchmarks.ROOT)[:2]
     inputs = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items))
     plain = model(**inputs).logits
     d = model.config.text_config.hidden_size
@@ -237,9 +240,9 @@ def test_head_outputs_add_up_to_the_attention_output(backbone):
 
 
 def vector_args(tmp_path, method, *extra):
-    return E.parse_args(["--model", "tiny-idefics2", "--task", "toy-vqa", "--vector", method, "--shots", "2",
-                         "--vector-sets", "3", "--vector-heldout", "2", "--batch-size", "2", "--out", str(tmp_path),
-                         *extra])
+    return E.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--vector",
+                         method, "--shots", "2", "--vector-sets", "3", "--vector-heldout", "2", "--batch-size", "2",
+                         "--out", str(tmp_path), *extra])
 
 
 @torch.no_grad()
@@ -247,7 +250,7 @@ def test_task_vector_is_the_mean_last_token_state(backbone, tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     args = vector_args(tmp_path, "tv")
     out = E.compute_vector(backbone, args, 2)
-    queries, icds, heldout = E.vector_sets(D.load_task("toy-vqa", "train"), args, 2)
+    queries, icds, heldout = E.vector_sets(D.load_task("vqav2", "train", benchmarks.ROOT), args, 2)
     assert len(queries) == 3 and not {q.id for q in queries} & {q.id for q in heldout}
     states = []
     for q, d in zip(queries, icds):  # one prompt at a time, no padding: the layer outputs of the hidden states
