@@ -117,18 +117,16 @@ def predict(backbone, task, items, icds=None, batch_size=8):
 
 
 @torch.no_grad()
-def option_logliks(backbone, items, icds=None, prompt="official"):
+def option_logliks(backbone, items, icds=None):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
 
     As the official code (which sums the per-token losses of each option, the answer model's end token included,
     under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
     the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
-    "choice-likelihood"; prompt="project": "choice-likelihood-project", the project's earlier prompt); so it is not
-    length-normalised. icds[i] (with their answer's text as the answer) precede item i. All 4 x len(items) rows go
-    through one left-padded forward pass.
+    "choice-likelihood"); so it is not length-normalised. icds[i] (with their answer's text as the answer) precede
+    item i. All 4 x len(items) rows go through one left-padded forward pass.
     """
-    proc, family = backbone.processor, backbone.family
-    kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
+    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
         with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
@@ -144,11 +142,11 @@ def option_logliks(backbone, items, icds=None, prompt="official"):
     return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
 
 
-def rank_options(backbone, items, icds=None, batch_size=8, prompt="official"):
+def rank_options(backbone, items, icds=None, batch_size=8):
     """The letter of the option with the highest log-likelihood (option_logliks), per item."""
     letters = []
     for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
-        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None, prompt)
+        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None)
         letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
     return letters
 
@@ -178,7 +176,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     kind = D.TASKS[args.task].kind
     likelihood = kind == "choice" and args.seed_protocol == "likelihood"
     with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
+        predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
             predict(backbone, args.task, items, icds, args.batch_size)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
@@ -189,8 +187,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
-        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)} | \
-            ({"prompt": args.seed_prompt} if likelihood else {})
+        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
     if train.rank_and_world()[0] != 0:  # under torchrun the first process writes
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
@@ -230,8 +227,6 @@ def result_name(args, setting, n, vector_info):
     parts = [args.task, args.split, setting]
     if D.TASKS[args.task].kind == "choice":
         parts.append(args.seed_protocol)
-        if args.seed_protocol == "likelihood" and args.seed_prompt == "project":
-            parts.append("project-prompt")
     if args.icds == "rices" and args.shots and args.rices_encoder:
         parts.append("encoder-" + short(args.rices_encoder))
     if vector_info:
@@ -1621,9 +1616,6 @@ def parse_args(argv=None):
                         "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
                         "four options hovers around) or rank the four options by log-likelihood as the official "
                         "evaluation does (default: generate)")
-    p.add_argument("--seed-prompt", choices=["official", "project"],
-                   help="--seed-protocol likelihood: the official prompt `Question: {q}\\nAnswer:` or the project's "
-                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: official)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1697,9 +1689,7 @@ def parse_args(argv=None):
     args = p.parse_args([a for a in argv if a is not None])
     if args.seed_protocol and D.TASKS[args.task].kind != "choice":
         p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
-    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
-        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
-    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
+    args.seed_protocol = args.seed_protocol or "generate"
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
                         "threads": 1}.items():

@@ -735,9 +735,7 @@ def test_an_out_that_cannot_be_made_names_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--task", "toy-seed", "--seed-prompt", "project"], "--seed-prompt applies to --seed-protocol likelihood only"),
-    (["--task", "toy-seed", "--seed-protocol", "generate", "--seed-prompt", "official"], "--seed-prompt applies"),
-    (["--task", "toy-vqa", "--seed-prompt", "project", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
+    (["--task", "toy-vqa", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
     (["--task", "toy-vqa", "--seed-protocol", "generate"], "--seed-protocol applies to the SEED-Bench tasks"),
 ])
 def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
@@ -745,7 +743,7 @@ def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
         evaluate.parse_args(["--model", "tiny-idefics2", *extra])
     assert message in capsys.readouterr().err
     args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "toy-seed"])
-    assert (args.seed_protocol, args.seed_prompt) == ("generate", "official")
+    assert args.seed_protocol == "generate"
 
 
 def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
