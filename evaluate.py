@@ -63,28 +63,21 @@ _ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
 
 
 def postprocess(text):
-    """The answer in a generated continuation: the one place answers are cleaned before scoring.
-
-    Generation stops at the family's end token (data.end_token) or eos, and special tokens are dropped when
-    decoding. The text is then stripped of leading whitespace, cut at the first newline or at the start of the next
-    prompt piece ("Question", "Short answer", "Caption", as in data.PROMPTS), and stripped of trailing whitespace.
-    Case, punctuation and articles are left to the metrics' own normalisation (vqaEval.py for VQA, the PTB
-    tokenizer for captions).
-    """
+    """The answer in a generated continuation (decoded without special tokens), the one place answers are cleaned
+    before scoring: cut at the first newline or at the next prompt piece ("Question", "Short answer", "Caption", as in
+    data.PROMPTS) and stripped. Case, punctuation and articles are left to the metrics' own normalisation."""
     return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
 
 
 def device_of(model):
-    """The device the model's parameters are on."""
     return next(model.parameters()).device
 
 
 @torch.no_grad()
 def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
     """Greedy decoding; stops at stop_ids. Returns the new tokens only: [B, <= max_new_tokens]."""
-    stop = {}
-    if backbone.processor is not None:  # None for synthetic prompts (--random-weights): the config's eos then
-        stop = dict(pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=stop_ids(backbone))
+    stop = {} if backbone.processor is None else dict(  # None: synthetic prompts (--random-weights), the config's eos
+        pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=stop_ids(backbone))
     out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=min_new_tokens, **stop)
     return out[:, inputs["input_ids"].shape[1]:]
@@ -192,12 +185,8 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
-    try:  # never the old metrics beside the new predictions, even if killed next
+    with contextlib.suppress(FileNotFoundError):  # never the old metrics beside the new predictions, even if killed
         os.remove(stem + ".metrics.json")
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -295,32 +284,29 @@ def headline_metric(metrics):
 # entries (let's, she's); they can never change a lowercased answer and are left out here.
 _CONTRACTIONS = {
     "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
-    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't",
-    "dont": "don't", "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't",
-    "havent": "haven't", "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's",
-    "howd": "how'd", "howll": "how'll", "hows": "how's", "isnt": "isn't", "itd": "it'd", "itd've": "it'd've",
-    "it'dve": "it'd've", "itll": "it'll", "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've",
-    "mightn'tve": "mightn't've", "mightve": "might've", "mustnt": "mustn't", "mustve": "must've",
-    "neednt": "needn't", "notve": "not've", "oclock": "o'clock", "oughtnt": "oughtn't",
-    "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow's'at", "shant": "shan't",
-    "shed've": "she'd've", "she'dve": "she'd've", "shouldve": "should've", "shouldnt": "shouldn't",
+    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't", "dont": "don't",
+    "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't", "havent": "haven't",
+    "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's", "howd": "how'd", "howll": "how'll",
+    "hows": "how's", "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll",
+    "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've", "mightn'tve": "mightn't've",
+    "mightve": "might've", "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
+    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow's'at",
+    "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've", "shouldve": "should've", "shouldnt": "shouldn't",
     "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've", "somebody'd": "somebodyd",
     "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've", "somebodyll": "somebody'll",
-    "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've",
-    "someone'dve": "someone'd've", "someonell": "someone'll", "someones": "someone's",
-    "somethingd": "something'd", "somethingd've": "something'd've", "something'dve": "something'd've",
-    "somethingll": "something'll", "thats": "that's", "thered": "there'd", "thered've": "there'd've",
-    "there'dve": "there'd've", "therere": "there're", "theres": "there's", "theyd": "they'd",
-    "theyd've": "they'd've", "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're",
-    "theyve": "they've", "twas": "'twas", "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've",
-    "weve": "we've", "werent": "weren't", "whatll": "what'll", "whatre": "what're", "whats": "what's",
-    "whatve": "what've", "whens": "when's", "whered": "where'd", "wheres": "where's", "whereve": "where've",
-    "whod": "who'd", "whod've": "who'd've", "who'dve": "who'd've", "wholl": "who'll", "whos": "who's",
-    "whove": "who've", "whyll": "why'll", "whyre": "why're", "whys": "why's", "wont": "won't",
-    "wouldve": "would've", "wouldnt": "wouldn't", "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've",
-    "yall": "y'all", "yall'll": "y'all'll", "y'allll": "y'all'll", "yall'd've": "y'all'd've",
-    "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've", "youd": "you'd", "youd've": "you'd've",
-    "you'dve": "you'd've", "youll": "you'll", "youre": "you're", "youve": "you've",
+    "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've", "someone'dve": "someone'd've",
+    "someonell": "someone'll", "someones": "someone's", "somethingd": "something'd", "somethingd've": "something'd've",
+    "something'dve": "something'd've", "somethingll": "something'll", "thats": "that's", "thered": "there'd",
+    "thered've": "there'd've", "there'dve": "there'd've", "therere": "there're", "theres": "there's", "theyd": "they'd",
+    "theyd've": "they'd've", "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're", "theyve": "they've",
+    "twas": "'twas", "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've", "werent": "weren't",
+    "whatll": "what'll", "whatre": "what're", "whats": "what's", "whatve": "what've", "whens": "when's",
+    "whered": "where'd", "wheres": "where's", "whereve": "where've", "whod": "who'd", "whod've": "who'd've",
+    "who'dve": "who'd've", "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll", "whyre": "why're",
+    "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't", "wouldnt've": "wouldn't've",
+    "wouldn'tve": "wouldn't've", "yall": "y'all", "yall'll": "y'all'll", "y'allll": "y'all'll",
+    "yall'd've": "y'all'd've", "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've", "youd": "you'd",
+    "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're", "youve": "you've",
 }
 _NUMBERS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
             "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
@@ -833,20 +819,16 @@ def layer_losses(backbone, batches, vectors, add):
     return torch.tensor(losses)
 
 
-def vector_key(backbone, args, shots):
-    """The hash of everything a vector depends on (its settings key)."""
+def vector_path(backbone, args, shots):
+    """Where a vector is saved, <out>/vectors/<model>-<task>-<tv|fv>-<key>.safetensors, and its key: the hash of
+    everything it depends on."""
     spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
                 sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
                 images=train.image_key(backbone.processor),  # Idefics2's image splitting changes the prompts
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-
-
-def vector_path(backbone, args, shots):
-    """Where a vector is saved: <out>/vectors/<model>-<task>-<tv|fv>-<hash of everything it depends on>."""
-    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-" \
-        f"{vector_key(backbone, args, shots)[:12]}.safetensors"
-    return os.path.join(args.out, "vectors", name)
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-{key[:12]}.safetensors"
+    return os.path.join(args.out, "vectors", name), key
 
 
 def compute_vector(backbone, args, shots):
@@ -880,7 +862,7 @@ def load_vector(backbone, args):
                          f"0..{layers - 1}")
     if fv and not 0 < args.fv_heads <= layers * heads:
         raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
-    path, key = vector_path(backbone, args, shots), vector_key(backbone, args, shots)
+    path, key = vector_path(backbone, args, shots)
     D.remove_stale_tmp(os.path.dirname(path))
     # what the file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it
     shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
@@ -1611,11 +1593,9 @@ def parse_args(argv=None):
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
-    p.add_argument("--seed-protocol", choices=["generate", "likelihood"],
-                   help="SEED-Bench: generate the option letter (exact match; the form Table 2 appears to use, "
-                        "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
-                        "four options hovers around) or rank the four options by log-likelihood as the official "
-                        "evaluation does (default: generate)")
+    p.add_argument("--seed-protocol", choices=["generate", "likelihood"], help="SEED-Bench: generate the option "
+                   "letter (exact match; the form Table 2 appears to use, docs/real-models.md) or rank the four "
+                   "options by log-likelihood as the official evaluation does (default: generate)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1692,15 +1672,12 @@ def parse_args(argv=None):
     args.seed_protocol = args.seed_protocol or "generate"
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
-                        "threads": 1}.items():
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
-    if any(n < 0 for n in args.bench_shots):
-        p.error(f"--bench-shots must be at least 0 (got {args.bench_shots})")
+                        "threads": 1, "bench_shots": 0, "curve_queries": 1}.items():
+        value = getattr(args, name)
+        if any(v is not None and v < least for v in (value if isinstance(value, list) else [value])):
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
     if args.curve:
         args.train_args = args.train_args or CURVE_TRAIN_ARGS
-        if min(args.curve_queries) < 1:
-            p.error(f"--curve-queries must be at least 1 (got {args.curve_queries})")
         unknown = set(args.curve_methods or []) - {name for name, _ in curve_runs()}
         if unknown:
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
@@ -1775,20 +1752,17 @@ def main(argv=None):
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
-        default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) \
-            and args.checkpoint in (None, default_checkpoint(args.model, args.task))
+        default, asked = default_checkpoint(args.model, args.task), args.shots is not None or args.vector
         if args.checkpoint:
             method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
             setting = method if not args.shots else f"{method}+{setting}"
             print(f"adapter: {args.checkpoint} ({method})")
         elif not args.benchmark:
-            default = default_checkpoint(args.model, args.task)
-            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
-                                                          not args.vector else ""))
+            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if not asked else ""))
         if args.benchmark:
             return benchmark(backbone, args)
         if not (args.gates or args.hyperbolicity):
-            if default_job:
+            if not asked and args.checkpoint in (None, default):  # the default job
                 return evaluate_with_baselines(backbone, args, items, setting)
             return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
         result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)

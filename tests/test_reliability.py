@@ -389,7 +389,7 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
     fake = lambda *a: calls.append(1) or {"vectors": torch.ones(2, 32), "losses": torch.tensor([1.0, 0.5])}
     monkeypatch.setattr(evaluate, "compute_vector", fake)
     evaluate.load_vector(backbone, args)
-    path = evaluate.vector_path(backbone, args, 1)
+    path, _ = evaluate.vector_path(backbone, args, 1)
     assert path.startswith(str(tmp_path / "out" / "vectors")) and not (tmp_path / "runs").exists()
     good = open(path, "rb").read()
     from safetensors.torch import save
