@@ -93,10 +93,8 @@ def stop_ids(backbone):
 
 
 def predict(backbone, task, items, icds=None, batch_size=8):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter).
-
-    Under torchrun each process answers every N-th batch; every process returns all answers, in item order.
-    """
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter). Under
+    torchrun each process answers every N-th batch; every process returns all answers, in item order."""
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
     (rank, world), tok, answers = train.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
@@ -113,12 +111,10 @@ def predict(backbone, task, items, icds=None, batch_size=8):
 def option_logliks(backbone, items, icds=None):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
 
-    As the official code (which sums the per-token losses of each option, the answer model's end token included,
-    under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
-    the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
-    "choice-likelihood"); so it is not length-normalised. icds[i] (with their answer's text as the answer) precede
-    item i. All 4 x len(items) rows go through one left-padded forward pass.
-    """
+    As the official code sums each option's per-token losses, end token included, log p(option) is the sum (not
+    length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
+    the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
+    text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
     proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
@@ -157,11 +153,8 @@ def score(kind, items, predictions):
 
 def evaluate(backbone, args, items, setting, vector=None):
     """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
-    function vector: `vector` as load_vector returns it) on --n-eval items.
-
-    Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
-    .metrics.json, prints one summary line and returns the metrics.
-    """
+    function vector: `vector` as load_vector returns it) on --n-eval items. Writes <out>/<result_name>.predictions.jsonl
+    (id, prediction, references per item) and .metrics.json, prints one summary line and returns the metrics."""
     icds, (steering, vector_info) = None, vector or (None, {})
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
@@ -207,11 +200,9 @@ def evaluate(backbone, args, items, setting, vector=None):
 
 
 def result_name(args, setting, n, vector_info):
-    """The file name (no extension) of an evaluation's results: everything that changes them besides the folder.
-
-    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and file
-    key>][-<checkpoint key>]-seed<seed>-n<items>. A checkpoint outside the folder adds a hash of its path.
-    """
+    """The file name (no extension) of an evaluation's results, naming everything besides the folder that changes
+    them: <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and
+    file key>][-chair-corrected][-<checkpoint key: a hash of its path, if outside the folder>]-seed<seed>-n<items>."""
     short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
     parts = [args.task, args.split, setting]
     if D.TASKS[args.task].kind == "choice":
@@ -338,10 +329,10 @@ def normalize_vqa_answer(ans):
 
 
 def vqa_accuracy(prediction, answers):
-    """VQA accuracy of one prediction against the ten human answers, as vqaEval.py computes it:
-    for each human answer, min(1, #matches among the other nine / 3), averaged over the ten.
-    Quirk kept: punctuation/digit/article normalisation is applied (to the answers and to the
-    prediction) only when the whitespace-cleaned answers are not all identical. Returns a float in [0, 1]."""
+    """VQA accuracy of one prediction against the ten human answers, as vqaEval.py computes it: for each human
+    answer, min(1, #matches among the other nine / 3), averaged over the ten. Quirk kept: punctuation/digit/article
+    normalisation is applied (to the answers and the prediction) only when the whitespace-cleaned answers are not all
+    identical. Returns a float in [0, 1]."""
     prediction = _clean_whitespace(prediction)
     answers = [_clean_whitespace(a) for a in answers]
     if len(set(answers)) > 1:
@@ -460,14 +451,13 @@ def tokenize_caption(s):
 
 
 def cider_d(candidates, references, n=4, sigma=6.0):
-    """CIDEr-D as pycocoevalcap's CiderScorer (coco-caption, the "CIDEr" of the COCO caption
-    evaluation) computes it. candidates: {id: caption}, references: {id: [captions]}; captions are
-    tokenised with tokenize_caption first. Document frequency counts each image once per n-gram
-    (over the union of its references), idf is taken against log(#images); per n-gram order a clipped
-    tf-idf cosine times exp(-delta^2 / (2 sigma^2)); averaged over references and over n = 1..4, x10.
-    The official code measures length in bigrams; word counts give the same length difference
-    whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here.
-    Returns (corpus score = mean over ids, {id: score})."""
+    """CIDEr-D as pycocoevalcap's CiderScorer (coco-caption, the "CIDEr" of the COCO caption evaluation) computes
+    it. candidates: {id: caption}, references: {id: [captions]}; captions are tokenised with tokenize_caption first.
+    Document frequency counts each image once per n-gram (over the union of its references), idf is taken against
+    log(#images); per n-gram order a clipped tf-idf cosine times exp(-delta^2 / (2 sigma^2)); averaged over
+    references and over n = 1..4, x10. The official code measures length in bigrams; word counts give the same length
+    difference whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here. Returns
+    (corpus score = mean over ids, {id: score})."""
     assert candidates.keys() == references.keys(), "candidates and references must share ids"
     ngrams = lambda w: Counter(tuple(w[i:i + k]) for k in range(1, n + 1) for i in range(len(w) - k + 1))
     refs = {i: [ngrams(tokenize_caption(r)) for r in references[i]] for i in references}
@@ -519,8 +509,7 @@ def option_letter(pred):
 def multiple_choice_accuracy(predictions, answers):
     """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1]. Both sides are stripped
     and lowercased; against a yes/no answer the prediction is parsed as MME's calculation.py does (_yes_no), against
-    an option letter by option_letter, exact match. (SEED-Bench's official evaluation ranks option likelihoods,
-    option_logliks; this is the generative variant.)"""
+    an option letter by option_letter, exact match (the generative variant of SEED-Bench; option_logliks ranks)."""
     assert len(predictions) == len(answers)
     correct = 0
     for pred, ans in zip(predictions, answers):
@@ -530,14 +519,12 @@ def multiple_choice_accuracy(predictions, answers):
 
 
 def mme_scores(items, predictions):
-    """MME's metrics as the official eval_tool/calculation.py computes them, in percent.
-
-    Per subtask: acc (questions answered right, the answer parsed by _yes_no; "other" is wrong), acc_plus (images
-    whose questions are all right; MME asks two per image) and score = acc + acc_plus (0-200). perception and
-    cognition: the sums of their subtasks' scores (the official totals, out of 2000 and 800 on the full benchmark).
-    Beside them: accuracy over all questions and the mean of the subtasks' acc; Table 2's MME numbers (55.36-82.13)
-    are percentages, not scores, so the paper appears to report such an accuracy (which of the two is not stated).
-    """
+    """MME's metrics as the official eval_tool/calculation.py computes them, in percent. Per subtask: acc (questions
+    answered right, the answer parsed by _yes_no; "other" is wrong), acc_plus (images whose questions are all right; MME
+    asks two per image) and score = acc + acc_plus (0-200). perception and cognition: the sums of their subtasks' scores
+    (the official totals, out of 2000 and 800 on the full benchmark). Beside them: accuracy over all questions and the
+    mean of the subtasks' acc; Table 2's MME numbers (55.36-82.13) are percentages, not scores, so the paper appears to
+    report such an accuracy (which of the two is not stated)."""
     right = [_yes_no(p.strip().lower()) == it.target.lower() for it, p in zip(items, predictions)]
     per_image, subtasks = {}, {}
     for it, r in zip(items, right):
@@ -587,10 +574,8 @@ def published_synonyms(path=CHAIR_SYNONYMS, sha256=CHAIR_SYNONYMS_SHA256):
 
 def read_synonyms(text):
     """{category: "word, word, ..."} of a synonyms.txt (one category a line, its name first, ", " between words).
-
     Each word is stripped and lowercased, where chair.py keeps it as split: its " motor bike", " cheesecake" (a
-    leading space) and "iPhone" (a capital, against lowercased captions) can never match there, and do here.
-    """
+    leading space) and "iPhone" (a capital, against lowercased captions) can never match there, and do here."""
     out = {}
     for n, line in enumerate(text.splitlines(), 1):
         words = [w.strip().lower() for w in line.split(", ")]
@@ -661,8 +646,7 @@ def caption_objects(caption, vocabulary, count="chair.py"):
     synonym or a _READ_AS phrase are taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy
     bear; "train tracks" no train), else the word alone. Only pairs are joined, as in chair.py, so "stove top oven"
     is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet. count "chair.py" keeps
-    chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are.
-    """
+    chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are."""
     quirks = count == "chair.py"
     tokens = [t.lower() for t in _ptb_tokens(caption)] if quirks else tokenize_caption(caption)
     words = [CHAIR_PY_SINGULAR.get(w) if quirks and w in CHAIR_PY_SINGULAR else singularize(w) for w in tokens]
@@ -688,9 +672,8 @@ def chair(captions, annotated, references, vocabulary, count="chair.py"):
         CHAIR_s = captions with a hallucinated mention / captions
         Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
     A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0. count:
-    caption_objects's, for the generated and the reference captions alike.
-    Returns ({"chair_s", "chair_i", "recall"}, {id: hallucinated words}).
-    """
+    caption_objects's, for the generated and the reference captions alike. Returns ({"chair_s", "chair_i", "recall"},
+    {id: hallucinated words})."""
     mentions = hallucinated = bad_captions = covered = truth_total = 0
     per_caption = {}
     for i, caption in captions.items():
@@ -728,10 +711,9 @@ FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect 
 
 
 def vector_sets(pool, args, shots):
-    """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer.
-
-    The training split is shuffled with --seed; the first --vector-heldout items are held out, the next N are the
-    extraction queries; their ICDs are drawn at random from the whole split (never the query itself)."""
+    """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer: the training split
+    shuffled with --seed, its first --vector-heldout items held out, the next N the extraction queries; their ICDs
+    are drawn at random from the whole split (never the query itself)."""
     order = random.Random(args.seed).sample(range(len(pool)), len(pool))
     heldout = [pool[i] for i in order[:args.vector_heldout]]
     queries = [pool[i] for i in order[args.vector_heldout:args.vector_heldout + args.vector_sets]]
@@ -832,10 +814,9 @@ def vector_path(backbone, args, shots):
 
 
 def compute_vector(backbone, args, shots):
-    """Extract a TV or FV from the training split and score every layer on the held-out queries.
-
-    Returns tensors: "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses"
-    [L]; FV also "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
+    """Extract a TV or FV from the training split and score every layer on the held-out queries. Returns tensors:
+    "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses" [L]; FV also
+    "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
     kind, pool = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
     queries, icds, heldout = vector_sets(pool, args, shots)
     states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size)
@@ -978,15 +959,13 @@ MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's 
 
 
 def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
-    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6);
-    the query has `query_text` text tokens.
-
-    Per image, as the family's processor expands it: Idefics2 <fake_token_around_image>, 64 <image> (perceiver
-    latents), <fake_token_around_image>, pixels at COCO's typical 480 x 640 (which its processor keeps as is);
-    Idefics one <image> between two wrappers, cross-attending to its 224 x 224 image; LLaVA-Interleave one token
-    per SigLIP patch (729 at 384 x 384); LLaVA-OneVision a 384 x 384 image in any-resolution mode (base 729 + one
-    tile 729 + 27 row newlines). Sizes come from the model's config, so tiny twins get the same format.
-    """
+    """One query with `shots` ICDs (the query with `query_text` text tokens) in the family's real input format, with
+    random text ids and pixels (Table 6). Per image, as the family's processor expands it: Idefics2
+    <fake_token_around_image>, 64 <image> (perceiver latents), <fake_token_around_image>, pixels at COCO's typical
+    480 x 640 (which its processor keeps as is); Idefics one <image> between two wrappers, cross-attending to its
+    224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision a 384 x 384 image
+    in any-resolution mode (base 729 + one tile 729 + 27 row newlines). Sizes come from the model's config, so tiny
+    twins get the same format."""
     cfg, n, gen = model.config, shots + 1, torch.Generator().manual_seed(seed)
     vocab = cfg.get_text_config().vocab_size
     image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", vocab)
@@ -1249,12 +1228,11 @@ def analysis_batches(backbone, args, items):
 
 
 def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
-    """Eq 19 for one example: Delta A = || A^ICD - A^noICD ||_1 per layer, head and query token.
+    """Eq 19 for one example: Delta A = || A^ICD - A^noICD ||_1 per layer, head and query token, [L, H, T].
 
     A_icd: [L, H, T, S_icd], A_plain: [L, H, T, S_plain], query-token rows of left-padded rows with n_icd / n_plain
     real tokens. Keys are aligned as the rows are built: the shared start (BOS + instruction) first, the query last;
-    the ICD keys have no counterpart, so A^noICD is zero there. Returns [L, H, T].
-    """
+    the ICD keys have no counterpart, so A^noICD is zero there."""
     start = n_plain - T  # BOS + instruction
     aligned = torch.zeros_like(A_icd)
     first_icd, first_plain = A_icd.shape[-1] - n_icd, A_plain.shape[-1] - n_plain
@@ -1720,10 +1698,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help.
-
-    Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
-    """
+    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]; see
+    --help. Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first
+    writes)."""
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
         return train.plan(args, training=False)
