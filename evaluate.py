@@ -1,12 +1,11 @@
 """Evaluation: how a score is made, then the paper's other measurements.
 
-How a score is made (Table 1, Table 2). The items of --task's evaluation split (eval_items; --n-eval takes a
-subset) are batched as left-padded prompts (data.prompt_batch): the query alone for zero-shot and for a
-trained adapter, [ICDs; query] for n-shot ICL. The backbone decodes greedily (generate, stopping at stop_ids) and each
-answer is cut at the end of its first line (postprocess); score() then applies the official metric: VQA accuracy
-(vqaEval.py's normalisation and leave-one-out average, x 100), CIDEr-D (as pycocoevalcap computes it, PTB-tokenised,
-x 100), or the accuracy of MME's yes/no and SEED-Bench's option letters. SEED-Bench's likelihood protocol ranks the four
-options by log p(option) instead of decoding (option_logliks). evaluate() writes the predictions and the metrics.
+How a score is made (Table 1, Table 2): the items of --task's evaluation split (eval_items) are batched as left-padded
+prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the backbone decodes
+greedily (generate), each answer is cut at its first line (postprocess) and score() applies the official metric: VQA
+accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy of MME's yes/no and SEED-Bench's option
+letters, which SEED-Bench's likelihood protocol ranks by log p(option) instead (option_logliks). evaluate() writes the
+predictions and the metrics.
 
 Sections of this file, in order:
     inference and scoring        generate, predict, option_logliks, score, evaluate      (the paper's Section 4.1)
@@ -92,17 +91,21 @@ def stop_ids(backbone):
     return sorted({*listed, tok.eos_token_id, end} - {None})
 
 
-def predict(backbone, task, items, icds=None, batch_size=8):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter). Under
-    torchrun each process answers every N-th batch; every process returns all answers, in item order."""
+def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False):
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
+    `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. Under torchrun
+    each process answers every N-th batch; every process returns all answers, in item order."""
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
     (rank, world), tok, answers = train.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
     for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
-        batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
-                               icds[i:i + batch_size] if icds else None)
-        tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
-        answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
+        queries, demos = items[i:i + batch_size], icds[i:i + batch_size] if icds else None
+        if likelihood:
+            answers[i] = [D.SEED_LETTERS[k] for k in option_logliks(backbone, queries, demos).argmax(-1).tolist()]
+        else:
+            batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries, demos)
+            tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
+            answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
     answers = train.gathered(answers)
     return [p for i in starts for p in answers[i]]
 
@@ -131,15 +134,6 @@ def option_logliks(backbone, items, icds=None):
     return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
 
 
-def rank_options(backbone, items, icds=None, batch_size=8):
-    """The letter of the option with the highest log-likelihood (option_logliks), per item."""
-    letters = []
-    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
-        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None)
-        letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
-    return letters
-
-
 def score(kind, items, predictions):
     """The reported metric: VQA accuracy x 100 (vqaEval.py), CIDEr (CIDEr-D, pycocoevalcap) x 100 (Table 1), or the
     accuracy in percent of MME (yes/no, parsed as its calculation.py) and SEED-Bench (option letters) (Table 2)."""
@@ -162,8 +156,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     kind = D.TASKS[args.task].kind
     likelihood = kind == "choice" and args.seed_protocol == "likelihood"
     with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = rank_options(backbone, items, icds, args.batch_size) if likelihood else \
-            predict(backbone, args.task, items, icds, args.batch_size)
+        predictions = predict(backbone, args.task, items, icds, args.batch_size, likelihood)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
