@@ -7,15 +7,10 @@ accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy o
 letters, which SEED-Bench's likelihood protocol ranks by log p(option) instead (option_logliks). evaluate() writes the
 predictions and the metrics.
 
-Sections of this file, in order:
-    inference and scoring        generate, predict, option_logliks, score, evaluate      (the paper's Section 4.1)
-    metrics                      VQA accuracy, CIDEr-D with the PTB tokenizer, MME, SEED-Bench
-    CHAIR                        object hallucination in captions (Table 5), as chair.py counts it
-    in-context vectors           task vectors and function vectors, training-free baselines (Table 1)
-    efficiency                   FLOPs and latency of one query (Table 6), attention memory
-    analyses                     the gate (Appendix D, Table 10), delta-hyperbolicity (Appendix C, Table 9)
-    learning curves              every method on the toy world with seeds, intervals and a tuning rule (--curve)
-    command line                 the flags and main
+Sections, in order: inference and scoring (Section 4.1); metrics (VQA accuracy, CIDEr-D with the PTB tokenizer, MME,
+SEED-Bench); CHAIR (Table 5); in-context vectors (task and function vectors, Table 1); efficiency (Table 6: FLOPs,
+latency, attention memory); analyses (the gate, Appendix D, Table 10; delta-hyperbolicity, Appendix C, Table 9);
+learning curves (--curve: every method on the toy world, with seeds, intervals and a tuning rule); command line.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -853,9 +848,8 @@ def load_vector(backbone, args):
         print(f"{args.vector}: computed and saved to {path}")
     layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
     info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
-            "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist()}
-    if fv:
-        info["fv_heads"] = saved["heads"].tolist()
+            "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist(),
+            **({"fv_heads": saved["heads"].tolist()} if fv else {})}
     return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
@@ -1034,7 +1028,7 @@ def paired_latency(runs, device):
         return time.perf_counter() - start
 
     (reference, *others), times = list(runs), {name: [] for name in runs}
-    ratios = {name: [] for name in others}
+    ratios = {name: [1.0] if name == reference else [] for name in runs}
     with tqdm(total=ROUNDS * (2 * len(others) + 1), desc="latency", unit="run") as bar:
         for _ in range(ROUNDS):
             times[reference].append(runs[reference](timer))
@@ -1044,12 +1038,8 @@ def paired_latency(runs, device):
                 ratios[name].append(times[name][-1] / statistics.mean(times[reference][-2:]))
                 bar.update(2)
             bar.update()
-    result = {reference: (1000 * statistics.median(times[reference]), 1.0, 1.0, 1.0)}
-    for name in others:
-        median, q1, q3 = torch.tensor(ratios[name], dtype=torch.float64).quantile(
-            torch.tensor([.5, .25, .75], dtype=torch.float64)).tolist()
-        result[name] = (1000 * statistics.median(times[name]), median, q1, q3)
-    return result
+    quantiles = lambda r: torch.tensor(r, dtype=torch.float64).quantile(torch.tensor([.5, .25, .75]).double()).tolist()
+    return {name: (1000 * statistics.median(times[name]), *quantiles(r)) for name, r in ratios.items()}
 
 
 @contextlib.contextmanager
@@ -1115,14 +1105,13 @@ def benchmark(backbone, args):
           f"{args.attention_tokens} tokens")
     print(f"{'setting':<17} {'tokens':>6} | prefill {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | "
           f"generate {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | attention {'MiB':>7} {'x':>5}")
-    latency = lambda r, key: f"{r[key]:>8.1f} {r[key + '_ratio']:>6.3f} [{r[key + '_quartiles'][0]:.3f}, " \
-        f"{r[key + '_quartiles'][1]:.3f}]"
+    part = lambda r, tflops, ms: f"{r[tflops]:>8.4g} {r[tflops + '_ratio']:>6.3f} {r[ms]:>8.1f} " \
+        f"{r[ms + '_ratio']:>6.3f} [{r[ms + '_quartiles'][0]:.3f}, {r[ms + '_quartiles'][1]:.3f}]"
     for r in rows:
         memory = f"{r['attention_mib']:>7.1f} {r['attention_mib_ratio']:>5.2f}" if r["attention_mib"] is not None \
             else f"{'-':>7} {'-':>5}"
-        print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {r['prefill_tflops']:>8.4g} "
-              f"{r['prefill_tflops_ratio']:>6.3f} {latency(r, 'prefill_ms')} | {'':8} {r['tflops']:>8.4g} "
-              f"{r['tflops_ratio']:>6.3f} {latency(r, 'ms')} | {'':9} {memory}")
+        print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {part(r, 'prefill_tflops', 'prefill_ms')} | "
+              f"{'':8} {part(r, 'tflops', 'ms')} | {'':9} {memory}")
     path = os.path.join(args.out, "benchmark.json")
     D.write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
                         "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, indent=2)
@@ -1461,10 +1450,8 @@ def curve(args):
     rows = curve_runs(args.curve_methods)
     methods = list(dict.fromkeys(method_of(flags) for _, flags in rows))
     chosen = {} if args.no_tune else tune(args, common, methods)[0]
-    runs = []
-    plan = [(name, flags, n, seed) for name, flags in rows for n in args.curve_queries
-            for seed in range(args.curve_seeds)]
-    for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
+    runs, plan = [], list(itertools.product(rows, args.curve_queries, range(args.curve_seeds)))
+    for (name, flags), n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
         row = row_flags(flags, chosen)
         adapter = train.main(common + shlex.split(args.train_args) + row + [
@@ -1548,9 +1535,8 @@ def parse_args(argv=None):
                         "context: the shipped reference), a toy backbone's file (train.py --build-toy), or a local "
                         "path (default: %(default)s)")
     p.add_argument("--task", default="toy-icl-colour", choices=list(D.TASKS), help="benchmark (default: %(default)s)")
-    p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors). Default: "
-                                        f"{default_checkpoint('<model>', '<task>')} if it exists "
-                                        "and --shots is not given, else none (zero-shot)")
+    p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors; default: "
+                   f"{default_checkpoint('<model>', '<task>')} if it exists and --shots is not given, else none)")
     p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
                    "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For --gates / --hyperbolicity: the "
                    "teacher's ICDs (default: the paper's, data.default_shots: 2 for MME and SEED)")
@@ -1587,8 +1573,8 @@ def parse_args(argv=None):
                       "teacher per point; writes curve.md, curve.json, curve.png and tune.json")
     p.add_argument("--curve-queries", type=int, nargs="+", default=list(CURVE_QUERIES),
                    help="--curve: training queries per run (default: %(default)s)")
-    p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS, help="--curve: seeds per point (default: "
-                   "%(default)s)")
+    p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS,
+                   help="--curve: seeds per point (default: %(default)s)")
     p.add_argument("--curve-methods", nargs="+", help="--curve: only these rows (names as in curve.md; default: all)")
     p.add_argument("--no-tune", action="store_true", help="--curve: train every method at its published learning "
                    "rate (PUBLISHED_LR) instead of tuning it on held-out training queries first")
@@ -1631,8 +1617,7 @@ def parse_args(argv=None):
                    f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
-    # `--train-args VALUE` written `--train-args=VALUE`, so that a value starting with '-' ("--resume") is taken as
-    # the flag's value, not as a flag of its own
+    # `--train-args VALUE` as `--train-args=VALUE`: a value starting with '-' ("--resume") is the flag's, not a flag
     argv = list(sys.argv[1:] if argv is None else argv)
     for k in range(len(argv) - 1):
         if argv[k] == "--train-args":
@@ -1691,9 +1676,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]; see
-    --help. Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first
-    writes)."""
+    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]. Under
+    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes)."""
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
         return train.plan(args, training=False)
