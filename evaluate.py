@@ -425,16 +425,14 @@ def _ptb_tokens(s):
 
 
 def tokenize_caption(s):
-    """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (longest match,
-    re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed. Clitics are
-    split ("dog's" -> dog 's, "don't" -> do n't) and so are "cannot" -> can not, "gonna" -> gon na, "gotta" ->
-    got ta; a clitic is one only before a non-letter ("'STOP'" is a quoted "stop", not 's top); abbreviations keep
-    their period ("u.s.", "st.", "etc."); numbers, times, fractions and dates stay whole ("1,000", "2.5", "5:30",
-    "1/2"), as do hyphenated words, "and/or", "'n'", "'90s" and SGML tags ("<angle>"); brackets become "-lrb-",
-    "-rrb-", ... and are kept. Returns the list of tokens. Left out: PTB's sentence-final acronym rule (a single
-    letter with a period before "The", "He", ... loses its period), which can look into the next caption of the
-    official tool's input file; URLs, e-mail addresses, phone numbers and SGML tags with attributes; characters no
-    rule covers are kept one by one, where PTB drops most of them."""
+    """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (_PTB_RULES,
+    longest match, re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed.
+    Clitics are split ("dog's" -> dog 's, "don't" -> do n't) only before a non-letter ("'STOP'" is a quoted "stop", not
+    's top); abbreviations keep their period; numbers, dates, fractions, hyphenated words and SGML tags stay whole;
+    brackets become "-lrb-", "-rrb-", ... and are kept. Left out: PTB's sentence-final acronym rule (a single letter
+    with a period before "The", "He", ... loses its period), which can look into the next caption of the official tool's
+    input file; URLs, e-mail addresses, phone numbers and SGML tags with attributes; characters no rule covers are kept
+    one by one, where PTB drops most of them."""
     return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
@@ -620,10 +618,9 @@ CHAIR_PY_UNJOINED = ("dining table",)
 CHAIR_COUNTS = ("chair.py", "corrected")
 
 
-def chair_vocabulary(categories, synonyms=None):
-    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (default
-    COCO_SYNONYMS; a category missing from it is read by its own name)."""
-    synonyms = COCO_SYNONYMS if synonyms is None else synonyms
+def chair_vocabulary(categories, synonyms=COCO_SYNONYMS):
+    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (a category
+    missing from it is read by its own name)."""
     return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
 
 
@@ -651,17 +648,15 @@ def caption_objects(caption, vocabulary, count="chair.py"):
 
 
 def chair(captions, annotated, references, vocabulary, count="chair.py"):
-    """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions.
-
-    captions: {id: generated caption}; annotated: {id: set of categories in the image's instance annotations};
-    references: {id: [reference captions]}. An image's ground-truth objects are its annotated categories plus the
-    categories its references mention. A mention is hallucinated if its category is not among them.
+    """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions, and {id:
+    hallucinated words}. captions: {id: generated caption}; annotated: {id: set of categories in the image's instance
+    annotations}; references: {id: [reference captions]}. An image's ground-truth objects are its annotated categories
+    plus the categories its references mention (caption_objects, by `count` as for the captions); a mention is
+    hallucinated if its category is not among them.
         CHAIR_i = hallucinated mentions / all mentions       (mentions counted with repetition)
         CHAIR_s = captions with a hallucinated mention / captions
         Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
-    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0. count:
-    caption_objects's, for the generated and the reference captions alike. Returns ({"chair_s", "chair_i", "recall"},
-    {id: hallucinated words})."""
+    A ratio whose denominator is 0 (no mention; no ground-truth object) is reported as 0."""
     mentions = hallucinated = bad_captions = covered = truth_total = 0
     per_caption = {}
     for i, caption in captions.items():
@@ -713,8 +708,7 @@ def vector_sets(pool, args, shots):
 
 def target_batches(backbone, kind, queries, icds, batch_size):
     """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token."""
-    icds = icds or [[] for _ in queries]
-    out = []
+    icds, out = icds or [[] for _ in queries], []
     for i in range(0, len(queries), batch_size):
         pieces = D.query_pieces(backbone.processor, backbone.family, kind, queries[i:i + batch_size])
         batch = D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds[i:i + batch_size])
@@ -861,12 +855,11 @@ def _rows_at(h, positions):
 
 @contextlib.contextmanager
 def steer(model, layer, vector, positions=None, add=False, decoding=False):
-    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row (positions: [B], or
-    None for each row's last token, the last prompt token of a left-padded prompt): replace it by `vector` ([d], or
-    [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector, Todd et al. 2024).
-    Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding` (Todd et
-    al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens see it
-    through the KV cache)."""
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row (positions: [B], or None
+    for each row's last token, the last prompt token of a left-padded prompt): replace it by `vector` ([d], or [B, d]
+    one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector, Todd et al. 2024). Forward
+    passes over the prompt are patched, and cached decoding steps too if `decoding` (Todd et al. add the FV at every
+    generated token; a task vector patches the prompt alone, which later tokens see through the KV cache)."""
     def hook(module, inputs, output):
         h = output[0] if isinstance(output, tuple) else output
         if h.shape[1] == 1 and not decoding:
@@ -1076,7 +1069,7 @@ def benchmark(backbone, args):
     with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one decoder attention layer
     at --attention-tokens tokens (attention_call). Latency: paired_latency, every setting against zero-shot runs
     on both sides. Writes benchmark.json."""
-    new_tokens = args.new_tokens or D.TASKS[args.task].max_new_tokens
+    new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else D.TASKS[args.task].max_new_tokens)
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
@@ -1250,8 +1243,7 @@ def gate_analysis(backbone, args, items):
                 g_all.append(g[:, b, :, -T:].flatten(1).float().cpu())
                 dA_all.append(dA.flatten(1).cpu())
     g, dA = torch.cat(g_all, 1), torch.cat(dA_all, 1)                         # [L, all heads x tokens]
-    quarter = max(1, g.shape[0] // 4)
-    per_layer = g.mean(1)
+    quarter, per_layer = max(1, g.shape[0] // 4), g.mean(1)
     return {"per_layer_mean": per_layer.tolist(), "early_mean": per_layer[:quarter].mean().item(),
             "late_mean": per_layer[-quarter:].mean().item(), "per_layer_std": g.std(1).mean().item(),
             "corr_g_delta_attention": torch.corrcoef(torch.stack([g.flatten(), dA.flatten()]))[0, 1].item(),
@@ -1277,8 +1269,7 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
     per example on n_samples quadruples drawn with the same seed for teacher and student; mean and std over examples."""
     model = backbone.model
     layers = middle_layers(len(M.decoder_self_attentions(model)))
-    deltas = {"teacher": [], "student": []}
-    i = 0
+    deltas, i = {"teacher": [], "student": []}, 0
     for (teacher, student), lengths in analysis_batches(backbone, args, items):
         with M.without_adapter(model):
             h_teacher = model(**teacher, output_hidden_states=True).hidden_states
@@ -1657,8 +1648,6 @@ def parse_args(argv=None):
         p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
-    if args.random_weights == "mid" and args.new_tokens is None:
-        args.new_tokens = 8
     default = default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
