@@ -697,9 +697,8 @@ def vector_sets(pool, args, shots):
     """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer: the training split
     shuffled with --seed, its first --vector-heldout items held out, the next N the extraction queries; their ICDs
     are drawn at random from the whole split (never the query itself)."""
-    order = random.Random(args.seed).sample(range(len(pool)), len(pool))
-    heldout = [pool[i] for i in order[:args.vector_heldout]]
-    queries = [pool[i] for i in order[args.vector_heldout:args.vector_heldout + args.vector_sets]]
+    shuffled = random.Random(args.seed).sample(pool, len(pool))
+    heldout, queries = shuffled[:args.vector_heldout], shuffled[args.vector_heldout:][:args.vector_sets]
     if len(queries) < args.vector_sets:
         raise ValueError(f"--vector-sets {args.vector_sets} + --vector-heldout {args.vector_heldout} exceed the "
                          f"{len(pool)} training items of {args.task}")
@@ -1008,9 +1007,8 @@ def paired_latency(runs, device):
     speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
     Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
     on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
-    the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark
-    (which times one statement at a time, so a drift between two settings lands in their ratio): docs/efficiency.md,
-    "How latency is measured"."""
+    the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark:
+    docs/efficiency.md, "How latency is measured"."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
 
     def timer(f):
@@ -1412,12 +1410,11 @@ def curve_runs(names=None):
 
 
 def curve(args):
-    """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs
-    on each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
-    (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per
-    row and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was
-    about 10x faster than two, and deterministic. The teacher's states are computed once per query, shared by every
-    run."""
+    """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs on
+    each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
+    (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
+    and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was about
+    10x faster than two, and deterministic."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     items = eval_items(args)
@@ -1630,13 +1627,12 @@ def parse_args(argv=None):
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
         if not 2 <= args.curve_seeds <= len(T_975) + 1:
             p.error(f"--curve-seeds must be in [2, {len(T_975) + 1}] for an interval (got {args.curve_seeds})")
-        try:  # split as a shell does and parsed by train.py's parser now, before any work
-            flags = shlex.split(args.train_args)
+        try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
+                                  "--overwrite"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
-        try:
-            with contextlib.redirect_stderr(io.StringIO()) as err:
-                train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
         except SystemExit:
             p.error(f"--train-args {args.train_args!r}: train.py says: "
                     + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
@@ -1685,11 +1681,10 @@ def main(argv=None):
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
         if args.random_weights:
-            family = M.family_of(args.model)
-            model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
-                M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
-            size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
-            backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
+            family, mid = M.family_of(args.model), args.random_weights == "mid"
+            model = M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \
+                M.published_model(family, device="cuda")
+            backbone = M.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")
         else:
             backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
             if backbone.images:
