@@ -63,10 +63,6 @@ def postprocess(text):
     return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
 
 
-def device_of(model):
-    return next(model.parameters()).device
-
-
 @torch.no_grad()
 def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
     """Greedy decoding; stops at stop_ids. Returns the new tokens only: [B, <= max_new_tokens]."""
@@ -99,7 +95,7 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False):
             answers[i] = [D.SEED_LETTERS[k] for k in option_logliks(backbone, queries, demos).argmax(-1).tolist()]
         else:
             batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries, demos)
-            tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
+            tokens = generate(backbone, D.model_inputs(batch, backbone.model.device), new_tokens)
             answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
     answers = train.gathered(answers)
     return [p for i in starts for p in answers[i]]
@@ -120,7 +116,7 @@ def option_logliks(backbone, items, icds=None):
         prefix = D.encode_prefix(proc, family, kind, with_text)
         rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
                  for o in it.answers]
-    batch = train.to_device(D.collate(rows, proc, family), device_of(backbone.model))
+    batch = train.to_device(D.collate(rows, proc, family), backbone.model.device)
     logits, labels = train.target_logits(backbone.model, batch)  # the options' positions only
     logits, labels = logits[:, :-1], labels[:, 1:]
     answer = labels != -100                                   # position t predicts token t + 1
@@ -724,17 +720,17 @@ def icl_means(backbone, kind, queries, icds, batch_size):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
                                icds[i:i + batch_size])
         with layer_states_at(model, states), head_outputs(model, heads):
-            model(**D.model_inputs(batch, device_of(model)), logits_to_keep=1)
+            model(**D.model_inputs(batch, model.device), logits_to_keep=1)
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
     return mean(states), mean(heads)
 
 
 def answer_probability(backbone, batch, positions):
     """Probability of each row's first answer token at its last prompt token: [B]."""
-    device = device_of(backbone.model)
+    device = backbone.model.device
     logits, labels = train.target_logits(backbone.model, train.to_device(batch, device))
-    rows, at = torch.arange(len(positions), device=device), positions.to(device) - (batch["labels"].shape[1] -
-                                                                                      labels.shape[1])
+    at = positions.to(device) - (batch["labels"].shape[1] - labels.shape[1])  # within the kept answer window
+    rows = torch.arange(len(positions), device=device)
     return logits[rows, at].float().softmax(-1)[rows, labels[rows, at + 1]]
 
 
@@ -770,7 +766,7 @@ def function_vector(model, mean_heads, aie, k):
 def layer_losses(backbone, batches, vectors, add):
     """Per decoder layer l: the mean target cross-entropy of the held-out queries (zero-shot, teacher-forced) with
     vectors[l] put in at layer l and the last prompt token (replaced: TV; added: FV). The layer choice."""
-    device, losses = device_of(backbone.model), []
+    device, losses = backbone.model.device, []
     for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
         total = count = 0
         for batch, positions in batches:
@@ -973,8 +969,7 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
         owner = torch.cat([torch.full_like(p, i - 1) for i, p in enumerate(pieces)])
         pixels["image_attention_mask"] = torch.nn.functional.one_hot(owner + 1, n + 1)[None, :, 1:]
-    dtype = next(model.parameters()).dtype
-    pixels = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pixels.items()}
+    pixels = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in pixels.items()}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels}
 
 
@@ -988,7 +983,7 @@ def benchmark_prompt(backbone, args, shots):
         icds = D.demonstrations([query[0].id], D.load_task(args.task, "train", args.data_root), shots, args.seed) \
             if shots else None
         batch = D.prompt_batch(backbone.processor, backbone.family, D.TASKS[args.task].kind, query, icds)
-    return D.model_inputs(batch, device_of(backbone.model))
+    return D.model_inputs(batch, backbone.model.device)
 
 
 def keep_freed_memory():
@@ -1072,7 +1067,7 @@ def benchmark(backbone, args):
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
         [(f"{s}-shot", None, s) for s in args.bench_shots]
-    device, (attention, _, _) = device_of(backbone.model), attention_call(backbone.model, args.attention_tokens)
+    device, (attention, _, _) = backbone.model.device, attention_call(backbone.model, args.attention_tokens)
     rows, runs = [], {"prefill": {}, "generate": {}}
     for name, method, shots in tqdm(settings, desc="FLOPs, memory", unit="setting"):
         inputs = benchmark_prompt(backbone, args, shots)
@@ -1135,7 +1130,7 @@ def attention_call(model, T):
     module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, both without autograd
     (the adapter's parameters would otherwise keep its activations), and the sizes in words."""
     attn = M.decoder_self_attentions(model)[0]
-    device, dtype = device_of(model), next(model.parameters()).dtype
+    device, dtype = model.device, model.dtype
     _, heads, head_dim = M.attention_shape(model)
     kv_heads = getattr(attn.config, "num_key_value_heads", None) or heads
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
@@ -1149,7 +1144,7 @@ def attention_benchmark(model, T=2048):
     """One decoder self-attention of `model` at T query and key tokens (attention_call), batch 1: latency
     (paired_latency) and peak memory (peak_memory_mb) of the stock SDPA forward, of every method of model.METHODS
     through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns {name: (ms, MiB)}."""
-    device, dtype = device_of(model), next(model.parameters()).dtype
+    device, dtype = model.device, model.dtype
     forward, reference, sizes = attention_call(model, T)
     paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
         ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
@@ -1191,7 +1186,7 @@ def analysis_batches(backbone, args, items):
     each row's number of query tokens (the last positions of both rows, since both are left-padded)."""
     shots = args.shots or D.default_shots(args.task, backbone.family)
     support = D.load_task(args.task, "train", args.data_root)
-    kind, device = D.TASKS[args.task].kind, device_of(backbone.model)
+    kind, device = D.TASKS[args.task].kind, backbone.model.device
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{backbone.name} {args.task}", unit="batch"):
         queries = items[i:i + args.batch_size]
         icds = D.demonstrations([q.id for q in queries], support, shots, args.seed)
@@ -1315,11 +1310,10 @@ def answer_measures(backbone, kind, items, teacher, batch_size=8):
     item's target: the mean over items of log p(target) (summed over its tokens), and the mean over target tokens of
     KL(teacher || model), `teacher` holding one [n_tokens, V] row of the 8-shot backbone's logits per item
     (train.run_teacher with output="logits")."""
-    logp, kl, tokens = 0.0, 0.0, 0
+    logp, kl, tokens, device = 0.0, 0.0, 0, backbone.model.device
     for i in range(0, len(items), batch_size):
         pieces = D.query_pieces(backbone.processor, backbone.family, kind, items[i:i + batch_size])
-        batch = train.to_device(D.student_batch(backbone.processor, backbone.family, kind, pieces),
-                                device_of(backbone.model))
+        batch = train.to_device(D.student_batch(backbone.processor, backbone.family, kind, pieces), device)
         logits, labels = train.target_logits(backbone.model, batch)
         log_p = F.log_softmax(logits.float(), -1)                                          # [B, K, V]
         answer = train.answer_positions(labels)                                            # [B, K]: predicts a target
@@ -1425,7 +1419,7 @@ def curve(args):
     pieces, teacher = D.query_pieces(backbone.processor, backbone.family, kind, items), []
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
         s = slice(i, i + args.batch_size)
-        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device_of(backbone.model),
+        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], backbone.model.device,
                                      output="logits")
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
