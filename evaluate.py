@@ -104,7 +104,6 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False):
 @torch.no_grad()
 def option_logliks(backbone, items, icds=None):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
-
     As the official code sums each option's per-token losses, end token included, log p(option) is the sum (not
     length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
     the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
@@ -145,9 +144,8 @@ def evaluate(backbone, args, items, setting, vector=None):
         support = D.load_task(args.task, "train", args.data_root)
         icds = D.choose_demonstrations(backbone, args, items, support, args.shots)
     kind = D.TASKS[args.task].kind
-    likelihood = kind == "choice" and args.seed_protocol == "likelihood"
     with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = predict(backbone, args.task, items, icds, args.batch_size, likelihood)
+        predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood")
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
@@ -208,9 +206,8 @@ def write_mme_results(folder, items, predictions):
     <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
     os.makedirs(folder, exist_ok=True)
     lines = {}
-    for it, p in zip(items, predictions):
-        pred = " ".join(p.split())  # no tab or newline may break the four columns
-        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n"
+    for it, p in zip(items, predictions):  # " ".join(p.split()): no tab or newline may break the four columns
+        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{' '.join(p.split())}\n"
         lines.setdefault(it.category, []).append(row)
     for subtask, rows in lines.items():
         D.atomic_write(os.path.join(folder, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
@@ -313,10 +310,9 @@ def normalize_vqa_answer(ans):
 
 
 def vqa_accuracy(prediction, answers):
-    """VQA accuracy of one prediction against the ten human answers, as vqaEval.py computes it: for each human
-    answer, min(1, #matches among the other nine / 3), averaged over the ten. Quirk kept: punctuation/digit/article
-    normalisation is applied (to the answers and the prediction) only when the whitespace-cleaned answers are not all
-    identical. Returns a float in [0, 1]."""
+    """VQA accuracy in [0, 1] of one prediction against the ten human answers, as vqaEval.py computes it: for each human
+    answer, min(1, #matches among the other nine / 3), averaged over the ten. Quirk kept: the punctuation/digit/article
+    normalisation applies (to answers and prediction) only when the whitespace-cleaned answers are not all identical."""
     prediction = _clean_whitespace(prediction)
     answers = [_clean_whitespace(a) for a in answers]
     if len(set(answers)) > 1:
@@ -508,14 +504,13 @@ def mme_scores(items, predictions):
     mean of the subtasks' acc; Table 2's MME numbers (55.36-82.13) are percentages, not scores, so the paper appears to
     report such an accuracy (which of the two is not stated)."""
     right = [_yes_no(p.strip().lower()) == it.target.lower() for it, p in zip(items, predictions)]
-    per_image, subtasks = {}, {}
+    subtasks = {}  # {subtask: {image: [each of its questions answered right]}}
     for it, r in zip(items, right):
-        per_image.setdefault((it.category, it.image_path), []).append(r)
-        subtasks.setdefault(it.category, []).append(r)
+        subtasks.setdefault(it.category, {}).setdefault(it.image_path, []).append(r)
     out = {"subtasks": {}}
-    for name, rs in subtasks.items():
-        images = [all(v) for (c, _), v in per_image.items() if c == name]
-        acc, acc_plus = 100 * sum(rs) / len(rs), 100 * sum(images) / len(images)
+    for name, images in subtasks.items():
+        rs = [r for questions in images.values() for r in questions]
+        acc, acc_plus = 100 * sum(rs) / len(rs), 100 * sum(map(all, images.values())) / len(images)
         out["subtasks"][name] = {"acc": acc, "acc_plus": acc_plus, "score": acc + acc_plus}
     for total, names in (("perception", D.MME_PERCEPTION), ("cognition", D.MME_COGNITION)):
         out[total] = sum(v["score"] for k, v in out["subtasks"].items() if k in names)
@@ -622,7 +617,6 @@ def chair_vocabulary(categories, synonyms=COCO_SYNONYMS):
 
 def caption_objects(caption, vocabulary, count="chair.py"):
     """The object mentions of a caption, in order, with repetition: [(word, category)], counted as chair.py counts.
-
     Tokenised as for CIDEr, each word singularised, then read left to right: two words that form a multi-word
     synonym or a _READ_AS phrase are taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy
     bear; "train tracks" no train), else the word alone. Only pairs are joined, as in chair.py, so "stove top oven"
@@ -797,10 +791,8 @@ def compute_vector(backbone, args, shots):
     kind, pool = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
     queries, icds, heldout = vector_sets(pool, args, shots)
     states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size)
-    out = {}
-    if args.vector == "tv":
-        out["vectors"] = states
-    else:
+    out = {"vectors": states}
+    if args.vector == "fv":
         out["aie"] = indirect_effects(backbone, kind, queries[:args.fv_trials], icds[:args.fv_trials], mean_heads,
                                       args.batch_size, args.seed).float()
         fv, out["heads"] = function_vector(backbone.model, mean_heads, out["aie"], args.fv_heads)
@@ -1049,19 +1041,17 @@ def run_as(model, method):
 
 
 def flops(backbone, inputs, new_tokens):
-    """FLOPs of one generate call of exactly new_tokens tokens (torch.utils.flop_counter: every matmul / conv /
-    attention kernel); also a warm-up."""
+    """FLOPs of one generate call of exactly new_tokens tokens (torch.utils.flop_counter); also a warm-up."""
     with FlopCounterMode(display=False) as counter:
         generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
     return counter.get_total_flops()
 
 
 def benchmark(backbone, args):
-    """Table 6: per query, FLOPs and latency of the prefill (one new token) and of generating --new-tokens tokens for
-    zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and --bench-shots-shot ICL, each
-    with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one decoder attention layer
-    at --attention-tokens tokens (attention_call). Latency: paired_latency, every setting against zero-shot runs
-    on both sides. Writes benchmark.json."""
+    """Table 6: per query, FLOPs and latency (paired_latency) of the prefill (one new token) and of generating
+    --new-tokens tokens for zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and
+    --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one
+    decoder attention layer at --attention-tokens tokens (attention_call). Writes benchmark.json."""
     new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else D.TASKS[args.task].max_new_tokens)
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
@@ -1197,7 +1187,6 @@ def analysis_batches(backbone, args, items):
 
 def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
     """Eq 19 for one example: Delta A = || A^ICD - A^noICD ||_1 per layer, head and query token, [L, H, T].
-
     A_icd: [L, H, T, S_icd], A_plain: [L, H, T, S_plain], query-token rows of left-padded rows with n_icd / n_plain
     real tokens. Keys are aligned as the rows are built: the shared start (BOS + instruction) first, the query last;
     the ICD keys have no counterpart, so A^noICD is zero there."""
@@ -1292,9 +1281,8 @@ T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 def mean_interval(values):
-    """(mean, low, high): the mean of independent runs and its two-sided 95% Student-t interval,
-    mean +- t(0.975, n - 1) s / sqrt(n), s the sample standard deviation (t from T_975, n <= 31 runs).
-    One run has no interval: (mean, nan, nan)."""
+    """(mean, low, high): the mean of independent runs and its two-sided 95% Student-t interval, mean +- t s / sqrt(n)
+    with t = t(0.975, n - 1) from T_975 (n <= 31) and s the sample standard deviation; one run: (mean, nan, nan)."""
     n, mean = len(values), statistics.fmean(values)
     if n < 2:
         return mean, math.nan, math.nan
@@ -1392,11 +1380,9 @@ def row_flags(flags, chosen):
 
 def curve_runs(names=None):
     """The rows of --curve: every method of model.METHODS, Hyper-ICL's anchor ablations (Table 4), lambda and kappa
-    beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; `names` keeps only
-    those named."""
+    beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; only `names`, if given."""
     rows = [(m, ["--method", m]) for m in M.METHODS] + [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
-                                                        ("hyper-icl, CE only", ["--anchor", "none"]),
-                                                        ("hyper-icl, anchor only", ["--lam", "0"])]
+            ("hyper-icl, CE only", ["--anchor", "none"]), ("hyper-icl, anchor only", ["--lam", "0"])]   # Table 4
     rows += [(f"hyper-icl, lambda {lam}", ["--lam", lam]) for lam in ("5", "50")]           # Fig 3b: lambda
     rows += [(f"hyper-icl, kappa {kappa}", ["--kappa", kappa]) for kappa in ("0.01", "1")]  # Fig 3b: kappa
     rows += [("hyper-icl, anchor / first step", ["--anchor-norm", "first"])]              # not in the paper
@@ -1411,8 +1397,7 @@ def curve(args):
     10x faster than two, and deterministic."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
-    items = eval_items(args)
-    backbone = M.load_backbone(args.model)
+    items, backbone = eval_items(args), M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
     # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
     icds = D.demonstrations([it.id for it in items], D.load_task(args.task, "train", args.data_root), shots, 0)
@@ -1456,9 +1441,8 @@ CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(referen
 
 
 def write_curve(args, runs, levels, n_items, chosen):
-    """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row (setting) and
-    budget; curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as
-    horizontal lines."""
+    """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row and budget;
+    curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1466,10 +1450,9 @@ def write_curve(args, runs, levels, n_items, chosen):
     budgets = sorted({r["queries"] for r in runs})
     stats = {(s, n, k): mean_interval([r[k] for r in runs if r["setting"] == s and r["queries"] == n])
              for s in settings for n in budgets for k in CURVE_MEASURES}
-    seeds = len({r["seed"] for r in runs})
-    lines = [f"{args.model} on {args.task}/{args.split}, {n_items} items; mean [95% interval] over {seeds} seeds "
-             f"per point; train.py {args.train_args} --n-train N, then each row's flags; learning rates "
-             + ("tuned (tune.json)" if chosen else "as published (--no-tune)"), "",
+    lines = [f"{args.model} on {args.task}/{args.split}, {n_items} items; mean [95% interval] over "
+             f"{args.curve_seeds} seeds per point; train.py {args.train_args} --n-train N, then each row's flags; "
+             "learning rates " + ("tuned (tune.json)" if chosen else "as published (--no-tune)"), "",
              "| setting | train.py flags | trainable parameters |", "|---|---|---:|"]
     first = {s: next(r for r in runs if r["setting"] == s) for s in settings}
     lines += [f"| {s} | `{r['flags']}` | {r['params']:,} |" for s, r in first.items()]
