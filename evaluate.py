@@ -234,8 +234,8 @@ def evaluate_with_baselines(backbone, args, items, setting):
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
     metric, icl, verdict = headline_metric(done[0]), done[1], ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items) if metric != "cider" else None
-    if chance is not None and icl[metric] <= chance + 5:
+    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
+    if metric != "cider" and icl[metric] <= chance + 5:
         verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
                    "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
                    "distilled")
