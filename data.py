@@ -91,10 +91,8 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
                    query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
     # SEED's likelihood protocol: the official prompt (SEED-Bench's model/instruct_blip_interface.py,
     # "Question: {question}\nAnswer:"), no instruction line and no options; an answer is an option's text
-    # (evaluate.option_logliks). "choice-likelihood-project" is the project's earlier prompt (--seed-prompt project).
+    # (evaluate.option_logliks).
     "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
-    "choice-likelihood-project": dict(instruction="Answer each question about its image.\n",
-                                      query="<image>Question: {question} Answer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
 

@@ -1,22 +1,16 @@
 """Evaluation: how a score is made, then the paper's other measurements.
 
-How a score is made (Table 1, Table 2). The items of --task's evaluation split (eval_items; --n-eval takes a
-subset) are batched as left-padded prompts (data.prompt_batch): the query alone for zero-shot and for a
-trained adapter, [ICDs; query] for n-shot ICL. The backbone decodes greedily (generate, stopping at stop_ids) and each
-answer is cut at the end of its first line (postprocess); score() then applies the official metric: VQA accuracy
-(vqaEval.py's normalisation and leave-one-out average, x 100), CIDEr-D (as pycocoevalcap computes it, PTB-tokenised,
-x 100), or the accuracy of MME's yes/no and SEED-Bench's option letters. SEED-Bench's likelihood protocol ranks the four
-options by log p(option) instead of decoding (option_logliks). evaluate() writes the predictions and the metrics.
+How a score is made (Table 1, Table 2): the items of --task's evaluation split (eval_items) are batched as left-padded
+prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the backbone decodes
+greedily (generate), each answer is cut at its first line (postprocess) and score() applies the official metric: VQA
+accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy of MME's yes/no and SEED-Bench's option
+letters, which SEED-Bench's likelihood protocol ranks by log p(option) instead (option_logliks). evaluate() writes the
+predictions and the metrics.
 
-Sections of this file, in order:
-    inference and scoring        generate, predict, option_logliks, score, evaluate      (the paper's Section 4.1)
-    metrics                      VQA accuracy, CIDEr-D with the PTB tokenizer, MME, SEED-Bench
-    CHAIR                        object hallucination in captions (Table 5), as chair.py counts it
-    in-context vectors           task vectors and function vectors, training-free baselines (Table 1)
-    efficiency                   FLOPs and latency of one query (Table 6), attention memory
-    analyses                     the gate (Appendix D, Table 10), delta-hyperbolicity (Appendix C, Table 9)
-    learning curves              every method on the toy world with seeds, intervals and a tuning rule (--curve)
-    command line                 the flags and main
+Sections, in order: inference and scoring (Section 4.1); metrics (VQA accuracy, CIDEr-D with the PTB tokenizer, MME,
+SEED-Bench); CHAIR (Table 5); in-context vectors (task and function vectors, Table 1); efficiency (Table 6: FLOPs,
+latency, attention memory); analyses (the gate, Appendix D, Table 10; delta-hyperbolicity, Appendix C, Table 9);
+learning curves (--curve: every method on the toy world, with seeds, intervals and a tuning rule); command line.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -63,28 +57,17 @@ _ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
 
 
 def postprocess(text):
-    """The answer in a generated continuation: the one place answers are cleaned before scoring.
-
-    Generation stops at the family's end token (data.end_token) or eos, and special tokens are dropped when
-    decoding. The text is then stripped of leading whitespace, cut at the first newline or at the start of the next
-    prompt piece ("Question", "Short answer", "Caption", as in data.PROMPTS), and stripped of trailing whitespace.
-    Case, punctuation and articles are left to the metrics' own normalisation (vqaEval.py for VQA, the PTB
-    tokenizer for captions).
-    """
+    """The answer in a generated continuation (decoded without special tokens), the one place answers are cleaned
+    before scoring: cut at the first newline or at the next prompt piece ("Question", "Short answer", "Caption", as in
+    data.PROMPTS) and stripped. Case, punctuation and articles are left to the metrics' own normalisation."""
     return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
-
-
-def device_of(model):
-    """The device the model's parameters are on."""
-    return next(model.parameters()).device
 
 
 @torch.no_grad()
 def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
     """Greedy decoding; stops at stop_ids. Returns the new tokens only: [B, <= max_new_tokens]."""
-    stop = {}
-    if backbone.processor is not None:  # None for synthetic prompts (--random-weights): the config's eos then
-        stop = dict(pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=stop_ids(backbone))
+    stop = {} if backbone.processor is None else dict(  # None: synthetic prompts (--random-weights), the config's eos
+        pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=stop_ids(backbone))
     out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=min_new_tokens, **stop)
     return out[:, inputs["input_ids"].shape[1]:]
@@ -99,58 +82,46 @@ def stop_ids(backbone):
     return sorted({*listed, tok.eos_token_id, end} - {None})
 
 
-def predict(backbone, task, items, icds=None, batch_size=8):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter).
-
-    Under torchrun each process answers every N-th batch; every process returns all answers, in item order.
-    """
+def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False):
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
+    `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. Under torchrun
+    each process answers every N-th batch; every process returns all answers, in item order."""
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
     (rank, world), tok, answers = train.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
     for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
-        batch = D.prompt_batch(backbone.processor, backbone.family, kind, items[i:i + batch_size],
-                               icds[i:i + batch_size] if icds else None)
-        tokens = generate(backbone, D.model_inputs(batch, device_of(backbone.model)), new_tokens)
-        answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
+        queries, demos = items[i:i + batch_size], icds[i:i + batch_size] if icds else None
+        if likelihood:
+            answers[i] = [D.SEED_LETTERS[k] for k in option_logliks(backbone, queries, demos).argmax(-1).tolist()]
+        else:
+            batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries, demos)
+            tokens = generate(backbone, D.model_inputs(batch, backbone.model.device), new_tokens)
+            answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
     answers = train.gathered(answers)
     return [p for i in starts for p in answers[i]]
 
 
 @torch.no_grad()
-def option_logliks(backbone, items, icds=None, prompt="official"):
+def option_logliks(backbone, items, icds=None):
     """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
-
-    As the official code (which sums the per-token losses of each option, the answer model's end token included,
-    under the prompt "Question: {q}\nAnswer:" without the options or an instruction), log p(option) is the sum, not
-    the mean, of the log-probabilities of the option's text tokens and the end token after the query (data.PROMPTS
-    "choice-likelihood"; prompt="project": "choice-likelihood-project", the project's earlier prompt); so it is not
-    length-normalised. icds[i] (with their answer's text as the answer) precede item i. All 4 x len(items) rows go
-    through one left-padded forward pass.
-    """
-    proc, family = backbone.processor, backbone.family
-    kind = "choice-likelihood" + ("-project" if prompt == "project" else "")
+    As the official code sums each option's per-token losses, end token included, log p(option) is the sum (not
+    length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
+    the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
+    text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
+    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
     rows = []
     for it, ds in zip(items, icds or [[] for _ in items]):
         with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
         prefix = D.encode_prefix(proc, family, kind, with_text)
         rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
                  for o in it.answers]
-    batch = train.to_device(D.collate(rows, proc, family), device_of(backbone.model))
+    batch = train.to_device(D.collate(rows, proc, family), backbone.model.device)
     logits, labels = train.target_logits(backbone.model, batch)  # the options' positions only
     logits, labels = logits[:, :-1], labels[:, 1:]
     answer = labels != -100                                   # position t predicts token t + 1
     logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
     per_row = torch.zeros(len(rows), device=logp.device).index_add(0, answer.nonzero()[:, 0], logp)
     return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
-
-
-def rank_options(backbone, items, icds=None, batch_size=8, prompt="official"):
-    """The letter of the option with the highest log-likelihood (option_logliks), per item."""
-    letters = []
-    for i in tqdm(range(0, len(items), batch_size), desc=f"{backbone.name} options", unit="batch"):
-        ll = option_logliks(backbone, items[i:i + batch_size], icds[i:i + batch_size] if icds else None, prompt)
-        letters += [D.SEED_LETTERS[k] for k in ll.argmax(-1).tolist()]
-    return letters
 
 
 def score(kind, items, predictions):
@@ -166,20 +137,15 @@ def score(kind, items, predictions):
 
 def evaluate(backbone, args, items, setting, vector=None):
     """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
-    function vector: `vector` as load_vector returns it) on --n-eval items.
-
-    Writes <out>/<task>-<split>-<setting>.predictions.jsonl (id, prediction, references per item) and
-    .metrics.json, prints one summary line and returns the metrics.
-    """
+    function vector: `vector` as load_vector returns it) on --n-eval items. Writes <out>/<result_name>.predictions.jsonl
+    (id, prediction, references per item) and .metrics.json, prints one summary line and returns the metrics."""
     icds, (steering, vector_info) = None, vector or (None, {})
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
         icds = D.choose_demonstrations(backbone, args, items, support, args.shots)
     kind = D.TASKS[args.task].kind
-    likelihood = kind == "choice" and args.seed_protocol == "likelihood"
     with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = rank_options(backbone, items, icds, args.batch_size, args.seed_prompt) if likelihood else \
-            predict(backbone, args.task, items, icds, args.batch_size)
+        predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood")
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
@@ -189,18 +155,13 @@ def evaluate(backbone, args, items, setting, vector=None):
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
-        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)} | \
-            ({"prompt": args.seed_prompt} if likelihood else {})
+        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
     if train.rank_and_world()[0] != 0:  # under torchrun the first process writes
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
-    try:  # never the old metrics beside the new predictions, even if killed next
+    with contextlib.suppress(FileNotFoundError):  # never the old metrics beside the new predictions, even if killed
         os.remove(stem + ".metrics.json")
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -221,17 +182,13 @@ def evaluate(backbone, args, items, setting, vector=None):
 
 
 def result_name(args, setting, n, vector_info):
-    """The file name (no extension) of an evaluation's results: everything that changes them besides the folder.
-
-    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and file
-    key>][-<checkpoint key>]-seed<seed>-n<items>. A checkpoint outside the folder adds a hash of its path.
-    """
+    """The file name (no extension) of an evaluation's results, naming everything besides the folder that changes
+    them: <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and
+    file key>][-chair-corrected][-<checkpoint key: a hash of its path, if outside the folder>]-seed<seed>-n<items>."""
     short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
     parts = [args.task, args.split, setting]
     if D.TASKS[args.task].kind == "choice":
         parts.append(args.seed_protocol)
-        if args.seed_protocol == "likelihood" and args.seed_prompt == "project":
-            parts.append("project-prompt")
     if args.icds == "rices" and args.shots and args.rices_encoder:
         parts.append("encoder-" + short(args.rices_encoder))
     if vector_info:
@@ -249,9 +206,8 @@ def write_mme_results(folder, items, predictions):
     <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
     os.makedirs(folder, exist_ok=True)
     lines = {}
-    for it, p in zip(items, predictions):
-        pred = " ".join(p.split())  # no tab or newline may break the four columns
-        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{pred}\n"
+    for it, p in zip(items, predictions):  # " ".join(p.split()): no tab or newline may break the four columns
+        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{' '.join(p.split())}\n"
         lines.setdefault(it.category, []).append(row)
     for subtask, rows in lines.items():
         D.atomic_write(os.path.join(folder, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
@@ -278,8 +234,8 @@ def evaluate_with_baselines(backbone, args, items, setting):
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
     metric, icl, verdict = headline_metric(done[0]), done[1], ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items) if metric != "cider" else None
-    if chance is not None and icl[metric] <= chance + 5:
+    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
+    if metric != "cider" and icl[metric] <= chance + 5:
         verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
                    "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
                    "distilled")
@@ -300,32 +256,29 @@ def headline_metric(metrics):
 # entries (let's, she's); they can never change a lowercased answer and are left out here.
 _CONTRACTIONS = {
     "aint": "ain't", "arent": "aren't", "cant": "can't", "couldve": "could've", "couldnt": "couldn't",
-    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't",
-    "dont": "don't", "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't",
-    "havent": "haven't", "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's",
-    "howd": "how'd", "howll": "how'll", "hows": "how's", "isnt": "isn't", "itd": "it'd", "itd've": "it'd've",
-    "it'dve": "it'd've", "itll": "it'll", "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've",
-    "mightn'tve": "mightn't've", "mightve": "might've", "mustnt": "mustn't", "mustve": "must've",
-    "neednt": "needn't", "notve": "not've", "oclock": "o'clock", "oughtnt": "oughtn't",
-    "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow's'at", "shant": "shan't",
-    "shed've": "she'd've", "she'dve": "she'd've", "shouldve": "should've", "shouldnt": "shouldn't",
+    "couldn'tve": "couldn't've", "couldnt've": "couldn't've", "didnt": "didn't", "doesnt": "doesn't", "dont": "don't",
+    "hadnt": "hadn't", "hadnt've": "hadn't've", "hadn'tve": "hadn't've", "hasnt": "hasn't", "havent": "haven't",
+    "hed": "he'd", "hed've": "he'd've", "he'dve": "he'd've", "hes": "he's", "howd": "how'd", "howll": "how'll",
+    "hows": "how's", "isnt": "isn't", "itd": "it'd", "itd've": "it'd've", "it'dve": "it'd've", "itll": "it'll",
+    "maam": "ma'am", "mightnt": "mightn't", "mightnt've": "mightn't've", "mightn'tve": "mightn't've",
+    "mightve": "might've", "mustnt": "mustn't", "mustve": "must've", "neednt": "needn't", "notve": "not've",
+    "oclock": "o'clock", "oughtnt": "oughtn't", "ow's'at": "'ow's'at", "'ows'at": "'ow's'at", "'ow'sat": "'ow's'at",
+    "shant": "shan't", "shed've": "she'd've", "she'dve": "she'd've", "shouldve": "should've", "shouldnt": "shouldn't",
     "shouldnt've": "shouldn't've", "shouldn'tve": "shouldn't've", "somebody'd": "somebodyd",
     "somebodyd've": "somebody'd've", "somebody'dve": "somebody'd've", "somebodyll": "somebody'll",
-    "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've",
-    "someone'dve": "someone'd've", "someonell": "someone'll", "someones": "someone's",
-    "somethingd": "something'd", "somethingd've": "something'd've", "something'dve": "something'd've",
-    "somethingll": "something'll", "thats": "that's", "thered": "there'd", "thered've": "there'd've",
-    "there'dve": "there'd've", "therere": "there're", "theres": "there's", "theyd": "they'd",
-    "theyd've": "they'd've", "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're",
-    "theyve": "they've", "twas": "'twas", "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've",
-    "weve": "we've", "werent": "weren't", "whatll": "what'll", "whatre": "what're", "whats": "what's",
-    "whatve": "what've", "whens": "when's", "whered": "where'd", "wheres": "where's", "whereve": "where've",
-    "whod": "who'd", "whod've": "who'd've", "who'dve": "who'd've", "wholl": "who'll", "whos": "who's",
-    "whove": "who've", "whyll": "why'll", "whyre": "why're", "whys": "why's", "wont": "won't",
-    "wouldve": "would've", "wouldnt": "wouldn't", "wouldnt've": "wouldn't've", "wouldn'tve": "wouldn't've",
-    "yall": "y'all", "yall'll": "y'all'll", "y'allll": "y'all'll", "yall'd've": "y'all'd've",
-    "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've", "youd": "you'd", "youd've": "you'd've",
-    "you'dve": "you'd've", "youll": "you'll", "youre": "you're", "youve": "you've",
+    "somebodys": "somebody's", "someoned": "someone'd", "someoned've": "someone'd've", "someone'dve": "someone'd've",
+    "someonell": "someone'll", "someones": "someone's", "somethingd": "something'd", "somethingd've": "something'd've",
+    "something'dve": "something'd've", "somethingll": "something'll", "thats": "that's", "thered": "there'd",
+    "thered've": "there'd've", "there'dve": "there'd've", "therere": "there're", "theres": "there's", "theyd": "they'd",
+    "theyd've": "they'd've", "they'dve": "they'd've", "theyll": "they'll", "theyre": "they're", "theyve": "they've",
+    "twas": "'twas", "wasnt": "wasn't", "wed've": "we'd've", "we'dve": "we'd've", "weve": "we've", "werent": "weren't",
+    "whatll": "what'll", "whatre": "what're", "whats": "what's", "whatve": "what've", "whens": "when's",
+    "whered": "where'd", "wheres": "where's", "whereve": "where've", "whod": "who'd", "whod've": "who'd've",
+    "who'dve": "who'd've", "wholl": "who'll", "whos": "who's", "whove": "who've", "whyll": "why'll", "whyre": "why're",
+    "whys": "why's", "wont": "won't", "wouldve": "would've", "wouldnt": "wouldn't", "wouldnt've": "wouldn't've",
+    "wouldn'tve": "wouldn't've", "yall": "y'all", "yall'll": "y'all'll", "y'allll": "y'all'll",
+    "yall'd've": "y'all'd've", "y'alld've": "y'all'd've", "y'all'dve": "y'all'd've", "youd": "you'd",
+    "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're", "youve": "you've",
 }
 _NUMBERS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
             "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
@@ -357,10 +310,9 @@ def normalize_vqa_answer(ans):
 
 
 def vqa_accuracy(prediction, answers):
-    """VQA accuracy of one prediction against the ten human answers, as vqaEval.py computes it:
-    for each human answer, min(1, #matches among the other nine / 3), averaged over the ten.
-    Quirk kept: punctuation/digit/article normalisation is applied (to the answers and to the
-    prediction) only when the whitespace-cleaned answers are not all identical. Returns a float in [0, 1]."""
+    """VQA accuracy in [0, 1] of one prediction against the ten human answers, as vqaEval.py computes it: for each human
+    answer, min(1, #matches among the other nine / 3), averaged over the ten. Quirk kept: the punctuation/digit/article
+    normalisation applies (to answers and prediction) only when the whitespace-cleaned answers are not all identical."""
     prediction = _clean_whitespace(prediction)
     answers = [_clean_whitespace(a) for a in answers]
     if len(set(answers)) > 1:
@@ -465,28 +417,25 @@ def _ptb_tokens(s):
 
 
 def tokenize_caption(s):
-    """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (longest match,
-    re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed. Clitics are
-    split ("dog's" -> dog 's, "don't" -> do n't) and so are "cannot" -> can not, "gonna" -> gon na, "gotta" ->
-    got ta; a clitic is one only before a non-letter ("'STOP'" is a quoted "stop", not 's top); abbreviations keep
-    their period ("u.s.", "st.", "etc."); numbers, times, fractions and dates stay whole ("1,000", "2.5", "5:30",
-    "1/2"), as do hyphenated words, "and/or", "'n'", "'90s" and SGML tags ("<angle>"); brackets become "-lrb-",
-    "-rrb-", ... and are kept. Returns the list of tokens. Left out: PTB's sentence-final acronym rule (a single
-    letter with a period before "The", "He", ... loses its period), which can look into the next caption of the
-    official tool's input file; URLs, e-mail addresses, phone numbers and SGML tags with attributes; characters no
-    rule covers are kept one by one, where PTB drops most of them."""
+    """Tokenise a caption as pycocoevalcap's ptbtokenizer.py does: the Stanford PTBTokenizer's rules (_PTB_RULES,
+    longest match, re-implemented for what captions contain), lowercased, then the punctuation tokens it drops removed.
+    Clitics are split ("dog's" -> dog 's, "don't" -> do n't) only before a non-letter ("'STOP'" is a quoted "stop", not
+    's top); abbreviations keep their period; numbers, dates, fractions, hyphenated words and SGML tags stay whole;
+    brackets become "-lrb-", "-rrb-", ... and are kept. Left out: PTB's sentence-final acronym rule (a single letter
+    with a period before "The", "He", ... loses its period), which can look into the next caption of the official tool's
+    input file; URLs, e-mail addresses, phone numbers and SGML tags with attributes; characters no rule covers are kept
+    one by one, where PTB drops most of them."""
     return [t for t in (t.lower() for t in _ptb_tokens(s)) if t not in _PTB_DROPPED]
 
 
 def cider_d(candidates, references, n=4, sigma=6.0):
-    """CIDEr-D as pycocoevalcap's CiderScorer (coco-caption, the "CIDEr" of the COCO caption
-    evaluation) computes it. candidates: {id: caption}, references: {id: [captions]}; captions are
-    tokenised with tokenize_caption first. Document frequency counts each image once per n-gram
-    (over the union of its references), idf is taken against log(#images); per n-gram order a clipped
-    tf-idf cosine times exp(-delta^2 / (2 sigma^2)); averaged over references and over n = 1..4, x10.
-    The official code measures length in bigrams; word counts give the same length difference
-    whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here.
-    Returns (corpus score = mean over ids, {id: score})."""
+    """CIDEr-D as pycocoevalcap's CiderScorer (coco-caption, the "CIDEr" of the COCO caption evaluation) computes
+    it. candidates: {id: caption}, references: {id: [captions]}; captions are tokenised with tokenize_caption first.
+    Document frequency counts each image once per n-gram (over the union of its references), idf is taken against
+    log(#images); per n-gram order a clipped tf-idf cosine times exp(-delta^2 / (2 sigma^2)); averaged over
+    references and over n = 1..4, x10. The official code measures length in bigrams; word counts give the same length
+    difference whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here. Returns
+    (corpus score = mean over ids, {id: score})."""
     assert candidates.keys() == references.keys(), "candidates and references must share ids"
     ngrams = lambda w: Counter(tuple(w[i:i + k]) for k in range(1, n + 1) for i in range(len(w) - k + 1))
     refs = {i: [ngrams(tokenize_caption(r)) for r in references[i]] for i in references}
@@ -538,8 +487,7 @@ def option_letter(pred):
 def multiple_choice_accuracy(predictions, answers):
     """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1]. Both sides are stripped
     and lowercased; against a yes/no answer the prediction is parsed as MME's calculation.py does (_yes_no), against
-    an option letter by option_letter, exact match. (SEED-Bench's official evaluation ranks option likelihoods,
-    option_logliks; this is the generative variant.)"""
+    an option letter by option_letter, exact match (the generative variant of SEED-Bench; option_logliks ranks)."""
     assert len(predictions) == len(answers)
     correct = 0
     for pred, ans in zip(predictions, answers):
@@ -549,23 +497,20 @@ def multiple_choice_accuracy(predictions, answers):
 
 
 def mme_scores(items, predictions):
-    """MME's metrics as the official eval_tool/calculation.py computes them, in percent.
-
-    Per subtask: acc (questions answered right, the answer parsed by _yes_no; "other" is wrong), acc_plus (images
-    whose questions are all right; MME asks two per image) and score = acc + acc_plus (0-200). perception and
-    cognition: the sums of their subtasks' scores (the official totals, out of 2000 and 800 on the full benchmark).
-    Beside them: accuracy over all questions and the mean of the subtasks' acc; Table 2's MME numbers (55.36-82.13)
-    are percentages, not scores, so the paper appears to report such an accuracy (which of the two is not stated).
-    """
+    """MME's metrics as the official eval_tool/calculation.py computes them, in percent. Per subtask: acc (questions
+    answered right, the answer parsed by _yes_no; "other" is wrong), acc_plus (images whose questions are all right; MME
+    asks two per image) and score = acc + acc_plus (0-200). perception and cognition: the sums of their subtasks' scores
+    (the official totals, out of 2000 and 800 on the full benchmark). Beside them: accuracy over all questions and the
+    mean of the subtasks' acc; Table 2's MME numbers (55.36-82.13) are percentages, not scores, so the paper appears to
+    report such an accuracy (which of the two is not stated)."""
     right = [_yes_no(p.strip().lower()) == it.target.lower() for it, p in zip(items, predictions)]
-    per_image, subtasks = {}, {}
+    subtasks = {}  # {subtask: {image: [each of its questions answered right]}}
     for it, r in zip(items, right):
-        per_image.setdefault((it.category, it.image_path), []).append(r)
-        subtasks.setdefault(it.category, []).append(r)
+        subtasks.setdefault(it.category, {}).setdefault(it.image_path, []).append(r)
     out = {"subtasks": {}}
-    for name, rs in subtasks.items():
-        images = [all(v) for (c, _), v in per_image.items() if c == name]
-        acc, acc_plus = 100 * sum(rs) / len(rs), 100 * sum(images) / len(images)
+    for name, images in subtasks.items():
+        rs = [r for questions in images.values() for r in questions]
+        acc, acc_plus = 100 * sum(rs) / len(rs), 100 * sum(map(all, images.values())) / len(images)
         out["subtasks"][name] = {"acc": acc, "acc_plus": acc_plus, "score": acc + acc_plus}
     for total, names in (("perception", D.MME_PERCEPTION), ("cognition", D.MME_COGNITION)):
         out[total] = sum(v["score"] for k, v in out["subtasks"].items() if k in names)
@@ -606,10 +551,8 @@ def published_synonyms(path=CHAIR_SYNONYMS, sha256=CHAIR_SYNONYMS_SHA256):
 
 def read_synonyms(text):
     """{category: "word, word, ..."} of a synonyms.txt (one category a line, its name first, ", " between words).
-
     Each word is stripped and lowercased, where chair.py keeps it as split: its " motor bike", " cheesecake" (a
-    leading space) and "iPhone" (a capital, against lowercased captions) can never match there, and do here.
-    """
+    leading space) and "iPhone" (a capital, against lowercased captions) can never match there, and do here."""
     out = {}
     for n, line in enumerate(text.splitlines(), 1):
         words = [w.strip().lower() for w in line.split(", ")]
@@ -665,22 +608,19 @@ CHAIR_PY_UNJOINED = ("dining table",)
 CHAIR_COUNTS = ("chair.py", "corrected")
 
 
-def chair_vocabulary(categories, synonyms=None):
-    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (default
-    COCO_SYNONYMS; a category missing from it is read by its own name)."""
-    synonyms = COCO_SYNONYMS if synonyms is None else synonyms
+def chair_vocabulary(categories, synonyms=COCO_SYNONYMS):
+    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (a category
+    missing from it is read by its own name)."""
     return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
 
 
 def caption_objects(caption, vocabulary, count="chair.py"):
     """The object mentions of a caption, in order, with repetition: [(word, category)], counted as chair.py counts.
-
     Tokenised as for CIDEr, each word singularised, then read left to right: two words that form a multi-word
     synonym or a _READ_AS phrase are taken as one word ("hot dog" is a hot dog, not a dog; "teddy bears" a teddy
     bear; "train tracks" no train), else the word alone. Only pairs are joined, as in chair.py, so "stove top oven"
     is two ovens (stove, oven). "seat" does not count when the caption mentions a toilet. count "chair.py" keeps
-    chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are.
-    """
+    chair.py's quirks (CHAIR_PY_SINGULAR, CHAIR_PY_UNMATCHED); "corrected" counts those words as what they are."""
     quirks = count == "chair.py"
     tokens = [t.lower() for t in _ptb_tokens(caption)] if quirks else tokenize_caption(caption)
     words = [CHAIR_PY_SINGULAR.get(w) if quirks and w in CHAIR_PY_SINGULAR else singularize(w) for w in tokens]
@@ -697,18 +637,15 @@ def caption_objects(caption, vocabulary, count="chair.py"):
 
 
 def chair(captions, annotated, references, vocabulary, count="chair.py"):
-    """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions.
-
-    captions: {id: generated caption}; annotated: {id: set of categories in the image's instance annotations};
-    references: {id: [reference captions]}. An image's ground-truth objects are its annotated categories plus the
-    categories its references mention. A mention is hallucinated if its category is not among them.
+    """CHAIR_s, CHAIR_i (Rohrbach et al. 2018) and object Recall of generated captions, as fractions, and {id:
+    hallucinated words}. captions: {id: generated caption}; annotated: {id: set of categories in the image's instance
+    annotations}; references: {id: [reference captions]}. An image's ground-truth objects are its annotated categories
+    plus the categories its references mention (caption_objects, by `count` as for the captions); a mention is
+    hallucinated if its category is not among them.
         CHAIR_i = hallucinated mentions / all mentions       (mentions counted with repetition)
         CHAIR_s = captions with a hallucinated mention / captions
         Recall  = sum over images |mentioned categories & ground truth| / sum over images |ground truth|
-    A ratio whose denominator is 0 (no mention at all; no ground-truth object at all) is reported as 0. count:
-    caption_objects's, for the generated and the reference captions alike.
-    Returns ({"chair_s", "chair_i", "recall"}, {id: hallucinated words}).
-    """
+    A ratio whose denominator is 0 (no mention; no ground-truth object) is reported as 0."""
     mentions = hallucinated = bad_captions = covered = truth_total = 0
     per_caption = {}
     for i, caption in captions.items():
@@ -746,13 +683,11 @@ FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect 
 
 
 def vector_sets(pool, args, shots):
-    """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer.
-
-    The training split is shuffled with --seed; the first --vector-heldout items are held out, the next N are the
-    extraction queries; their ICDs are drawn at random from the whole split (never the query itself)."""
-    order = random.Random(args.seed).sample(range(len(pool)), len(pool))
-    heldout = [pool[i] for i in order[:args.vector_heldout]]
-    queries = [pool[i] for i in order[args.vector_heldout:args.vector_heldout + args.vector_sets]]
+    """(queries, ICDs) of the N extraction prompts and the held-out queries that choose the layer: the training split
+    shuffled with --seed, its first --vector-heldout items held out, the next N the extraction queries; their ICDs
+    are drawn at random from the whole split (never the query itself)."""
+    shuffled = random.Random(args.seed).sample(pool, len(pool))
+    heldout, queries = shuffled[:args.vector_heldout], shuffled[args.vector_heldout:][:args.vector_sets]
     if len(queries) < args.vector_sets:
         raise ValueError(f"--vector-sets {args.vector_sets} + --vector-heldout {args.vector_heldout} exceed the "
                          f"{len(pool)} training items of {args.task}")
@@ -761,8 +696,7 @@ def vector_sets(pool, args, shots):
 
 def target_batches(backbone, kind, queries, icds, batch_size):
     """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token."""
-    icds = icds or [[] for _ in queries]
-    out = []
+    icds, out = icds or [[] for _ in queries], []
     for i in range(0, len(queries), batch_size):
         pieces = D.query_pieces(backbone.processor, backbone.family, kind, queries[i:i + batch_size])
         batch = D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds[i:i + batch_size])
@@ -779,17 +713,17 @@ def icl_means(backbone, kind, queries, icds, batch_size):
         batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
                                icds[i:i + batch_size])
         with layer_states_at(model, states), head_outputs(model, heads):
-            model(**D.model_inputs(batch, device_of(model)), logits_to_keep=1)
+            model(**D.model_inputs(batch, model.device), logits_to_keep=1)
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
     return mean(states), mean(heads)
 
 
 def answer_probability(backbone, batch, positions):
     """Probability of each row's first answer token at its last prompt token: [B]."""
-    device = device_of(backbone.model)
+    device = backbone.model.device
     logits, labels = train.target_logits(backbone.model, train.to_device(batch, device))
-    rows, at = torch.arange(len(positions), device=device), positions.to(device) - (batch["labels"].shape[1] -
-                                                                                      labels.shape[1])
+    at = positions.to(device) - (batch["labels"].shape[1] - labels.shape[1])  # within the kept answer window
+    rows = torch.arange(len(positions), device=device)
     return logits[rows, at].float().softmax(-1)[rows, labels[rows, at + 1]]
 
 
@@ -825,7 +759,7 @@ def function_vector(model, mean_heads, aie, k):
 def layer_losses(backbone, batches, vectors, add):
     """Per decoder layer l: the mean target cross-entropy of the held-out queries (zero-shot, teacher-forced) with
     vectors[l] put in at layer l and the last prompt token (replaced: TV; added: FV). The layer choice."""
-    device, losses = device_of(backbone.model), []
+    device, losses = backbone.model.device, []
     for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
         total = count = 0
         for batch, positions in batches:
@@ -837,34 +771,27 @@ def layer_losses(backbone, batches, vectors, add):
     return torch.tensor(losses)
 
 
-def vector_key(backbone, args, shots):
-    """The hash of everything a vector depends on (its settings key)."""
+def vector_path(backbone, args, shots):
+    """Where a vector is saved, <out>/vectors/<model>-<task>-<tv|fv>-<key>.safetensors, and its key: the hash of
+    everything it depends on."""
     spec = dict(backbone=train.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
                 sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=D.PROMPTS,
                 images=train.image_key(backbone.processor),  # Idefics2's image splitting changes the prompts
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-
-
-def vector_path(backbone, args, shots):
-    """Where a vector is saved: <out>/vectors/<model>-<task>-<tv|fv>-<hash of everything it depends on>."""
-    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-" \
-        f"{vector_key(backbone, args, shots)[:12]}.safetensors"
-    return os.path.join(args.out, "vectors", name)
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-{key[:12]}.safetensors"
+    return os.path.join(args.out, "vectors", name), key
 
 
 def compute_vector(backbone, args, shots):
-    """Extract a TV or FV from the training split and score every layer on the held-out queries.
-
-    Returns tensors: "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses"
-    [L]; FV also "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
+    """Extract a TV or FV from the training split and score every layer on the held-out queries. Returns tensors:
+    "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses" [L]; FV also
+    "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
     kind, pool = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
     queries, icds, heldout = vector_sets(pool, args, shots)
     states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size)
-    out = {}
-    if args.vector == "tv":
-        out["vectors"] = states
-    else:
+    out = {"vectors": states}
+    if args.vector == "fv":
         out["aie"] = indirect_effects(backbone, kind, queries[:args.fv_trials], icds[:args.fv_trials], mean_heads,
                                       args.batch_size, args.seed).float()
         fv, out["heads"] = function_vector(backbone.model, mean_heads, out["aie"], args.fv_heads)
@@ -884,7 +811,7 @@ def load_vector(backbone, args):
                          f"0..{layers - 1}")
     if fv and not 0 < args.fv_heads <= layers * heads:
         raise ValueError(f"--fv-heads {args.fv_heads} is out of range: {backbone.name} has {layers * heads} heads")
-    path, key = vector_path(backbone, args, shots), vector_key(backbone, args, shots)
+    path, key = vector_path(backbone, args, shots)
     D.remove_stale_tmp(os.path.dirname(path))
     # what the file holds ({name: (shape, dtype)}, None: any), as compute_vector returns it
     shapes = {"vectors": ((layers, backbone.model.config.get_text_config().hidden_size), None),
@@ -901,9 +828,8 @@ def load_vector(backbone, args):
         print(f"{args.vector}: computed and saved to {path}")
     layer = args.vector_layer if args.vector_layer is not None else int(saved["losses"].argmin())
     info = {"vector": args.vector, "vector_layer": layer, "vector_file": path, "vector_shots": shots,
-            "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist()}
-    if fv:
-        info["fv_heads"] = saved["heads"].tolist()
+            "vector_sets": args.vector_sets, "layer_losses": saved["losses"].tolist(),
+            **({"fv_heads": saved["heads"].tolist()} if fv else {})}
     return {"layer": layer, "vector": saved["vectors"][layer], "add": fv, "decoding": fv}, info
 
 
@@ -915,12 +841,11 @@ def _rows_at(h, positions):
 
 @contextlib.contextmanager
 def steer(model, layer, vector, positions=None, add=False, decoding=False):
-    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row (positions: [B], or
-    None for each row's last token, the last prompt token of a left-padded prompt): replace it by `vector` ([d], or
-    [B, d] one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector, Todd et al. 2024).
-    Forward passes over the prompt are patched; cached decoding steps (one token each) only if `decoding` (Todd et
-    al. add the FV at every generated token too; a task vector patches the prompt alone, and later tokens see it
-    through the KV cache)."""
+    """Patch the output hidden state of decoder layer `layer` (0-based) at one position per row (positions: [B], or None
+    for each row's last token, the last prompt token of a left-padded prompt): replace it by `vector` ([d], or [B, d]
+    one per row: task vector, Hendel et al. 2023) or add `vector` to it (function vector, Todd et al. 2024). Forward
+    passes over the prompt are patched, and cached decoding steps too if `decoding` (Todd et al. add the FV at every
+    generated token; a task vector patches the prompt alone, which later tokens see through the KV cache)."""
     def hook(module, inputs, output):
         h = output[0] if isinstance(output, tuple) else output
         if h.shape[1] == 1 and not decoding:
@@ -1000,15 +925,13 @@ MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's 
 
 
 def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
-    """One query with `shots` ICDs in the family's real input format, with random text ids and pixels (Table 6);
-    the query has `query_text` text tokens.
-
-    Per image, as the family's processor expands it: Idefics2 <fake_token_around_image>, 64 <image> (perceiver
-    latents), <fake_token_around_image>, pixels at COCO's typical 480 x 640 (which its processor keeps as is);
-    Idefics one <image> between two wrappers, cross-attending to its 224 x 224 image; LLaVA-Interleave one token
-    per SigLIP patch (729 at 384 x 384); LLaVA-OneVision a 384 x 384 image in any-resolution mode (base 729 + one
-    tile 729 + 27 row newlines). Sizes come from the model's config, so tiny twins get the same format.
-    """
+    """One query with `shots` ICDs (the query with `query_text` text tokens) in the family's real input format, with
+    random text ids and pixels (Table 6). Per image, as the family's processor expands it: Idefics2
+    <fake_token_around_image>, 64 <image> (perceiver latents), <fake_token_around_image>, pixels at COCO's typical
+    480 x 640 (which its processor keeps as is); Idefics one <image> between two wrappers, cross-attending to its
+    224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision a 384 x 384 image
+    in any-resolution mode (base 729 + one tile 729 + 27 row newlines). Sizes come from the model's config, so tiny
+    twins get the same format."""
     cfg, n, gen = model.config, shots + 1, torch.Generator().manual_seed(seed)
     vocab = cfg.get_text_config().vocab_size
     image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", vocab)
@@ -1037,8 +960,7 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
         owner = torch.cat([torch.full_like(p, i - 1) for i, p in enumerate(pieces)])
         pixels["image_attention_mask"] = torch.nn.functional.one_hot(owner + 1, n + 1)[None, :, 1:]
-    dtype = next(model.parameters()).dtype
-    pixels = {k: v.to(dtype) if v.is_floating_point() else v for k, v in pixels.items()}
+    pixels = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in pixels.items()}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **pixels}
 
 
@@ -1052,7 +974,7 @@ def benchmark_prompt(backbone, args, shots):
         icds = D.demonstrations([query[0].id], D.load_task(args.task, "train", args.data_root), shots, args.seed) \
             if shots else None
         batch = D.prompt_batch(backbone.processor, backbone.family, D.TASKS[args.task].kind, query, icds)
-    return D.model_inputs(batch, device_of(backbone.model))
+    return D.model_inputs(batch, backbone.model.device)
 
 
 def keep_freed_memory():
@@ -1071,9 +993,8 @@ def paired_latency(runs, device):
     speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
     Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
     on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
-    the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark
-    (which times one statement at a time, so a drift between two settings lands in their ratio): docs/efficiency.md,
-    "How latency is measured"."""
+    the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark:
+    docs/efficiency.md, "How latency is measured"."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
 
     def timer(f):
@@ -1084,7 +1005,7 @@ def paired_latency(runs, device):
         return time.perf_counter() - start
 
     (reference, *others), times = list(runs), {name: [] for name in runs}
-    ratios = {name: [] for name in others}
+    ratios = {name: [1.0] if name == reference else [] for name in runs}
     with tqdm(total=ROUNDS * (2 * len(others) + 1), desc="latency", unit="run") as bar:
         for _ in range(ROUNDS):
             times[reference].append(runs[reference](timer))
@@ -1094,12 +1015,8 @@ def paired_latency(runs, device):
                 ratios[name].append(times[name][-1] / statistics.mean(times[reference][-2:]))
                 bar.update(2)
             bar.update()
-    result = {reference: (1000 * statistics.median(times[reference]), 1.0, 1.0, 1.0)}
-    for name in others:
-        median, q1, q3 = torch.tensor(ratios[name], dtype=torch.float64).quantile(
-            torch.tensor([.5, .25, .75], dtype=torch.float64)).tolist()
-        result[name] = (1000 * statistics.median(times[name]), median, q1, q3)
-    return result
+    quantiles = lambda r: torch.tensor(r, dtype=torch.float64).quantile(torch.tensor([.5, .25, .75]).double()).tolist()
+    return {name: (1000 * statistics.median(times[name]), *quantiles(r)) for name, r in ratios.items()}
 
 
 @contextlib.contextmanager
@@ -1123,25 +1040,23 @@ def run_as(model, method):
 
 
 def flops(backbone, inputs, new_tokens):
-    """FLOPs of one generate call of exactly new_tokens tokens (torch.utils.flop_counter: every matmul / conv /
-    attention kernel); also a warm-up."""
+    """FLOPs of one generate call of exactly new_tokens tokens (torch.utils.flop_counter); also a warm-up."""
     with FlopCounterMode(display=False) as counter:
         generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
     return counter.get_total_flops()
 
 
 def benchmark(backbone, args):
-    """Table 6: per query, FLOPs and latency of the prefill (one new token) and of generating --new-tokens tokens for
-    zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and --bench-shots-shot ICL, each
-    with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one decoder attention layer
-    at --attention-tokens tokens (attention_call). Latency: paired_latency, every setting against zero-shot runs
-    on both sides. Writes benchmark.json."""
-    new_tokens = args.new_tokens or D.TASKS[args.task].max_new_tokens
+    """Table 6: per query, FLOPs and latency (paired_latency) of the prefill (one new token) and of generating
+    --new-tokens tokens for zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and
+    --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one
+    decoder attention layer at --attention-tokens tokens (attention_call). Writes benchmark.json."""
+    new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else D.TASKS[args.task].max_new_tokens)
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
         [(f"{s}-shot", None, s) for s in args.bench_shots]
-    device, (attention, _, _) = device_of(backbone.model), attention_call(backbone.model, args.attention_tokens)
+    device, (attention, _, _) = backbone.model.device, attention_call(backbone.model, args.attention_tokens)
     rows, runs = [], {"prefill": {}, "generate": {}}
     for name, method, shots in tqdm(settings, desc="FLOPs, memory", unit="setting"):
         inputs = benchmark_prompt(backbone, args, shots)
@@ -1165,14 +1080,13 @@ def benchmark(backbone, args):
           f"{args.attention_tokens} tokens")
     print(f"{'setting':<17} {'tokens':>6} | prefill {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | "
           f"generate {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | attention {'MiB':>7} {'x':>5}")
-    latency = lambda r, key: f"{r[key]:>8.1f} {r[key + '_ratio']:>6.3f} [{r[key + '_quartiles'][0]:.3f}, " \
-        f"{r[key + '_quartiles'][1]:.3f}]"
+    part = lambda r, tflops, ms: f"{r[tflops]:>8.4g} {r[tflops + '_ratio']:>6.3f} {r[ms]:>8.1f} " \
+        f"{r[ms + '_ratio']:>6.3f} [{r[ms + '_quartiles'][0]:.3f}, {r[ms + '_quartiles'][1]:.3f}]"
     for r in rows:
         memory = f"{r['attention_mib']:>7.1f} {r['attention_mib_ratio']:>5.2f}" if r["attention_mib"] is not None \
             else f"{'-':>7} {'-':>5}"
-        print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {r['prefill_tflops']:>8.4g} "
-              f"{r['prefill_tflops_ratio']:>6.3f} {latency(r, 'prefill_ms')} | {'':8} {r['tflops']:>8.4g} "
-              f"{r['tflops_ratio']:>6.3f} {latency(r, 'ms')} | {'':9} {memory}")
+        print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {part(r, 'prefill_tflops', 'prefill_ms')} | "
+              f"{'':8} {part(r, 'tflops', 'ms')} | {'':9} {memory}")
     path = os.path.join(args.out, "benchmark.json")
     D.write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
                         "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, indent=2)
@@ -1205,7 +1119,7 @@ def attention_call(model, T):
     module's adapter, or the stock SDPA forward without one) and the adapter's T x S reference, both without autograd
     (the adapter's parameters would otherwise keep its activations), and the sizes in words."""
     attn = M.decoder_self_attentions(model)[0]
-    device, dtype = device_of(model), next(model.parameters()).dtype
+    device, dtype = model.device, model.dtype
     _, heads, head_dim = M.attention_shape(model)
     kv_heads = getattr(attn.config, "num_key_value_heads", None) or heads
     q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
@@ -1219,7 +1133,7 @@ def attention_benchmark(model, T=2048):
     """One decoder self-attention of `model` at T query and key tokens (attention_call), batch 1: latency
     (paired_latency) and peak memory (peak_memory_mb) of the stock SDPA forward, of every method of model.METHODS
     through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns {name: (ms, MiB)}."""
-    device, dtype = device_of(model), next(model.parameters()).dtype
+    device, dtype = model.device, model.dtype
     forward, reference, sizes = attention_call(model, T)
     paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
         ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
@@ -1261,7 +1175,7 @@ def analysis_batches(backbone, args, items):
     each row's number of query tokens (the last positions of both rows, since both are left-padded)."""
     shots = args.shots or D.default_shots(args.task, backbone.family)
     support = D.load_task(args.task, "train", args.data_root)
-    kind, device = D.TASKS[args.task].kind, device_of(backbone.model)
+    kind, device = D.TASKS[args.task].kind, backbone.model.device
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{backbone.name} {args.task}", unit="batch"):
         queries = items[i:i + args.batch_size]
         icds = D.demonstrations([q.id for q in queries], support, shots, args.seed)
@@ -1271,12 +1185,10 @@ def analysis_batches(backbone, args, items):
 
 
 def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
-    """Eq 19 for one example: Delta A = || A^ICD - A^noICD ||_1 per layer, head and query token.
-
+    """Eq 19 for one example: Delta A = || A^ICD - A^noICD ||_1 per layer, head and query token, [L, H, T].
     A_icd: [L, H, T, S_icd], A_plain: [L, H, T, S_plain], query-token rows of left-padded rows with n_icd / n_plain
     real tokens. Keys are aligned as the rows are built: the shared start (BOS + instruction) first, the query last;
-    the ICD keys have no counterpart, so A^noICD is zero there. Returns [L, H, T].
-    """
+    the ICD keys have no counterpart, so A^noICD is zero there."""
     start = n_plain - T  # BOS + instruction
     aligned = torch.zeros_like(A_icd)
     first_icd, first_plain = A_icd.shape[-1] - n_icd, A_plain.shape[-1] - n_plain
@@ -1312,8 +1224,7 @@ def gate_analysis(backbone, args, items):
                 g_all.append(g[:, b, :, -T:].flatten(1).float().cpu())
                 dA_all.append(dA.flatten(1).cpu())
     g, dA = torch.cat(g_all, 1), torch.cat(dA_all, 1)                         # [L, all heads x tokens]
-    quarter = max(1, g.shape[0] // 4)
-    per_layer = g.mean(1)
+    quarter, per_layer = max(1, g.shape[0] // 4), g.mean(1)
     return {"per_layer_mean": per_layer.tolist(), "early_mean": per_layer[:quarter].mean().item(),
             "late_mean": per_layer[-quarter:].mean().item(), "per_layer_std": g.std(1).mean().item(),
             "corr_g_delta_attention": torch.corrcoef(torch.stack([g.flatten(), dA.flatten()]))[0, 1].item(),
@@ -1339,8 +1250,7 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
     per example on n_samples quadruples drawn with the same seed for teacher and student; mean and std over examples."""
     model = backbone.model
     layers = middle_layers(len(M.decoder_self_attentions(model)))
-    deltas = {"teacher": [], "student": []}
-    i = 0
+    deltas, i = {"teacher": [], "student": []}, 0
     for (teacher, student), lengths in analysis_batches(backbone, args, items):
         with M.without_adapter(model):
             h_teacher = model(**teacher, output_hidden_states=True).hidden_states
@@ -1370,9 +1280,8 @@ T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 def mean_interval(values):
-    """(mean, low, high): the mean of independent runs and its two-sided 95% Student-t interval,
-    mean +- t(0.975, n - 1) s / sqrt(n), s the sample standard deviation (t from T_975, n <= 31 runs).
-    One run has no interval: (mean, nan, nan)."""
+    """(mean, low, high): the mean of independent runs and its two-sided 95% Student-t interval, mean +- t s / sqrt(n)
+    with t = t(0.975, n - 1) from T_975 (n <= 31) and s the sample standard deviation; one run: (mean, nan, nan)."""
     n, mean = len(values), statistics.fmean(values)
     if n < 2:
         return mean, math.nan, math.nan
@@ -1388,11 +1297,10 @@ def answer_measures(backbone, kind, items, teacher, batch_size=8):
     item's target: the mean over items of log p(target) (summed over its tokens), and the mean over target tokens of
     KL(teacher || model), `teacher` holding one [n_tokens, V] row of the 8-shot backbone's logits per item
     (train.run_teacher with output="logits")."""
-    logp, kl, tokens = 0.0, 0.0, 0
+    logp, kl, tokens, device = 0.0, 0.0, 0, backbone.model.device
     for i in range(0, len(items), batch_size):
         pieces = D.query_pieces(backbone.processor, backbone.family, kind, items[i:i + batch_size])
-        batch = train.to_device(D.student_batch(backbone.processor, backbone.family, kind, pieces),
-                                device_of(backbone.model))
+        batch = train.to_device(D.student_batch(backbone.processor, backbone.family, kind, pieces), device)
         logits, labels = train.target_logits(backbone.model, batch)
         log_p = F.log_softmax(logits.float(), -1)                                          # [B, K, V]
         answer = train.answer_positions(labels)                                            # [B, K]: predicts a target
@@ -1471,11 +1379,9 @@ def row_flags(flags, chosen):
 
 def curve_runs(names=None):
     """The rows of --curve: every method of model.METHODS, Hyper-ICL's anchor ablations (Table 4), lambda and kappa
-    beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; `names` keeps only
-    those named."""
+    beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; only `names`, if given."""
     rows = [(m, ["--method", m]) for m in M.METHODS] + [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
-                                                        ("hyper-icl, CE only", ["--anchor", "none"]),
-                                                        ("hyper-icl, anchor only", ["--lam", "0"])]
+            ("hyper-icl, CE only", ["--anchor", "none"]), ("hyper-icl, anchor only", ["--lam", "0"])]   # Table 4
     rows += [(f"hyper-icl, lambda {lam}", ["--lam", lam]) for lam in ("5", "50")]           # Fig 3b: lambda
     rows += [(f"hyper-icl, kappa {kappa}", ["--kappa", kappa]) for kappa in ("0.01", "1")]  # Fig 3b: kappa
     rows += [("hyper-icl, anchor / first step", ["--anchor-norm", "first"])]              # not in the paper
@@ -1483,23 +1389,21 @@ def curve_runs(names=None):
 
 
 def curve(args):
-    """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs
-    on each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
-    (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per
-    row and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was
-    about 10x faster than two, and deterministic. The teacher's states are computed once per query, shared by every
-    run."""
+    """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs on
+    each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
+    (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
+    and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was about
+    10x faster than two, and deterministic."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
-    items = eval_items(args)
-    backbone = M.load_backbone(args.model)
+    items, backbone = eval_items(args), M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
     # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
     icds = D.demonstrations([it.id for it in items], D.load_task(args.task, "train", args.data_root), shots, 0)
     pieces, teacher = D.query_pieces(backbone.processor, backbone.family, kind, items), []
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
         s = slice(i, i + args.batch_size)
-        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], device_of(backbone.model),
+        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], backbone.model.device,
                                      output="logits")
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
@@ -1512,10 +1416,8 @@ def curve(args):
     rows = curve_runs(args.curve_methods)
     methods = list(dict.fromkeys(method_of(flags) for _, flags in rows))
     chosen = {} if args.no_tune else tune(args, common, methods)[0]
-    runs = []
-    plan = [(name, flags, n, seed) for name, flags in rows for n in args.curve_queries
-            for seed in range(args.curve_seeds)]
-    for name, flags, n, seed in tqdm(plan, desc="learning curves", unit="run"):
+    runs, plan = [], list(itertools.product(rows, args.curve_queries, range(args.curve_seeds)))
+    for (name, flags), n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
         row = row_flags(flags, chosen)
         adapter = train.main(common + shlex.split(args.train_args) + row + [
@@ -1538,9 +1440,8 @@ CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(referen
 
 
 def write_curve(args, runs, levels, n_items, chosen):
-    """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row (setting) and
-    budget; curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as
-    horizontal lines."""
+    """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row and budget;
+    curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1548,10 +1449,9 @@ def write_curve(args, runs, levels, n_items, chosen):
     budgets = sorted({r["queries"] for r in runs})
     stats = {(s, n, k): mean_interval([r[k] for r in runs if r["setting"] == s and r["queries"] == n])
              for s in settings for n in budgets for k in CURVE_MEASURES}
-    seeds = len({r["seed"] for r in runs})
-    lines = [f"{args.model} on {args.task}/{args.split}, {n_items} items; mean [95% interval] over {seeds} seeds "
-             f"per point; train.py {args.train_args} --n-train N, then each row's flags; learning rates "
-             + ("tuned (tune.json)" if chosen else "as published (--no-tune)"), "",
+    lines = [f"{args.model} on {args.task}/{args.split}, {n_items} items; mean [95% interval] over "
+             f"{args.curve_seeds} seeds per point; train.py {args.train_args} --n-train N, then each row's flags; "
+             "learning rates " + ("tuned (tune.json)" if chosen else "as published (--no-tune)"), "",
              "| setting | train.py flags | trainable parameters |", "|---|---|---:|"]
     first = {s: next(r for r in runs if r["setting"] == s) for s in settings}
     lines += [f"| {s} | `{r['flags']}` | {r['params']:,} |" for s, r in first.items()]
@@ -1599,9 +1499,8 @@ def parse_args(argv=None):
                         "context: the shipped reference), a toy backbone's file (train.py --build-toy), or a local "
                         "path (default: %(default)s)")
     p.add_argument("--task", default="toy-icl-colour", choices=list(D.TASKS), help="benchmark (default: %(default)s)")
-    p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors). Default: "
-                                        f"{default_checkpoint('<model>', '<task>')} if it exists "
-                                        "and --shots is not given, else none (zero-shot)")
+    p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors; default: "
+                   f"{default_checkpoint('<model>', '<task>')} if it exists and --shots is not given, else none)")
     p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
                    "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For --gates / --hyperbolicity: the "
                    "teacher's ICDs (default: the paper's, data.default_shots: 2 for MME and SEED)")
@@ -1615,14 +1514,9 @@ def parse_args(argv=None):
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy-icl tasks need none)")
     p.add_argument("--split", default="val", choices=D.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
-    p.add_argument("--seed-protocol", choices=["generate", "likelihood"],
-                   help="SEED-Bench: generate the option letter (exact match; the form Table 2 appears to use, "
-                        "since its 12.91 for Idefics2 zero-shot is far below the 25%% chance level that ranking "
-                        "four options hovers around) or rank the four options by log-likelihood as the official "
-                        "evaluation does (default: generate)")
-    p.add_argument("--seed-prompt", choices=["official", "project"],
-                   help="--seed-protocol likelihood: the official prompt `Question: {q}\\nAnswer:` or the project's "
-                        "earlier one (an instruction line, `Question: {q} Answer:`) (default: official)")
+    p.add_argument("--seed-protocol", choices=["generate", "likelihood"], help="SEED-Bench: generate the option "
+                   "letter (exact match; the form Table 2 appears to use, docs/real-models.md) or rank the four "
+                   "options by log-likelihood as the official evaluation does (default: generate)")
     p.add_argument("--out", help="folder for predictions / metrics / analyses (default: the checkpoint's folder, "
                                  "else runs/eval-<model>-<task>)")
     mode = p.add_mutually_exclusive_group()
@@ -1643,8 +1537,8 @@ def parse_args(argv=None):
                       "teacher per point; writes curve.md, curve.json, curve.png and tune.json")
     p.add_argument("--curve-queries", type=int, nargs="+", default=list(CURVE_QUERIES),
                    help="--curve: training queries per run (default: %(default)s)")
-    p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS, help="--curve: seeds per point (default: "
-                   "%(default)s)")
+    p.add_argument("--curve-seeds", type=int, default=CURVE_SEEDS,
+                   help="--curve: seeds per point (default: %(default)s)")
     p.add_argument("--curve-methods", nargs="+", help="--curve: only these rows (names as in curve.md; default: all)")
     p.add_argument("--no-tune", action="store_true", help="--curve: train every method at its published learning "
                    "rate (PUBLISHED_LR) instead of tuning it on held-out training queries first")
@@ -1687,8 +1581,7 @@ def parse_args(argv=None):
                    f"between two runs of the reference (default: {ROUNDS})")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
-    # `--train-args VALUE` written `--train-args=VALUE`, so that a value starting with '-' ("--resume") is taken as
-    # the flag's value, not as a flag of its own
+    # `--train-args VALUE` as `--train-args=VALUE`: a value starting with '-' ("--resume") is the flag's, not a flag
     argv = list(sys.argv[1:] if argv is None else argv)
     for k in range(len(argv) - 1):
         if argv[k] == "--train-args":
@@ -1696,32 +1589,26 @@ def parse_args(argv=None):
     args = p.parse_args([a for a in argv if a is not None])
     if args.seed_protocol and D.TASKS[args.task].kind != "choice":
         p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
-    if args.seed_prompt and (args.seed_protocol or "generate") != "likelihood":
-        p.error("--seed-prompt applies to --seed-protocol likelihood only (generate asks for the letter)")
-    args.seed_protocol, args.seed_prompt = args.seed_protocol or "generate", args.seed_prompt or "official"
+    args.seed_protocol = args.seed_protocol or "generate"
     for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
                         "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
-                        "threads": 1}.items():
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
-    if any(n < 0 for n in args.bench_shots):
-        p.error(f"--bench-shots must be at least 0 (got {args.bench_shots})")
+                        "threads": 1, "bench_shots": 0, "curve_queries": 1}.items():
+        value = getattr(args, name)
+        if any(v is not None and v < least for v in (value if isinstance(value, list) else [value])):
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
     if args.curve:
         args.train_args = args.train_args or CURVE_TRAIN_ARGS
-        if min(args.curve_queries) < 1:
-            p.error(f"--curve-queries must be at least 1 (got {args.curve_queries})")
         unknown = set(args.curve_methods or []) - {name for name, _ in curve_runs()}
         if unknown:
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curve_runs()]}")
         if not 2 <= args.curve_seeds <= len(T_975) + 1:
             p.error(f"--curve-seeds must be in [2, {len(T_975) + 1}] for an interval (got {args.curve_seeds})")
-        try:  # split as a shell does and parsed by train.py's parser now, before any work
-            flags = shlex.split(args.train_args)
+        try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
+                                  "--overwrite"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
-        try:
-            with contextlib.redirect_stderr(io.StringIO()) as err:
-                train.parse_args(["--model", args.model, "--task", args.task, *flags, "--overwrite"])  # as curve adds
         except SystemExit:
             p.error(f"--train-args {args.train_args!r}: train.py says: "
                     + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
@@ -1733,8 +1620,6 @@ def parse_args(argv=None):
         p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
-    if args.random_weights == "mid" and args.new_tokens is None:
-        args.new_tokens = 8
     default = default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
@@ -1752,10 +1637,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity] [flags]; see --help.
-
-    Under torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes).
-    """
+    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]. Under
+    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes)."""
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
         return train.plan(args, training=False)
@@ -1774,30 +1657,26 @@ def main(argv=None):
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
         if args.random_weights:
-            family = M.family_of(args.model)
-            model = M.published_model(family, device="cuda") if args.random_weights == "published" else \
-                M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu")
-            size = "" if args.random_weights == "published" else f"{args.random_weights} size, "
-            backbone = M.Backbone(model, None, family, f"{family} ({size}random weights)")
+            family, mid = M.family_of(args.model), args.random_weights == "mid"
+            model = M.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \
+                M.published_model(family, device="cuda")
+            backbone = M.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")
         else:
             backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
-        default_job = args.shots is None and not (args.benchmark or args.gates or args.hyperbolicity or args.vector) \
-            and args.checkpoint in (None, default_checkpoint(args.model, args.task))
+        default, asked = default_checkpoint(args.model, args.task), args.shots is not None or args.vector
         if args.checkpoint:
             method = M.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
             setting = method if not args.shots else f"{method}+{setting}"
             print(f"adapter: {args.checkpoint} ({method})")
         elif not args.benchmark:
-            default = default_checkpoint(args.model, args.task)
-            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if args.shots is None and
-                                                          not args.vector else ""))
+            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if not asked else ""))
         if args.benchmark:
             return benchmark(backbone, args)
         if not (args.gates or args.hyperbolicity):
-            if default_job:
+            if not asked and args.checkpoint in (None, default):  # the default job
                 return evaluate_with_baselines(backbone, args, items, setting)
             return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
         result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)

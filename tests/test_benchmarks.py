@@ -260,24 +260,24 @@ def plain_loglik(backbone, row):
     return sum(torch.log_softmax(logits[t - 1], -1)[ids[t]].item() for t in range(len(ids)) if labels[t] != -100)
 
 
-@pytest.mark.parametrize("prompt, kind", [("official", "choice-likelihood"), ("project", "choice-likelihood-project")])
-def test_likelihood_ranking_matches_plain_forward(backbone, prompt, kind):
+def test_likelihood_ranking_matches_plain_forward(backbone):
     proc, family = backbone.processor, backbone.family
     items, pool = D.load_task("seed", "val", benchmarks.ROOT)[:2], D.load_task("seed", "train", benchmarks.ROOT)
     icds = D.demonstrations([it.id for it in items], pool, 1, seed=0)
-    got = E.option_logliks(backbone, items, icds, prompt)
+    got = E.option_logliks(backbone, items, icds)
     end = proc.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     expected = torch.zeros(2, 4, dtype=torch.float64)
     for i, (it, ds) in enumerate(zip(items, icds)):
         demo = dataclasses.replace(ds[0], target=ds[0].answers["ABCD".index(ds[0].target)])  # its answer's text
         for k, option in enumerate(it.answers):
-            row = D.encode(proc, family, kind, [demo], dataclasses.replace(it, target=option))
+            row = D.encode(proc, family, "choice-likelihood", [demo], dataclasses.replace(it, target=option))
             answer = [t for t, l in zip(row["input_ids"], row["labels"]) if l != -100]
             assert answer == proc.tokenizer(" " + option, add_special_tokens=False)["input_ids"] + [end]
             expected[i, k] = plain_loglik(backbone, row)
     assert len(set(expected.flatten().tolist())) == 8  # the options do differ
     torch.testing.assert_close(got.double(), expected, atol=2e-4, rtol=1e-5)
-    assert E.rank_options(backbone, items, icds, prompt=prompt) == ["ABCD"[k] for k in expected.argmax(-1).tolist()]
+    ranked = E.predict(backbone, "toy-seed", items, icds, likelihood=True)
+    assert ranked == ["ABCD"[k] for k in expected.argmax(-1).tolist()]
 
 
 @pytest.mark.parametrize("task, protocol", [("mme", None), ("seed", "likelihood")])

@@ -198,7 +198,6 @@ def test_likelihood_prompt_is_the_official_one():
     item = Item(1, "x.jpg", "What is it?", ("a", "b", "c", "d"), "A", "Scene Understanding")
     assert data.PROMPTS["choice-likelihood"]["instruction"] == ""
     assert data.prompt_text("choice-likelihood", item) == "<image>Question: What is it?\nAnswer:"
-    assert data.prompt_text("choice-likelihood-project", item) == "<image>Question: What is it? Answer:"
 
 
 def test_largest_remainder_by_hand():

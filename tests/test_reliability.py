@@ -394,7 +394,7 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
     fake = lambda *a: calls.append(1) or {"vectors": torch.ones(2, 32), "losses": torch.tensor([1.0, 0.5])}
     monkeypatch.setattr(evaluate, "compute_vector", fake)
     evaluate.load_vector(backbone, args)
-    path = evaluate.vector_path(backbone, args, 1)
+    path, _ = evaluate.vector_path(backbone, args, 1)
     assert path.startswith(str(tmp_path / "out" / "vectors")) and not (tmp_path / "runs").exists()
     good = open(path, "rb").read()
     from safetensors.torch import save
@@ -740,9 +740,7 @@ def test_an_out_that_cannot_be_made_names_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--task", "seed", "--seed-prompt", "project"], "--seed-prompt applies to --seed-protocol likelihood only"),
-    (["--task", "seed", "--seed-protocol", "generate", "--seed-prompt", "official"], "--seed-prompt applies"),
-    (["--task", "vqav2", "--seed-prompt", "project", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
+    (["--task", "vqav2", "--seed-protocol", "likelihood"], "--seed-protocol applies to"),
     (["--task", "vqav2", "--seed-protocol", "generate"], "--seed-protocol applies to the SEED-Bench tasks"),
 ])
 def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
@@ -750,7 +748,7 @@ def test_seed_flags_that_cannot_apply_are_refused(extra, message, capsys):
         evaluate.parse_args(["--model", "tiny-idefics2", *extra])
     assert message in capsys.readouterr().err
     args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "seed"])
-    assert (args.seed_protocol, args.seed_prompt) == ("generate", "official")
+    assert args.seed_protocol == "generate"
 
 
 def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
