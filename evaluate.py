@@ -7,10 +7,15 @@ accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy o
 letters, which SEED-Bench's likelihood protocol ranks by log p(option) instead (option_logliks). evaluate() writes the
 predictions and the metrics.
 
-Sections, in order: inference and scoring (Section 4.1); metrics (VQA accuracy, CIDEr-D with the PTB tokenizer, MME,
-SEED-Bench); CHAIR (Table 5); in-context vectors (task and function vectors, Table 1); efficiency (Table 6: FLOPs,
-latency, attention memory); analyses (the gate, Appendix D, Table 10; delta-hyperbolicity, Appendix C, Table 9);
-learning curves (--curve: every method on the toy world, with seeds, intervals and a tuning rule); command line.
+Sections, in order:
+    inference and scoring    generate, predict, option_logliks, score, evaluate             (Section 4.1)
+    metrics                  VQA accuracy, CIDEr-D with the PTB tokenizer, MME, SEED-Bench
+    CHAIR                    object hallucination in captions, as chair.py counts it        (Table 5)
+    in-context vectors       task and function vectors, training-free baselines             (Table 1)
+    efficiency               FLOPs and latency of one query, attention memory               (Table 6)
+    analyses                 the gate (Appendix D, Table 10), delta-hyperbolicity (Appendix C, Table 9)
+    learning curves          every method on the toy world with seeds, intervals, a tuning rule (--curve)
+    command line             the flags and main
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
