@@ -173,22 +173,17 @@ def attention_as(model, implementation):
 def without_adapter(model):
     """The backbone as it was, the adapter of any method bypassed (the teacher's forward): a context manager."""
     method = getattr(model, "icl_settings", {}).get("method")
-    if method not in ("lora", "live"):
-        with attention_as(model, "sdpa"):
-            yield model
-        return
-    layers = [m for _, m in lora_layers(model)] if method == "lora" else []
-    for m in layers:
-        m.enable_adapters(False)
-    if method == "live":
-        unhook_live(model)
-    try:
+    with contextlib.ExitStack() as undo:
+        if method == "lora":
+            for _, m in lora_layers(model):
+                m.enable_adapters(False)
+                undo.callback(m.enable_adapters, True)
+        elif method == "live":
+            unhook_live(model)
+            undo.callback(hook_live, model)
+        else:
+            undo.enter_context(attention_as(model, "sdpa"))
         yield model
-    finally:
-        for m in layers:
-            m.enable_adapters(True)
-        if method == "live":
-            hook_live(model)
 
 
 # ------------------------------------------------------------------ h^(l) of Eq 12-16: each decoder layer's own output
@@ -235,8 +230,7 @@ def fingerprint(backbone):
 
 
 def save_adapter(path, backbone):
-    """Save only the adapter's parameters, with its settings (method, sizes, backbone, its attention shape, family
-    and fingerprint) as JSON in the safetensors metadata."""
+    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)."""
     settings = {**backbone.model.icl_settings, "backbone": backbone.name,
                 **dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model))),
                 "family": backbone.family, "fingerprint": fingerprint(backbone)}
@@ -245,8 +239,7 @@ def save_adapter(path, backbone):
 
 
 def read_settings(path):
-    """The settings stored with an adapter checkpoint; anything else (a folder, a truncated file, train.py's
-    last.pt) is a ValueError naming the path."""
+    """An adapter checkpoint's settings; anything else (a folder, a truncated file, train.py's last.pt): ValueError."""
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder; pass the adapter file in it (train.py writes <out>/adapter.safetensors)")
     try:
@@ -622,8 +615,7 @@ def toy_metadata(path):
 
 
 def toy_idefics2(path=None):
-    """The meta-trained toy Idefics2 and its processor: the reference copy (checked against TOY_SHA256), or the
-    build at `path` (train.py --build-toy)."""
+    """The meta-trained toy Idefics2 and its processor: the reference (checked by TOY_SHA256) or the build at `path`."""
     processor = toy_processor()
     model = toy_model(processor)
     shapes = {k: v.shape for k, v in model.state_dict().items()}

@@ -95,16 +95,12 @@ def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
     the student (the DistributedDataParallel wrapper under torchrun; default backbone.model). anchor_scale: what the
     anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
     """
-    keep = data.answer_window(student["labels"])                     # the LM head at the last `keep` positions only
-    inputs, labels = {**data.model_inputs(student), "logits_to_keep": keep}, student["labels"][:, -keep:]
+    run = lambda: target_logits(model or backbone.model, student)     # the LM head at the answer window only
     with autocast(student["input_ids"].device):
-        if args.anchor in LAYER_ANCHORS:
-            out, h = M.layer_outputs(backbone.model, forward=model, **inputs)
-        else:
-            out, h = (model or backbone.model)(**inputs), None
+        (logits, labels), h = M.layer_outputs(backbone.model, run) if args.anchor in LAYER_ANCHORS else (run(), None)
     if args.anchor == "hyperbolic":
-        return hyper_icl_loss(torch.stack(h), teacher, student["query_target"], out.logits, labels, args, anchor_scale)
-    return baseline_loss(args, out.logits, h, teacher, student["query_target"], labels, anchor_scale)
+        return hyper_icl_loss(torch.stack(h), teacher, student["query_target"], logits, labels, args, anchor_scale)
+    return baseline_loss(args, logits, h, teacher, student["query_target"], labels, anchor_scale)
 
 
 # The anchors on the layer states h^(l) (student, teacher: [L, B, W, d]; span: [B, W]); Eq 16 trains in hyper_icl_loss
@@ -148,8 +144,7 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
 
 
 def target_logits(model, batch, **kwargs):
-    """model's logits at the last data.answer_window positions of `batch` (its targets and the position before each)
-    and the labels they line up with: ([B, K, V], [B, K])."""
+    """model's logits [B, K, V] at `batch`'s data.answer_window and the labels [B, K] they line up with."""
     keep = data.answer_window(batch["labels"])
     return model(**data.model_inputs(batch), logits_to_keep=keep, **kwargs).logits, batch["labels"][:, -keep:]
 
@@ -167,8 +162,7 @@ def layerwise_mse(student, teacher, span):
 
 
 def answer_kl(student_logits, teacher_logits, temperature):
-    """LIVE's loss: T^2 KL(softmax(teacher / T) || softmax(student / T)), the mean over answer positions.
-    Both [N, V] (N answer positions of the batch, in the same order)."""
+    """LIVE's loss, T^2 KL(softmax(teacher / T) || softmax(student / T)), mean over N answer positions: both [N, V]."""
     t = F.log_softmax(teacher_logits.float() / temperature, -1)
     s = F.log_softmax(student_logits.float() / temperature, -1)
     return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
@@ -406,8 +400,7 @@ def remaining_steps(run, epoch):
 
 @contextlib.contextmanager
 def saved_on_interrupt(run):
-    """Ctrl-C or SIGTERM (what job schedulers send before a kill) during training: save the run, then exit naming
-    --resume. A second SIGTERM while saving is ignored."""
+    """Ctrl-C or SIGTERM (a job scheduler's warning of a kill): save the run, exit naming --resume; then ignore it."""
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
     previous = signal.signal(signal.SIGTERM, on_sigterm)
@@ -454,14 +447,12 @@ def heldout_loss(backbone, args, kind, heldout, device):
 
 
 def finish(run):
-    """Final checkpoint; history.json and the summary line (the first process's job). Returns the adapter's
-    parameters."""
+    """Final checkpoint, history.json and the summary line (the first process's); returns the adapter's parameters."""
     save_run(run)
     run.bar.close()
     if rank_and_world()[0] == 0:
         progress, cache = run.progress, run.cache
-        data.atomic_write(os.path.join(run.args.out, "history.json"),
-                          lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
+        data.write_json(os.path.join(run.args.out, "history.json"), progress["history"], indent=1)
         best = os.path.join(run.args.out, "adapter.safetensors")
         print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
               + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
@@ -540,8 +531,7 @@ def toy_scenes(processor, n, rng):
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):
-    """A batch of episodes [(attribute, question, scene indices)]: rows of ICDs then the query (the last index),
-    labels on every answer (data.icl_episode)."""
+    """One batch of episodes [(attribute, question, scene indices)]: ICDs, then the query (last), answers labelled."""
     rows = []
     for attribute, question, picks in episodes:
         pieces = [{**text[question, scenes[i][attribute], k == len(picks) - 1], "images": pixels[i]}
@@ -770,8 +760,7 @@ def plan_rows(processor, family, kind, queries, icds, patch):
 
 
 def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens):
-    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS): {"weights", "teacher", "student", "vision", "adapter",
-    "train", "eval_adapter", "eval_icl"}."""
+    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS) of each part, of training and of evaluation."""
     text, vision = config.get_text_config(), getattr(config, "vision_config", None)
     b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
         text.num_attention_heads
@@ -975,8 +964,7 @@ def make_folder(path, flag):
 
 @contextlib.contextmanager
 def process_group():
-    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU per process, or gloo on
-    CPU. Without torchrun: nothing."""
+    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU a process, or gloo on CPU."""
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         yield
         return
@@ -1137,8 +1125,7 @@ def add_icd_flags(p):
 
 
 def add_plan_flags(p):
-    """--plan, --processor, --image-splitting: what a run costs before it loads weights, and the image setting that
-    changes it most (train.py and evaluate.py)."""
+    """--plan, --processor and --image-splitting, the image setting that changes a run's cost most (train, evaluate)."""
     p.add_argument("--plan", nargs="?", const="cuda", choices=["cuda", "cpu"], help="print the run's plan and exit, "
                    "loading no weights: tokens per student and teacher row, image crops, the teacher cache on disk, "
                    "estimated peak memory of training and evaluation; cuda (the default): bf16, as on a GPU; cpu: "
