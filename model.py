@@ -672,11 +672,11 @@ PUBLISHED = {  # the real checkpoints' configs, written out, for parameter count
 }
 
 
-def published_model(family, device="meta", dtype=torch.bfloat16):
-    """A real-size backbone of `family` built from its published config with random weights (no download). On the
-    meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
+def published_model(family, device="meta", dtype=torch.bfloat16, config=None):
+    """A real-size backbone of `family` built from its published config (or `config`) with random weights (no
+    download). On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
     with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
-        model = FAMILIES[family].model_cls._from_config(PUBLISHED[family](), dtype=dtype)
+        model = FAMILIES[family].model_cls._from_config(config or PUBLISHED[family](), dtype=dtype)
     return freeze(model)
 
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save
 from PIL import Image
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
 import data
 import lorentz
@@ -526,8 +526,7 @@ def toy_scenes(processor, n, rng):
     scenes = [data.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
     out = processor.image_processor(images, return_tensors="pt")
-    return scenes, [{"pixel_values": out["pixel_values"][i], "pixel_attention_mask": out["pixel_attention_mask"][i]}
-                    for i in range(n)]
+    return scenes, [{k: out[k][i] for k in ("pixel_values", "pixel_attention_mask")} for i in range(n)]
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):
@@ -732,13 +731,9 @@ def plan_backbone(args, family):
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
-    if os.path.isdir(args.model):
-        from transformers import AutoConfig
-        config, source = AutoConfig.from_pretrained(args.model), f"{args.model}/config.json"
-        with torch.device("meta"):
-            model = M.FAMILIES[family].model_cls._from_config(config, dtype=torch.bfloat16)
-    else:
-        model, source = M.published_model(family), f'model.PUBLISHED["{family}"]'
+    config = AutoConfig.from_pretrained(args.model) if os.path.isdir(args.model) else None
+    model = M.published_model(family, config=config)  # on the meta device: no weights
+    source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)
     return processor, model, images, f"config {source}, processor {folder}, no weights"
 
@@ -894,14 +889,11 @@ def restore(args, backbone, optimizer, scheduler):
     return state["progress"]
 
 
-RUN_FILES = ("last.pt", "adapter.safetensors", "history.json")
-
-
 def claim(args):
     """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
     --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
     interrupted writes are cleaned up here and in the teacher cache."""
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(args.out, f))]
+    found = [f for f in ("last.pt", "adapter.safetensors", "history.json") if os.path.exists(os.path.join(args.out, f))]
     if found and not (args.resume or args.overwrite):
         raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
                          "with --overwrite")
@@ -913,20 +905,20 @@ def claim(args):
     data.remove_stale_tmp(args.teacher_cache)
 
 
-LOCK_FILE = ".lock"
-
-
 @contextlib.contextmanager
 def locked(folder):
-    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid. A second
-    process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder and the
-    holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
+    """Hold `folder` (made if need be) for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our
+    pid. A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
+    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
     torchrun the first process holds it for all of them."""
     if rank_and_world()[0] != 0:
         yield
         return
-    make_folder(folder, "--out")
-    path = os.path.join(folder, LOCK_FILE)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--out {folder}: cannot make the folder ({e.strerror or e})") from e
+    path = os.path.join(folder, ".lock")
     made = not os.path.exists(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -950,14 +942,6 @@ def locked(folder):
         yield
     finally:
         os.close(fd)
-
-
-def make_folder(path, flag):
-    """os.makedirs(path), an OSError naming the flag and the folder if it cannot be made."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from e
 
 
 # --------------------------------------------------------------------------------------------------------- torchrun
@@ -1192,7 +1176,6 @@ def main(argv=None):
     if args.plan:
         return plan(args)
     M.choose_threads(args.model, args.threads)
-    make_folder(args.out, "--out")
     if args.benchmark:
         return benchmark(args)
     with process_group(), locked(args.out):
