@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
@@ -215,10 +216,9 @@ def hooked(*handles):
 # -------------------------------------------------------------------------------------- saving and loading adapters
 
 def fingerprint(backbone):
-    """A short hash of the backbone's identity: its family and the values of some of its weights, the first four
-    parameters and those of the first and last decoder self-attention (the layers the adapters act in), rounded to
-    bf16, so the same checkpoint loaded in float32 or bf16, by name or by path, gives the same fingerprint, and tiny
-    twins of different seeds differ."""
+    """A short hash of the backbone's identity: its family and some of its weights (the first four parameters, the first
+    and last decoder self-attention's: the layers the adapters act in) rounded to bf16, so the same checkpoint loaded in
+    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ."""
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = decoder_self_attentions(backbone.model)
     params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
@@ -253,9 +253,8 @@ def read_settings(path):
 
 
 def load_adapter(path, backbone, method=None, force=False):
-    """Attach the adapter saved at `path` to `backbone`. A checkpoint of another method than `method` (when given)
-    or from another attention shape fails; one from another family or other weights (same shape) fails unless
-    force=True, which loads it with a warning."""
+    """Attach the adapter saved at `path` to `backbone`. A checkpoint of another method (than `method`, when given) or
+    attention shape fails; one of another family or weights fails unless force=True (then with a warning)."""
     saved = read_settings(path)
     if method is not None and saved["method"] != method:
         raise ValueError(f"{path} holds a {saved['method']!r} adapter, not a {method!r} one")
@@ -279,12 +278,7 @@ def load_adapter(path, backbone, method=None, force=False):
 
 # ------------------------------------------------------------------------------------------------ loading backbones
 
-@dataclass(frozen=True)
-class Family:
-    hub_id: str          # the checkpoint the paper uses
-    model_cls: type      # the transformers class that loads it
-
-
+Family = namedtuple("Family", ["hub_id", "model_cls"])  # the checkpoint the paper uses, the class that loads it
 FAMILIES = {
     "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
     "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
@@ -577,9 +571,8 @@ def toy_model(processor, seed=0):
 
 
 def read_toy(path, sha256=None, shapes=None):
-    """The weights of the toy backbone file at `path`, checked against the checksum in its metadata (and against
-    `sha256` when given) and, when given, against the toy model's {name: shape}; a ValueError naming the file if
-    they do not match or it cannot be read."""
+    """The weights of the toy backbone file at `path`, checked against the checksum in its metadata, `sha256` and the
+    toy model's {name: shape} (when given); a ValueError naming the file if they differ or it cannot be read."""
     try:
         with safe_open(path, "pt") as f:
             expected = (f.metadata() or {}).get("sha256")
@@ -628,10 +621,8 @@ def choose_threads(name, threads=None):
     parameters or fewer) on CPU, where a second thread only adds synchronisation (10x slower on a busy 2-core machine,
     README), else torch's default. Returns the count in force."""
     small = name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
-    if threads:
-        torch.set_num_threads(threads)
-    elif small and not torch.cuda.is_available():
-        torch.set_num_threads(1)
+    if threads or (small and not torch.cuda.is_available()):
+        torch.set_num_threads(threads or 1)
     return torch.get_num_threads()
 
 

@@ -90,11 +90,9 @@ def hyper_icl_loss(h, h_teacher, span, logits, labels, args, anchor_scale=1.0):
 
 def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
     """The training loss of one micro-batch: Hyper-ICL's (hyper_icl_loss), or a baseline's own (baseline_loss).
-
     student: the student batch (data.student_batch); teacher: what micro_batch gives for args.anchor. model: what runs
     the student (the DistributedDataParallel wrapper under torchrun; default backbone.model). anchor_scale: what the
-    anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
-    """
+    anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1)."""
     run = lambda: target_logits(model or backbone.model, student)     # the LM head at the answer window only
     with autocast(student["input_ids"].device):
         (logits, labels), h = M.layer_outputs(backbone.model, run) if args.anchor in LAYER_ANCHORS else (run(), None)
@@ -200,8 +198,7 @@ def teacher_key(backbone_id, args, query, icds, images=None):
     states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never read."""
     item = lambda it: [it.id, it.image_path, it.question, it.target]
     spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
-            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION,
-            "images": images}
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -212,9 +209,8 @@ def answer_positions(labels):
 
 @torch.no_grad()
 def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens,
-    [L, T_q, d] (L decoder layers, T_q the query + target tokens); output="logits" (LIVE's teacher): its logits at
-    the answer positions instead, [n_answer, V] in float32."""
+    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states [L, T_q, d] at the query + target
+    tokens; output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32."""
     batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
     with M.without_adapter(backbone.model), autocast(device):
         if output == "logits":
@@ -227,9 +223,8 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
 
 
 def read_teacher(path, key, shape, output="states"):
-    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None when
-    there is no file; an unusable one (truncated by a crash, another shape, key or checksum) is reported and None
-    returned, so it is computed again (data.read_cache)."""
+    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None if there
+    is no file or it is unusable (truncated, another shape, key or checksum: reported), so it is computed again."""
     cached = data.read_cache(path, key + output, {output: (shape, None)})
     return None if cached is None else cached[output]
 
@@ -336,8 +331,7 @@ def train_step(run, batches):
 
 @dataclass
 class Run:
-    """What the training loop's functions share: the settings, the backbone with its adapter, the data, the
-    optimiser and schedule, the teacher cache's identity and counts, and the progress (what last.pt saves)."""
+    """What the training loop's functions share; `progress` is what last.pt saves beside the adapter and AdamW."""
     args: argparse.Namespace
     backbone: M.Backbone
     kind: str                 # the task's kind (data.TASKS)
@@ -355,10 +349,9 @@ class Run:
 
 
 def start(args):
-    """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter,
-    AdamW and its schedule, the checkpoint of a resumed run; then a stop at once if the teacher cache would not fit
-    its folder (check_cache_room), the anchor's first-step value for --anchor-norm first, and its noise floor, printed
-    (anchor_regime)."""
+    """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter, AdamW
+    and its schedule, a resumed run's checkpoint; then a stop if the teacher cache would not fit its folder
+    (check_cache_room), the anchor's first-step value for --anchor-norm first, and its noise floor (anchor_regime)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
@@ -461,9 +454,8 @@ def finish(run):
 
 
 def split_pool(args, family):
-    """Training queries, held-out queries (best epoch), the support set the ICDs are drawn from (the training split
-    without the held-out queries, which would otherwise reach the adapter through the teacher and bias the choice of
-    the best epoch) and the ICDs per query."""
+    """Training queries, held-out queries (best epoch), the ICDs' support set (the training split less the held-out
+    queries, which would reach the adapter through the teacher and bias the best epoch) and the shots."""
     pool = data.load_task(args.task, "train", args.data_root)
     if len(pool) <= args.n_heldout:
         raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
@@ -678,8 +670,7 @@ def size(n):
 
 def cache_file_bytes(args, config, sizes, dtype):
     """The mean bytes of a query's cache file (data.write_cache) over `sizes` (query_sizes): its teacher tensor, states
-    [L, T_q, d] in the training dtype or LIVE's answer logits [answer tokens, vocabulary] in float32 (run_teacher),
-    and CACHE_HEADER."""
+    [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
     if args.anchor == "kl":
         elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
@@ -706,10 +697,9 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
 
 
 def plan_backbone(args, family):
-    """The processor and a meta-device model (no weights) of --model, its image setting and a line saying where
-    each came from: a folder's own config.json and processor; for a short name model.PUBLISHED's config and the
-    processor of --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy
-    backbone is built."""
+    """The processor and a meta-device model (no weights) of --model, its image setting and where each came from: a
+    folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of --processor
+    or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
     if args.model.startswith(("tiny-", "toy-")) or M.is_toy_file(args.model):
         backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
         return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
@@ -765,9 +755,8 @@ def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens
     vision_row = lambda images: images * rows["crops"] * rows["patches"] * (getattr(vision, "intermediate_size", 0)
                                                                             + 4 * d_v) * b
     work = lambda tokens: batch * tokens * (3 * i + 4 * d) * b
-    out = {"weights": params * b, "adapter": adapter_params * 16,
-           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b,
-           "vision": vision_row(batch * (shots + 1))}
+    out = {"weights": params * b, "adapter": adapter_params * 16, "vision": vision_row(batch * (shots + 1)),
+           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b}
     out["train"] = out["weights"] + out["adapter"] + out["vision"] + max(out["teacher"], out["student"])
     evaluation = lambda tokens, images: out["weights"] + 2 * L * batch * (tokens + new_tokens) * kv * b + \
         work(tokens) + vision_row(batch * images)
