@@ -393,7 +393,7 @@ def remaining_steps(run, epoch):
 
 @contextlib.contextmanager
 def saved_on_interrupt(run):
-    """Ctrl-C or SIGTERM (a job scheduler's warning of a kill): save the run, exit naming --resume; then ignore it."""
+    """Ctrl-C or SIGTERM (a scheduler's kill warning): save the run (a 2nd SIGTERM ignored), exit naming --resume."""
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
     previous = signal.signal(signal.SIGTERM, on_sigterm)
