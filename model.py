@@ -12,10 +12,10 @@ Tiny twins (`tiny-idefics2`, ...) are the real model and processor classes built
 random weights and a byte-level BPE tokenizer trained locally, so every code path of the real model runs offline.
 """
 import contextlib
-import copy
 import hashlib
 import json
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch
@@ -105,9 +105,7 @@ def attach(model, method="hyper-icl", **sizes):
             attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
         decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
     model.icl_settings = {"method": method, **sizes}
-    adapted = adapter_modules(model)
-    adapted.requires_grad_(True)
-    return adapted
+    return adapter_modules(model).requires_grad_(True)
 
 
 def detach(model):
@@ -176,22 +174,17 @@ def attention_as(model, implementation):
 def without_adapter(model):
     """The backbone as it was, the adapter of any method bypassed (the teacher's forward): a context manager."""
     method = getattr(model, "icl_settings", {}).get("method")
-    if method not in ("lora", "live"):
-        with attention_as(model, "sdpa"):
-            yield model
-        return
-    layers = [m for _, m in lora_layers(model)] if method == "lora" else []
-    for m in layers:
-        m.enable_adapters(False)
-    if method == "live":
-        unhook_live(model)
-    try:
+    with contextlib.ExitStack() as undo:
+        if method == "lora":
+            for _, m in lora_layers(model):
+                m.enable_adapters(False)
+                undo.callback(m.enable_adapters, True)
+        elif method == "live":
+            unhook_live(model)
+            undo.callback(hook_live, model)
+        else:
+            undo.enter_context(attention_as(model, "sdpa"))
         yield model
-    finally:
-        for m in layers:
-            m.enable_adapters(True)
-        if method == "live":
-            hook_live(model)
 
 
 # ------------------------------------------------------------------ h^(l) of Eq 12-16: each decoder layer's own output
@@ -223,10 +216,9 @@ def hooked(*handles):
 # -------------------------------------------------------------------------------------- saving and loading adapters
 
 def fingerprint(backbone):
-    """A short hash of the backbone's identity: its family and the values of some of its weights, the first four
-    parameters and those of the first and last decoder self-attention (the layers the adapters act in), rounded to
-    bf16, so the same checkpoint loaded in float32 or bf16, by name or by path, gives the same fingerprint, and tiny
-    twins of different seeds differ."""
+    """A short hash of the backbone's identity: its family and some of its weights (the first four parameters, the first
+    and last decoder self-attention's: the layers the adapters act in) rounded to bf16, so the same checkpoint loaded in
+    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ."""
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = decoder_self_attentions(backbone.model)
     params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
@@ -238,8 +230,7 @@ def fingerprint(backbone):
 
 
 def save_adapter(path, backbone):
-    """Save only the adapter's parameters, with its settings (method, sizes, backbone, its attention shape, family
-    and fingerprint) as JSON in the safetensors metadata."""
+    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)."""
     settings = {**backbone.model.icl_settings, "backbone": backbone.name,
                 **dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model))),
                 "family": backbone.family, "fingerprint": fingerprint(backbone)}
@@ -248,8 +239,7 @@ def save_adapter(path, backbone):
 
 
 def read_settings(path):
-    """The settings stored with an adapter checkpoint; anything else (a folder, a truncated file, train.py's
-    last.pt) is a ValueError naming the path."""
+    """An adapter checkpoint's settings; anything else (a folder, a truncated file, train.py's last.pt): ValueError."""
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder; pass the adapter file in it (train.py writes <out>/adapter.safetensors)")
     try:
@@ -262,13 +252,9 @@ def read_settings(path):
     return json.loads(metadata["settings"])
 
 
-IDENTITY = ("family", "fingerprint")  # what ties an adapter to the backbone it was trained on
-
-
 def load_adapter(path, backbone, method=None, force=False):
-    """Attach the adapter saved at `path` to `backbone`. A checkpoint of another method than `method` (when given)
-    or from another attention shape fails; one from another family or other weights (same shape) fails unless
-    force=True, which loads it with a warning."""
+    """Attach the adapter saved at `path` to `backbone`. A checkpoint of another method (than `method`, when given) or
+    attention shape fails; one of another family or weights fails unless force=True (then with a warning)."""
     saved = read_settings(path)
     if method is not None and saved["method"] != method:
         raise ValueError(f"{path} holds a {saved['method']!r} adapter, not a {method!r} one")
@@ -277,7 +263,7 @@ def load_adapter(path, backbone, method=None, force=False):
     if differ:
         raise ValueError(f"adapter {path} was trained on {saved['backbone']!r}, which differs from "
                          f"{backbone.name!r} in " + ", ".join(differ))
-    here = {"family": backbone.family, "fingerprint": fingerprint(backbone)}
+    here = {"family": backbone.family, "fingerprint": fingerprint(backbone)}  # what ties it to its backbone
     differ = [f"{k} (saved {saved.get(k)}, here {v})" for k, v in here.items() if saved.get(k) != v]
     if differ and not force:
         raise ValueError(f"adapter {path} was trained on another backbone than {backbone.name!r}: "
@@ -285,19 +271,14 @@ def load_adapter(path, backbone, method=None, force=False):
     if differ:
         print(f"warning: --force: loading adapter {path} onto {backbone.name!r} although its " + ", ".join(differ))
     attach(backbone.model, saved["method"], **{k: v for k, v in saved.items()
-                                               if k not in (*shape, *IDENTITY, "method", "backbone")})
+                                               if k not in (*shape, *here, "method", "backbone")})
     adapter_modules(backbone.model).load_state_dict(load_file(path))
     return saved
 
 
 # ------------------------------------------------------------------------------------------------ loading backbones
 
-@dataclass(frozen=True)
-class Family:
-    hub_id: str          # the checkpoint the paper uses
-    model_cls: type      # the transformers class that loads it
-
-
+Family = namedtuple("Family", ["hub_id", "model_cls"])  # the checkpoint the paper uses, the class that loads it
 FAMILIES = {
     "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
     "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
@@ -320,7 +301,7 @@ def family_of(name):
         try:
             with open(config_file, encoding="utf-8") as f:
                 config = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:  # UnicodeDecodeError too
             raise ValueError(f"--model: {config_file} is not valid JSON ({e}); restore the model folder's "
                              "config.json") from e
         if not isinstance(config, dict):
@@ -332,12 +313,12 @@ def family_of(name):
     if os.path.isdir(name):
         raise ValueError(f"--model: the folder {name} has no config.json; give a checkpoint folder (config.json, "
                          "weights, tokenizer and processor files)")
-    for family, spec in FAMILIES.items():
-        if spec.hub_id == name:
-            return family
+    hub = {spec.hub_id: family for family, spec in FAMILIES.items()}
+    if name in hub:
+        return hub[name]
     if os.sep in name or name.startswith("."):
-        raise ValueError(f"--model: there is no folder {name}, and it is none of the hub ids "
-                         f"{sorted(f.hub_id for f in FAMILIES.values())}; give a checkpoint folder or one of those")
+        raise ValueError(f"--model: there is no folder {name}, and it is none of the hub ids {sorted(hub)}; give a "
+                         "checkpoint folder or one of those")
     raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, "
                      f"{sorted('tiny-' + f for f in FAMILIES)}, toy-idefics2, a toy backbone's .safetensors file, or a "
                      "local path of one of those families")
@@ -355,8 +336,7 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
     (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"."""
     family, toy = family_of(name), name == "toy-idefics2" or is_toy_file(name)
     if toy or name.startswith("tiny-"):
-        model, processor = TINY_BUILDERS[family](seed) if not toy else \
-            toy_idefics2(None if name == "toy-idefics2" else name)
+        model, processor = toy_idefics2(name if is_toy_file(name) else None) if toy else TINY_BUILDERS[family](seed)
         images = image_setting(processor, family, image_splitting, "built-in processor")
         model = model.to(device or "cpu", dtype or torch.float32)
     else:
@@ -376,13 +356,12 @@ def load_processor(path, family, image_splitting="checkpoint"):
     build, which needs torchvision (not a requirement: images never use it)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     from transformers.utils import cached_file
-    source = "the checkpoint's processor config"
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ValueError(f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
                          "tokenizer files into it")
     if family != "llava-onevision":
         processor = AutoProcessor.from_pretrained(path, backend="pil")
-        return processor, image_setting(processor, family, image_splitting, source)
+        return processor, image_setting(processor, family, image_splitting)
     config_file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else \
         cached_file(path, "processor_config.json")
     try:
@@ -398,7 +377,7 @@ def load_processor(path, family, image_splitting="checkpoint"):
     processor = ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil"),
                                             AutoTokenizer.from_pretrained(path), None,
                                             **{k: settings[k] for k in keys if k in settings})
-    return processor, image_setting(processor, family, image_splitting, source)
+    return processor, image_setting(processor, family, image_splitting)
 
 
 IMAGE_SPLITTING = ("checkpoint", "on", "off")  # --image-splitting
@@ -439,9 +418,10 @@ TINY_CORPUS = ("Answer the question about the image in a few words. Describe the
                "Caption: a picture of a small big shape on a plain background with the of and in is are there.")
 
 
-def tiny_tokenizer(special, vocab_size=384, corpus=TINY_CORPUS, **named):
+def tiny_tokenizer(special, extra, vocab_size=384, corpus=TINY_CORPUS, **named):
     """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens:
-    `special`, every special token, in id order after the 256 byte symbols' merges; named: bos_token=..., etc."""
+    `special`, every special token, in id order after the 256 byte symbols' merges; the last `extra` of them are the
+    additional special tokens; named: bos_token=..., etc."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -449,7 +429,9 @@ def tiny_tokenizer(special, vocab_size=384, corpus=TINY_CORPUS, **named):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([corpus] * 4, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, **named)
+    tok.add_special_tokens({"additional_special_tokens": special[-extra:]})
+    return tok
 
 
 TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -464,11 +446,8 @@ def _seeded(model_cls, config, seed):
 
 
 def _idefics_tokenizer(**corpus):
-    tok = tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"],
-                         unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>", **corpus)
-    tok.add_special_tokens({"additional_special_tokens": ["<fake_token_around_image>", "<image>",
-                                                          "<end_of_utterance>"]})
-    return tok
+    return tiny_tokenizer(["<unk>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"], 3,
+                          unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>", **corpus)
 
 
 def tiny_idefics2(seed=0):
@@ -502,10 +481,8 @@ def tiny_idefics(seed=0):
 
 
 def _qwen_tokenizer():
-    tok = tiny_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"],
-                         eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>", "<video>"]})
-    return tok
+    return tiny_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"], 4,
+                          eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
 def _qwen_config(tok):
@@ -594,9 +571,8 @@ def toy_model(processor, seed=0):
 
 
 def read_toy(path, sha256=None, shapes=None):
-    """The weights of the toy backbone file at `path`, checked against the checksum in its metadata (and against
-    `sha256` when given) and, when given, against the toy model's {name: shape}; a ValueError naming the file if
-    they do not match or it cannot be read."""
+    """The weights of the toy backbone file at `path`, checked against the checksum in its metadata, `sha256` and the
+    toy model's {name: shape} (when given); a ValueError naming the file if they differ or it cannot be read."""
     try:
         with safe_open(path, "pt") as f:
             expected = (f.metadata() or {}).get("sha256")
@@ -632,8 +608,7 @@ def toy_metadata(path):
 
 
 def toy_idefics2(path=None):
-    """The meta-trained toy Idefics2 and its processor: the reference copy (checked against TOY_SHA256), or the
-    build at `path` (train.py --build-toy)."""
+    """The meta-trained toy Idefics2 and its processor: the reference (checked by TOY_SHA256) or the build at `path`."""
     processor = toy_processor()
     model = toy_model(processor)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -646,10 +621,8 @@ def choose_threads(name, threads=None):
     parameters or fewer) on CPU, where a second thread only adds synchronisation (10x slower on a busy 2-core machine,
     README), else torch's default. Returns the count in force."""
     small = name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
-    if threads:
-        torch.set_num_threads(threads)
-    elif small and not torch.cuda.is_available():
-        torch.set_num_threads(1)
+    if threads or (small and not torch.cuda.is_available()):
+        torch.set_num_threads(threads or 1)
     return torch.get_num_threads()
 
 
@@ -690,16 +663,12 @@ PUBLISHED = {  # the real checkpoints' configs, written out, for parameter count
 }
 
 
-def published_model(family, device="meta", dtype=torch.bfloat16):
-    """A real-size backbone of `family` built from its published config with random weights (no download). On the
-    meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
+def published_model(family, device="meta", dtype=torch.bfloat16, config=None):
+    """A real-size backbone of `family` built from its published config (or `config`) with random weights (no
+    download). On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
     with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
-        model = FAMILIES[family].model_cls._from_config(PUBLISHED[family](), dtype=dtype)
+        model = FAMILIES[family].model_cls._from_config(config or PUBLISHED[family](), dtype=dtype)
     return freeze(model)
-
-
-MID_TEXT = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=16,
-                num_key_value_heads=4, head_dim=64)
 
 
 def grown_twin(family, seed=0, **text):
@@ -707,7 +676,7 @@ def grown_twin(family, seed=0, **text):
     weights, float32; keys the family's text model lacks (num_key_value_heads for Idefics, head_dim where it is
     derived) are left out. The vision side stays toy-sized. Returns (model, processor)."""
     twin, processor = TINY_BUILDERS[family](seed)
-    config = copy.deepcopy(twin.config)
+    config = twin.config  # the twin itself is not kept
     decoder = config.get_text_config()
     decoder.update({k: v for k, v in text.items() if hasattr(decoder, k)})
     if getattr(decoder, "layer_types", None):
@@ -718,6 +687,7 @@ def grown_twin(family, seed=0, **text):
 
 
 def mid_model(family, seed=0):
-    """A mid-size backbone of `family` for CPU benchmarks: the twin grown to MID_TEXT (8 layers x 1024, 16 heads of
-    64, 4 key/value heads where the family groups them), so latency is the decoder's. Returns (model, processor)."""
-    return grown_twin(family, seed, **MID_TEXT)
+    """A mid-size backbone of `family` for CPU benchmarks, so latency is the decoder's: the twin grown to 8 layers x
+    1024, 16 heads of 64, 4 key/value heads where the family groups them. Returns (model, processor)."""
+    return grown_twin(family, seed, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, head_dim=64)

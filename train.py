@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save
 from PIL import Image
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import AutoConfig, get_cosine_schedule_with_warmup
 
 import data
 import lorentz
@@ -65,10 +65,9 @@ DEFAULT_ANCHOR = {"hificl": "none", "lora": "none", "mimic": "mse", "live": "kl"
 
 
 def method_sizes(args):
-    """The sizes of args.method for model.attach."""
-    if args.method in ("mimic", "live"):
-        return {}
-    return {"rank": args.rank} | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
+    """The sizes of args.method for model.attach: none for MimIC and LIVE; the rank, and HiFICL's n pairs."""
+    sizes = {} if args.method in ("mimic", "live") else {"rank": args.rank}
+    return sizes | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
 
 
 # ---------------------------------------------------------------------------------------------- the loss (Eq 16-17)
@@ -91,27 +90,21 @@ def hyper_icl_loss(h, h_teacher, span, logits, labels, args, anchor_scale=1.0):
 
 def losses(backbone, args, student, teacher, model=None, anchor_scale=1.0):
     """The training loss of one micro-batch: Hyper-ICL's (hyper_icl_loss), or a baseline's own (baseline_loss).
-
     student: the student batch (data.student_batch); teacher: what micro_batch gives for args.anchor. model: what runs
     the student (the DistributedDataParallel wrapper under torchrun; default backbone.model). anchor_scale: what the
-    anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1).
-    """
-    keep = data.answer_window(student["labels"])                     # the LM head at the last `keep` positions only
-    inputs, labels = {**data.model_inputs(student), "logits_to_keep": keep}, student["labels"][:, -keep:]
+    anchor is divided by (--anchor-norm first: its value at the first step; the paper: 1)."""
+    run = lambda: target_logits(model or backbone.model, student)     # the LM head at the answer window only
     with autocast(student["input_ids"].device):
-        if args.anchor in LAYER_ANCHORS:
-            out, h = M.layer_outputs(backbone.model, forward=model, **inputs)
-        else:
-            out, h = (model or backbone.model)(**inputs), None
+        (logits, labels), h = M.layer_outputs(backbone.model, run) if args.anchor in LAYER_ANCHORS else (run(), None)
     if args.anchor == "hyperbolic":
-        return hyper_icl_loss(torch.stack(h), teacher, student["query_target"], out.logits, labels, args, anchor_scale)
-    return baseline_loss(args, out.logits, h, teacher, student["query_target"], labels, anchor_scale)
+        return hyper_icl_loss(torch.stack(h), teacher, student["query_target"], logits, labels, args, anchor_scale)
+    return baseline_loss(args, logits, h, teacher, student["query_target"], labels, anchor_scale)
 
 
-# The other distillation losses on the layer states h^(l) (student, teacher: [L, B, W, d]; span: [B, W]).
-LAYER_ANCHORS = {"hyperbolic": None,                                                         # Eq 16: hyper_icl_loss
-                 "euclidean": lambda s, t, span, args: euclidean_anchor_loss(s, t, span),  # L2-anchor, Table 4
-                 "mse": lambda s, t, span, args: layerwise_mse(s, t, span)}               # MimIC
+# The anchors on the layer states h^(l) (student, teacher: [L, B, W, d]; span: [B, W]); Eq 16 trains in hyper_icl_loss
+LAYER_ANCHORS = {"hyperbolic": lambda s, t, span, args: lorentz.hyperbolic_anchor_loss(s, t, span, args.kappa),
+                 "euclidean": lambda s, t, span, args: euclidean_anchor_loss(s, t, span),                # L2, Table 4
+                 "mse": lambda s, t, span, args: layerwise_mse(s, t, span)}                              # MimIC
 
 
 def baseline_loss(args, logits, h, teacher, span, labels, anchor_scale=1.0):
@@ -149,8 +142,7 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
 
 
 def target_logits(model, batch, **kwargs):
-    """model's logits at the last data.answer_window positions of `batch` (its targets and the position before each)
-    and the labels they line up with: ([B, K, V], [B, K])."""
+    """model's logits [B, K, V] at `batch`'s data.answer_window and the labels [B, K] they line up with."""
     keep = data.answer_window(batch["labels"])
     return model(**data.model_inputs(batch), logits_to_keep=keep, **kwargs).logits, batch["labels"][:, -keep:]
 
@@ -168,8 +160,7 @@ def layerwise_mse(student, teacher, span):
 
 
 def answer_kl(student_logits, teacher_logits, temperature):
-    """LIVE's loss: T^2 KL(softmax(teacher / T) || softmax(student / T)), the mean over answer positions.
-    Both [N, V] (N answer positions of the batch, in the same order)."""
+    """LIVE's loss, T^2 KL(softmax(teacher / T) || softmax(student / T)), mean over N answer positions: both [N, V]."""
     t = F.log_softmax(teacher_logits.float() / temperature, -1)
     s = F.log_softmax(student_logits.float() / temperature, -1)
     return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
@@ -187,22 +178,16 @@ def share_of_global_mean(mean, count):
 
 
 def anchor_regime(args, student, teacher):
-    """The anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)|, the noise floor (the
-    loss between the teacher states and their own rounding to the training dtype, and to bf16) and the loss between
-    the teacher states of different queries. Returns them as a dict of floats."""
-    span, dtype = student["query_target"], autocast_dtype(student["input_ids"].device)
-    loss = (lambda s, t: lorentz.hyperbolic_anchor_loss(s, t, span, args.kappa)) if args.anchor == "hyperbolic" \
-        else (lambda s, t: lorentz.euclidean_anchor_loss(s, t, span))
+    """Print the anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)| (|LN(h)| = sqrt(d)),
+    the noise floor (the loss between the teacher states and their own rounding to the training dtype, and to bf16)
+    and the loss between the teacher states of different queries."""
+    span, dtype, d = student["query_target"], autocast_dtype(student["input_ids"].device), teacher.shape[-1]
+    loss = lambda states: f"{LAYER_ANCHORS[args.anchor](states, teacher, span, args).item():.4g}"  # to the teacher's
     shuffled = teacher.roll(1, dims=1) if span.shape[0] > 1 and (span == span.roll(1, 0)).all() else None
-    regime = {"radius": (args.kappa * teacher.shape[-1]) ** 0.5,  # |LN(h)| = sqrt(d)
-              "floor": loss(teacher.to(dtype).float(), teacher).item(),
-              "floor_bf16": loss(teacher.to(torch.bfloat16).float(), teacher).item(),
-              "unrelated": loss(shuffled, teacher).item() if shuffled is not None else float("nan")}
-    unrelated = "" if shuffled is None else f"; between different queries' teacher states {regime['unrelated']:.4g}"
-    print(f"anchor ({args.anchor}, kappa {args.kappa}, d {teacher.shape[-1]}): sqrt(kappa)|LN(h)| = "
-          f"{regime['radius']:.1f}; noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, "
-          f"the training dtype) {regime['floor']:.4g}, to bfloat16 {regime['floor_bf16']:.4g}{unrelated}")
-    return regime
+    unrelated = "" if shuffled is None else f"; between different queries' teacher states {loss(shuffled)}"
+    print(f"anchor ({args.anchor}, kappa {args.kappa}, d {d}): sqrt(kappa)|LN(h)| = {(args.kappa * d) ** 0.5:.1f}; "
+          f"noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, the training dtype) "
+          f"{loss(teacher.to(dtype).float())}, to bfloat16 {loss(teacher.to(torch.bfloat16).float())}{unrelated}")
 
 
 # ------------------------------------------------------------------------------------------------------ the teacher
@@ -213,8 +198,7 @@ def teacher_key(backbone_id, args, query, icds, images=None):
     states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never read."""
     item = lambda it: [it.id, it.image_path, it.question, it.target]
     spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
-            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION,
-            "images": images}
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
@@ -225,9 +209,8 @@ def answer_positions(labels):
 
 @torch.no_grad()
 def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states at the query's tokens,
-    [L, T_q, d] (L decoder layers, T_q the query + target tokens); output="logits" (LIVE's teacher): its logits at
-    the answer positions instead, [n_answer, V] in float32."""
+    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states [L, T_q, d] at the query + target
+    tokens; output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32."""
     batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
     with M.without_adapter(backbone.model), autocast(device):
         if output == "logits":
@@ -240,28 +223,32 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
 
 
 def read_teacher(path, key, shape, output="states"):
-    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None when
-    there is no file; an unusable one (truncated by a crash, another shape, key or checksum) is reported and None
-    returned, so it is computed again (data.read_cache)."""
+    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None if there
+    is no file or it is unusable (truncated, another shape, key or checksum: reported), so it is computed again."""
     cached = data.read_cache(path, key + output, {output: (shape, None)})
     return None if cached is None else cached[output]
 
 
-def teacher_path(args, key, output):
-    """The cache file of one query's teacher tensor `output` ("states" or "logits") under --teacher-cache."""
-    return os.path.join(args.teacher_cache, key + ("-logits" if output == "logits" else "") + ".safetensors")
+def teacher_file(args, cache, query, icds):
+    """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
+    key = teacher_key(cache["id"], args, query, icds, cache.get("images"))
+    return key, os.path.join(args.teacher_cache, key + ("-logits" if args.anchor == "kl" else "") + ".safetensors")
+
+
+def query_sizes(pieces):
+    """(T_q, answer tokens) of each query piece (data.query_pieces): the sizes of its teacher tensor."""
+    return [(len(p["input_ids"]), sum(x != -100 for x in p["labels"])) for p in pieces]
 
 
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
     stored once otherwise). A cached tensor must have the shape of states [L, T_q, d] or logits [answer tokens, any]."""
     output = "logits" if args.anchor == "kl" else "states"
-    keys = [teacher_key(cache["id"], args, q, d, cache.get("images")) for q, d in zip(queries, icds)]
-    paths = [teacher_path(args, k, output) for k in keys]
+    keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
     layers, width = M.attention_shape(backbone.model)[0], backbone.model.config.get_text_config().hidden_size
-    shape = lambda piece: (sum(x != -100 for x in piece["labels"]), None) if output == "logits" else \
-        (layers, len(piece["input_ids"]), width)
-    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, shape(pieces[i]), output)
+    shapes = [(answers, None) if output == "logits" else (layers, tokens, width)
+              for tokens, answers in query_sizes(pieces)]
+    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, shapes[i], output)
                                                for i, (p, k) in enumerate(zip(paths, keys))}
     missing = [i for i in range(len(queries)) if states.get(i) is None]
     fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
@@ -308,7 +295,7 @@ def train(args):
             for batches in remaining_steps(run, epoch):
                 if args.max_steps is not None and run.progress["step"] >= args.max_steps:
                     return finish(run)
-                log_step(run, train_step(run, batches))
+                train_step(run, batches)
             end_of_epoch(run, epoch)
             save_run(run)
         return finish(run)
@@ -316,13 +303,18 @@ def train(args):
 
 def train_step(run, batches):
     """One optimiser step: for each micro-batch of queries (gradient accumulation), the teacher's states (cached after
-    their first computation) and the student's forward give the loss (Eq 17); then one clipped AdamW step."""
-    parts = {}
+    their first computation) and the student's forward give the loss (Eq 17); then one clipped AdamW step, counted,
+    shown with its loss parts and checkpointed every --save-every steps. A NaN or inf loss stops the run, naming the
+    step and the part (the last checkpoint stays as it was)."""
+    parts, step = {}, run.progress["step"] + 1
     for queries in batches:
         student, teacher = micro_batch(run.backbone, run.args, run.kind, queries, [run.icds[q.id] for q in queries],
                                        run.device, run.cache)                # the student rows; the teacher's h'^(l)
         part = losses(run.backbone, run.args, student, teacher, run.student_model, run.progress.get("anchor_scale", 1))
-        check_finite(part, run.progress["step"] + 1)
+        for name, value in part.items():
+            if not torch.isfinite(value):
+                raise FloatingPointError(f"step {step}: loss part {name!r} is {value.item()}; stopping. The last good "
+                                         "checkpoint is untouched; try a lower --lr or --kappa")
         (part["loss"] / run.args.grad_accum).backward()
         parts = {k: parts.get(k, 0) + v.item() / run.args.grad_accum for k, v in part.items()}
     adapter = M.adapter_modules(run.backbone.model).parameters()
@@ -330,13 +322,16 @@ def train_step(run, batches):
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return parts
+    run.progress["step"] = step
+    run.bar.update()
+    run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
+    if step % run.args.save_every == 0:
+        save_run(run)
 
 
 @dataclass
 class Run:
-    """What the training loop's functions share: the settings, the backbone with its adapter, the data, the
-    optimiser and schedule, the teacher cache's identity and counts, and the progress (what last.pt saves)."""
+    """What the training loop's functions share; `progress` is what last.pt saves beside the adapter and AdamW."""
     args: argparse.Namespace
     backbone: M.Backbone
     kind: str                 # the task's kind (data.TASKS)
@@ -350,14 +345,13 @@ class Run:
     student_model: object     # the DistributedDataParallel wrapper under torchrun, else None
     progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
     steps_per_epoch: int
-    bar: object = None
+    bar: tqdm                 # the progress bar (the first process's)
 
 
 def start(args):
-    """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter,
-    AdamW and its schedule, the checkpoint of a resumed run; then a stop at once if the teacher cache would not fit
-    its folder (check_cache_room), the anchor's first-step value for --anchor-norm first, and its noise floor, printed
-    (anchor_regime)."""
+    """Everything before the first step: the data (first: it fails fast), the backbone, the ICDs, a fresh adapter, AdamW
+    and its schedule, a resumed run's checkpoint; then a stop if the teacher cache would not fit its folder
+    (check_cache_room), the anchor's first-step value for --anchor-norm first, and its noise floor (anchor_regime)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
@@ -383,11 +377,9 @@ def start(args):
     if args.anchor in ("hyperbolic", "euclidean") and not args.resume:
         first = [queries[i] for i in epoch_order(len(queries), args.batch_size, args.seed, 0)[0]]
         anchor_regime(args, *micro_batch(backbone, args, kind, first, [icds[q.id] for q in first], device, cache))
-    run = Run(args, backbone, kind, queries, heldout, icds, device, cache, optimizer, scheduler, student_model,
-              progress, steps_per_epoch)
-    run.bar = tqdm(total=total, initial=progress["step"], desc="train", dynamic_ncols=True,
-                   disable=rank_and_world()[0] != 0)
-    return run
+    bar = tqdm(total=total, initial=progress["step"], desc="train", dynamic_ncols=True, disable=rank_and_world()[0] > 0)
+    return Run(args, backbone, kind, queries, heldout, icds, device, cache, optimizer, scheduler, student_model,
+               progress, steps_per_epoch, bar)
 
 
 def remaining_steps(run, epoch):
@@ -399,19 +391,9 @@ def remaining_steps(run, epoch):
         yield [[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
 
 
-def log_step(run, parts):
-    """Count the step, show its loss parts and learning rate, and checkpoint every --save-every steps."""
-    run.progress["step"] += 1
-    run.bar.update()
-    run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
-    if run.progress["step"] % run.args.save_every == 0:
-        save_run(run)
-
-
 @contextlib.contextmanager
 def saved_on_interrupt(run):
-    """Ctrl-C or SIGTERM (what job schedulers send before a kill) during training: save the run, then exit naming
-    --resume. A second SIGTERM while saving is ignored."""
+    """Ctrl-C or SIGTERM (a scheduler's kill warning): save the run (a 2nd SIGTERM ignored), exit naming --resume."""
     def on_sigterm(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
     previous = signal.signal(signal.SIGTERM, on_sigterm)
@@ -425,19 +407,6 @@ def saved_on_interrupt(run):
                  "continue with --resume")
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def save_run(run):
-    """The run's checkpoint, <out>/last.pt (checkpoint)."""
-    checkpoint(run.args, run.backbone, run.optimizer, run.scheduler, run.progress)
-
-
-def check_finite(parts, step):
-    """Stop on a NaN or inf loss, naming the step and the loss part (the last checkpoint stays as it was)."""
-    for name, value in parts.items():
-        if not torch.isfinite(value):
-            raise FloatingPointError(f"step {step}: loss part {name!r} is {value.item()}; stopping. The last good "
-                                     "checkpoint is untouched; try a lower --lr or --kappa")
 
 
 def end_of_epoch(run, epoch):
@@ -471,14 +440,12 @@ def heldout_loss(backbone, args, kind, heldout, device):
 
 
 def finish(run):
-    """Final checkpoint; history.json and the summary line (the first process's job). Returns the adapter's
-    parameters."""
+    """Final checkpoint, history.json and the summary line (the first process's); returns the adapter's parameters."""
     save_run(run)
     run.bar.close()
     if rank_and_world()[0] == 0:
         progress, cache = run.progress, run.cache
-        data.atomic_write(os.path.join(run.args.out, "history.json"),
-                          lambda f: f.write(json.dumps(progress["history"], indent=1).encode()))
+        data.write_json(os.path.join(run.args.out, "history.json"), progress["history"], indent=1)
         best = os.path.join(run.args.out, "adapter.safetensors")
         print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
               + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
@@ -487,9 +454,8 @@ def finish(run):
 
 
 def split_pool(args, family):
-    """Training queries, held-out queries (best epoch), the support set the ICDs are drawn from (the training split
-    without the held-out queries, which would otherwise reach the adapter through the teacher and bias the choice of
-    the best epoch) and the ICDs per query."""
+    """Training queries, held-out queries (best epoch), the ICDs' support set (the training split less the held-out
+    queries, which would reach the adapter through the teacher and bias the best epoch) and the shots."""
     pool = data.load_task(args.task, "train", args.data_root)
     if len(pool) <= args.n_heldout:
         raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
@@ -524,7 +490,7 @@ def autocast_dtype(device):
 def autocast(device):
     """bf16 autocast on CUDA; plain float32 on CPU."""
     cuda = str(device).startswith("cuda")
-    return torch.autocast("cuda", torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    return torch.autocast("cuda" if cuda else "cpu", torch.bfloat16, enabled=cuda)
 
 
 # ---------------------------------------------------- toy-idefics2: meta-training a backbone that learns in context
@@ -552,13 +518,11 @@ def toy_scenes(processor, n, rng):
     scenes = [data.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
     out = processor.image_processor(images, return_tensors="pt")
-    return scenes, [{"pixel_values": out["pixel_values"][i], "pixel_attention_mask": out["pixel_attention_mask"][i]}
-                    for i in range(n)]
+    return scenes, [{k: out[k][i] for k in ("pixel_values", "pixel_attention_mask")} for i in range(n)]
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):
-    """A batch of episodes [(attribute, question, scene indices)]: rows of ICDs then the query (the last index),
-    labels on every answer (data.icl_episode)."""
+    """One batch of episodes [(attribute, question, scene indices)]: ICDs, then the query (last), answers labelled."""
     rows = []
     for attribute, question, picks in episodes:
         pieces = [{**text[question, scenes[i][attribute], k == len(picks) - 1], "images": pixels[i]}
@@ -583,26 +547,22 @@ def draw_episodes(recipe, rng, n_scenes, named):
 
 
 @torch.no_grad()
-def probe(model, processor, text, scenes, pixels, shots, named=False, n=32):
-    """Accuracy of the query's answer token (argmax, teacher-forced) with `shots` ICDs, per attribute."""
-    rng, accuracy = random.Random(1234), {}
-    for attribute in data.ICL_ATTRIBUTES:
-        question = data.ICL_NAMED[attribute] if named else data.ICL_QUESTION
-        episodes = [(attribute, question, rng.sample(range(len(scenes)), shots + 1)) for _ in range(n)]
-        batch = toy_batch(processor, text, scenes, pixels, episodes)
-        logits = model(**data.model_inputs(batch)).logits
-        last = batch["labels"].shape[1] - 1 - torch.flip(batch["labels"] != -100, [1]).int().argmax(1)  # end token
-        rows = torch.arange(n)
-        answer = batch["input_ids"][rows, last - 1]       # every answer is one token, then the end token
-        accuracy[attribute] = (logits[rows, last - 2].argmax(-1) == answer).float().mean().item()
-    return accuracy
-
-
 def probe_row(model, processor, text, probe_set, n=32):
-    """Perception (zero-shot, named question), zero-shot and 8-shot accuracy per attribute on held-out scenes."""
+    """Accuracy of the query's answer token (argmax, teacher-forced) per attribute on n held-out episodes each:
+    perception (zero-shot, named question), zero-shot and 8-shot."""
+    (scenes, pixels), row = probe_set, {}
     model.eval()
-    row = {"named": probe(model, processor, text, *probe_set, 0, named=True, n=n),
-           **{f"{k}-shot": probe(model, processor, text, *probe_set, k, n=n) for k in (0, 8)}}
+    for setting, shots, named in (("named", 0, True), ("0-shot", 0, False), ("8-shot", 8, False)):
+        rng, row[setting] = random.Random(1234), {}
+        for attribute in data.ICL_ATTRIBUTES:
+            question = data.ICL_NAMED[attribute] if named else data.ICL_QUESTION
+            episodes = [(attribute, question, rng.sample(range(len(scenes)), shots + 1)) for _ in range(n)]
+            batch = toy_batch(processor, text, scenes, pixels, episodes)
+            logits = model(**data.model_inputs(batch)).logits
+            last = batch["labels"].shape[1] - 1 - torch.flip(batch["labels"] != -100, [1]).int().argmax(1)  # end token
+            rows = torch.arange(n)
+            answer = batch["input_ids"][rows, last - 1]       # every answer is one token, then the end token
+            row[setting][attribute] = (logits[rows, last - 2].argmax(-1) == answer).float().mean().item()
     model.train()
     return row
 
@@ -708,27 +668,26 @@ def size(n):
     return f"{n:.0f} B"
 
 
-def cache_file_bytes(config, tokens, answers, output, dtype):
-    """The bytes of one query's cache file (data.write_cache): its teacher tensor, states [L, T_q, d] in the training
-    dtype or LIVE's answer logits [answer tokens, vocabulary] in float32 (run_teacher), and CACHE_HEADER."""
+def cache_file_bytes(args, config, sizes, dtype):
+    """The mean bytes of a query's cache file (data.write_cache) over `sizes` (query_sizes): its teacher tensor, states
+    [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
-    shape, dtype = ((answers, text.vocab_size), torch.float32) if output == "logits" else \
-        ((text.num_hidden_layers, tokens, text.hidden_size), dtype)
-    return math.prod(shape) * torch.empty(0, dtype=dtype).element_size() + CACHE_HEADER
+    if args.anchor == "kl":
+        elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
+    else:
+        elements = sum(tokens for tokens, _ in sizes) * text.num_hidden_layers * text.hidden_size
+    return elements * dtype.itemsize / len(sizes) + CACHE_HEADER
 
 
 def check_cache_room(backbone, args, kind, queries, icds, cache):
     """Stop before the first step if the teacher tensors not yet cached do not fit the free space of --teacher-cache:
     a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs)."""
-    output = "logits" if args.anchor == "kl" else "states"
-    todo = [q for q in queries if not os.path.exists(teacher_path(
-        args, teacher_key(cache["id"], args, q, icds[q.id], cache.get("images")), output))]
+    todo = [q for q in queries if not os.path.exists(teacher_file(args, cache, q, icds[q.id])[1])]
     if not todo:
         return
     pieces = data.query_pieces(backbone.processor, backbone.family, kind, todo[:PLAN_SAMPLE])
-    dtype = autocast_dtype(next(backbone.model.parameters()).device)
-    per_query = sum(cache_file_bytes(backbone.model.config, len(p["input_ids"]), sum(x != -100 for x in p["labels"]),
-                                     output, dtype) for p in pieces) / len(pieces)
+    per_query = cache_file_bytes(args, backbone.model.config, query_sizes(pieces),
+                                 autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
     if need > free:
         raise ValueError(f"the teacher cache needs {size(need)} for {len(todo)} queries ({size(per_query)} each) but "
@@ -738,12 +697,12 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
 
 
 def plan_backbone(args, family):
-    """The config, the processor and a meta-device model (no weights) of --model, and a line saying where each came
-    from: a folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of
-    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
+    """The processor and a meta-device model (no weights) of --model, its image setting and where each came from: a
+    folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of --processor
+    or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
     if args.model.startswith(("tiny-", "toy-")) or M.is_toy_file(args.model):
         backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
-        return backbone.model.config, backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
+        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
     if args.processor and not os.path.isdir(args.processor):
         raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
                          "and preprocessor files")
@@ -762,16 +721,11 @@ def plan_backbone(args, family):
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
-    if os.path.isdir(args.model):
-        from transformers import AutoConfig
-        config, source = AutoConfig.from_pretrained(args.model), f"{args.model}/config.json"
-        with torch.device("meta"):
-            model = M.FAMILIES[family].model_cls._from_config(config, dtype=torch.bfloat16)
-    else:
-        model, source = M.published_model(family), f'model.PUBLISHED["{family}"]'
-        config = model.config
-    M.context_limit(processor, config)
-    return config, processor, model, images, f"config {source}, processor {folder}, no weights"
+    config = AutoConfig.from_pretrained(args.model) if os.path.isdir(args.model) else None
+    model = M.published_model(family, config=config)  # on the meta device: no weights
+    source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
+    M.context_limit(processor, model.config)
+    return processor, model, images, f"config {source}, processor {folder}, no weights"
 
 
 def plan_rows(processor, family, kind, queries, icds, patch):
@@ -783,8 +737,7 @@ def plan_rows(processor, family, kind, queries, icds, patch):
         for name, batch in (("student", data.student_batch(processor, family, kind, piece)),
                             ("teacher", data.teacher_batch(processor, family, kind, piece, [d]))):
             rows[name][q.id] = int(batch["attention_mask"].sum())
-        rows["query"][q.id] = len(piece[0]["input_ids"])
-        rows["answers"][q.id] = sum(x != -100 for x in piece[0]["labels"])
+        rows["query"][q.id], rows["answers"][q.id] = query_sizes(piece)[0]
     pixels = piece[0]["images"]["pixel_values"]
     rows["crops"] = pixels.shape[0] if family == "idefics2" else 1  # LLaVA-OneVision: its base view (onevision_piece)
     rows["patches"] = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
@@ -792,21 +745,18 @@ def plan_rows(processor, family, kind, queries, icds, patch):
 
 
 def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens):
-    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS): {"weights", "teacher", "student", "vision", "adapter",
-    "train", "eval_adapter", "eval_icl"}."""
+    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS) of each part, of training and of evaluation."""
     text, vision = config.get_text_config(), getattr(config, "vision_config", None)
-    b, L, d, i = torch.empty(0, dtype=dtype).element_size(), text.num_hidden_layers, text.hidden_size, \
-        text.intermediate_size
-    heads = text.num_attention_heads
+    b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
+        text.num_attention_heads
     kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or d // heads)
     t_s, t_t = max(rows["student"].values()), max(rows["teacher"].values())
     d_v = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
     vision_row = lambda images: images * rows["crops"] * rows["patches"] * (getattr(vision, "intermediate_size", 0)
                                                                             + 4 * d_v) * b
     work = lambda tokens: batch * tokens * (3 * i + 4 * d) * b
-    out = {"weights": params * b, "adapter": adapter_params * 16,
-           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b,
-           "vision": vision_row(batch * (shots + 1))}
+    out = {"weights": params * b, "adapter": adapter_params * 16, "vision": vision_row(batch * (shots + 1)),
+           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b}
     out["train"] = out["weights"] + out["adapter"] + out["vision"] + max(out["teacher"], out["student"])
     evaluation = lambda tokens, images: out["weights"] + 2 * L * batch * (tokens + new_tokens) * kv * b + \
         work(tokens) + vision_row(batch * images)
@@ -825,19 +775,20 @@ def plan(args, training=True):
         queries = data.load_task(args.task, args.split, args.data_root)[:args.n_eval]
         shots = args.shots if args.shots else data.default_shots(args.task, family)
         pool = data.load_task(args.task, "train", args.data_root)
-    config, processor, model, images, source = plan_backbone(args, family)
+    processor, model, images, source = plan_backbone(args, family)
+    config = model.config
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
     patch = getattr(getattr(config, "vision_config", None), "patch_size", 14)
     rows = plan_rows(processor, family, kind, sample, icds, patch)
-    dtype = torch.bfloat16 if args.plan == "cuda" else torch.float32
+    dtype = autocast_dtype(args.plan)  # --plan cuda: bf16
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **method_sizes(args)).parameters()) \
         if training else 0
     batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
     mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens)
     mean = lambda values: sum(values) / len(values)
-    gb, count = size, lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+    count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
     print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
           f"{str(dtype).split('.')[-1]} ({'a CUDA' if args.plan == 'cuda' else 'a CPU'} run); {source}")
     if images:
@@ -847,16 +798,15 @@ def plan(args, training=True):
           f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; "
           f"{rows['crops']} crop(s) an image, {rows['patches']} patches a crop")
     figures = {"rows": rows, "memory": mem, "shots": shots, "dtype": dtype, "queries": len(queries)}
-    if training:
-        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype)
-    print(f"weights: {count(params)} parameters = {gb(mem['weights'])}"
+    print(f"weights: {count(params)} parameters = {size(mem['weights'])}"
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
     if training:
-        print(f"peak memory, training: ~{gb(mem['train'])} (weights {gb(mem['weights'])} + max(teacher "
-              f"{gb(mem['teacher'])}, student {gb(mem['student'])}) + vision {gb(mem['vision'])} + adapter "
-              f"{gb(mem['adapter'])})")
-    print(f"peak memory, evaluation at batch {batch}: ~{gb(mem['eval_adapter'])} with the adapter or "
-          f"zero-shot, ~{gb(mem['eval_icl'])} for {shots}-shot ICL")
+        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype)
+        print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
+              f"{size(mem['teacher'])}, student {size(mem['student'])}) + vision {size(mem['vision'])} + adapter "
+              f"{size(mem['adapter'])})")
+    print(f"peak memory, evaluation at batch {batch}: ~{size(mem['eval_adapter'])} with the adapter or "
+          f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1]))
     return figures
 
@@ -867,21 +817,19 @@ def plan_cache(args, config, rows, n_queries, dtype):
     if args.anchor == "none":
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    output = "logits" if args.anchor == "kl" else "states"
-    per_query = sum(cache_file_bytes(config, rows["query"][q], rows["answers"][q], output, dtype)
-                    for q in rows["query"]) / len(rows["query"])
-    folder = args.teacher_cache
-    while not os.path.isdir(folder):
-        folder = os.path.dirname(os.path.abspath(folder))
-    free, total = shutil.disk_usage(folder).free, per_query * n_queries
-    text = config.get_text_config()
-    shape = f"{text.num_hidden_layers} layers x T_q x {text.hidden_size}" if output == "states" else \
-        "answer tokens x vocabulary"
+    per_query = cache_file_bytes(args, config, [(rows["query"][q], rows["answers"][q]) for q in rows["query"]], dtype)
+    total = per_query * n_queries
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
               f"{n_queries}; it would take {size(total)})")
         return total
-    print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {output} {shape} in "
+    folder = args.teacher_cache
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    free, text = shutil.disk_usage(folder).free, config.get_text_config()
+    tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
+        f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
+    print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
           f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
           "free there"
           + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
@@ -891,14 +839,14 @@ def plan_cache(args, config, rows, n_queries, dtype):
 
 # -------------------------------------------------------------------------------------- checkpoints and run folders
 
-def checkpoint(args, backbone, optimizer, scheduler, progress):
+def save_run(run):
     """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
     if rank_and_world()[0] != 0:
         return
-    state = {"adapter": M.adapter_modules(backbone.model).state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "progress": progress, "args": vars(args),
+    state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.args),
              "rng": torch.get_rng_state(), "processes": rank_and_world()[1]}
-    data.atomic_write(os.path.join(args.out, "last.pt"), lambda f: torch.save(state, f))
+    data.atomic_write(os.path.join(run.args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "n_train", "n_heldout", "epochs",
@@ -930,14 +878,11 @@ def restore(args, backbone, optimizer, scheduler):
     return state["progress"]
 
 
-RUN_FILES = ("last.pt", "adapter.safetensors", "history.json")
-
-
 def claim(args):
     """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
     --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
     interrupted writes are cleaned up here and in the teacher cache."""
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(args.out, f))]
+    found = [f for f in ("last.pt", "adapter.safetensors", "history.json") if os.path.exists(os.path.join(args.out, f))]
     if found and not (args.resume or args.overwrite):
         raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
                          "with --overwrite")
@@ -949,21 +894,25 @@ def claim(args):
     data.remove_stale_tmp(args.teacher_cache)
 
 
-LOCK_FILE = ".lock"
-
-
 @contextlib.contextmanager
 def locked(folder):
-    """Hold `folder` for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our pid. A second
-    process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder and the
-    holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
+    """Hold `folder` (made if need be) for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our
+    pid. A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
+    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
     torchrun the first process holds it for all of them."""
     if rank_and_world()[0] != 0:
         yield
         return
-    make_folder(folder, "--out")
-    path = os.path.join(folder, LOCK_FILE)
-    fd, made = open_lock(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--out {folder}: cannot make the folder ({e.strerror or e})") from e
+    path = os.path.join(folder, ".lock")
+    made = not os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise OSError(f"could not {'make' if made else 'open'} the lock file {path} ({e.strerror or e})") from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -984,31 +933,11 @@ def locked(folder):
         os.close(fd)
 
 
-def open_lock(path):
-    """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be."""
-    for made, verb, exclusive in ((True, "make", os.O_EXCL), (False, "open", 0)):
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | exclusive, 0o666), made
-        except FileExistsError:  # only with O_EXCL: someone made it first, open it
-            continue
-        except OSError as e:
-            raise OSError(f"could not {verb} the lock file {path} ({e.strerror or e})") from e
-
-
-def make_folder(path, flag):
-    """os.makedirs(path), an OSError naming the flag and the folder if it cannot be made."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"{flag} {path}: cannot make the folder ({e.strerror or e})") from e
-
-
 # --------------------------------------------------------------------------------------------------------- torchrun
 
 @contextlib.contextmanager
 def process_group():
-    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU per process, or gloo on
-    CPU. Without torchrun: nothing."""
+    """Under torchrun (WORLD_SIZE set), join the process group for a while: NCCL, one GPU a process, or gloo on CPU."""
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         yield
         return
@@ -1136,16 +1065,13 @@ def parse_args(argv=None):
     for name, least in at_least.items():
         if getattr(args, name) is not None and getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
-    if not args.kappa > 0:
-        p.error(f"--kappa must be > 0 (a curvature magnitude; got {args.kappa})")
-    if not args.temperature > 0:
-        p.error(f"--temperature must be > 0 (got {args.temperature})")
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
-    for name, value, positive in (("lr", args.lr, True), ("clip", args.clip, True),
-                                  ("weight-decay", args.weight_decay, False), ("lam", args.lam, False)):
+    for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
+                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, "")):
+        value = getattr(args, name)
         if not (value > 0 if positive else value >= 0):
-            p.error(f"--{name} must be {'>' if positive else '>='} 0 (got {value})")
+            p.error(f"--{name.replace('_', '-')} must be {'>' if positive else '>='} 0 ({what}got {value})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
@@ -1172,8 +1098,7 @@ def add_icd_flags(p):
 
 
 def add_plan_flags(p):
-    """--plan, --processor, --image-splitting: what a run costs before it loads weights, and the image setting that
-    changes it most (train.py and evaluate.py)."""
+    """--plan, --processor and --image-splitting, the image setting that changes a run's cost most (train, evaluate)."""
     p.add_argument("--plan", nargs="?", const="cuda", choices=["cuda", "cpu"], help="print the run's plan and exit, "
                    "loading no weights: tokens per student and teacher row, image crops, the teacher cache on disk, "
                    "estimated peak memory of training and evaluation; cuda (the default): bf16, as on a GPU; cpu: "
@@ -1240,7 +1165,6 @@ def main(argv=None):
     if args.plan:
         return plan(args)
     M.choose_threads(args.model, args.threads)
-    make_folder(args.out, "--out")
     if args.benchmark:
         return benchmark(args)
     with process_group(), locked(args.out):
