@@ -302,10 +302,8 @@ def train(args):
 
 
 def train_step(run, batches):
-    """One optimiser step: for each micro-batch of queries (gradient accumulation), the teacher's states (cached after
-    their first computation) and the student's forward give the loss (Eq 17); then one clipped AdamW step, counted,
-    shown with its loss parts and checkpointed every --save-every steps. A NaN or inf loss stops the run, naming the
-    step and the part (the last checkpoint stays as it was)."""
+    """One optimiser step: per micro-batch, the teacher's states and the student's forward give the loss (Eq 17);
+    then one clipped AdamW step, shown and checkpointed every --save-every steps. A NaN or inf loss stops the run."""
     parts, step = {}, run.progress["step"] + 1
     for queries in batches:
         student, teacher = micro_batch(run.backbone, run.args, run.kind, queries, [run.icds[q.id] for q in queries],
@@ -317,8 +315,8 @@ def train_step(run, batches):
                                          "checkpoint is untouched; try a lower --lr or --kappa")
         (part["loss"] / run.args.grad_accum).backward()
         parts = {k: parts.get(k, 0) + v.item() / run.args.grad_accum for k, v in part.items()}
-    adapter = M.adapter_modules(run.backbone.model).parameters()
-    torch.nn.utils.clip_grad_norm_(adapter, run.args.clip)                   # not in the paper: --clip 1.0
+    # the step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule
+    torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.args.clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
