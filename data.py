@@ -509,15 +509,17 @@ def records(path, dataset, key):
 
 
 @contextlib.contextmanager
-def entry(path, dataset, n, record):
-    """Turn a missing or mistyped field of the n-th entry of a JSON file into an error naming the file and entry."""
+def entry(path, dataset, n, record, question=False):
+    """Turn a missing, mistyped or bad field of the n-th entry of a JSON file into a ValueError naming the file and
+    the entry: by its text, or (`question`, SEED-Bench's) by its question_id."""
+    qid = record.get("question_id") if isinstance(record, dict) else "?"
+    where = f"question #{n} (question_id {qid}) in {path}" if question else f"entry {n} of {path} ({str(record)[:80]})"
     try:
         yield
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}) has a missing or malformed field "
-                         f"({type(e).__name__}: {e})") from e
+        raise ValueError(f"{dataset}: {where} has a missing or malformed field ({type(e).__name__}: {e})") from e
     except ValueError as e:
-        raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}): {e}") from e
+        raise ValueError(f"{dataset}: {where} is malformed: {e}") from e
 
 
 def coco_image(root, split, image_id):
@@ -661,57 +663,76 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
 
 SEED_LETTERS = "ABCD"
 SEED_IMAGE_DIMENSIONS = range(1, 10)  # question_type_id of the image questions; 10-12 are video
-
-
-def seed_image(images, folder, data_id):
-    """The file of a SEED-Bench image: data_id itself, else data_id with an image extension; None if neither."""
-    for name in (data_id, *(data_id + e for e in IMAGE_EXTENSIONS)):
-        if name in images:
-            return os.path.join(folder, name)
-    return None
-
-
-def read_seed(root):
-    """SEED-Bench-1's image questions (dimensions 1-9) from root/seed-bench, in file order. Ids: question_id."""
-    path, folder = os.path.join(root, "seed-bench", "SEED-Bench.json"), os.path.join(root, "seed-bench",
-                                                                                     "SEED-Bench-image")
-    obj = read_json(path, "seed")
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"seed: expected the image folder {folder} (see the data_root layout in data.py)")
-    images, items, seen = set(os.listdir(folder)), [], set()
-    try:
-        names = {int(v): k for k, v in obj["question_type"].items()}
-        questions = obj["questions"]
-        if not isinstance(questions, list):
-            raise TypeError(f"`questions` is {type(questions).__name__}, not a list")
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
-    for n, q in enumerate(questions):
-        where = f"question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'}) in {path}"
-        try:
-            if int(q["question_type_id"]) not in names:
-                raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
-            if int(q["question_type_id"]) not in SEED_IMAGE_DIMENSIONS:
-                continue
-            options = tuple(text_field(q, f"choice_{x}") for x in "abcd")
-            qid, answer, dimension = int(q["question_id"]), q["answer"].strip(), names[int(q["question_type_id"])]
-            if answer not in tuple(SEED_LETTERS):
-                raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
-            text_field(q, "question")
-            unique_id(seen, qid, "question_id")
-            image = seed_image(images, folder, q["data_id"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"seed: {where} is malformed: {e if type(e) is ValueError else repr(e)}") from e
-        if image is None:
-            raise FileNotFoundError(f"seed: question {qid} in {path}: its image {q['data_id']!r} is not in {folder}")
-        items.append(Item(qid, image, q["question"].strip(), options, answer, dimension))
-    return items
-
-
 SEED2_FILE = "SEED-Bench_v2_level1_2_3.json"  # the official eval.py's --anno_path
 SEED2_FOLDERS = {"cc3m": "cc3m-image", "SEED-Bench v2": "SEED-Bench-2-image"}  # data_source -> image folder
 SEED2_SUBPART = "Single-Image & Text Comprehension"  # dimensions 1-16: one image, a text answer
 SEED2_MAX_K = 1_000_000
+
+
+def read_seed(root):
+    """SEED-Bench-1's image questions (dimensions 1-9) from root/seed-bench, in file order. Ids: question_id."""
+    path, folder = (os.path.join(root, "seed-bench", f) for f in ("SEED-Bench.json", "SEED-Bench-image"))
+    questions, names = seed_questions(path, "seed")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"seed: expected the image folder {folder} (see the data_root layout in data.py)")
+    items, seen = [], set()
+    for n, q in enumerate(questions):
+        with entry(path, "seed", n, q, question=True):
+            if int(q["question_type_id"]) in names.keys() - set(SEED_IMAGE_DIMENSIONS):
+                continue  # a video question
+            items.append(seed_item("seed", path, folder, q, int(q["question_id"]), names, seen))
+    return items
+
+
+def read_seed2(root):
+    """SEED-Bench-2's single-image questions (subpart "Single-Image & Text Comprehension", dimensions 1-16, levels
+    L1-L2 as its eval.py's default) from root/seed-bench-2, in file order; prints the count per dimension. The
+    multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
+    which a single-image model cannot give, and are skipped."""
+    path = os.path.join(root, "seed-bench-2", SEED2_FILE)
+    single_image = lambda q: q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")
+    questions, names = seed_questions(path, "seed2", single_image)
+    items, seen = [], set()
+    for n, q in enumerate(questions):
+        with entry(f"the single-image part of {path}", "seed2", n, q, question=True):
+            if not isinstance(q["data_id"], str):
+                raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
+            folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
+            items.append(seed_item("seed2", path, folder, q, seed2_id(q["question_id"]), names, seen))
+    counts = Counter(it.category for it in items)
+    print(f"seed2: {len(items)} single-image questions; " +
+          ", ".join(f"{names[k]} {counts[names[k]]}" for k in sorted(names) if names[k] in counts))
+    return items
+
+
+def seed_questions(path, dataset, part=lambda q: True):
+    """A SEED-Bench file's questions (those of `part`) and its dimensions {question_type_id: name}."""
+    obj = read_json(path, dataset)
+    try:
+        names = {int(v): k for k, v in obj["question_type"].items()}
+        if not isinstance(obj["questions"], list):
+            raise TypeError(f"`questions` is {type(obj['questions']).__name__}, not a list")
+        return [q for q in obj["questions"] if part(q)], names
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{dataset}: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
+
+
+def seed_item(dataset, path, folder, q, qid, names, seen):
+    """A SEED-Bench(-2) question as an Item, after the checks of both: a known dimension, four options, an answer
+    letter, a question, a new id, and its image in `folder` (data_id, else data_id with an image extension)."""
+    if int(q["question_type_id"]) not in names:
+        raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
+    answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
+    if answer not in tuple(SEED_LETTERS):
+        raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
+    question = text_field(q, "question")
+    unique_id(seen, qid, "question_id")
+    candidates = [os.path.join(folder, q["data_id"] + e) for e in ("", *IMAGE_EXTENSIONS)]
+    image = next((p for p in candidates if os.path.isfile(p)), None)
+    if image is None:
+        raise FileNotFoundError(f"{dataset}: question {q['question_id']} in {path}: its image {q['data_id']!r} is "
+                                f"not under {folder}")
+    return Item(qid, image, question, options, answer, names[int(q["question_type_id"])])
 
 
 def seed2_id(question_id):
@@ -723,54 +744,6 @@ def seed2_id(question_id):
         raise ValueError(f"question_id {question_id!r} is not of the form <dimension>_<k> (plain numbers, k below "
                          f"{SEED2_MAX_K:,})")
     return int(parts[0]) * SEED2_MAX_K + int(parts[1])
-
-
-def seed2_item(root, listings, q, names):
-    """One SEED-Bench-2 question as an Item; KeyError / ValueError / TypeError for a malformed one. listings: the
-    names in each cc3m image folder read so far (cc3m's data_id may lack its extension)."""
-    answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
-    text_field(q, "question")
-    if answer not in tuple(SEED_LETTERS):
-        raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
-    if not isinstance(q["data_id"], str):
-        raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
-    folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
-    if q["data_source"] == "cc3m":
-        if folder not in listings:
-            listings[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-        image = seed_image(listings[folder], folder, q["data_id"])
-    else:
-        image = os.path.join(folder, q["data_id"]) if os.path.isfile(os.path.join(folder, q["data_id"])) else None
-    if image is None:
-        raise FileNotFoundError(f"seed2: question {q['question_id']}: its image {q['data_id']!r} is not under {folder}")
-    return Item(seed2_id(q["question_id"]), image, q["question"].strip(), options, answer,
-                names[int(q["question_type_id"])])
-
-
-def read_seed2(root):
-    """SEED-Bench-2's single-image questions (subpart "Single-Image & Text Comprehension", dimensions 1-16, levels
-    L1-L2 as its eval.py's default) from root/seed-bench-2, in file order; prints the count per dimension. The
-    multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
-    which a single-image model cannot give, and are skipped."""
-    path = os.path.join(root, "seed-bench-2", SEED2_FILE)
-    obj, items, listings, seen = read_json(path, "seed2"), [], {}, set()
-    try:
-        names = {int(v): k for k, v in obj["question_type"].items()}
-        questions = [q for q in obj["questions"] if q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"seed2: {path} needs `questions` (with `subpart` and `level`) and a `question_type` "
-                         f"name -> id mapping ({e!r})") from e
-    for n, q in enumerate(questions):
-        try:
-            items.append(seed2_item(root, listings, q, names))
-            unique_id(seen, q["question_id"], "question_id")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"seed2: question #{n} ({q.get('question_id')}) of the single-image part of {path} "
-                             f"is malformed: {e if type(e) is ValueError else repr(e)}") from e
-    counts = Counter(it.category for it in items)
-    print(f"seed2: {len(items)} single-image questions; " +
-          ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: obj["question_type"][k])))
-    return items
 
 BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
 
