@@ -18,8 +18,8 @@ query + target (T tokens) are the last T positions of both (`query_target`). LLa
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
 Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
-the README ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy-icl datasets and the
-project's file writes (atomic, with checked caches).
+docs/real-models.md ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy-icl datasets
+and the project's file writes (atomic, with checked caches).
 """
 import contextlib
 import hashlib
@@ -365,7 +365,6 @@ def vision_tower_features(backbone, images):
     """The backbone's own vision tower, pooled: [n, d_vision] float32, the mean of its last hidden states over an
     image's patches. Idefics2 images are encoded whole (no splitting) and only their real (unpadded) patches are
     averaged; LLaVA-OneVision's base tile is the whole image, resized."""
-
     model, family = backbone.model, backbone.family
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     process = backbone.processor.image_processor
@@ -418,7 +417,7 @@ def load_task(task, split, data_root=None):
     if task.startswith("toy-icl-"):
         return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
     if data_root is None:
-        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+        raise ValueError(f"task {task!r} reads its files from --data-root (layout: docs/real-models.md)")
     if TASKS[task].kind not in ("yes-no", "choice"):
         return (read_vqa if TASKS[task].kind == "vqa" else read_karpathy)(data_root, split, task)
     items = BENCHMARK_READERS[task](data_root)
@@ -449,7 +448,7 @@ KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("test",)}
 def read_json(path, dataset):
     """Parse a JSON file; a missing or malformed file is an error naming the path and the dataset."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{dataset}: expected the file {path} (see the data_root layout in data.py)")
+        raise FileNotFoundError(f"{dataset}: expected the file {path} (layout: docs/real-models.md)")
     try:
         return json.loads(read_text(path, dataset))
     except json.JSONDecodeError as e:
@@ -561,9 +560,8 @@ def read_instances(items):
     """The COCO objects in each caption item's image (its id is the COCO image id), from the official instances files
     of the images' folders: ({item id: set of category names}, all category names the files declare)."""
     objects, categories = {}, set()
-    for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
-        root = os.path.dirname(os.path.dirname(folder_path))
-        path = instances_path(root, os.path.basename(folder_path))
+    for folder in sorted({os.path.dirname(it.image_path) for it in items}):
+        path = instances_path(os.path.dirname(os.path.dirname(folder)), os.path.basename(folder))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
                                     "annotations_trainval2014.zip)")
@@ -578,9 +576,7 @@ def read_instances(items):
                 if a["category_id"] not in names:
                     raise ValueError(f"category_id {a['category_id']!r} is not among the file's categories")
                 per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
-        for it in items:
-            if os.path.dirname(it.image_path) == folder_path:
-                objects[it.id] = per_image.get(it.id, set())
+        objects |= {it.id: per_image.get(it.id, set()) for it in items if os.path.dirname(it.image_path) == folder}
     return objects, categories
 
 
@@ -591,7 +587,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
 def mme_files(folder):
-    """(question file, image) paths of one MME subtask folder, in either official layout (see the layout above)."""
+    """(question file, image) paths of one MME subtask folder, in either official layout."""
     qdir, idir = os.path.join(folder, "questions_answers_YN"), os.path.join(folder, "images")
     if not (os.path.isdir(qdir) and os.path.isdir(idir)):
         qdir = idir = folder
@@ -631,7 +627,7 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
     for subtask in subtasks:
         folder = os.path.join(root, "mme", subtask)
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"mme: expected the subtask folder {folder} (see the data_root layout in data.py)")
+            raise FileNotFoundError(f"mme: expected the subtask folder {folder} (layout: docs/real-models.md)")
         for path, image in mme_files(folder):
             items += [Item(len(items) + k, image, q, (a,), a, subtask)
                       for k, (q, a) in enumerate(read_mme_questions(path))]
@@ -651,7 +647,7 @@ def read_seed(root):
     path, folder = (os.path.join(root, "seed-bench", f) for f in ("SEED-Bench.json", "SEED-Bench-image"))
     questions, names = seed_questions(path, "seed")
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"seed: expected the image folder {folder} (see the data_root layout in data.py)")
+        raise FileNotFoundError(f"seed: expected the image folder {folder} (layout: docs/real-models.md)")
     items, seen = [], set()
     for n, q in enumerate(questions):
         with entry(path, "seed", n, q, question=True):
@@ -919,7 +915,6 @@ def generated(root, write):
 # -------------------------------------------------------------------------- files: atomic writes and checked caches
 # The writes every script makes (model.py and evaluate.py use them too), their leftovers cleaned up.
 
-
 def atomic_write(path, write):
     """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`: readers see
     the old file or the new one, never half of one; the new file follows the umask. A failed write, a full disk
@@ -1020,7 +1015,6 @@ def read_cache(path, key, shapes):
     """The tensors of a cache file written by write_cache, or None when there is none or it is unusable: unreadable
     (truncated, foreign), other tensors, shapes or dtypes than `shapes` ({name: (shape, dtype)}; a dimension or dtype
     None may be any), another settings key or bytes that do not match its checksum (reported in one line)."""
-
     if not os.path.exists(path):
         return None
     try:
