@@ -653,7 +653,8 @@ def read_seed(root):
         with entry(path, "seed", n, q, question=True):
             if int(q["question_type_id"]) in names.keys() - set(SEED_IMAGE_DIMENSIONS):
                 continue  # a video question
-            items.append(seed_item("seed", path, folder, q, int(q["question_id"]), names, seen))
+            unique_id(seen, int(q["question_id"]), "question_id")
+            items.append(seed_item("seed", path, folder, q, int(q["question_id"]), names))
     return items
 
 
@@ -671,7 +672,8 @@ def read_seed2(root):
             if not isinstance(q["data_id"], str):
                 raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
             folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
-            items.append(seed_item("seed2", path, folder, q, seed2_id(q["question_id"]), names, seen))
+            unique_id(seen, q["question_id"], "question_id")  # the plain form only (seed2_id): one number each
+            items.append(seed_item("seed2", path, folder, q, seed2_id(q["question_id"]), names))
     counts = Counter(it.category for it in items)
     print(f"seed2: {len(items)} single-image questions; " +
           ", ".join(f"{names[k]} {counts[names[k]]}" for k in sorted(names) if names[k] in counts))
@@ -690,16 +692,15 @@ def seed_questions(path, dataset, part=lambda q: True):
         raise ValueError(f"{dataset}: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
 
 
-def seed_item(dataset, path, folder, q, qid, names, seen):
+def seed_item(dataset, path, folder, q, qid, names):
     """A SEED-Bench(-2) question as an Item, after the checks of both: a known dimension, four options, an answer
-    letter, a question, a new id, and its image in `folder` (data_id, else data_id with an image extension)."""
+    letter, a question, and its image in `folder` (data_id, else data_id with an image extension)."""
     if int(q["question_type_id"]) not in names:
         raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
     answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
     if answer not in tuple(SEED_LETTERS):
         raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
     question = text_field(q, "question")
-    unique_id(seen, qid, "question_id")
     candidates = [os.path.join(folder, q["data_id"] + e) for e in ("", *IMAGE_EXTENSIONS)]
     image = next((p for p in candidates if os.path.isfile(p)), None)
     if image is None:
