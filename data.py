@@ -18,8 +18,8 @@ query + target (T tokens) are the last T positions of both (`query_target`). LLa
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
 Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
-the README ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy-icl datasets and the
-project's file writes (atomic, with checked caches).
+docs/real-models.md ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy-icl datasets
+and the project's file writes (atomic, with checked caches).
 """
 import contextlib
 import hashlib
@@ -148,13 +148,11 @@ def prompt_batch(processor, family, kind, queries, icds=None):
 
 
 def encode_piece(processor, family, text, image):
-    """Token ids and image tensors of one piece of a row (text starting with `<image>`), by the family's processor.
-
-    Returns {"input_ids": list[int], "images": {name: tensor}}, each tensor's first dimension over the piece's
-    images: Idefics2 pixel_values [n, 3, H, W] and pixel_attention_mask [n, H, W] (n = 5 with image splitting,
-    else 1); Idefics and LLaVA-Interleave pixel_values [1, 3, H, W]; LLaVA-OneVision pixel_values
-    [1, patches, 3, H, W] and image_sizes [1, 2].
-    """
+    """Token ids and image tensors of one piece of a row (text starting with `<image>`), by the family's processor:
+    {"input_ids": list[int], "images": {name: tensor}}, each tensor's first dimension over the piece's images
+    (Idefics2 pixel_values [n, 3, H, W] and pixel_attention_mask [n, H, W], n = 5 with image splitting, else 1;
+    Idefics and LLaVA-Interleave pixel_values [1, 3, H, W]; LLaVA-OneVision pixel_values [1, patches, 3, H, W] and
+    image_sizes [1, 2])."""
     if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
         out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
         return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
@@ -173,14 +171,12 @@ def onevision_tokens(processor):
 
 
 def onevision_piece(processor, text, image):
-    """A LLaVA-OneVision piece with its image encoded as one of several images, the model's multi-image mode.
-
-    The model tiles an image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one
-    image; an image among several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher
-    row holds several images, so its query image is in that mode; the student's lone query image must be too, or the
+    """A LLaVA-OneVision piece with its image encoded as one of several images, the model's multi-image mode. The
+    model tiles an image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one image;
+    an image among several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher row
+    holds several images, so its query image is in that mode; the student's lone query image must be too, or the
     query's tokens would differ between the rows (Eq 16 compares them token by token). So every image is encoded
-    this way, in training and evaluation alike (`image_inputs` tells the model). Returns what encode_piece returns.
-    """
+    this way, in training and evaluation alike (`image_inputs` tells the model). Returns what encode_piece does."""
     views = processor.image_processor([[image, image]], return_tensors="pt")  # a prompt of two images: base views
     ids = processor.tokenizer(text.replace(processor.image_token, processor.image_token * onevision_tokens(processor)),
                               add_special_tokens=False)["input_ids"]
@@ -188,14 +184,10 @@ def onevision_piece(processor, text, image):
 
 
 def encode_query(processor, family, kind, query, with_target=True):
-    """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels.
-
-    Labels are -100 on the prompt and the token ids themselves on the answer + end token (the model shifts them).
-
-    Training target: VQAv2 multiple_choice_answer, OK-VQA the most frequent answer, captions the first reference
-    (`query.target`). The answer's ids are read off the tokenisation of the whole piece, so they are the tokens
-    the model would generate after the prompt.
-    """
+    """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels (-100 on
+    the prompt, the ids themselves on the answer + end token; the model shifts them). The answer's ids (of
+    query.target) are read off the tokenisation of the whole piece: the tokens the model would generate after the
+    prompt."""
     image, prompt = load_image(query), prompt_text(kind, query)
     piece = encode_piece(processor, family, prompt, image)
     ids = piece["input_ids"]
@@ -259,12 +251,10 @@ def left_pad(seq, width, fill):
 
 
 def collate(rows, processor, family):
-    """Left-pad rows into a batch: input_ids, attention_mask, position_ids, labels, query_target, and the images.
-
-    position_ids count real tokens only (0 on padding); query_target marks each row's last query_len positions (the
-    query + target, the tokens teacher and student share); labels are -100 except on the answer + end token.
-    A row longer than the model's context (the tokenizer's model_max_length) is an error naming its item.
-    """
+    """Left-pad rows into a batch: input_ids, attention_mask, position_ids (real tokens only: 0 on padding), labels
+    (-100 except on the answer + end token), query_target (each row's last query_len positions: the query + target,
+    which teacher and student share) and the images. A row longer than the model's context (the tokenizer's
+    model_max_length) is an error naming its item."""
     for r in rows:
         if len(r["input_ids"]) > processor.tokenizer.model_max_length:
             raise ValueError(f"item {r['id']}: its prompt has {len(r['input_ids'])} tokens, more than the model's "
@@ -295,11 +285,9 @@ def model_inputs(batch, device=None):
 # --------------------------------------------------------------------------------- demonstrations: random, or RICES
 
 def demonstrations(query_ids, support, m, seed):
-    """m ICDs per query, drawn at random from the support set, never the query itself (same id).
-
-    The draw for a query depends only on (seed, query id, support set), not on which other queries are drawn
-    for or in what order, so a teacher run for a query is reproducible.
-    """
+    """m ICDs per query, drawn at random from the support set, never the query itself (same id). The draw for a query
+    depends only on (seed, query id, support set), not on which other queries are drawn for or in what order, so a
+    teacher run for a query is reproducible."""
     if len(support) <= m:
         raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
     icds = []
@@ -322,11 +310,9 @@ def choose_demonstrations(backbone, args, queries, support, shots):
 
 
 def rices_demonstrations(query_ids, query_features, support, support_features, m):
-    """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar.
-
-    Never the query itself (same id). Order: least to most similar, so the most similar ICD is the last one, right
-    before the query. Equal similarities rank in support order. Returns m ICDs per query, as `demonstrations` does.
-    """
+    """RICES (Yang et al. 2022): per query, the m support items whose image features are most cosine-similar, never
+    the query itself (same id), as `demonstrations` returns them. Order: least to most similar, so the most similar
+    ICD is the last one, right before the query; equal similarities rank in support order."""
     if len(support) <= m:
         raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
     sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
@@ -339,12 +325,9 @@ def rices_demonstrations(query_ids, query_features, support, support_features, m
 
 
 def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
-    """Each item's image features under a frozen encoder, [len(items), d] float32, computed once and cached.
-
-    encode(list of PIL images) -> [n, d]. Each distinct image is encoded once, in batches, with a progress bar. The
-    cache file is named by a hash of encoder_id and of every item's id, image path, file size and modification
-    time, so a change of the encoder or of the data is a different file (recomputed, never a stale read).
-    """
+    """Each item's image features under a frozen encoder (encode(PIL images) -> [n, d]), [len(items), d] float32, each
+    distinct image encoded once. The cache file is named by a hash of encoder_id and of every item's id, image path,
+    file size and modification time: a change of the encoder or of the data is another file (never a stale read)."""
     stat = lambda p: (os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.exists(p) else None
     spec = {"encoder": encoder_id, "items": [[it.id, it.image_path, stat(it.image_path)] for it in items]}
     key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()
@@ -379,11 +362,9 @@ def image_encoder(backbone, hub_id=None):
 
 @torch.no_grad()
 def vision_tower_features(backbone, images):
-    """The backbone's own vision tower, pooled: the mean of its last hidden states over an image's patches.
-
-    images: PIL images. Returns [n, d_vision] float32. Idefics2 images are encoded whole (no splitting) and only
-    their real (unpadded) patches are averaged; LLaVA-OneVision's base tile is the whole image, resized.
-    """
+    """The backbone's own vision tower, pooled: [n, d_vision] float32, the mean of its last hidden states over an
+    image's patches. Idefics2 images are encoded whole (no splitting) and only their real (unpadded) patches are
+    averaged; LLaVA-OneVision's base tile is the whole image, resized."""
     model, family = backbone.model, backbone.family
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     process = backbone.processor.image_processor
@@ -436,7 +417,7 @@ def load_task(task, split, data_root=None):
     if task.startswith("toy-icl-"):
         return read_vqa(toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
     if data_root is None:
-        raise ValueError(f"task {task!r} reads its files from --data-root (see the layout in data.py)")
+        raise ValueError(f"task {task!r} reads its files from --data-root (layout: docs/real-models.md)")
     if TASKS[task].kind not in ("yes-no", "choice"):
         return (read_vqa if TASKS[task].kind == "vqa" else read_karpathy)(data_root, split, task)
     items = BENCHMARK_READERS[task](data_root)
@@ -467,7 +448,7 @@ KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("test",)}
 def read_json(path, dataset):
     """Parse a JSON file; a missing or malformed file is an error naming the path and the dataset."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{dataset}: expected the file {path} (see the data_root layout in data.py)")
+        raise FileNotFoundError(f"{dataset}: expected the file {path} (layout: docs/real-models.md)")
     try:
         return json.loads(read_text(path, dataset))
     except json.JSONDecodeError as e:
@@ -509,15 +490,17 @@ def records(path, dataset, key):
 
 
 @contextlib.contextmanager
-def entry(path, dataset, n, record):
-    """Turn a missing or mistyped field of the n-th entry of a JSON file into an error naming the file and entry."""
+def entry(path, dataset, n, record, question=False):
+    """Turn a missing, mistyped or bad field of the n-th entry of a JSON file into a ValueError naming the file and
+    the entry: by its text, or (`question`, SEED-Bench's) by its question_id."""
+    qid = record.get("question_id") if isinstance(record, dict) else "?"
+    where = f"question #{n} (question_id {qid}) in {path}" if question else f"entry {n} of {path} ({str(record)[:80]})"
     try:
         yield
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}) has a missing or malformed field "
-                         f"({type(e).__name__}: {e})") from e
+        raise ValueError(f"{dataset}: {where} has a missing or malformed field ({type(e).__name__}: {e})") from e
     except ValueError as e:
-        raise ValueError(f"{dataset}: entry {n} of {path} ({str(record)[:80]}): {e}") from e
+        raise ValueError(f"{dataset}: {where} is malformed: {e}") from e
 
 
 def coco_image(root, split, image_id):
@@ -559,14 +542,12 @@ def read_karpathy(root, split, dataset):
         with entry(path, dataset, n, im):
             if im["split"] not in KARPATHY_SPLITS[split]:
                 continue
-            if dataset == "coco":
-                image_id, image_path = im["cocoid"], os.path.join(root, "coco", im["filepath"], im["filename"])
-            else:
-                image_id, image_path = im["imgid"], os.path.join(root, "flickr30k", "flickr30k-images", im["filename"])
+            image_id = im["cocoid"] if dataset == "coco" else im["imgid"]
+            folder = im["filepath"] if dataset == "coco" else "flickr30k-images"
             captions = tuple(s["raw"].strip() for s in im["sentences"])
         if not captions:
             raise ValueError(f"{dataset}: image {image_id} ({im['filename']}) in {path} has no captions")
-        items.append(Item(image_id, image_path, None, captions, captions[0]))
+        items.append(Item(image_id, os.path.join(root, dataset, folder, im["filename"]), None, captions, captions[0]))
     return items
 
 
@@ -576,15 +557,11 @@ def instances_path(root, folder):
 
 
 def read_instances(items):
-    """The COCO objects in each item's image, from the official instances files of the folders the images are in.
-
-    items: caption items (their id is the COCO image id). Returns ({item id: set of category names}, all category
-    names the files declare). A missing file is an error naming its path (CHAIR needs it).
-    """
+    """The COCO objects in each caption item's image (its id is the COCO image id), from the official instances files
+    of the images' folders: ({item id: set of category names}, all category names the files declare)."""
     objects, categories = {}, set()
-    for folder_path in sorted({os.path.dirname(it.image_path) for it in items}):
-        root = os.path.dirname(os.path.dirname(folder_path))
-        path = instances_path(root, os.path.basename(folder_path))
+    for folder in sorted({os.path.dirname(it.image_path) for it in items}):
+        path = instances_path(os.path.dirname(os.path.dirname(folder)), os.path.basename(folder))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"CHAIR needs the COCO instance annotations {path} (instances_*2014.json of "
                                     "annotations_trainval2014.zip)")
@@ -599,9 +576,7 @@ def read_instances(items):
                 if a["category_id"] not in names:
                     raise ValueError(f"category_id {a['category_id']!r} is not among the file's categories")
                 per_image.setdefault(a["image_id"], set()).add(names[a["category_id"]])
-        for it in items:
-            if os.path.dirname(it.image_path) == folder_path:
-                objects[it.id] = per_image.get(it.id, set())
+        objects |= {it.id: per_image.get(it.id, set()) for it in items if os.path.dirname(it.image_path) == folder}
     return objects, categories
 
 
@@ -612,7 +587,7 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
 
 def mme_files(folder):
-    """(question file, image) paths of one MME subtask folder, in either official layout (see the layout above)."""
+    """(question file, image) paths of one MME subtask folder, in either official layout."""
     qdir, idir = os.path.join(folder, "questions_answers_YN"), os.path.join(folder, "images")
     if not (os.path.isdir(qdir) and os.path.isdir(idir)):
         qdir = idir = folder
@@ -652,7 +627,7 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
     for subtask in subtasks:
         folder = os.path.join(root, "mme", subtask)
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"mme: expected the subtask folder {folder} (see the data_root layout in data.py)")
+            raise FileNotFoundError(f"mme: expected the subtask folder {folder} (layout: docs/real-models.md)")
         for path, image in mme_files(folder):
             items += [Item(len(items) + k, image, q, (a,), a, subtask)
                       for k, (q, a) in enumerate(read_mme_questions(path))]
@@ -661,57 +636,77 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
 
 SEED_LETTERS = "ABCD"
 SEED_IMAGE_DIMENSIONS = range(1, 10)  # question_type_id of the image questions; 10-12 are video
-
-
-def seed_image(images, folder, data_id):
-    """The file of a SEED-Bench image: data_id itself, else data_id with an image extension; None if neither."""
-    for name in (data_id, *(data_id + e for e in IMAGE_EXTENSIONS)):
-        if name in images:
-            return os.path.join(folder, name)
-    return None
-
-
-def read_seed(root):
-    """SEED-Bench-1's image questions (dimensions 1-9) from root/seed-bench, in file order. Ids: question_id."""
-    path, folder = os.path.join(root, "seed-bench", "SEED-Bench.json"), os.path.join(root, "seed-bench",
-                                                                                     "SEED-Bench-image")
-    obj = read_json(path, "seed")
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"seed: expected the image folder {folder} (see the data_root layout in data.py)")
-    images, items, seen = set(os.listdir(folder)), [], set()
-    try:
-        names = {int(v): k for k, v in obj["question_type"].items()}
-        questions = obj["questions"]
-        if not isinstance(questions, list):
-            raise TypeError(f"`questions` is {type(questions).__name__}, not a list")
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"seed: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
-    for n, q in enumerate(questions):
-        where = f"question #{n} (question_id {q.get('question_id') if isinstance(q, dict) else '?'}) in {path}"
-        try:
-            if int(q["question_type_id"]) not in names:
-                raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
-            if int(q["question_type_id"]) not in SEED_IMAGE_DIMENSIONS:
-                continue
-            options = tuple(text_field(q, f"choice_{x}") for x in "abcd")
-            qid, answer, dimension = int(q["question_id"]), q["answer"].strip(), names[int(q["question_type_id"])]
-            if answer not in tuple(SEED_LETTERS):
-                raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
-            text_field(q, "question")
-            unique_id(seen, qid, "question_id")
-            image = seed_image(images, folder, q["data_id"])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"seed: {where} is malformed: {e if type(e) is ValueError else repr(e)}") from e
-        if image is None:
-            raise FileNotFoundError(f"seed: question {qid} in {path}: its image {q['data_id']!r} is not in {folder}")
-        items.append(Item(qid, image, q["question"].strip(), options, answer, dimension))
-    return items
-
-
 SEED2_FILE = "SEED-Bench_v2_level1_2_3.json"  # the official eval.py's --anno_path
 SEED2_FOLDERS = {"cc3m": "cc3m-image", "SEED-Bench v2": "SEED-Bench-2-image"}  # data_source -> image folder
 SEED2_SUBPART = "Single-Image & Text Comprehension"  # dimensions 1-16: one image, a text answer
 SEED2_MAX_K = 1_000_000
+
+
+def read_seed(root):
+    """SEED-Bench-1's image questions (dimensions 1-9) from root/seed-bench, in file order. Ids: question_id."""
+    path, folder = (os.path.join(root, "seed-bench", f) for f in ("SEED-Bench.json", "SEED-Bench-image"))
+    questions, names = seed_questions(path, "seed")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"seed: expected the image folder {folder} (layout: docs/real-models.md)")
+    items, seen = [], set()
+    for n, q in enumerate(questions):
+        with entry(path, "seed", n, q, question=True):
+            if int(q["question_type_id"]) in names.keys() - set(SEED_IMAGE_DIMENSIONS):
+                continue  # a video question
+            unique_id(seen, int(q["question_id"]), "question_id")
+            items.append(seed_item("seed", path, folder, q, int(q["question_id"]), names))
+    return items
+
+
+def read_seed2(root):
+    """SEED-Bench-2's single-image questions (subpart "Single-Image & Text Comprehension", dimensions 1-16, levels
+    L1-L2 as its eval.py's default) from root/seed-bench-2, in file order; prints the count per dimension. The
+    multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
+    which a single-image model cannot give, and are skipped."""
+    path = os.path.join(root, "seed-bench-2", SEED2_FILE)
+    single_image = lambda q: q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")
+    questions, names = seed_questions(path, "seed2", single_image)
+    items, seen = [], set()
+    for n, q in enumerate(questions):
+        with entry(f"the single-image part of {path}", "seed2", n, q, question=True):
+            if not isinstance(q["data_id"], str):
+                raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
+            folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
+            unique_id(seen, q["question_id"], "question_id")  # the plain form only (seed2_id): one number each
+            items.append(seed_item("seed2", path, folder, q, seed2_id(q["question_id"]), names))
+    counts = Counter(it.category for it in items)
+    print(f"seed2: {len(items)} single-image questions; " +
+          ", ".join(f"{names[k]} {counts[names[k]]}" for k in sorted(names) if names[k] in counts))
+    return items
+
+
+def seed_questions(path, dataset, part=lambda q: True):
+    """A SEED-Bench file's questions (those of `part`) and its dimensions {question_type_id: name}."""
+    obj = read_json(path, dataset)
+    try:
+        names = {int(v): k for k, v in obj["question_type"].items()}
+        if not isinstance(obj["questions"], list):
+            raise TypeError(f"`questions` is {type(obj['questions']).__name__}, not a list")
+        return [q for q in obj["questions"] if part(q)], names
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{dataset}: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
+
+
+def seed_item(dataset, path, folder, q, qid, names):
+    """A SEED-Bench(-2) question as an Item, after the checks of both: a known dimension, four options, an answer
+    letter, a question, and its image in `folder` (data_id, else data_id with an image extension)."""
+    if int(q["question_type_id"]) not in names:
+        raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
+    answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
+    if answer not in tuple(SEED_LETTERS):
+        raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
+    question = text_field(q, "question")
+    candidates = [os.path.join(folder, q["data_id"] + e) for e in ("", *IMAGE_EXTENSIONS)]
+    image = next((p for p in candidates if os.path.isfile(p)), None)
+    if image is None:
+        raise FileNotFoundError(f"{dataset}: question {q['question_id']} in {path}: its image {q['data_id']!r} is "
+                                f"not under {folder}")
+    return Item(qid, image, question, options, answer, names[int(q["question_type_id"])])
 
 
 def seed2_id(question_id):
@@ -724,54 +719,6 @@ def seed2_id(question_id):
                          f"{SEED2_MAX_K:,})")
     return int(parts[0]) * SEED2_MAX_K + int(parts[1])
 
-
-def seed2_item(root, listings, q, names):
-    """One SEED-Bench-2 question as an Item; KeyError / ValueError / TypeError for a malformed one. listings: the
-    names in each cc3m image folder read so far (cc3m's data_id may lack its extension)."""
-    answer, options = q["answer"].strip(), tuple(text_field(q, f"choice_{x}") for x in "abcd")
-    text_field(q, "question")
-    if answer not in tuple(SEED_LETTERS):
-        raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
-    if not isinstance(q["data_id"], str):
-        raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
-    folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
-    if q["data_source"] == "cc3m":
-        if folder not in listings:
-            listings[folder] = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-        image = seed_image(listings[folder], folder, q["data_id"])
-    else:
-        image = os.path.join(folder, q["data_id"]) if os.path.isfile(os.path.join(folder, q["data_id"])) else None
-    if image is None:
-        raise FileNotFoundError(f"seed2: question {q['question_id']}: its image {q['data_id']!r} is not under {folder}")
-    return Item(seed2_id(q["question_id"]), image, q["question"].strip(), options, answer,
-                names[int(q["question_type_id"])])
-
-
-def read_seed2(root):
-    """SEED-Bench-2's single-image questions (subpart "Single-Image & Text Comprehension", dimensions 1-16, levels
-    L1-L2 as its eval.py's default) from root/seed-bench-2, in file order; prints the count per dimension. The
-    multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
-    which a single-image model cannot give, and are skipped."""
-    path = os.path.join(root, "seed-bench-2", SEED2_FILE)
-    obj, items, listings, seen = read_json(path, "seed2"), [], {}, set()
-    try:
-        names = {int(v): k for k, v in obj["question_type"].items()}
-        questions = [q for q in obj["questions"] if q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"seed2: {path} needs `questions` (with `subpart` and `level`) and a `question_type` "
-                         f"name -> id mapping ({e!r})") from e
-    for n, q in enumerate(questions):
-        try:
-            items.append(seed2_item(root, listings, q, names))
-            unique_id(seen, q["question_id"], "question_id")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"seed2: question #{n} ({q.get('question_id')}) of the single-image part of {path} "
-                             f"is malformed: {e if type(e) is ValueError else repr(e)}") from e
-    counts = Counter(it.category for it in items)
-    print(f"seed2: {len(items)} single-image questions; " +
-          ", ".join(f"{k} {counts[k]}" for k in sorted(counts, key=lambda k: obj["question_type"][k])))
-    return items
-
 BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
 
 
@@ -783,12 +730,10 @@ SPLIT_SEED = 0
 
 
 def pool_split(items, fraction, seed=SPLIT_SEED):
-    """(training pool, evaluation part) of a benchmark without a training split: a seeded split by image.
-
-    The images of each category (an image's first question's) are shuffled with (seed, category) and the first
+    """(training pool, evaluation part) of a benchmark without a training split: a seeded split by image. The images
+    of each category (an image's first question's) are shuffled with (seed, category) and the first
     round(fraction x count) go to the pool, so every question of an image lands on the same side and each
-    subtask / dimension is split in the same proportion. Item order is kept on both sides.
-    """
+    subtask / dimension is split in the same proportion. Item order is kept on both sides."""
     pool = set()
     for c, images in images_by_category(items).items():
         pool.update(random.Random(f"{seed}:{c}").sample(images, round(fraction * len(images))))
@@ -816,13 +761,11 @@ def largest_remainder(total, sizes):
 
 
 def stratified_subset(items, n, seed=0):
-    """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval).
-
-    The m = round(n x images / questions) images (n rounded to whole images; MME: n / 2) are shared among
-    the categories (an image's first question's) in proportion to their images (largest remainders), and each
-    category's images are drawn with (seed, category); every question of a drawn image is kept, so both questions
-    of an MME image are, and its results file is one official calculation.py accepts. Item order is kept.
-    """
+    """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval). The
+    m = round(n x images / questions) images (MME: n / 2) are shared among the categories (an image's first
+    question's) in proportion to their images (largest remainders), and each category's images are drawn with
+    (seed, category); every question of a drawn image is kept, so both questions of an MME image are, and its
+    results file is one official calculation.py accepts. Item order is kept."""
     if n <= 0:
         raise ValueError(f"--n-eval must be at least 1, got {n}")
     if not items:
@@ -869,20 +812,16 @@ def icl_jpeg(scene):
     fill = tuple(max(0, min(255, c + s)) for c, s in zip(ICL_COLOURS[scene["colour"]], scene["shade"]))
     for cell, (left, top, right, bottom) in zip(scene["cells"], scene["margins"]):
         x, y = cell % 3 * ICL_CELL, cell // 3 * ICL_CELL
-        x0, y0, x1, y1 = x + left, y + top, x + ICL_CELL - 1 - right, y + ICL_CELL - 1 - bottom
-        draw.rectangle((x0, y0, x1, y1), fill=fill)
+        draw.rectangle((x + left, y + top, x + ICL_CELL - 1 - right, y + ICL_CELL - 1 - bottom), fill=fill)
     buffer = io.BytesIO()
     im.save(buffer, format="JPEG", quality=95, subsampling=0)
     return buffer.getvalue()
 
 
 def icl_text_pieces(processor):
-    """Every piece a meta-training episode is made of, as ids and labels: {(question, answer, last): piece}.
-
-    A piece is `<image>Question: q Short answer: a<end>` (+ the separator unless `last`, the query), tokenised once
-    by the processor (its ids do not depend on the image) exactly as data.PROMPTS writes evaluation prompts, with
-    labels on the answer + end token.
-    """
+    """Every piece a meta-training episode is made of, as ids and labels: {(question, answer, last): piece}. A piece
+    is `<image>Question: q Short answer: a<end>` (+ the separator unless `last`, the query), tokenised once (its ids
+    do not depend on the image) exactly as PROMPTS writes evaluation prompts, labels on the answer + end token."""
     blank = Image.new("RGB", (ICL_SIDE, ICL_SIDE))
     ids = lambda text: encode_piece(processor, "idefics2", text, blank)["input_ids"]
     pieces = {}
@@ -919,8 +858,7 @@ def write_toy_icl(root, attribute):
             image_id, scene = (i + 1 if split == "train" else 100_000 + i), icl_scene(rng)
             with open(coco_image(root, split, image_id), "wb") as f:
                 f.write(icl_jpeg(scene))
-            add_vqa(questions, annotations, image_id, ICL_QUESTION, [scene[attribute]] * 10,
-                    "number" if attribute == "count" else "other")
+            add_vqa(questions, annotations, image_id, ICL_QUESTION, [scene[attribute]] * 10, "other")
         write_vqa(root, split, f"hyper-icl toy-icl-{attribute}", questions, annotations)
 
 
@@ -947,14 +885,10 @@ def add_vqa(questions, annotations, image_id, question, answers, answer_type):
 
 
 def toy_icl_root(attribute, data_root=None):
-    """The data_root of toy-icl-<attribute> (data_root/toy-icl/<attribute>, or under ~/.cache/hyper-icl/)."""
-    folder = os.path.join(toy_folder("toy-icl", data_root), attribute)
+    """The data_root of toy-icl-<attribute>: data_root/toy-icl/<attribute>, or ~/.cache/hyper-icl/toy-icl/<attribute>
+    (generated on first use)."""
+    folder = os.path.join(data_root or os.path.expanduser("~/.cache/hyper-icl"), "toy-icl", attribute)
     return generated(folder, lambda tmp: write_toy_icl(tmp, attribute))
-
-
-def toy_folder(name, data_root=None):
-    """Where the generated dataset `name` lives: data_root/<name>, or ~/.cache/hyper-icl/<name>."""
-    return os.path.join(data_root, name) if data_root else os.path.expanduser(f"~/.cache/hyper-icl/{name}")
 
 
 def generated(root, write):
@@ -980,16 +914,13 @@ def generated(root, write):
 
 
 # -------------------------------------------------------------------------- files: atomic writes and checked caches
-# The writes every script makes (model.py and evaluate.py use them too): atomic, their leftovers cleaned up, and the
-# caches checked when read.
+# The writes every script makes (model.py and evaluate.py use them too), their leftovers cleaned up.
 
 def atomic_write(path, write):
-    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`.
-
-    Readers see the old file or the new one, never half of one; the new file follows the umask (as any other file
-    the program writes). A failed write, a full disk included, is an OSError naming `path`, which stays as it was.
-    What killed writes left in the folder is removed first (remove_stale_tmp).
-    """
+    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`: readers see
+    the old file or the new one, never half of one; the new file follows the umask. A failed write, a full disk
+    included, is an OSError naming `path`, which stays as it was. What killed writes left in the folder is removed
+    first (remove_stale_tmp)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -1082,12 +1013,9 @@ def write_cache(path, tensors, key):
 
 
 def read_cache(path, key, shapes):
-    """The tensors of a cache file written by write_cache, or None when there is none or it is unusable.
-
-    shapes: {name: (shape, dtype)}; a dimension None may have any size, a dtype None any. A file that is unreadable
-    (truncated, foreign), holds other tensors, shapes or dtypes, another settings key or bytes that do not match its
-    checksum is reported in one line and None returned, so the caller computes it again.
-    """
+    """The tensors of a cache file written by write_cache, or None when there is none or it is unusable: unreadable
+    (truncated, foreign), other tensors, shapes or dtypes than `shapes` ({name: (shape, dtype)}; a dimension or dtype
+    None may be any), another settings key or bytes that do not match its checksum (reported in one line)."""
     if not os.path.exists(path):
         return None
     try:
