@@ -276,7 +276,7 @@ def test_likelihood_ranking_matches_plain_forward(backbone):
             expected[i, k] = plain_loglik(backbone, row)
     assert len(set(expected.flatten().tolist())) == 8  # the options do differ
     torch.testing.assert_close(got.double(), expected, atol=2e-4, rtol=1e-5)
-    ranked = E.predict(backbone, "toy-seed", items, icds, likelihood=True)
+    ranked = E.predict(backbone, "seed", items, icds, likelihood=True)
     assert ranked == ["ABCD"[k] for k in expected.argmax(-1).tolist()]
 
 
