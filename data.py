@@ -719,6 +719,7 @@ def seed2_id(question_id):
                          f"{SEED2_MAX_K:,})")
     return int(parts[0]) * SEED2_MAX_K + int(parts[1])
 
+
 BENCHMARK_READERS = {"mme": read_mme, "seed": read_seed, "seed2": read_seed2}
 
 
