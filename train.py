@@ -906,11 +906,7 @@ def locked(folder):
     except OSError as e:
         raise OSError(f"--out {folder}: cannot make the folder ({e.strerror or e})") from e
     path = os.path.join(folder, ".lock")
-    made = not os.path.exists(path)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e:
-        raise OSError(f"could not {'make' if made else 'open'} the lock file {path} ({e.strerror or e})") from e
+    fd, made = open_lock(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -929,6 +925,18 @@ def locked(folder):
         yield
     finally:
         os.close(fd)
+
+
+def open_lock(path):
+    """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be.
+    Made exclusively (O_EXCL), so only the process that made the file may remove it."""
+    for made, verb, exclusive in ((True, "make", os.O_EXCL), (False, "open", 0)):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | exclusive, 0o666), made
+        except FileExistsError:  # only with O_EXCL: someone made it first, open it
+            continue
+        except OSError as e:
+            raise OSError(f"could not {verb} the lock file {path} ({e.strerror or e})") from e
 
 
 # --------------------------------------------------------------------------------------------------------- torchrun
