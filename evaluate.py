@@ -165,8 +165,12 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
-    with contextlib.suppress(FileNotFoundError):  # never the old metrics beside the new predictions, even if killed
+    try:  # never the old metrics beside the new predictions, even if killed next
         os.remove(stem + ".metrics.json")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
