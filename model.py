@@ -290,10 +290,11 @@ CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-in
 
 
 def family_of(name):
-    """The family of a backbone name: a short name, `tiny-<family>`, or a hub id / local path of a family."""
-    if is_toy_file(name):
+    """The family of a backbone name: a short name, `tiny-<family>`, `toy-idefics2` or a toy backbone's file, or a hub
+    id / local path of a family."""
+    if name == "toy-idefics2" or is_toy_file(name):
         return "idefics2"
-    short = name.removeprefix("tiny-").removeprefix("toy-")
+    short = name.removeprefix("tiny-")
     if short in FAMILIES:
         return short
     config_file = os.path.join(name, "config.json")
@@ -334,9 +335,10 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
     """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
     weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
     (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"."""
-    family, toy = family_of(name), name == "toy-idefics2" or is_toy_file(name)
-    if toy or name.startswith("tiny-"):
-        model, processor = toy_idefics2(name if is_toy_file(name) else None) if toy else TINY_BUILDERS[family](seed)
+    family = family_of(name)
+    if is_built(name):
+        model, processor = TINY_BUILDERS[family](seed) if name.startswith("tiny-") else \
+            toy_idefics2(name if is_toy_file(name) else None)
         images = image_setting(processor, family, image_splitting, "built-in processor")
         model = model.to(device or "cpu", dtype or torch.float32)
     else:
@@ -620,10 +622,14 @@ def choose_threads(name, threads=None):
     """Set torch's CPU threads: `threads` (--threads) if given, else one for a tiny or toy backbone (a few million
     parameters or fewer) on CPU, where a second thread only adds synchronisation (10x slower on a busy 2-core machine,
     README), else torch's default. Returns the count in force."""
-    small = name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
-    if threads or (small and not torch.cuda.is_available()):
+    if threads or (is_built(name) and not torch.cuda.is_available()):
         torch.set_num_threads(threads or 1)
     return torch.get_num_threads()
+
+
+def is_built(name):
+    """Whether a backbone is built here rather than loaded: a tiny twin, toy-idefics2 or a toy backbone's file."""
+    return name.startswith("tiny-") or name == "toy-idefics2" or is_toy_file(name)
 
 
 def is_toy_file(name):

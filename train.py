@@ -698,7 +698,7 @@ def plan_backbone(args, family):
     """The processor and a meta-device model (no weights) of --model, its image setting and where each came from: a
     folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of --processor
     or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
-    if args.model.startswith(("tiny-", "toy-")) or M.is_toy_file(args.model):
+    if M.is_built(args.model):
         backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
         return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
     if args.processor and not os.path.isdir(args.processor):
@@ -1141,7 +1141,7 @@ def check_build_out(path, overwrite):
     """Refuse, before the minutes-long build, an --out that the build could not be written to or used from: not a
     .safetensors name (--model takes no other), a folder, an existing file without --overwrite, a path under a
     file, or a folder that cannot be written (tried with a temporary file)."""
-    if not path.endswith(".safetensors"):
+    if not M.is_toy_file(path):
         raise ValueError(f"--out {path}: a toy backbone must be a .safetensors file (--model takes no other); "
                          f"name it e.g. {path}.safetensors")
     if os.path.isdir(path):

@@ -215,3 +215,12 @@ def test_hyper_icl_at_init_is_the_base_model_in_bf16():
 def test_a_model_folder_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"there is no folder {tmp_path / 'missing'}"):
         M.family_of(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("name", ["toy-idefics", "toy-llava-interleave", "toy-llava-onevision"])
+def test_only_toy_idefics2_is_a_toy_name(name):
+    """toy-idefics2 is the one toy backbone; another family after "toy-" is no name (it was read as that family's
+    hub checkpoint before)."""
+    assert not M.is_built(name)
+    with pytest.raises(ValueError, match=f"unknown backbone {name!r}"):
+        M.family_of(name)
