@@ -229,11 +229,20 @@ def fingerprint(backbone):
     return h.hexdigest()[:16]
 
 
+def adapter_shape(backbone):
+    """The attention shape an adapter checkpoint records, which load_adapter requires to match."""
+    return dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model)))
+
+
+def backbone_identity(backbone):
+    """What ties an adapter checkpoint to its backbone, which load_adapter requires to match unless --force."""
+    return {"family": backbone.family, "fingerprint": fingerprint(backbone)}
+
+
 def save_adapter(path, backbone):
     """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)."""
-    settings = {**backbone.model.icl_settings, "backbone": backbone.name,
-                **dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model))),
-                "family": backbone.family, "fingerprint": fingerprint(backbone)}
+    settings = {**backbone.model.icl_settings, "backbone": backbone.name, **adapter_shape(backbone),
+                **backbone_identity(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in adapter_modules(backbone.model).state_dict().items()}
     atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
 
@@ -258,12 +267,12 @@ def load_adapter(path, backbone, method=None, force=False):
     saved = read_settings(path)
     if method is not None and saved["method"] != method:
         raise ValueError(f"{path} holds a {saved['method']!r} adapter, not a {method!r} one")
-    shape = dict(zip(("layers", "heads", "head_dim"), attention_shape(backbone.model)))
+    shape = adapter_shape(backbone)
     differ = [f"{k} (saved {saved[k]}, here {v})" for k, v in shape.items() if saved[k] != v]
     if differ:
         raise ValueError(f"adapter {path} was trained on {saved['backbone']!r}, which differs from "
                          f"{backbone.name!r} in " + ", ".join(differ))
-    here = {"family": backbone.family, "fingerprint": fingerprint(backbone)}  # what ties it to its backbone
+    here = backbone_identity(backbone)
     differ = [f"{k} (saved {saved.get(k)}, here {v})" for k, v in here.items() if saved.get(k) != v]
     if differ and not force:
         raise ValueError(f"adapter {path} was trained on another backbone than {backbone.name!r}: "
