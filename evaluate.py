@@ -1401,10 +1401,8 @@ def curve(args):
     """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs on
     each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
     (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
-    and budget), curve.json (every run), curve.png and tune.json. One thread on CPU: on a shared machine that was about
-    10x faster than two, and deterministic."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
+    and budget), curve.json (every run), curve.png and tune.json. One thread on CPU unless --threads (main): on a
+    shared machine that was about 10x faster than two, and deterministic."""
     items, backbone = eval_items(args), M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
     # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
@@ -1650,8 +1648,8 @@ def main(argv=None):
     torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes)."""
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
-        return train.plan(args, training=False)
-    M.choose_threads(args.model, args.threads)
+        return train.plan(args, queries=eval_items(args))
+    M.choose_threads(args.model, args.threads or (1 if args.curve and not torch.cuda.is_available() else None))
     global ROUNDS
     ROUNDS = args.rounds or ROUNDS
     with train.process_group(), contextlib.nullcontext() if args.benchmark_attention else train.locked(args.out):

@@ -762,15 +762,15 @@ def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens
     return out
 
 
-def plan(args, training=True):
+def plan(args, queries=None):
     """Print what a run of these flags costs, without loading weights: tokens per student and teacher row at the
     configured shots (the collated rows of a sample of the queries), image crops, the teacher cache on disk and the
-    peak accelerator memory of training and evaluation (MEMORY_ASSUMPTIONS). Returns the figures as a dict."""
-    family, kind = M.family_of(args.model), data.TASKS[args.task].kind
-    if training:  # train.py's training queries; evaluate.py's --split items (--n-eval), ICDs from the training split
+    peak accelerator memory of training and evaluation (MEMORY_ASSUMPTIONS). Returns the figures as a dict.
+    queries: evaluate.py's items (ICDs then come from the training split); None: train.py's training queries."""
+    family, kind, training = M.family_of(args.model), data.TASKS[args.task].kind, queries is None
+    if training:
         queries, _, pool, shots = split_pool(args, family)
     else:
-        queries = data.load_task(args.task, args.split, args.data_root)[:args.n_eval]
         shots = args.shots if args.shots else data.default_shots(args.task, family)
         pool = data.load_task(args.task, "train", args.data_root)
     processor, model, images, source = plan_backbone(args, family)
