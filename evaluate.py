@@ -1597,12 +1597,10 @@ def parse_args(argv=None):
     if args.seed_protocol and D.TASKS[args.task].kind != "choice":
         p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
     args.seed_protocol = args.seed_protocol or "generate"
-    for name, least in {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0, "vector_sets": 1,
-                        "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1, "new_tokens": 1, "attention_tokens": 1,
-                        "threads": 1, "bench_shots": 0, "curve_queries": 1}.items():
-        value = getattr(args, name)
-        if any(v is not None and v < least for v in (value if isinstance(value, list) else [value])):
-            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
+    train.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
+                                   "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
+                                   "new_tokens": 1, "attention_tokens": 1, "threads": 1, "bench_shots": 0,
+                                   "curve_queries": 1})
     if args.curve:
         args.train_args = args.train_args or CURVE_TRAIN_ARGS
         unknown = set(args.curve_methods or []) - {name for name, _ in curve_runs()}

@@ -1066,11 +1066,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"]) if args.rank is None else args.rank
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
-    at_least = {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1, "batch_size": 1,
-                "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0, "build_tries": 1, "threads": 1}
-    for name, least in at_least.items():
-        if getattr(args, name) is not None and getattr(args, name) < least:
-            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {getattr(args, name)})")
+    check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
+                             "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
+                             "build_tries": 1, "threads": 1})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
@@ -1083,6 +1081,14 @@ def parse_args(argv=None):
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
                       "--rices-cache": args.rices_cache})
     return args
+
+
+def check_at_least(p, args, bounds):
+    """A parser error for each flag of {name: least} given below its least value (a list flag: any of its values)."""
+    for name, least in bounds.items():
+        value = getattr(args, name)
+        if any(v is not None and v < least for v in (value if isinstance(value, list) else [value])):
+            p.error(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
 
 
 def check_folders(p, folders):
