@@ -84,7 +84,7 @@ def hyper_icl_loss(h, h_teacher, span, logits, labels, args, anchor_scale=1.0):
     anchor = hyperbolic_anchor_loss(h, h_teacher, span, args.kappa)     # Eq 16: mean d_L^2 per query, then queries
     sup = supervised_loss(logits, labels)                               # L_sup: CE per target token (not in paper)
     anchor = share_of_global_mean(anchor, span.any(1).sum()) / anchor_scale  # torchrun; --anchor-norm (not in paper)
-    sup = share_of_global_mean(sup, (labels[:, 1:] != -100).sum())
+    sup = share_of_global_mean(sup, answer_positions(labels).sum())
     return {"anchor": anchor, "sup": sup, "loss": anchor + args.lam * sup}  # Eq 17
 
 
