@@ -748,10 +748,14 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
     base = [answer_probability(backbone, b, p) for b, p in batches]
     layers, heads, _ = M.attention_shape(backbone.model)
     aie = torch.zeros(layers, heads, dtype=torch.float64)
-    for l, h in tqdm([(l, h) for l in range(layers) for h in range(heads)], desc="indirect effects", unit="head"):
-        for (batch, positions), p0 in zip(batches, base):
+    bar = tqdm(total=layers * heads * len(batches), desc="indirect effects", unit="head x batch")
+    for (batch, positions), p0 in zip(batches, base):
+        batch = train.to_device(batch, backbone.model.device)  # once, not once per head
+        for l, h in itertools.product(range(layers), range(heads)):
             with set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
                 aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
+            bar.update()
+    bar.close()
     return aie / len(queries)
 
 
@@ -768,16 +772,15 @@ def function_vector(model, mean_heads, aie, k):
 def layer_losses(backbone, batches, vectors, add):
     """Per decoder layer l: the mean target cross-entropy of the held-out queries (zero-shot, teacher-forced) with
     vectors[l] put in at layer l and the last prompt token (replaced: TV; added: FV). The layer choice."""
-    device, losses = backbone.model.device, []
-    for l in tqdm(range(len(vectors)), desc="layer choice", unit="layer"):
-        total = count = 0
-        for batch, positions in batches:
+    totals, count = [0.0] * len(vectors), 0
+    for batch, positions in tqdm(batches, desc="layer choice", unit="batch"):
+        batch = train.to_device(batch, backbone.model.device)  # once, not once per layer
+        for l in range(len(vectors)):
             with steer(backbone.model, l, vectors[l], positions, add):
-                logits, labels = train.target_logits(backbone.model, train.to_device(batch, device))
-            total += train.supervised_loss(logits, labels).item() * len(positions)
-            count += len(positions)
-        losses.append(total / count)
-    return torch.tensor(losses)
+                logits, labels = train.target_logits(backbone.model, batch)
+            totals[l] += train.supervised_loss(logits, labels).item() * len(positions)
+        count += len(positions)
+    return torch.tensor([total / count for total in totals])
 
 
 def vector_path(backbone, args, shots):
