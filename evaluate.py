@@ -617,10 +617,10 @@ CHAIR_PY_UNJOINED = ("dining table",)
 CHAIR_COUNTS = ("chair.py", "corrected")
 
 
-def chair_vocabulary(categories, synonyms=COCO_SYNONYMS):
-    """{word or phrase: category} for the given categories (the instances file's), from `synonyms` (a category
+def chair_vocabulary(categories):
+    """{word or phrase: category} for the given categories (the instances file's), from COCO_SYNONYMS (a category
     missing from it is read by its own name)."""
-    return {w: c for c in categories for w in (synonyms.get(c) or c).split(", ")}
+    return {w: c for c in categories for w in (COCO_SYNONYMS.get(c) or c).split(", ")}
 
 
 def caption_objects(caption, vocabulary, count="chair.py"):
@@ -941,9 +941,9 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     random text ids and pixels (Table 6). Per image, as the family's processor expands it: Idefics2
     <fake_token_around_image>, 64 <image> (perceiver latents), <fake_token_around_image>, pixels at COCO's typical
     480 x 640 (which its processor keeps as is); Idefics one <image> between two wrappers, cross-attending to its
-    224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision a 384 x 384 image
-    in any-resolution mode (base 729 + one tile 729 + 27 row newlines). Sizes come from the model's config, so tiny
-    twins get the same format."""
+    224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision its base
+    384 x 384 view and a newline (730), the multi-image mode of data.onevision_piece. Sizes come from the model's
+    config, so tiny twins get the same format."""
     cfg, n, gen = model.config, shots + 1, torch.Generator().manual_seed(seed)
     vocab = cfg.get_text_config().vocab_size
     image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", vocab)
@@ -966,7 +966,7 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
         image = lambda: torch.full((count,), image_id)
         pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
             {"pixel_values": torch.randn(n, 1, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n),
-             "batch_num_images": torch.tensor([max(n, 2)])}
+             "batch_num_images": torch.tensor([max(n, 2)])}  # one sample of several images, as data.image_inputs
     pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else query_text)]) for i in range(n)]
     ids = torch.cat(pieces)[None]
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
@@ -1150,12 +1150,11 @@ def attention_benchmark(model, T=2048):
     paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
         ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
     runs, memory = {}, {}
-    with torch.no_grad():
-        for name, method, run in paths:
-            with run_as(model, method):
-                memory[name] = peak_memory_mb(run, device)
-            runs[name] = lambda timer, m=method, run=run: run_as(model, m)(lambda: timer(run))()  # in its setting
-        latency = paired_latency(runs, device)
+    for name, method, run in paths:  # attention_call's closures run without autograd
+        with run_as(model, method):
+            memory[name] = peak_memory_mb(run, device)
+        runs[name] = lambda timer, m=method, run=run: run_as(model, m)(lambda: timer(run))()  # in its setting
+    latency = paired_latency(runs, device)
     print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
           f"median ms, and the median [quartiles] over {ROUNDS} rounds of the time over SDPA runs on both sides; "
           "peak memory: " + ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
