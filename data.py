@@ -493,14 +493,16 @@ def records(path, dataset, key):
 def entry(path, dataset, n, record, question=False):
     """Turn a missing, mistyped or bad field of the n-th entry of a JSON file into a ValueError naming the file and
     the entry: by its text, or (`question`, SEED-Bench's) by its question_id."""
-    qid = record.get("question_id") if isinstance(record, dict) else "?"
-    where = f"question #{n} (question_id {qid}) in {path}" if question else f"entry {n} of {path} ({str(record)[:80]})"
+    def where():  # only on an error: str(record) of every record would slow the readers down
+        qid = record.get("question_id") if isinstance(record, dict) else "?"
+        return f"question #{n} (question_id {qid}) in {path}" if question else \
+            f"entry {n} of {path} ({str(record)[:80]})"
     try:
         yield
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{dataset}: {where} has a missing or malformed field ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{dataset}: {where()} has a missing or malformed field ({type(e).__name__}: {e})") from e
     except ValueError as e:
-        raise ValueError(f"{dataset}: {where} is malformed: {e}") from e
+        raise ValueError(f"{dataset}: {where()} is malformed: {e}") from e
 
 
 def coco_image(root, split, image_id):
@@ -789,10 +791,10 @@ def stratified_subset(items, n, seed=0):
 # the toy backbone (model.py), which is meta-trained on scenes of its own drawing, never on these files.
 
 ICL_QUESTION = "What is it?"
-ICL_ATTRIBUTES = {"colour": ("red", "green", "blue", "yellow"), "background": ("white", "grey", "black", "purple")}
-ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
 ICL_COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30)}
 ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
+ICL_ATTRIBUTES = {"colour": tuple(ICL_COLOURS), "background": tuple(ICL_BACKGROUNDS)}
+ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
 ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
 ICL_SIDE, ICL_CELL = 42, 14
 
