@@ -3,10 +3,11 @@ annotations), MME (all fourteen subtasks), SEED-Bench-1 and SEED-Bench-2, drawn 
 
 They are read by data.py's own readers under the real task names: `--task vqav2 --data-root benchmarks.ROOT` (also
 coco, mme, seed, seed2). ROOT is written once (conftest.py calls `generate`) to a folder whose name holds a hash of
-this file, so a changed fixture is never read from a stale folder; data.generated makes the write atomic.
+this file and data.py, so a changed fixture is never read from a stale folder; data.generated makes the write atomic.
 """
 import hashlib
 import os
+import pathlib
 import random
 import shutil
 import tempfile
@@ -16,8 +17,8 @@ from PIL import Image, ImageDraw
 
 import data as D
 
-ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" +
-                    hashlib.sha256(open(__file__, "rb").read()).hexdigest()[:12])
+SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in (__file__, D.__file__))  # this file and data.py's writers
+ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
 MME_IMAGES = 12                          # per subtask, two questions each
 SEED_IMAGES = 150                        # SEED-Bench-1 and -2 each
