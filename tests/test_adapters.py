@@ -109,12 +109,16 @@ def test_hyper_icl_starts_as_identity_and_counts_parameters():
 
 
 def explicit_hificl(adapter, q, k, v, mask):
-    """softmax([q K_learn^T, q K^T] / sqrt(d_h)) [V_learn; V] with the mask on K only (via Eq 2's left side)."""
+    """softmax([q K_learn^T, q K^T] / sqrt(d_h)) [V_learn; V] with the mask on K only, the softmax written out with
+    exponentials (not adapters.joint_attention, which HiFICL.reference uses)."""
     K_learn, V_learn = adapter.K_A @ adapter.K_B, adapter.V_A @ adapter.V_B
     scaling = q.shape[-1] ** -0.5
     logits_D = q @ K_learn.transpose(-1, -2) * scaling
     logits = q @ k.transpose(-1, -2) * scaling
-    return joint_attention(logits_D, logits, V_learn.expand(len(q), -1, -1, -1), v, mask), (logits_D, logits)
+    joint = torch.cat([logits_D, logits.masked_fill(~mask, -math.inf)], -1)
+    weights = torch.exp(joint - joint.amax(-1, keepdim=True))
+    values = torch.cat([V_learn.expand(len(q), -1, -1, -1), v], -2)
+    return weights / weights.sum(-1, keepdim=True) @ values, (logits_D, logits)
 
 
 @settings(max_examples=25)
