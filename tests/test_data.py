@@ -241,12 +241,11 @@ def test_stratified_subset_of_single_question_images_is_exact():
 
 @pytest.fixture(scope="module")
 def bench():
-    return benchmarks.ROOT, {(t, s): data.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco")
-                             for s in data.SPLITS}
+    return {(t, s): data.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco") for s in data.SPLITS}
 
 
 def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench):
-    root, tasks = bench
+    root, tasks = benchmarks.ROOT, bench
     assert {k: len(v) for k, v in tasks.items()} == {("vqav2", "train"): 300, ("vqav2", "val"): 100,
                                                       ("coco", "train"): 300, ("coco", "val"): 100}
     assert os.path.isfile(os.path.join(root, "vqav2", "v2_OpenEnded_mscoco_train2014_questions.json"))
@@ -260,8 +259,8 @@ def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench)
     assert not {i.id for i in vqa} & {i.id for i in tasks["vqav2", "val"]}
 
 
-def test_the_benchmarks_are_seeded(bench, tmp_path):
-    root, _ = bench
+def test_the_benchmarks_are_seeded(tmp_path):
+    root = benchmarks.ROOT
     benchmarks.write(tmp_path)
     for f in ("vqav2/v2_mscoco_val2014_annotations.json", "coco/dataset_coco.json", "mme/count/0003.txt",
               "seed-bench/SEED-Bench.json", f"seed-bench-2/{data.SEED2_FILE}", "coco/val2014/COCO_val2014_"
@@ -347,7 +346,7 @@ def teacher_and_student(processor, family, kind, queries, icds):
 
 @pytest.mark.parametrize("kind", ["vqa", "caption"])
 def test_teacher_and_student_rows_line_up(backbone, bench, kind):
-    _, tasks = bench
+    tasks = bench
     p, family = backbone.processor, backbone.family
     items = tasks["vqav2" if kind == "vqa" else "coco", "train"]
     queries, m = items[:3], 2
@@ -375,7 +374,7 @@ def test_teacher_and_student_rows_line_up(backbone, bench, kind):
 
 
 def test_position_ids_ignore_padding(backbone, bench):
-    _, tasks = bench
+    tasks = bench
     p, family = backbone.processor, backbone.family
     items = tasks["vqav2", "train"]
     batch = data.prompt_batch(p, family, "vqa", items[:2], [[], items[2:5]])  # zero-shot and 3-shot rows
@@ -390,7 +389,7 @@ def test_position_ids_ignore_padding(backbone, bench):
 
 
 def test_prompt_is_the_student_row_without_its_answer(backbone, bench):
-    _, tasks = bench
+    tasks = bench
     p, family = backbone.processor, backbone.family
     q = tasks["vqav2", "val"][0]
     _, student = teacher_and_student(p, family, "vqa", [q], [[]])
@@ -401,7 +400,7 @@ def test_prompt_is_the_student_row_without_its_answer(backbone, bench):
 
 def test_idefics_query_cross_attends_as_in_the_student(bench):
     """Idefics' image_attention_mask, rebuilt for the joined row: query tokens see only the query image, as alone."""
-    _, tasks = bench
+    tasks = bench
     bb = load_backbone("tiny-idefics")
     items = tasks["vqav2", "train"]
     teacher, student = teacher_and_student(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
@@ -411,7 +410,7 @@ def test_idefics_query_cross_attends_as_in_the_student(bench):
 
 
 def test_forward_pass_on_collated_batches(backbone, bench):
-    _, tasks = bench
+    tasks = bench
     p, family = backbone.processor, backbone.family
     items = tasks["vqav2", "train"]
     rng = random.Random(0)

@@ -355,7 +355,7 @@ def test_default_chair_equals_chair_pys_count_on_hand_worked_captions():
     assert corrected["chair_i"] != result["chair_i"]
 
 
-def test_the_corrected_count_is_named_in_the_output(tmp_path):
+def test_the_corrected_count_is_named_in_the_output():
     items = D.load_task("coco", "val", benchmarks.ROOT)[:2]
     assert set(E.chair_metrics(items, [it.target for it in items], "corrected")) == \
         {"chair_s_corrected", "chair_i_corrected", "recall_corrected"}

@@ -106,8 +106,8 @@ def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, 
              "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "cache")]
     monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
     steps = []
-    monkeypatch.setattr(train, "losses", lambda *a, **k: steps.append(1))
-    with pytest.raises(ValueError) as e:
+    with monkeypatch.context() as m, pytest.raises(ValueError) as e:
+        m.setattr(train, "losses", lambda *a, **k: steps.append(1))
         train.main(flags)
     message = str(e.value)
     for part in ("kB for 4 queries", str(tmp_path / "cache"), "1.0 kB free", "--teacher-cache DIR",
@@ -115,13 +115,11 @@ def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, 
         assert part in message, part
     assert "\n" not in message and steps == [] and os.listdir(tmp_path / "cache") == []
     assert not os.path.exists(tmp_path / "run" / "last.pt")
-    monkeypatch.undo()
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
     train.main([*flags, "--no-teacher-cache", "--overwrite"])  # recomputes the teacher instead: runs, caches nothing
     assert os.path.exists(tmp_path / "run" / "last.pt") and os.listdir(tmp_path / "cache") == []
 
 
-def test_image_splitting_is_explicit(twins, capsys):
+def test_image_splitting_is_explicit(twins):
     split = M.load_backbone(twins["idefics2-split"])
     unsplit = M.load_backbone(twins["idefics2-split"], image_splitting="off")
     assert split.images.startswith("image splitting: on (the checkpoint's processor config): 5 crop(s)")

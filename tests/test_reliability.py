@@ -733,7 +733,7 @@ def test_a_lock_that_cannot_be_written_names_it_and_is_not_left(tmp_path, monkey
     assert os.listdir(tmp_path / "run") == []
 
 
-def test_an_out_that_cannot_be_made_names_the_flag(tmp_path, capsys):
+def test_an_out_that_cannot_be_made_names_the_flag(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError, match=rf"--out {tmp_path / 'file' / 'run'}: cannot make the folder"):
         train.main([*TINY, "--out", str(tmp_path / "file" / "run")])
@@ -760,7 +760,7 @@ def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
     assert "--train-args '--resume': train.py says:" in capsys.readouterr().err
 
 
-def test_small_backbones_on_cpu_run_on_one_thread_unless_threads_says(monkeypatch):
+def test_small_backbones_on_cpu_run_on_one_thread_unless_threads_says():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
