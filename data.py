@@ -147,21 +147,37 @@ def prompt_batch(processor, family, kind, queries, icds=None):
                    processor, family)
 
 
-def encode_piece(processor, family, text, image):
-    """Token ids and image tensors of one piece of a row (text starting with `<image>`), by the family's processor:
-    {"input_ids": list[int], "images": {name: tensor}}, each tensor's first dimension over the piece's images
-    (Idefics2 pixel_values [n, 3, H, W] and pixel_attention_mask [n, H, W], n = 5 with image splitting, else 1;
-    Idefics and LLaVA-Interleave pixel_values [1, 3, H, W]; LLaVA-OneVision pixel_values [1, patches, 3, H, W] and
-    image_sizes [1, 2])."""
+def encode_piece(processor, family, text, image, pixels=None):
+    """Token ids and images of one piece of a row (text starting with `<image>`), by the family's processor:
+    {"input_ids": list[int], "images": {name: one entry an image}}. `pixels` (image_pixels of the image) are reused
+    where the caller has them, so an image shared by two pieces is processed once. Idefics: its processor's
+    pixel_values [1, 3, H, W] (float); the other families: image_pixels, uint8, which model_inputs normalises."""
     if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
         out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
         return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
+    pixels = pixels or image_pixels(processor, family, image)
+    return {"input_ids": piece_ids(processor, family, text, pixels), "images": pixels}
+
+
+def piece_ids(processor, family, text, pixels):
+    """The ids of a piece's text, each `<image>` expanded into the tokens its processor gives the image."""
+    if family == "idefics2":  # its processor expands <image> from the text alone (image_seq_len, x 5 with splitting)
+        return processor(text=text, add_special_tokens=False)["input_ids"][0]
+    one = processor.image_token * onevision_tokens(processor) if family == "llava-onevision" else \
+        processor.replace_image_token(pixels, 0)  # LLaVA-Interleave: a token a patch of the resized image
+    return processor.tokenizer(text.replace(processor.image_token, one), add_special_tokens=False)["input_ids"]
+
+
+def image_pixels(processor, family, image):
+    """One image through the family's image processor, stopped before rescaling and normalisation (model_inputs does
+    those on the device): {"pixel_values": [uint8 [3, h, w] a crop]}; Idefics2: one crop, or 4 crops + the whole
+    image with image splitting, each its own size; LLaVA-Interleave: [3, 384, 384]; LLaVA-OneVision: its base view
+    (onevision_piece)."""
     if family == "llava-onevision":
-        return onevision_piece(processor, text, image)
-    out = processor(text=text, images=[image], add_special_tokens=False, return_tensors="pt")
-    names = {"idefics2": ("pixel_values", "pixel_attention_mask"), "llava-interleave": ("pixel_values",)}[family]
-    squeeze = family == "idefics2"  # its tensors carry a batch dimension over the images of a prompt
-    return {"input_ids": out["input_ids"][0].tolist(), "images": {k: out[k][0] if squeeze else out[k] for k in names}}
+        return onevision_piece(processor.image_processor, image)
+    split = {"do_pad": False} if family == "idefics2" else {}  # Idefics2: no padding (collate pads the batch once)
+    out = processor.image_processor([[image]] if split else [image], do_rescale=False, do_normalize=False, **split)
+    return {"pixel_values": [torch.from_numpy(c) for c in (out["pixel_values"][0] if split else out["pixel_values"])]}
 
 
 def onevision_tokens(processor):
@@ -170,29 +186,32 @@ def onevision_tokens(processor):
     return processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
 
 
-def onevision_piece(processor, text, image):
-    """A LLaVA-OneVision piece with its image encoded as one of several images, the model's multi-image mode. The
-    model tiles an image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one image;
-    an image among several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher row
-    holds several images, so its query image is in that mode; the student's lone query image must be too, or the
-    query's tokens would differ between the rows (Eq 16 compares them token by token). So every image is encoded
-    this way, in training and evaluation alike (`image_inputs` tells the model). Returns what encode_piece does."""
-    views = processor.image_processor([[image, image]], return_tensors="pt")  # a prompt of two images: base views
-    ids = processor.tokenizer(text.replace(processor.image_token, processor.image_token * onevision_tokens(processor)),
-                              add_special_tokens=False)["input_ids"]
-    return {"input_ids": ids, "images": {k: views[k][:1] for k in ("pixel_values", "image_sizes")}}
+def onevision_piece(process, image):
+    """A LLaVA-OneVision image encoded as one of several images, the model's multi-image mode. The model tiles an
+    image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one image; an image among
+    several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher row holds several
+    images, so its query image is in that mode; the student's lone query image must be too, or the query's tokens
+    would differ between the rows (Eq 16 compares them token by token). So every image is encoded this way, in
+    training and evaluation alike (`image_inputs` tells the model): padded to a square of the mean colour and resized,
+    as the image processor does for an image among several, once (not as a prompt of two images, one kept).
+    Returns image_pixels' dict, with the image's "image_sizes" [1, 2]."""
+    chw = process.process_image(image, do_convert_rgb=True)
+    square = process.pad_to_square(chw, tuple(int(x * 255) for x in process.image_mean))
+    view = process.resize(square, process.size, resample=process.resample)
+    return {"pixel_values": [torch.from_numpy(view)], "image_sizes": torch.tensor([chw.shape[-2:]])}
 
 
 def encode_query(processor, family, kind, query, with_target=True):
     """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels (-100 on
     the prompt, the ids themselves on the answer + end token; the model shifts them). The answer's ids (of
     query.target) are read off the tokenisation of the whole piece: the tokens the model would generate after the
-    prompt."""
+    prompt. The image is processed once, for both tokenisations (Idefics excepted: its processor takes both)."""
     image, prompt = load_image(query), prompt_text(kind, query)
     piece = encode_piece(processor, family, prompt, image)
     ids = piece["input_ids"]
     if with_target:
-        piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image)
+        piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image,
+                             None if family == "idefics" else piece["images"])
         if piece["input_ids"][:len(ids)] != ids:
             raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
     return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):], "id": query.id}
@@ -230,19 +249,63 @@ def pad_stack(tensors):
 
 
 def image_inputs(rows, processor, family, input_ids):
-    """The image tensors of a batch, in the form the family's forward takes (images in row order)."""
-    per_image = {k: [[x for p in r["images"] for x in p[k]] for r in rows] for k in rows[0]["images"][0]}
-    if family == "idefics2":  # [B, images, 3, H, W]; padding images are all zero, which the model drops
-        return {k: pad_stack([pad_stack(v) for v in v_rows]) for k, v_rows in per_image.items()}
+    """The image tensors of a batch, in the form the family's forward takes (images in row order); the pixels of
+    image_pixels stay uint8, with "pixel_lut" (pixel_lut) for model_inputs to normalise them on the device."""
+    per_row = [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]
     if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
-        pixel_values = pad_stack([pad_stack(v) for v in per_image["pixel_values"]])
+        pixel_values = pad_stack([pad_stack(v) for v in per_row])
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
         mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
         return {"pixel_values": pixel_values, "image_attention_mask": mask}
-    out = {k: pad_stack([x for v in v_rows for x in v]) for k, v_rows in per_image.items()}  # LLaVA: [all images, ...]
+    lut = {"pixel_lut": pixel_lut(processor.image_processor)}
+    if family == "idefics2":  # [B, crops, 3, H, W] uint8 and its mask; padding crops are all zero once normalised
+        return {**crop_canvas(per_row), **lut}
+    out = {"pixel_values": torch.stack([x for v in per_row for x in v]), **lut}  # LLaVA: [all images, 3, H, W]
     if family == "llava-onevision":  # it tiles exactly the images of one-image samples; none here (onevision_piece),
+        out["pixel_values"] = out["pixel_values"][:, None]  # [images, 1 view, 3, H, W]
+        out["image_sizes"] = torch.cat([p["image_sizes"] for r in rows for p in r["images"]])
         out["batch_num_images"] = torch.tensor([max(len(out["image_sizes"]), 2)])  # so: one sample of several
     return out
+
+
+def crop_canvas(per_row):
+    """Idefics2's crops of each row, uint8 [3, h, w] of any size, laid top-left on one zero uint8 canvas [B, crops,
+    3, H, W] (the batch's largest), with pixel_attention_mask bool [B, crops, H, W] on the real pixels."""
+    n, (h, w) = max(map(len, per_row)), (max(x.shape[k] for v in per_row for x in v) for k in (1, 2))
+    pixels = torch.zeros(len(per_row), n, 3, h, w, dtype=torch.uint8)
+    mask = torch.zeros(len(per_row), n, h, w, dtype=torch.bool)
+    for b, crops in enumerate(per_row):
+        for k, x in enumerate(crops):
+            pixels[b, k, :, :x.shape[1], :x.shape[2]] = x
+            mask[b, k, :x.shape[1], :x.shape[2]] = True
+    return {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def pixel_lut(process):
+    """[3, 256] float32: what an image processor's rescaling and normalisation make of each uint8 value per channel,
+    computed as transformers' PIL backend computes them (rescale in float64, then (x - mean) / std in float32), so
+    the normalised pixels are the processor's to the bit."""
+    x = torch.arange(256, dtype=torch.float64) * (process.rescale_factor if process.do_rescale else 1)
+    x = x.float().expand(3, 256)
+    if not process.do_normalize:
+        return x.contiguous()
+    mean, std = (torch.tensor(v, dtype=torch.float32).expand(3)[:, None] for v in (process.image_mean,
+                                                                                   process.image_std))
+    return (x - mean) / std
+
+
+def normalised(batch):
+    """The batch with uint8 pixel_values normalised (pixel_lut), float32, zero outside pixel_attention_mask (Idefics2's
+    padding, as its processor pads); a batch without pixel_lut as it is. Wherever the batch lives: on the device."""
+    if "pixel_lut" not in batch:
+        return batch
+    pixels, lut = batch["pixel_values"], batch["pixel_lut"]
+    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
+    for c in range(pixels.shape[-3]):
+        out[..., c, :, :] = lut[c][pixels[..., c, :, :].int()]
+    if "pixel_attention_mask" in batch:
+        out.masked_fill_(~batch["pixel_attention_mask"][..., None, :, :], 0)
+    return {**{k: v for k, v in batch.items() if k != "pixel_lut"}, "pixel_values": out}
 
 
 def left_pad(seq, width, fill):
@@ -278,8 +341,10 @@ def answer_window(labels):
 
 
 def model_inputs(batch, device=None):
-    """A batch as the backbone's forward keyword arguments (all but "labels" and "query_target"), on `device`."""
-    return {k: v.to(device) for k, v in batch.items() if k not in ("labels", "query_target")}
+    """A batch as the backbone's forward keyword arguments (all but "labels" and "query_target"), on `device` (copied
+    without waiting: the batch is pinned on CUDA), its pixels normalised there (normalised)."""
+    return normalised({k: v.to(device, non_blocking=True) for k, v in batch.items()
+                       if k not in ("labels", "query_target")})
 
 
 # --------------------------------------------------------------------------------- demonstrations: random, or RICES

@@ -515,8 +515,8 @@ def toy_scenes(processor, n, rng):
     """n scenes of the meta-training world and their pixels (through the processor, once): (scenes, pixel dicts)."""
     scenes = [data.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
-    out = processor.image_processor(images, return_tensors="pt")
-    return scenes, [{k: out[k][i] for k in ("pixel_values", "pixel_attention_mask")} for i in range(n)]
+    out = processor.image_processor(images, do_rescale=False, do_normalize=False, do_pad=False)  # data.image_pixels
+    return scenes, [{"pixel_values": [torch.from_numpy(c) for c in crops]} for crops in out["pixel_values"]]
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):
@@ -736,9 +736,9 @@ def plan_rows(processor, family, kind, queries, icds, patch):
                             ("teacher", data.teacher_batch(processor, family, kind, piece, [d]))):
             rows[name][q.id] = int(batch["attention_mask"].sum())
         rows["query"][q.id], rows["answers"][q.id] = query_sizes(piece)[0]
-    pixels = piece[0]["images"]["pixel_values"]
-    rows["crops"] = pixels.shape[0] if family == "idefics2" else 1  # LLaVA-OneVision: its base view (onevision_piece)
-    rows["patches"] = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    pixels = piece[0]["images"]["pixel_values"]  # a crop or view of the last query's image, each [3, h, w]
+    rows["crops"] = len(pixels) if family == "idefics2" else 1  # LLaVA-OneVision: its base view (onevision_piece)
+    rows["patches"] = max(p.shape[-2] for p in pixels) // patch * (max(p.shape[-1] for p in pixels) // patch)
     return rows
 
 

@@ -53,8 +53,8 @@ def test_episodes_read_like_evaluation_prompts():
     end = processor.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     assert answers == [*processor.tokenizer(" " + items[0].target, add_special_tokens=False)["input_ids"], end,
                        *processor.tokenizer(" " + items[1].target, add_special_tokens=False)["input_ids"], end]
-    assert [torch.equal(a["pixel_values"], b["pixel_values"]) for a, b in zip(row["images"], reference["images"])] \
-        == [True, True]
+    assert [[torch.equal(x, y) for x, y in zip(a["pixel_values"], b["pixel_values"], strict=True)]
+            for a, b in zip(row["images"], reference["images"])] == [[True], [True]]
 
 
 def test_every_answer_is_one_token():
