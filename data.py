@@ -984,11 +984,13 @@ def generated(root, write):
 # -------------------------------------------------------------------------- files: atomic writes and checked caches
 # The writes every script makes (model.py and evaluate.py use them too), their leftovers cleaned up.
 
-def atomic_write(path, write):
-    """Call write(f) on a new binary file beside `path`, flush it to disk, then rename it over `path`: readers see
-    the old file or the new one, never half of one; the new file follows the umask. A failed write, a full disk
-    included, is an OSError naming `path`, which stays as it was. What killed writes left in the folder is removed
-    first (remove_stale_tmp)."""
+def atomic_write(path, write, durable=True):
+    """Call write(f) on a new binary file beside `path`, then rename it over `path`: readers see the old file or the
+    new one, never half of one; the new file follows the umask. durable: flushed to the disk (fsync) before the
+    rename, so that even a power loss leaves the old file or the new one (checkpoints, adapters, results); caches
+    pass False (a crash of the machine, not of the process, may then leave a renamed file whose bytes did not reach
+    the disk, which read_cache refuses). A failed write, a full disk included, is an OSError naming `path`, which
+    stays as it was. What killed writes left in the folder is removed first (remove_stale_tmp)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -1000,7 +1002,8 @@ def atomic_write(path, write):
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
@@ -1073,17 +1076,34 @@ def weights_digest(tensors):
     return h.hexdigest()
 
 
+def bytes_checksum(tensors):
+    """A cheap checksum of a state dict (in name order): each tensor's name, shape, dtype and the wrapping int64 sum of
+    its bytes read as 8-byte words (its last bytes alone): any changed word, a zeroed tail, a truncation changes it.
+    It costs a fraction of reading the bytes (sha256 cost more than the read itself); it guards against damage, not
+    against someone forging a file."""
+    parts = []
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        raw = t.reshape(-1).view(torch.uint8)
+        whole = raw.numel() // 8 * 8
+        total = int(raw[:whole].view(torch.int64).sum()) + int(raw[whole:].sum()) if raw.numel() else 0
+        parts.append(f"{name}{tuple(t.shape)}{t.dtype}:{total % 2 ** 64:x}")
+    return ";".join(parts)
+
+
 def write_cache(path, tensors, key):
-    """Write tensors to a cache file atomically, with their settings key and checksum in the metadata."""
+    """Write tensors to a cache file atomically, with their settings key and bytes_checksum in the metadata; not
+    flushed to the disk (a cache is recomputed when a crash damaged it: read_cache)."""
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    meta = {"key": key, "sha256": weights_digest(tensors)}
-    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)))
+    meta = {"key": key, "checksum": bytes_checksum(tensors)}
+    atomic_write(path, lambda f: f.write(save(tensors, metadata=meta)), durable=False)
 
 
 def read_cache(path, key, shapes):
     """The tensors of a cache file written by write_cache, or None when there is none or it is unusable: unreadable
     (truncated, foreign), other tensors, shapes or dtypes than `shapes` ({name: (shape, dtype)}; a dimension or dtype
-    None may be any), another settings key or bytes that do not match its checksum (reported in one line)."""
+    None may be any), another settings key or bytes that do not match its checksum (reported in one line). A read
+    costs about what reading the file's bytes costs (README)."""
     if not os.path.exists(path):
         return None
     try:
@@ -1102,7 +1122,7 @@ def read_cache(path, key, shapes):
                                        f"{tuple('*' if s is None else s for s in shape)} {dtype or ''}".rstrip())
     if meta.get("key") != key:
         return cache_warning(path, "it was written for other settings")
-    if meta.get("sha256") != weights_digest(tensors):
+    if meta.get("checksum") != bytes_checksum(tensors):
         return cache_warning(path, "its bytes do not match their checksum")
     return tensors
 

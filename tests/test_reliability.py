@@ -209,6 +209,46 @@ def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tm
     assert torch.equal(train.read_teacher(path, key, again[1].shape), again[1])  # and stored again
 
 
+KILLED_WRITER = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+import torch, data
+real = os.fdopen
+class Half:  # writes half of what it is given, says so, and waits to be killed
+    def __init__(self, f): self.f = f
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.f.close()
+    def write(self, b):
+        self.f.write(b[:len(b) // 2]); self.f.flush(); print("half", flush=True); time.sleep(60)
+    def __getattr__(self, name): return getattr(self.f, name)
+os.fdopen = lambda *a, **k: Half(real(*a, **k))
+data.write_cache({path!r}, {{"states": torch.arange(4096.).view(4, 1024)}}, "key")
+"""
+
+
+def test_a_cache_file_killed_mid_write_is_never_read_and_a_damaged_one_is_refused(tmp_path, capsys):
+    path = str(tmp_path / "cache" / "q.safetensors")
+    shapes = {"states": ((4, 1024), None)}
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(root=ROOT, path=path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline() == "half\n"                           # half of the file is on disk
+    writer.kill()                                                          # kill -9 mid-write
+    writer.wait()
+    left = os.listdir(tmp_path / "cache")
+    assert len(left) == 1 and data.is_stale_tmp(str(tmp_path / "cache" / left[0]))  # only its temporary file
+    assert data.read_cache(path, "key", shapes) is None                     # nothing read as valid
+    states = torch.arange(4096.).view(4, 1024)
+    data.write_cache(path, {"states": states}, "key")                       # the rerun writes it, cleans up
+    assert os.listdir(tmp_path / "cache") == ["q.safetensors"]
+    assert torch.equal(data.read_cache(path, "key", shapes)["states"], states)
+    good = open(path, "rb").read()
+    for damaged in (good[:-4096] + bytes(4096),                            # a tail that never reached the disk
+                    good[:len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:]):  # a bit
+        open(path, "wb").write(damaged)
+        assert data.read_cache(path, "key", shapes) is None
+        assert "is unusable (its bytes do not match their checksum)" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------------------------------- flags
 
 @pytest.mark.parametrize("flag, value", [
@@ -670,13 +710,17 @@ def test_an_mme_image_present_as_jpg_and_png_is_an_error_naming_both(tmp_path):
 
 def test_a_cache_file_passed_as_model_is_refused_by_content_naming_it(tmp_path):
     path = str(tmp_path / "features.safetensors")
-    data.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a valid checksum, other tensors
+    data.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a cache file: no sha256 of its weights
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone \(no checksum"):
+        M.load_backbone(path)
+    with_digest = lambda tensors: data.atomic_write(path, lambda f: f.write(data.save(
+        tensors, metadata={"sha256": data.weights_digest(tensors)})))
+    with_digest({"features": torch.ones(3, 4)})                             # a valid checksum, other tensors
     with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: it holds 1 tensors \(features\)"):
         M.load_backbone(path)
     real = data.load_file(M.TOY_REFERENCE)
     name = sorted(real)[0]
-    wrong = {**real, name: torch.zeros(*real[name].shape[:-1], real[name].shape[-1] + 1)}
-    data.write_cache(path, wrong, "key")                                  # the toy's names, one shape off
+    with_digest({**real, name: torch.zeros(*real[name].shape[:-1], real[name].shape[-1] + 1)})  # one shape off
     with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: {name} is"):
         M.load_backbone(path)
 
