@@ -347,6 +347,43 @@ def model_inputs(batch, device=None):
                        if k not in ("labels", "query_target")})
 
 
+class Prepared(torch.utils.data.Dataset):
+    """build(specs[k]) as the k-th item (prepared)."""
+
+    def __init__(self, build, specs, on_host):
+        self.build, self.specs, self.on_host = build, specs, on_host
+
+    def __len__(self):
+        return len(self.specs)
+
+    def __getitem__(self, k):
+        out = self.build(self.specs[k])
+        return on_host(out) if self.on_host else out
+
+
+def on_host(obj):
+    """obj with every batch in it (a dict holding pixel_lut, at any depth of dicts) normalised: for a CPU run, whose
+    device is the host, so that the workers do that work too."""
+    return normalised({k: on_host(v) for k, v in obj.items()}) if isinstance(obj, dict) else obj
+
+
+def prepared(build, specs, workers, device="cpu"):
+    """build(spec) for each spec, in order, made by `workers` DataLoader worker processes ahead of their use (two
+    each in flight) while this process computes (0: here, when asked for; the same items); pinned for a CUDA
+    `device`, so model_inputs copies them without waiting. build must need no model (a worker has none)."""
+    cuda = str(device).startswith("cuda")
+    return torch.utils.data.DataLoader(Prepared(build, specs, not cuda), batch_size=None, num_workers=workers,
+                                       pin_memory=cuda, prefetch_factor=2 if workers else None,
+                                       generator=torch.Generator())  # its seed draw leaves torch's global RNG alone
+
+
+def default_workers():
+    """--workers' default: the cores this process may use, shared among the processes torchrun starts on the machine,
+    less one for the process itself (which runs the model), at most 8; 0 on a machine of one core a process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
+
+
 # --------------------------------------------------------------------------------- demonstrations: random, or RICES
 
 def demonstrations(query_ids, support, m, seed):

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
@@ -87,23 +88,33 @@ def stop_ids(backbone):
     return sorted({*listed, tok.eos_token_id, end} - {None})
 
 
-def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False):
+def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0):
     """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
-    `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. Under torchrun
-    each process answers every N-th batch; every process returns all answers, in item order."""
+    `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
+    prepared by `workers` DataLoader workers while the model decodes (data.prepared). Under torchrun each process
+    answers every N-th batch; every process returns all answers, in item order."""
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
     (rank, world), tok, answers = train.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
-    for i in tqdm(starts[rank::world], desc=f"{backbone.name} {task}", unit="batch", disable=rank != 0):
-        queries, demos = items[i:i + batch_size], icds[i:i + batch_size] if icds else None
+    mine = starts[rank::world]
+    specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
+    build = functools.partial(option_rows if likelihood else prompt_rows, backbone.processor, backbone.family, kind)
+    batches = D.prepared(build, specs, workers, backbone.model.device)
+    for i, batch in tqdm(zip(mine, batches), total=len(mine), desc=f"{backbone.name} {task}", unit="batch",
+                         disable=rank != 0):
         if likelihood:
-            answers[i] = [D.SEED_LETTERS[k] for k in option_logliks(backbone, queries, demos).argmax(-1).tolist()]
+            scores = option_scores(backbone, batch, len(batch["labels"]) // len(D.SEED_LETTERS))
+            answers[i] = [D.SEED_LETTERS[k] for k in scores.argmax(-1).tolist()]
         else:
-            batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries, demos)
             tokens = generate(backbone, D.model_inputs(batch, backbone.model.device), new_tokens)
             answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
     answers = train.gathered(answers)
     return [p for i in starts for p in answers[i]]
+
+
+def prompt_rows(processor, family, kind, spec):
+    """The prompt batch of spec = (items, their ICDs or None): data.prompt_batch."""
+    return D.prompt_batch(processor, family, kind, *spec)
 
 
 @torch.no_grad()
@@ -113,20 +124,33 @@ def option_logliks(backbone, items, icds=None):
     length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
     the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
     text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
-    proc, family, kind = backbone.processor, backbone.family, "choice-likelihood"
-    rows = []
+    return option_scores(backbone, option_rows(backbone.processor, backbone.family, None, (items, icds)), len(items))
+
+
+def option_rows(processor, family, kind, spec):
+    """The batch of option_logliks for spec = (items, their ICDs or None): four rows an item, one per option, under
+    the "choice-likelihood" prompt (`kind` is that one)."""
+    items, icds = spec
+    kind, rows = "choice-likelihood", []
     for it, ds in zip(items, icds or [[] for _ in items]):
         with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
-        prefix = D.encode_prefix(proc, family, kind, with_text)
-        rows += [D.join(prefix, D.encode_query(proc, family, kind, dataclasses.replace(it, target=o)))
+        prefix = D.encode_prefix(processor, family, kind, with_text)
+        rows += [D.join(prefix, D.encode_query(processor, family, kind, dataclasses.replace(it, target=o)))
                  for o in it.answers]
-    batch = train.to_device(D.collate(rows, proc, family), backbone.model.device)
+    return D.collate(rows, processor, family)
+
+
+@torch.no_grad()
+def option_scores(backbone, batch, n_items):
+    """log p(option) [n_items, 4] from an option_rows batch (see option_logliks)."""
+    batch = train.to_device(batch, backbone.model.device)
+    rows = len(batch["labels"])
     logits, labels = train.target_logits(backbone.model, batch)  # the options' positions only
     logits, labels = logits[:, :-1], labels[:, 1:]
     answer = labels != -100                                   # position t predicts token t + 1
     logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
-    per_row = torch.zeros(len(rows), device=logp.device).index_add(0, answer.nonzero()[:, 0], logp)
-    return per_row.view(len(items), len(D.SEED_LETTERS)).cpu()
+    per_row = torch.zeros(rows, device=logp.device).index_add(0, answer.nonzero()[:, 0], logp)
+    return per_row.view(n_items, len(D.SEED_LETTERS)).cpu()
 
 
 def score(kind, items, predictions):
@@ -150,7 +174,8 @@ def evaluate(backbone, args, items, setting, vector=None):
         icds = D.choose_demonstrations(backbone, args, items, support, args.shots)
     kind = D.TASKS[args.task].kind
     with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
-        predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood")
+        predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
+                              args.workers)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
@@ -1412,8 +1437,8 @@ def curve(args):
     pieces, teacher = D.query_pieces(backbone.processor, backbone.family, kind, items), []
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
         s = slice(i, i + args.batch_size)
-        teacher += train.run_teacher(backbone, kind, items[s], icds[s], pieces[s], backbone.model.device,
-                                     output="logits")
+        teacher += [t.cpu() for t in train.run_teacher(backbone, kind, items[s], icds[s], pieces[s],
+                                                       backbone.model.device, output="logits")]
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
@@ -1515,6 +1540,7 @@ def parse_args(argv=None):
                    "teacher's ICDs (default: the paper's, data.default_shots: 2 for MME and SEED)")
     train.add_icd_flags(p)
     train.add_plan_flags(p)
+    train.add_worker_flag(p)
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test); "
                                               "MME and SEED-Bench: about N questions drawn by image, stratified by "
@@ -1601,7 +1627,7 @@ def parse_args(argv=None):
     args.seed_protocol = args.seed_protocol or "generate"
     train.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
-                                   "new_tokens": 1, "attention_tokens": 1, "threads": 1, "bench_shots": 0,
+                                   "new_tokens": 1, "attention_tokens": 1, "threads": 1, "bench_shots": 0, "workers": 0,
                                    "curve_queries": 1})
     if args.curve:
         args.train_args = args.train_args or CURVE_TRAIN_ARGS

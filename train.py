@@ -20,6 +20,7 @@ without --resume or --overwrite, and one process at a time holds a folder (`lock
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -208,18 +209,19 @@ def answer_positions(labels):
 
 
 @torch.no_grad()
-def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
+def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", batch=None):
     """The frozen teacher on [ICDs; query + target], no adapter: per query, its states [L, T_q, d] at the query + target
-    tokens; output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32."""
-    batch = to_device(data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
+    tokens; output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32. They stay
+    on `device`. batch: their teacher batch, when a DataLoader worker made it already (data.teacher_batch)."""
+    batch = to_device(batch or data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
     with M.without_adapter(backbone.model), autocast(device):
         if output == "logits":
             logits, labels = target_logits(backbone.model, batch)
             answer = answer_positions(labels)
-            return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
+            return [logits[b, answer[b]].float() for b in range(len(queries))]
         inputs = {**data.model_inputs(batch), "logits_to_keep": 1}  # states: no vocabulary-wide logits
         states = torch.stack(M.layer_outputs(backbone.model, **inputs)[1])  # [L, B, W, d]
-    return [states[:, b, batch["query_target"][b]].cpu() for b in range(len(queries))]
+    return [states[:, b, batch["query_target"][b]] for b in range(len(queries))]
 
 
 def read_teacher(path, key, shape, output="states"):
@@ -243,23 +245,42 @@ def query_sizes(pieces):
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
     stored once otherwise). A cached tensor must have the shape of states [L, T_q, d] or logits [answer tokens, any]."""
+    found = cached_states(args, cache, teacher_shape(backbone.model), queries, icds, pieces)
+    return completed_states(backbone, args, kind, queries, icds, pieces, device, cache, found)
+
+
+def teacher_shape(model):
+    """(layers, width) of the teacher's states: what a cached tensor must have besides its tokens."""
+    return M.attention_shape(model)[0], model.config.get_text_config().hidden_size
+
+
+def cached_states(args, cache, shape, queries, icds, pieces):
+    """What the cache holds for these queries, read without the model (in a DataLoader worker): {"states": each
+    query's cached tensor, None where there is none or it is unusable (all None with --no-teacher-cache), "keys",
+    "paths"}. shape: teacher_shape."""
     output = "logits" if args.anchor == "kl" else "states"
     keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
-    layers, width = M.attention_shape(backbone.model)[0], backbone.model.config.get_text_config().hidden_size
-    shapes = [(answers, None) if output == "logits" else (layers, tokens, width)
+    shapes = [(answers, None) if output == "logits" else (shape[0], tokens, shape[1])
               for tokens, answers in query_sizes(pieces)]
-    states = {} if args.no_teacher_cache else {i: read_teacher(p, k, shapes[i], output)
-                                               for i, (p, k) in enumerate(zip(paths, keys))}
-    missing = [i for i in range(len(queries)) if states.get(i) is None]
+    states = [None] * len(queries) if args.no_teacher_cache else \
+        [read_teacher(p, k, s, output) for p, k, s in zip(paths, keys, shapes)]
+    return {"states": states, "keys": list(keys), "paths": list(paths)}
+
+
+def completed_states(backbone, args, kind, queries, icds, pieces, device, cache, found, batch=None):
+    """`found` (cached_states) with the missing states computed by the teacher on `device` (where they stay) and
+    stored; batch: the teacher batch of the missing queries, if already made. The hits and misses are counted."""
+    output = "logits" if args.anchor == "kl" else "states"
+    states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
     fresh = run_teacher(backbone, kind, [queries[i] for i in missing], [icds[i] for i in missing],
-                        [pieces[i] for i in missing], device, output) if missing else []
+                        None if batch else [pieces[i] for i in missing], device, output, batch) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     for i, s in zip(missing, fresh):
         states[i] = s
         if not args.no_teacher_cache:
-            data.write_cache(paths[i], {output: s}, keys[i] + output)
-    return [states[i] for i in range(len(queries))]
+            data.write_cache(found["paths"][i], {output: s.cpu()}, found["keys"][i] + output)
+    return [s.to(device, non_blocking=True) for s in states]
 
 
 def stack_teacher(states, span):
@@ -273,14 +294,57 @@ def stack_teacher(states, span):
 
 def micro_batch(backbone, args, kind, queries, icds, device, cache):
     """Student batch (query + target) and, for the anchor, the teacher's states laid at its aligned positions."""
-    pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
-    student = to_device(data.student_batch(backbone.processor, backbone.family, kind, pieces), device)
+    setup = Setup(backbone.processor, backbone.family, kind, args, cache, teacher_shape(backbone.model))
+    return finished(backbone, args, kind, prepared_micro_batch(setup, (queries, icds)), device, cache)
+
+
+@dataclass
+class Setup:
+    """What a DataLoader worker needs to prepare micro-batches (no model): the processor, family, task kind, flags,
+    the teacher cache's identity (cache: its "id" and "images") and teacher_shape."""
+    processor: object
+    family: str
+    kind: str
+    args: argparse.Namespace
+    cache: dict
+    shape: tuple
+
+
+def prepared_micro_batch(setup, spec):
+    """Everything of one micro-batch spec = (queries, their ICDs) that needs no model, as a DataLoader worker makes it
+    (micro_batches): the student batch, the queries, and for the anchor what the cache holds (cached_states) and
+    the teacher batch of the queries it lacks."""
+    (queries, icds), s = spec, setup
+    pieces = data.query_pieces(s.processor, s.family, s.kind, queries)
+    out = {"student": data.student_batch(s.processor, s.family, s.kind, pieces), "queries": queries, "icds": icds}
+    if s.args.anchor == "none":
+        return out
+    found = cached_states(s.args, s.cache, s.shape, queries, icds, pieces)
+    missing = [i for i, state in enumerate(found["states"]) if state is None]
+    teacher = data.teacher_batch(s.processor, s.family, s.kind, [pieces[i] for i in missing],
+                                 [icds[i] for i in missing]) if missing else None
+    return out | {"found": found, "teacher": teacher}
+
+
+def finished(backbone, args, kind, prepared, device, cache):
+    """(student batch, teacher tensor for args.anchor) of a prepared micro-batch on `device`: the missing teacher
+    states computed there, the cached ones copied there; laid at the student's aligned positions (stack_teacher)."""
+    student = to_device(prepared["student"], device)
     if args.anchor == "none":
         return student, None
-    states = teacher_states(backbone, args, kind, queries, icds, pieces, device, cache)
+    states = completed_states(backbone, args, kind, prepared["queries"], prepared["icds"], None, device, cache,
+                              prepared["found"], prepared["teacher"])
     if args.anchor == "kl":
-        return student, torch.cat(states).to(device)  # answer logits, in the order of answer_positions
+        return student, torch.cat(states)  # answer logits, in the order of answer_positions
     return student, stack_teacher(states, student["query_target"])
+
+
+def micro_batches(run, specs):
+    """The prepared micro-batches of `specs` ((queries, ICDs) each), in order, built by --workers DataLoader workers
+    while the accelerator runs the ones before (0: in this process, one at a time)."""
+    setup = Setup(run.backbone.processor, run.backbone.family, run.kind, run.args,
+                  {k: run.cache[k] for k in ("id", "images")}, teacher_shape(run.backbone.model))
+    return data.prepared(functools.partial(prepared_micro_batch, setup), specs, run.args.workers, run.device)
 
 
 # --------------------------------------------------------------------------------------------------------- the loop
@@ -302,19 +366,20 @@ def train(args):
 
 
 def train_step(run, batches):
-    """One optimiser step: per micro-batch, the teacher's states and the student's forward give the loss (Eq 17);
-    then one clipped AdamW step, shown and checkpointed every --save-every steps. A NaN or inf loss stops the run."""
+    """One optimiser step: per prepared micro-batch (micro_batches), the teacher's states and the student's forward
+    give the loss (Eq 17); then one clipped AdamW step, shown and checkpointed every --save-every steps. The loss
+    parts are summed on the device and read once a step. A NaN or inf loss stops the run before the step."""
     parts, step = {}, run.progress["step"] + 1
-    for queries in batches:
-        student, teacher = micro_batch(run.backbone, run.args, run.kind, queries, [run.icds[q.id] for q in queries],
-                                       run.device, run.cache)                # the student rows; the teacher's h'^(l)
+    for prepared in batches:
+        student, teacher = finished(run.backbone, run.args, run.kind, prepared, run.device, run.cache)  # h'^(l)
         part = losses(run.backbone, run.args, student, teacher, run.student_model, run.progress.get("anchor_scale", 1))
-        for name, value in part.items():
-            if not torch.isfinite(value):
-                raise FloatingPointError(f"step {step}: loss part {name!r} is {value.item()}; stopping. The last good "
-                                         "checkpoint is untouched; try a lower --lr or --kappa")
         (part["loss"] / run.args.grad_accum).backward()
-        parts = {k: parts.get(k, 0) + v.item() / run.args.grad_accum for k, v in part.items()}
+        parts = {k: parts.get(k, 0) + v.detach() / run.args.grad_accum for k, v in part.items()}
+    parts = dict(zip(parts, torch.stack(list(parts.values())).tolist()))  # the one host sync of the step
+    for name, value in parts.items():
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {step}: loss part {name!r} is {value}; stopping. The last good "
+                                     "checkpoint is untouched; try a lower --lr or --kappa")
     # the step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule
     torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.args.clip)
     run.optimizer.step()
@@ -385,8 +450,11 @@ def remaining_steps(run, epoch):
     micro-batches of queries: this process's share of each under torchrun."""
     order = epoch_order(len(run.queries), run.args.batch_size, run.args.seed, epoch)
     (rank, world), accum = rank_and_world(), run.args.grad_accum
-    for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch):
-        yield [[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
+    steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
+             for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
+    prepared = iter(micro_batches(run, [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]))
+    for step in steps:
+        yield [next(prepared) for _ in step]
 
 
 @contextlib.contextmanager
@@ -427,14 +495,21 @@ def heldout_loss(backbone, args, kind, heldout, device):
     every N-th batch; the batches' values are gathered and summed in order."""
     rank, world = rank_and_world()
     starts, totals = range(0, len(heldout), args.batch_size), {}
-    for i in starts[rank::world]:
-        queries = heldout[i:i + args.batch_size]
-        pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
-        batch = to_device(data.student_batch(backbone.processor, backbone.family, kind, pieces), device)
+    mine = starts[rank::world]
+    build = functools.partial(student_rows, backbone.processor, backbone.family, kind)
+    for i, batch in zip(mine, data.prepared(build, [heldout[i:i + args.batch_size] for i in mine], args.workers,
+                                            device)):
         with autocast(device):
-            totals[i] = supervised_loss(*target_logits(backbone.model, batch)).item() * len(queries)
+            loss = supervised_loss(*target_logits(backbone.model, to_device(batch, device)))
+        totals[i] = loss, len(batch["labels"])
+    totals = {i: loss.item() * n for i, (loss, n) in totals.items()}  # read after the last forward
     totals = gathered(totals)
     return sum(totals[i] for i in starts) / len(heldout)
+
+
+def student_rows(processor, family, kind, queries):
+    """The student batch of queries (their pieces made for it alone): the held-out loss's batches."""
+    return data.student_batch(processor, family, kind, data.query_pieces(processor, family, kind, queries))
 
 
 def finish(run):
@@ -1063,12 +1138,13 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: one for the tiny and toy backbones "
                    "on CPU, which more threads only slow down on a busy machine, and for --build-toy, whose bytes "
                    "then repeat on the same machine; else torch's own choice)")
+    add_worker_flag(p)
     args = p.parse_args(argv)
     args.rank = DEFAULT_RANK.get(args.method, PAPER["rank"]) if args.rank is None else args.rank
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                              "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
-                             "build_tries": 1, "threads": 1})
+                             "build_tries": 1, "threads": 1, "workers": 0})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
@@ -1096,6 +1172,14 @@ def check_folders(p, folders):
     for flag, path in folders.items():
         if path and os.path.exists(path) and not os.path.isdir(path):
             p.error(f"{flag} {path} is a file; it must be a folder")
+
+
+def add_worker_flag(p):
+    """--workers: the processes that prepare batches (train.py, evaluate.py)."""
+    p.add_argument("--workers", type=int, default=data.default_workers(), help="DataLoader worker processes that "
+                   "prepare batches (images, tokens, cached teacher states) while the model runs (default: this "
+                   "machine's cores, less one, shared among torchrun's processes, at most 8; 0: in the main process, "
+                   "one batch at a time; the results are the same)")
 
 
 def add_icd_flags(p):

@@ -243,3 +243,30 @@ def test_the_teacher_runs_without_the_adapter(method):
             assert not torch.allclose(adapted, M.layer_outputs(backbone.model, **student)[1][-1])  # it is active
     for a, b in zip(plain, train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")):
         assert torch.equal(a, b)
+
+
+def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_adapter(tmp_path, monkeypatch):
+    """--workers N: the micro-batches (their order, every tensor of the student batch, the teacher's states, computed
+    in epoch 1 and read from the cache by the workers in epoch 2) and the trained adapter are those of --workers 0."""
+    finished, seen = train.finished, {}
+
+    def spy(backbone, args, kind, prepared, device, cache):
+        student, teacher = finished(backbone, args, kind, prepared, device, cache)
+        seen[args.workers].append(([q.id for q in prepared["queries"]], student, teacher,
+                                   [s is None for s in prepared["found"]["states"]]))
+        return student, teacher
+    monkeypatch.setattr(train, "finished", spy)
+    adapters = {}
+    for workers in (0, 1, 2):
+        seen[workers] = []
+        adapters[workers] = train.main(["--out", str(tmp_path / str(workers)), "--teacher-cache",
+                                        str(tmp_path / str(workers) / "teacher"), *SMALL, "--workers", str(workers)])
+    computed, read = [True] * 4, [False] * 4  # the first batch's teacher is run once before the loop (anchor_regime)
+    assert [missing for *_, missing in seen[0]] == [computed, read, computed, computed, read, read, read]
+    for workers in (1, 2):
+        assert len(seen[workers]) == len(seen[0])
+        for (ids, student, teacher, missing), (ids0, student0, teacher0, missing0) in zip(seen[workers], seen[0]):
+            assert ids == ids0 and missing == missing0 and torch.equal(teacher, teacher0)
+            assert student.keys() == student0.keys() and all(torch.equal(student[k], student0[k]) for k in student)
+        assert all(torch.equal(adapters[workers][k], adapters[0][k]) for k in adapters[0])
+        assert (tmp_path / str(workers) / "history.json").read_text() == (tmp_path / "0" / "history.json").read_text()
