@@ -250,17 +250,17 @@ def pad_stack(tensors):
 
 def image_inputs(rows, processor, family, input_ids):
     """The image tensors of a batch, in the form the family's forward takes (images in row order); the pixels of
-    image_pixels stay uint8, with "pixel_lut" (pixel_lut) for model_inputs to normalise them on the device."""
+    image_pixels stay uint8, with "pixel_norm" (pixel_norm) for model_inputs to normalise them on the device."""
     per_row = [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]
     if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
         pixel_values = pad_stack([pad_stack(v) for v in per_row])
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
         mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
         return {"pixel_values": pixel_values, "image_attention_mask": mask}
-    lut = {"pixel_lut": pixel_lut(processor.image_processor)}
+    norm = {"pixel_norm": pixel_norm(processor.image_processor)}
     if family == "idefics2":  # [B, crops, 3, H, W] uint8 and its mask; padding crops are all zero once normalised
-        return {**crop_canvas(per_row), **lut}
-    out = {"pixel_values": torch.stack([x for v in per_row for x in v]), **lut}  # LLaVA: [all images, 3, H, W]
+        return {**crop_canvas(per_row), **norm}
+    out = {"pixel_values": torch.stack([x for v in per_row for x in v]), **norm}  # LLaVA: [all images, 3, H, W]
     if family == "llava-onevision":  # it tiles exactly the images of one-image samples; none here (onevision_piece),
         out["pixel_values"] = out["pixel_values"][:, None]  # [images, 1 view, 3, H, W]
         out["image_sizes"] = torch.cat([p["image_sizes"] for r in rows for p in r["images"]])
@@ -281,31 +281,26 @@ def crop_canvas(per_row):
     return {"pixel_values": pixels, "pixel_attention_mask": mask}
 
 
-def pixel_lut(process):
-    """[3, 256] float32: what an image processor's rescaling and normalisation make of each uint8 value per channel,
-    computed as transformers' PIL backend computes them (rescale in float64, then (x - mean) / std in float32), so
-    the normalised pixels are the processor's to the bit."""
-    x = torch.arange(256, dtype=torch.float64) * (process.rescale_factor if process.do_rescale else 1)
-    x = x.float().expand(3, 256)
-    if not process.do_normalize:
-        return x.contiguous()
-    mean, std = (torch.tensor(v, dtype=torch.float32).expand(3)[:, None] for v in (process.image_mean,
-                                                                                   process.image_std))
-    return (x - mean) / std
+def pixel_norm(process):
+    """[3, 3] float32, per channel (divisor, mean, std): an image processor's rescaling and normalisation, as
+    (x / divisor - mean) / std in float32. With transformers' rescale by 1/255 (in float64, then rounded to float32),
+    x / 255 in float32 is the same number for every uint8 x, so the normalised pixels are the processor's to the bit
+    (tests/test_data.py)."""
+    divisor = 1 / process.rescale_factor if process.do_rescale else 1.0
+    mean, std = (process.image_mean, process.image_std) if process.do_normalize else (0.0, 1.0)
+    return torch.stack([torch.tensor(v, dtype=torch.float32).expand(3) for v in (divisor, mean, std)], 1)
 
 
 def normalised(batch):
-    """The batch with uint8 pixel_values normalised (pixel_lut), float32, zero outside pixel_attention_mask (Idefics2's
-    padding, as its processor pads); a batch without pixel_lut as it is. Wherever the batch lives: on the device."""
-    if "pixel_lut" not in batch:
+    """The batch with uint8 pixel_values normalised (pixel_norm), float32, zero outside pixel_attention_mask (Idefics2's
+    padding, as its processor pads); a batch without pixel_norm as it is. Wherever the batch lives: on the device."""
+    if "pixel_norm" not in batch:
         return batch
-    pixels, lut = batch["pixel_values"], batch["pixel_lut"]
-    out = torch.empty(pixels.shape, dtype=torch.float32, device=pixels.device)
-    for c in range(pixels.shape[-3]):
-        out[..., c, :, :] = lut[c][pixels[..., c, :, :].int()]
+    pixels, (divisor, mean, std) = batch["pixel_values"], batch["pixel_norm"].T[..., None, None]
+    out = pixels.float().div_(divisor).sub_(mean).div_(std)  # [..., 3, H, W], channel by channel
     if "pixel_attention_mask" in batch:
         out.masked_fill_(~batch["pixel_attention_mask"][..., None, :, :], 0)
-    return {**{k: v for k, v in batch.items() if k != "pixel_lut"}, "pixel_values": out}
+    return {**{k: v for k, v in batch.items() if k != "pixel_norm"}, "pixel_values": out}
 
 
 def left_pad(seq, width, fill):
@@ -362,7 +357,7 @@ class Prepared(torch.utils.data.Dataset):
 
 
 def on_host(obj):
-    """obj with every batch in it (a dict holding pixel_lut, at any depth of dicts) normalised: for a CPU run, whose
+    """obj with every batch in it (a dict holding pixel_norm, at any depth of dicts) normalised: for a CPU run, whose
     device is the host, so that the workers do that work too."""
     return normalised({k: on_host(v) for k, v in obj.items()}) if isinstance(obj, dict) else obj
 

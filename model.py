@@ -355,9 +355,18 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         path = FAMILIES[family].hub_id if name == family else name
         processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
-        model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+        model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                           device_map={"": placed(device)})  # no copy in host memory
     context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
     return Backbone(freeze(model), processor, family, name, images)
+
+
+def placed(device):
+    """torch.device of `device`, "cuda" being this process's GPU (torchrun: its LOCAL_RANK's): where the weights are
+    read to, straight from the checkpoint's files."""
+    device = torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
+        else device
 
 
 def load_processor(path, family, image_splitting="checkpoint"):

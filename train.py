@@ -933,7 +933,7 @@ def restore(args, backbone, optimizer, scheduler):
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, map_location="cpu")  # not rank 0's GPU on every process
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {e}); start over with "
                          "--overwrite") from e

@@ -272,3 +272,32 @@ def test_every_task_kind_evaluates_on_a_twin(folders, tmp_path, task, flags, sho
     m = E.main(["--model", folders[name], "--task", task, "--data-root", benchmarks.ROOT, "--shots", shots, "--n-eval",
                 "2", "--out", str(tmp_path), *flags])
     assert m["setting"] == f"{shots}-shot" and m["n"] >= 2
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_each_image_is_processed_once_and_the_model_sees_the_processors_own_pixels(backbones, pool, tmp_path, name,
+                                                                                   monkeypatch):
+    """A teacher batch of two queries with two ICDs each processes each of its six images once (the query's is shared
+    by its prompt and prompt + answer; LLaVA-OneVision's base view made once); its pixels, uint8 on a canvas and
+    normalised by model_inputs, are bit for bit the image processor's own output padded as before (Idefics2: to the
+    batch's largest crop, mask and all), here for a square image beside a portrait one."""
+    b = backbones[name]
+    queries = [pool[0], dataclasses.replace(pool[1], image_path=str(tmp_path / "tall.png"))]
+    Image.open(pool[1].image_path).resize((48, 80)).save(queries[1].image_path)
+    icds = D.demonstrations([q.id for q in queries], pool, 2, 0)
+    process, calls = b.processor.image_processor, []
+    real = type(process).process_image
+    monkeypatch.setattr(type(process), "process_image", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    pieces = D.query_pieces(b.processor, b.family, "vqa", queries)
+    batch = D.model_inputs(D.teacher_batch(b.processor, b.family, "vqa", pieces, icds))
+    assert len(calls) == 6
+    monkeypatch.setattr(type(process), "process_image", real)
+    images = [[D.load_image(it) for it in [*ds, q]] for ds, q in zip(icds, queries)]
+    if b.family == "idefics2":
+        own = [process([row], return_tensors="pt") for row in images]
+        assert torch.equal(batch["pixel_values"], D.pad_stack([o["pixel_values"][0] for o in own]))
+        assert torch.equal(batch["pixel_attention_mask"], D.pad_stack([o["pixel_attention_mask"][0] for o in own]) > 0)
+    else:  # every image of the batch in row order, each in multi-image mode for LLaVA-OneVision
+        own = [process([[im, im]] if b.family == "llava-onevision" else [im], return_tensors="pt")["pixel_values"][:1]
+               for row in images for im in row]
+        assert torch.equal(batch["pixel_values"], torch.cat(own))
