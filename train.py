@@ -30,6 +30,7 @@ import pickle
 import random
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -874,7 +875,7 @@ def plan(args, queries=None):
     print(f"weights: {count(params)} parameters = {size(mem['weights'])}"
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
     if training:
-        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype)
+        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype, params)
         print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
               f"{size(mem['teacher'])}, student {size(mem['student'])}) + vision {size(mem['vision'])} + adapter "
               f"{size(mem['adapter'])})")
@@ -884,21 +885,26 @@ def plan(args, queries=None):
     return figures
 
 
-def plan_cache(args, config, rows, n_queries, dtype):
+def plan_cache(args, config, rows, n_queries, dtype, params=None):
     """Print and return the planned teacher cache: n_queries x the sample's mean bytes a file, against the free space
-    of --teacher-cache (or of the nearest folder above it that exists)."""
+    of --teacher-cache (or of the nearest folder above it that exists); and, given the backbone's `params`, whether
+    reading a query's file back costs less than recomputing its teacher (read_or_recompute)."""
     if args.anchor == "none":
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
     per_query = cache_file_bytes(args, config, [(rows["query"][q], rows["answers"][q]) for q in rows["query"]], dtype)
     total = per_query * n_queries
-    if args.no_teacher_cache:
-        print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
-              f"{n_queries}; it would take {size(total)})")
-        return total
     folder = args.teacher_cache
     while not os.path.isdir(folder):
         folder = os.path.dirname(os.path.abspath(folder))
+    writable = os.access(folder, os.W_OK | os.X_OK)
+    versus = read_or_recompute(folder, per_query, 2 * params * statistics.mean(rows["teacher"].values())) \
+        if params and writable else None
+    if args.no_teacher_cache:
+        print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
+              f"{n_queries}; it would take {size(total)})")
+        print(versus or "", end="\n" if versus else "")
+        return total
     free, text = shutil.disk_usage(folder).free, config.get_text_config()
     tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
         f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
@@ -906,8 +912,37 @@ def plan_cache(args, config, rows, n_queries, dtype):
           f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
           "free there"
           + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
-          + ("" if os.access(folder, os.W_OK | os.X_OK) else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
+          + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
+    print(versus or "", end="\n" if versus else "")
     return total
+
+
+ACCELERATOR_TFLOPS = 400  # what an H200 sustains in bf16 on these forwards (an estimate; its dense peak is ~990)
+
+
+def read_or_recompute(folder, per_query, teacher_flops, probe=64 << 20):
+    """The plan's line on which costs less a query in later epochs: reading its cached teacher tensor back
+    (per_query bytes at the speed this folder's disk reads a file that is not in memory: a probe file written,
+    flushed, dropped from the page cache and read once) or recomputing its teacher forward (teacher_flops, about 2 x
+    parameters x teacher-row tokens, at ACCELERATOR_TFLOPS)."""
+    path = data.tmp_name(os.path.join(folder, "read-probe"))
+    try:
+        data.atomic_write(path, lambda f: f.write(os.urandom(probe)))
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # Linux: the clean pages leave the page cache
+            start = time.perf_counter()
+            while f.read(8 << 20):
+                pass
+            speed = probe / (time.perf_counter() - start)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    read, compute = per_query / speed, teacher_flops / (ACCELERATOR_TFLOPS * 1e12)
+    return (f"teacher cache or recomputing, a query: reading its file back ~{read * 1e3:.3g} ms ({folder} reads "
+            f"{speed / 1e6:.0f} MB/s, measured), recomputing its teacher ~{compute * 1e3:.3g} ms "
+            f"({teacher_flops / 1e12:.3g} TFLOP at ~{ACCELERATOR_TFLOPS} TFLOP/s, an H200's estimate): "
+            + ("reading is cheaper" if read <= compute else "recomputing is cheaper here (--no-teacher-cache), unless "
+               "the accelerator is slower than that"))
 
 
 # -------------------------------------------------------------------------------------- checkpoints and run folders

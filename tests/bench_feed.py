@@ -79,7 +79,7 @@ def child(args):
             build(spec)
         out[name] = n / (time.perf_counter() - start)
     if args.workers:  # this code only: the same builds by 0, 1, 2 DataLoader workers, as a CUDA run makes them
-        more = specs * 2
+        more = specs * 4
         for name, build in builders.items():
             for w in (0, 1, 2):
                 loader = torch.utils.data.DataLoader(D.Prepared(build, more, False), batch_size=None,
@@ -87,7 +87,7 @@ def child(args):
                 start = time.perf_counter()
                 for _ in loader:
                     pass
-                out[f"{name}-{w}w"] = 2 * n / (time.perf_counter() - start)
+                out[f"{name}-{w}w"] = 4 * n / (time.perf_counter() - start)
         build = lambda spec: D.on_host(builders["teacher"](spec))  # a CPU run: normalised in the worker
         start = time.perf_counter()
         for spec in specs:

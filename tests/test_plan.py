@@ -186,3 +186,23 @@ def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins
     train.main(flags)
     out = capsys.readouterr().out
     assert "batch 3," in out and "at batch 3:" in out and "is NOT writable" in out
+
+
+def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the_teacher(tmp_path, capsys):
+    """The line's read time is the query's cache bytes at the read speed it measured, its teacher FLOPs 2 x the
+    parameters x the mean teacher row, its time those at train.ACCELERATOR_TFLOPS, and its verdict their order."""
+    import re
+    figures = train.main(["--plan", "--model", "tiny-llava-onevision", "--task", "vqav2", "--data-root",
+                          benchmarks.ROOT, "--out", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("teacher cache or recomputing"))
+    read_ms, speed, compute_ms, tflop = map(float, re.search(
+        r"back ~([\d.e+-]+) ms \(.* reads (\d+) MB/s, measured\), recomputing its teacher ~([\d.e+-]+) ms "
+        r"\(([\d.e+-]+) TFLOP", line).groups())
+    per_query = figures["cache"] / figures["queries"]
+    assert read_ms == pytest.approx(per_query / (speed * 1e6) * 1e3, rel=0.01)
+    params = float(re.search(r"weights: ([\d,]+) parameters", out).group(1).replace(",", ""))
+    teacher = sum(figures["rows"]["teacher"].values()) / len(figures["rows"]["teacher"])
+    assert tflop == pytest.approx(2 * params * teacher / 1e12, rel=1e-2)
+    assert compute_ms == pytest.approx(tflop / train.ACCELERATOR_TFLOPS * 1e3, rel=1e-2)
+    assert line.endswith("reading is cheaper") == (read_ms <= compute_ms)
