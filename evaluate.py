@@ -728,24 +728,30 @@ def vector_sets(pool, args, shots):
     return queries, D.demonstrations([q.id for q in queries], pool, shots, args.seed), heldout
 
 
-def target_batches(backbone, kind, queries, icds, batch_size):
-    """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token."""
-    icds, out = icds or [[] for _ in queries], []
-    for i in range(0, len(queries), batch_size):
-        pieces = D.query_pieces(backbone.processor, backbone.family, kind, queries[i:i + batch_size])
-        batch = D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds[i:i + batch_size])
-        out.append((batch, (batch["labels"] != -100).int().argmax(1) - 1))
-    return out
+def target_batches(backbone, kind, queries, icds, batch_size, workers=0):
+    """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token; made
+    by `workers` DataLoader workers (data.prepared)."""
+    icds = icds or [[] for _ in queries]
+    specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
+    build = functools.partial(forced_rows, backbone.processor, backbone.family, kind)
+    return [(batch, (batch["labels"] != -100).int().argmax(1) - 1)
+            for batch in D.prepared(build, specs, workers, backbone.model.device)]
+
+
+def forced_rows(processor, family, kind, spec):
+    """The teacher-forced batch of spec = (queries, their ICDs): data.teacher_batch of their pieces."""
+    return D.teacher_batch(processor, family, kind, D.query_pieces(processor, family, kind, spec[0]), spec[1])
 
 
 @torch.no_grad()
-def icl_means(backbone, kind, queries, icds, batch_size):
+def icl_means(backbone, kind, queries, icds, batch_size, workers=0):
     """Means over the ICL prompts of each decoder layer's output at the last prompt token, [L, d] (the task vector
     of every layer, Hendel et al.), and of each head's output there, [L, H, d_h] (Todd et al.'s mean activations)."""
     model, states, heads = backbone.model, {}, {}
-    for i in tqdm(range(0, len(queries), batch_size), desc="ICL means", unit="batch"):
-        batch = D.prompt_batch(backbone.processor, backbone.family, kind, queries[i:i + batch_size],
-                               icds[i:i + batch_size])
+    specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
+    batches = D.prepared(functools.partial(prompt_rows, backbone.processor, backbone.family, kind), specs, workers,
+                         model.device)
+    for batch in tqdm(batches, desc="ICL means", unit="batch"):
         with layer_states_at(model, states), head_outputs(model, heads):
             model(**D.model_inputs(batch, model.device), logits_to_keep=1)
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()
@@ -826,14 +832,14 @@ def compute_vector(backbone, args, shots):
     "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
     kind, pool = D.TASKS[args.task].kind, D.load_task(args.task, "train", args.data_root)
     queries, icds, heldout = vector_sets(pool, args, shots)
-    states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size)
+    states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size, args.workers)
     out = {"vectors": states}
     if args.vector == "fv":
         out["aie"] = indirect_effects(backbone, kind, queries[:args.fv_trials], icds[:args.fv_trials], mean_heads,
                                       args.batch_size, args.seed).float()
         fv, out["heads"] = function_vector(backbone.model, mean_heads, out["aie"], args.fv_heads)
         out |= {"mean_heads": mean_heads, "vectors": fv.expand(len(states), -1).contiguous()}
-    batches = target_batches(backbone, kind, heldout, None, args.batch_size)
+    batches = target_batches(backbone, kind, heldout, None, args.batch_size, args.workers)
     out["losses"] = layer_losses(backbone, batches, out["vectors"], add=args.vector == "fv")
     return out
 
@@ -1212,12 +1218,18 @@ def analysis_batches(backbone, args, items):
     shots = args.shots or D.default_shots(args.task, backbone.family)
     support = D.load_task(args.task, "train", args.data_root)
     kind, device = D.TASKS[args.task].kind, backbone.model.device
-    for i in tqdm(range(0, len(items), args.batch_size), desc=f"{backbone.name} {args.task}", unit="batch"):
-        queries = items[i:i + args.batch_size]
-        icds = D.demonstrations([q.id for q in queries], support, shots, args.seed)
-        teacher, student = (D.prompt_batch(backbone.processor, backbone.family, kind, queries, d) for d in (icds, None))
+    groups = [items[i:i + args.batch_size] for i in range(0, len(items), args.batch_size)]
+    specs = [(qs, D.demonstrations([q.id for q in qs], support, shots, args.seed)) for qs in groups]
+    build = functools.partial(paired_prompts, backbone.processor, backbone.family, kind)
+    for teacher, student in tqdm(D.prepared(build, specs, args.workers, device), total=len(specs),
+                                 desc=f"{backbone.name} {args.task}", unit="batch"):
         inputs = lambda b: {**D.model_inputs(b, device), "logits_to_keep": 1}  # hidden states only: no vocabulary
         yield (inputs(teacher), inputs(student)), student["query_target"].sum(1).tolist()
+
+
+def paired_prompts(processor, family, kind, spec):
+    """(teacher, student) prompt batches of spec = (queries, their ICDs): with the ICDs and without."""
+    return tuple(D.prompt_batch(processor, family, kind, spec[0], d) for d in (spec[1], None))
 
 
 def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
