@@ -1,16 +1,18 @@
 """How fast batches are prepared (no model forward), and what that does end to end: a benchmark, not a test.
 
     git worktree add --detach /tmp/before f61fb91      # the code to compare with (read-only)
-    flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before [--rounds 3] [--end-to-end]
+    flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before [--rounds 3]
+    flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before --rounds 2 --end-to-end
 
 On real-processor twins (tests/twins.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
 layout whose images are photographs of skimage.data at COCO sizes (640 x 480, every fourth 480 x 640), it times
 preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation prompts (batches of 4), of Idefics2
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,
 each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (data.prepared);
-then one query's cached teacher states read back, against reading the file's bytes. --end-to-end also times
+then one query's cached teacher states read back, against reading the file's bytes. --end-to-end times instead
 `train.py` (8 shots, 64 queries, 2 epochs) and `evaluate.py --shots 8` (64 items) at their defaults, old and new
-alternately. Medians over --rounds; ratios new / old.
+alternately. Medians over --rounds; ratios new / old. The worker runs include a control, a
+CPU-bound loop of no data ("spin"): what a second worker can gain on the machine at that moment.
 """
 import argparse
 import functools
@@ -80,7 +82,7 @@ def child(args):
         out[name] = n / (time.perf_counter() - start)
     if args.workers:  # this code only: the same builds by 0, 1, 2 DataLoader workers, as a CUDA run makes them
         more = specs * 4
-        for name, build in builders.items():
+        for name, build in {**builders, "spin": spin}.items():  # spin: what 2 workers can gain on this machine now
             for w in (0, 1, 2):
                 loader = torch.utils.data.DataLoader(D.Prepared(build, more, False), batch_size=None,
                                                      num_workers=w, prefetch_factor=2 if w else None)
@@ -94,6 +96,11 @@ def child(args):
             build(spec)
         out["teacher-cpu-run"] = n / (time.perf_counter() - start)
     print(json.dumps(out))
+
+
+def spin(spec):
+    """A CPU-bound build of no data (a pure-Python loop): the control of the worker runs."""
+    return sum(range(2_000_000))
 
 
 def teacher_rows(processor, family, spec):
@@ -175,7 +182,7 @@ def main():
     twins = {name: write_twin(name, os.path.join(tmp, name)) for name in ("idefics2", "llava-onevision")}
     sides = {"new": NEW, **({"old": args.before} if args.before else {})}
     print(f"{os.cpu_count()} cores; load {os.getloadavg()}; {args.rounds} rounds")
-    for name in args.only:
+    for name in [] if args.end_to_end else args.only:
         family, _ = BACKBONES[name]
         got = {side: [] for side in sides}
         for _ in range(args.rounds):
@@ -187,9 +194,9 @@ def main():
             old = None if k.endswith("w") else med.get("old", {}).get(k.split("-")[0])
             print(f"{name} {k}: {v:.2f} rows/s" + (f" (old {old:.2f}; s a row new / old {old / v:.2f})" if old
                                                     else ""))
-        for kind in ("teacher", "student", "eval"):
+        for kind in ("teacher", "student", "eval", "spin"):
             print(f"{name} {kind}: 2 workers / 1 worker {med['new'][f'{kind}-2w'] / med['new'][f'{kind}-1w']:.2f}")
-    for side, code in sides.items():
+    for side, code in {} if args.end_to_end else sides.items():
         c = run_child(code, "--cache", "--data", tmp)
         print(f"cache read ({side}): {c['bytes'] / 1e6:.0f} MB, read_teacher {c['read_s'] * 1e3:.0f} ms, "
               f"reading the bytes {c['raw_s'] * 1e3:.0f} ms: x{c['read_s'] / c['raw_s']:.2f}")
