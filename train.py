@@ -218,8 +218,9 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
             answer = answer_positions(labels)
             return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
         inputs = {**data.model_inputs(batch), "logits_to_keep": 1}  # states: no vocabulary-wide logits
-        states = torch.stack(M.layer_outputs(backbone.model, **inputs)[1])  # [L, B, W, d]
-    return [states[:, b, batch["query_target"][b]].cpu() for b in range(len(queries))]
+        kept = M.layer_outputs(backbone.model, keep=batch["query_target"], **inputs)[1]  # L x [sum of T_q, d]
+    ends = batch["query_target"].sum(1).cumsum(0).tolist()
+    return [torch.stack([h[end - n:end] for h in kept]).cpu() for end, n in zip(ends, batch["query_target"].sum(1))]
 
 
 def read_teacher(path, key, shape, output="states"):
