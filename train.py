@@ -19,6 +19,7 @@ without --resume or --overwrite, and one process at a time holds a folder (`lock
 """
 import argparse
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
@@ -241,6 +242,24 @@ def query_sizes(pieces):
     return [(len(p["input_ids"]), sum(x != -100 for x in p["labels"])) for p in pieces]
 
 
+def query_tokens(processor, family, kind, queries):
+    """query_sizes of every query without loading its image: one query encoded in full (data.query_pieces) gives the
+    tokens its image stands for, a count fixed per family and setting (Idefics2 66 or 326, LLaVA-Interleave 729,
+    LLaVA-OneVision 730), and each query adds the tokens of its own text (text_tokens)."""
+    (reference, _), = query_sizes(data.query_pieces(processor, family, kind, queries[:1]))
+    image = reference - text_tokens(processor, family, kind, queries[0])[1]
+    return [(image + whole, whole - prompt) for prompt, whole in (text_tokens(processor, family, kind, q)
+                                                                  for q in queries)]
+
+
+def text_tokens(processor, family, kind, query):
+    """Tokens of the query's prompt and of its prompt + answer by the tokenizer alone, the image placeholder one
+    special token (each family's image tokens end in a special token too, so the text after it reads the same)."""
+    count = lambda text: len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = data.prompt_text(kind, query)
+    return count(prompt), count(prompt + data.answer_text(processor, family, kind, query.target))
+
+
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     """Each query's teacher states (its answer logits for --anchor kl), from the cache when present (computed and
     stored once otherwise). A cached tensor must have the shape of states [L, T_q, d] or logits [answer tokens, any]."""
@@ -259,7 +278,14 @@ def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
     for i, s in zip(missing, fresh):
         states[i] = s
         if not args.no_teacher_cache:
-            data.write_cache(paths[i], {output: s}, keys[i] + output)
+            try:
+                data.write_cache(paths[i], {output: s}, keys[i] + output)
+            except OSError as e:  # a full disk mid-run: the same sentence as the room check before the first step
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                room = cache.get("room", f"the teacher cache in {args.teacher_cache} needs {size(s.nbytes)} a "
+                                 "query; give --teacher-cache DIR on a disk with room, or --no-teacher-cache")
+                raise OSError(e.errno, f"{e.strerror} writing {paths[i]}: {room}") from None
     return [states[i] for i in range(len(queries))]
 
 
@@ -683,16 +709,24 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs)."""
     todo = [q for q in queries if not os.path.exists(teacher_file(args, cache, q, icds[q.id])[1])]
     if not todo:
-        return
-    pieces = data.query_pieces(backbone.processor, backbone.family, kind, todo[:PLAN_SAMPLE])
-    per_query = cache_file_bytes(args, backbone.model.config, query_sizes(pieces),
+        return 0
+    sizes = query_tokens(backbone.processor, backbone.family, kind, todo)  # every query's tokens, no image loaded
+    per_query = cache_file_bytes(args, backbone.model.config, sizes,
                                  autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
+    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (teacher_states)
     if need > free:
-        raise ValueError(f"the teacher cache needs {size(need)} for {len(todo)} queries ({size(per_query)} each) but "
-                         f"{args.teacher_cache} has {size(free)} free; give --teacher-cache DIR on a disk with room, "
-                         f"or --no-teacher-cache to recompute the teacher at every step ({args.epochs * len(queries)} "
-                         f"teacher forwards instead of {len(todo)})")
+        raise ValueError(no_room(args, need, len(todo), len(queries), free))
+    return need
+
+
+def no_room(args, need, todo, n_queries, free=None):
+    """The sentence that names the cache's size, its folder (and its free space), --teacher-cache and
+    --no-teacher-cache (and what that costs)."""
+    return (f"the teacher cache needs {size(need)} for {todo} queries ({size(need / todo)} each) in "
+            f"{args.teacher_cache}" + ("" if free is None else f", which has {size(free)} free") + "; give "
+            f"--teacher-cache DIR on a disk with room, or --no-teacher-cache to recompute the teacher at every step "
+            f"({args.epochs * n_queries} teacher forwards instead of {todo})")
 
 
 def plan_backbone(args, family):

@@ -186,3 +186,38 @@ def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins
     train.main(flags)
     out = capsys.readouterr().out
     assert "batch 3," in out and "at batch 3:" in out and "is NOT writable" in out
+
+
+@pytest.mark.parametrize("name", ["idefics2", "idefics2-split", "llava-onevision", "tiny-idefics", "tiny-llava-interleave"])
+@pytest.mark.parametrize("task", ["vqav2", "coco"])
+def test_query_tokens_without_images_are_the_encoded_queries(twins, name, task):
+    backbone = M.load_backbone(twins.get(name, name))
+    kind, queries = data.TASKS[task].kind, data.load_task(task, "train", benchmarks.ROOT)[:12]
+    pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
+    assert train.query_tokens(backbone.processor, backbone.family, kind, queries) == train.query_sizes(pieces)
+
+
+def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_out(tmp_path, monkeypatch):
+    """The room check counts every query's tokens (40 here, past the plan's sample of 32, questions of several
+    lengths): its size is the bytes the run writes. A full disk while caching ends in one line naming the size, the
+    folder, --teacher-cache and --no-teacher-cache."""
+    flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "40",
+             "--n-heldout", "1", "--batch-size", "8", "--shots", "1", "--epochs", "1", "--out", str(tmp_path / "run")]
+    needs = []
+    original = train.check_cache_room
+    monkeypatch.setattr(train, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
+    train.main(flags)
+    folder = tmp_path / "run" / "teacher"
+    written = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
+    assert len(os.listdir(folder)) == 40 and abs(needs[0] - written) <= 0.01 * written, (needs, written)
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(data, "write_cache", full)
+    with pytest.raises(OSError) as e:
+        train.main([*flags, "--overwrite", "--teacher-cache", str(tmp_path / "elsewhere")])
+    message = str(e.value)
+    for part in ("No space left on device", "kB for 40 queries", str(tmp_path / "elsewhere"), "--teacher-cache DIR",
+                 "--no-teacher-cache", "40 teacher forwards instead of 40"):
+        assert part in message, (part, message)
+    assert "\n" not in message
