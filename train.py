@@ -380,7 +380,8 @@ def start(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
-    backbone = M.load_backbone(args.model, device=device, image_splitting=args.image_splitting)
+    backbone = M.load_backbone(args.model, device=device, image_splitting=args.image_splitting,
+                               image_memory=args.image_memory * 1e9)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
@@ -672,12 +673,16 @@ def build_toy(path, recipe=TOY_RECIPE, tries=3, threads=1, accept=ACCEPT):
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 CACHE_HEADER = 300  # bytes of a cache file besides its tensor: safetensors' header with the key and checksum
-MEMORY_ASSUMPTIONS = ("assumptions: weights and activations in {dtype}, adapter state in float32 (16 bytes a "
-                      "parameter: value, gradient, AdamW's two moments); teacher = 2 L B T_t d (every layer's output, "
-                      "hooked then stacked) + B T_t (3 i + 4 d) (one layer's work), no gradient; student = B T_s L "
-                      "(10 d + 3 i) saved for the backward through the adapters; evaluation = KV cache 2 L B (T + "
-                      "new) kv + B T (3 i + 4 d); vision = crops x patches x (i_v + 4 d_v), one layer at a time; "
-                      "SDPA without T x T scores; rows at the sample's longest, random ICDs")
+RUNTIME = 0.45e9     # bytes: a CPU run's resident Python, torch, transformers and tokenizer before any weight
+MEMORY_ASSUMPTIONS = (
+    "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a "
+    "parameter); loading: on a CPU the weights plus the {file} file's copy (mapped while the weights are converted), "
+    "on a GPU the weights; images: the batch's pixel tensors as the batch builder returns them for the sampled rows, "
+    "the real images' copy in {dtype}, each image's vision-tower output, and one chunk of images (--image-memory "
+    "{budget}) at model.image_work; decoder: one layer's work B T (3 i + 5 d), the KV cache 2 L B T kv and a B x T "
+    "x T bool mask (SDPA without T x T scores), the teacher's kept states L B T_q d (no [L, B, T, d] stack), the "
+    "student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is its pixels + the larger of its image and "
+    "decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the sample's longest, random ICDs (train.memory)")
 
 
 def image_key(processor):
@@ -730,12 +735,13 @@ def no_room(args, need, todo, n_queries, free=None):
 
 
 def plan_backbone(args, family):
-    """The processor and a meta-device model (no weights) of --model, its image setting and where each came from: a
+    """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
+    dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
     folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of --processor
     or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
     if M.is_built(args.model):
         backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
-        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
+        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
     if args.processor and not os.path.isdir(args.processor):
         raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
                          "and preprocessor files")
@@ -758,49 +764,79 @@ def plan_backbone(args, family):
     model = M.published_model(family, config=config)  # on the meta device: no weights
     source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)
-    return processor, model, images, f"config {source}, processor {folder}, no weights"
+    file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
+    return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
 
 
-def plan_rows(processor, family, kind, queries, icds, patch):
-    """Each sampled query's rows as a run collates them, one at a time: {"student": {id: tokens}, "teacher": {id:
-    tokens}, "query": {id: T_q}, "answers": {id: target tokens}, "crops": crops per image, "patches": per crop}."""
-    rows = {"student": {}, "teacher": {}, "query": {}, "answers": {}}
-    for q, d in zip(queries, icds):
-        piece = data.query_pieces(processor, family, kind, [q])
-        for name, batch in (("student", data.student_batch(processor, family, kind, piece)),
-                            ("teacher", data.teacher_batch(processor, family, kind, piece, [d]))):
-            rows[name][q.id] = int(batch["attention_mask"].sum())
-        rows["query"][q.id], rows["answers"][q.id] = query_sizes(piece)[0]
-    pixels = piece[0]["images"]["pixel_values"]
-    rows["crops"] = pixels.shape[0] if family == "idefics2" else 1  # LLaVA-OneVision: its base view (onevision_piece)
-    rows["patches"] = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+def plan_rows(processor, family, kind, queries, icds, batch):
+    """The sampled queries' rows collated as a run collates them, `batch` at a time: {"student": {id: tokens},
+    "teacher": {id: tokens}, "query": {id: T_q}, "answers": {id: target tokens}, "images": {"student": [...],
+    "teacher": [...]}, each batch's image_sizes}."""
+    rows = {"student": {}, "teacher": {}, "query": {}, "answers": {}, "images": {"student": [], "teacher": []}}
+    for start in range(0, len(queries), batch):
+        qs = queries[start:start + batch]
+        pieces = data.query_pieces(processor, family, kind, qs)
+        for name, collated in (("student", data.student_batch(processor, family, kind, pieces)),
+                               ("teacher", data.teacher_batch(processor, family, kind, pieces,
+                                                              icds[start:start + batch]))):
+            rows[name].update(zip((q.id for q in qs), collated["attention_mask"].sum(1).tolist()))
+            rows["images"][name].append(image_sizes(collated))
+        for q, (tokens, answers) in zip(qs, query_sizes(pieces)):
+            rows["query"][q.id], rows["answers"][q.id] = tokens, answers
     return rows
 
 
-def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens):
-    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS) of each part, of training and of evaluation."""
-    text, vision = config.get_text_config(), getattr(config, "vision_config", None)
+def image_sizes(batch):
+    """What the image modules of a collated batch run over, read off its pixel tensors as the builder made them:
+    {"images": real images (all-zero padding images are dropped by the model), "pixels": [H, W] of each (its canvas),
+    "bytes": the pixel tensors' bytes}."""
+    pixels = batch["pixel_values"]
+    flat = pixels.reshape(-1, *pixels.shape[-3:])
+    real = flat.flatten(1).ne(0).any(1)
+    return {"images": int(real.sum()), "pixels": tuple(pixels.shape[-2:]),
+            "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
+
+
+def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens, on_cpu, file_dtype, image_memory):
+    """Estimated peak bytes of each part, of training and of evaluation (MEMORY_ASSUMPTIONS, every term here)."""
+    text = config.get_text_config()
     b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
         text.num_attention_heads
     kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or d // heads)
     t_s, t_t = max(rows["student"].values()), max(rows["teacher"].values())
-    d_v = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
-    vision_row = lambda images: images * rows["crops"] * rows["patches"] * (getattr(vision, "intermediate_size", 0)
-                                                                            + 4 * d_v) * b
-    work = lambda tokens: batch * tokens * (3 * i + 4 * d) * b
-    out = {"weights": params * b, "adapter": adapter_params * 16, "vision": vision_row(batch * (shots + 1)),
-           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b}
-    out["train"] = out["weights"] + out["adapter"] + out["vision"] + max(out["teacher"], out["student"])
-    evaluation = lambda tokens, images: out["weights"] + 2 * L * batch * (tokens + new_tokens) * kv * b + \
-        work(tokens) + vision_row(batch * images)
-    out["eval_adapter"], out["eval_icl"] = evaluation(t_s, 1), evaluation(t_t, shots + 1)
+    kept = L * batch * max(rows["query"].values()) * d * b   # the teacher's states at the query + target tokens
+
+    def vision(sizes):  # the batch's pixels, a chunk's working set, every image's tower output and features
+        patch = config.vision_config.patch_size
+        patches = (sizes["pixels"][0] // patch) * (sizes["pixels"][1] // patch)
+        one = M.image_work(config, patches, b)
+        d_v = getattr(config.vision_config, "hidden_size", None) or config.vision_config.embed_dim
+        chunk = min(sizes["images"], max(1, int(image_memory // one)))
+        return sizes["bytes"] + sizes["images"] * (3 * sizes["pixels"][0] * sizes["pixels"][1] + patches * d_v) * b \
+            + chunk * one
+
+    def layer(tokens):  # one decoder layer's working set, the inputs' embeddings, the KV cache, the bool mask
+        return batch * tokens * (3 * i + 5 * d) * b + 2 * L * batch * tokens * kv * b + batch * tokens ** 2
+
+    pixels = lambda name: max(s["bytes"] for s in rows["images"][name])
+    worst = lambda name: max(vision(s) for s in rows["images"][name])
+    out = {"weights": params * b, "adapter": adapter_params * 16, "runtime": RUNTIME if on_cpu else 0,
+           "load": params * (b + file_dtype.itemsize) if on_cpu else params * b,
+           "vision": worst("teacher"), "teacher": max(worst("teacher"), pixels("teacher") + layer(t_t) + kept),
+           "student": max(worst("student"), pixels("student") + layer(t_s) + batch * t_s * L * (10 * d + 3 * i) * b)}
+    out["train"] = out["runtime"] + max(out["load"], out["weights"] + out["adapter"] + kept +
+                                        max(out["teacher"], out["student"]))
+    evaluation = lambda tokens, name: out["runtime"] + max(out["load"], out["weights"] + max(
+        worst(name), pixels(name) + layer(tokens + new_tokens)))
+    out["eval_adapter"], out["eval_icl"] = evaluation(t_s, "student"), evaluation(t_t, "teacher")
     return out
 
 
 def plan(args, queries=None):
     """Print what a run of these flags costs, without loading weights: tokens per student and teacher row at the
-    configured shots (the collated rows of a sample of the queries), image crops, the teacher cache on disk and the
-    peak accelerator memory of training and evaluation (MEMORY_ASSUMPTIONS). Returns the figures as a dict.
+    configured shots (the collated rows of a sample of the queries), the images the vision tower runs over, the teacher
+    cache on disk (every query's tokens) and the peak memory of training and evaluation (MEMORY_ASSUMPTIONS) in the
+    run's own dtype and device (--plan cuda | cpu). Returns the figures as a dict.
     queries: evaluate.py's items (ICDs then come from the training split); None: train.py's training queries."""
     family, kind, training = M.family_of(args.model), data.TASKS[args.task].kind, queries is None
     if training:
@@ -808,49 +844,53 @@ def plan(args, queries=None):
     else:
         shots = args.shots if args.shots else data.default_shots(args.task, family)
         pool = data.load_task(args.task, "train", args.data_root)
-    processor, model, images, source = plan_backbone(args, family)
+    processor, model, images, source, file_dtype = plan_backbone(args, family)
     config = model.config
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
-    patch = getattr(getattr(config, "vision_config", None), "patch_size", 14)
-    rows = plan_rows(processor, family, kind, sample, icds, patch)
-    dtype = autocast_dtype(args.plan)  # --plan cuda: bf16
+    batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
+    rows = plan_rows(processor, family, kind, sample, icds, batch)
+    dtype, on_cpu = autocast_dtype(args.plan), args.plan == "cpu"  # cuda: bf16; cpu: float32
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **method_sizes(args)).parameters()) \
         if training else 0
-    batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
-    mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens)
+    mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens, on_cpu,
+                 file_dtype, args.image_memory * 1e9)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
     print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
-          f"{str(dtype).split('.')[-1]} ({'a CUDA' if args.plan == 'cuda' else 'a CPU'} run); {source}")
+          f"{str(dtype).split('.')[-1]} ({'a CPU' if on_cpu else 'a CUDA'} run); {source}")
     if images:
         print(images)
+    seen = max(rows["images"]["teacher"], key=lambda s: s["images"])
     print(f"tokens a row ({len(sample)} queries encoded): student {mean(rows['student'].values()):.0f} mean, "
           f"{max(rows['student'].values())} max; teacher ({shots} ICDs) {mean(rows['teacher'].values()):.0f} mean, "
-          f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; "
-          f"{rows['crops']} crop(s) an image, {rows['patches']} patches a crop")
+          f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; a "
+          f"teacher batch's images: {seen['images']} of {seen['pixels'][0]} x {seen['pixels'][1]} pixels (as collated)")
     figures = {"rows": rows, "memory": mem, "shots": shots, "dtype": dtype, "queries": len(queries)}
-    print(f"weights: {count(params)} parameters = {size(mem['weights'])}"
+    print(f"weights: {count(params)} parameters = {size(mem['weights'])} (loading: {size(mem['load'])})"
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
     if training:
-        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype)
+        sizes = query_tokens(processor, family, kind, queries)  # every query's tokens, no image loaded
+        figures["cache"] = plan_cache(args, config, sizes, dtype)
         print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
-              f"{size(mem['teacher'])}, student {size(mem['student'])}) + vision {size(mem['vision'])} + adapter "
-              f"{size(mem['adapter'])})")
+              f"{size(mem['teacher'])}, student {size(mem['student'])}; vision in them {size(mem['vision'])}) + "
+              f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")
     print(f"peak memory, evaluation at batch {batch}: ~{size(mem['eval_adapter'])} with the adapter or "
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
-    print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1]))
+    print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
+                                    budget=size(args.image_memory * 1e9)))
     return figures
 
 
-def plan_cache(args, config, rows, n_queries, dtype):
-    """Print and return the planned teacher cache: n_queries x the sample's mean bytes a file, against the free space
-    of --teacher-cache (or of the nearest folder above it that exists)."""
+def plan_cache(args, config, sizes, dtype):
+    """Print and return the planned teacher cache of the run's queries (sizes: their query_sizes), against the free
+    space of --teacher-cache (or of the nearest folder above it that exists)."""
+    n_queries = len(sizes)
     if args.anchor == "none":
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    per_query = cache_file_bytes(args, config, [(rows["query"][q], rows["answers"][q]) for q in rows["query"]], dtype)
+    per_query = cache_file_bytes(args, config, sizes, dtype)
     total = per_query * n_queries
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
@@ -1107,7 +1147,8 @@ def parse_args(argv=None):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
-                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, "")):
+                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, ""),
+                                 ("image_memory", True, "in GB; ")):
         value = getattr(args, name)
         if not (value > 0 if positive else value >= 0):
             p.error(f"--{name.replace('_', '-')} must be {'>' if positive else '>='} 0 ({what}got {value})")
@@ -1145,11 +1186,17 @@ def add_icd_flags(p):
 
 
 def add_plan_flags(p):
-    """--plan, --processor and --image-splitting, the image setting that changes a run's cost most (train, evaluate)."""
-    p.add_argument("--plan", nargs="?", const="cuda", choices=["cuda", "cpu"], help="print the run's plan and exit, "
-                   "loading no weights: tokens per student and teacher row, image crops, the teacher cache on disk, "
-                   "estimated peak memory of training and evaluation; cuda (the default): bf16, as on a GPU; cpu: "
-                   "float32")
+    """--plan, --processor, --image-splitting (the image setting that changes a run's cost most) and --image-memory
+    (train, evaluate)."""
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--plan", nargs="?", const=here, choices=["cuda", "cpu"], help="print the run's plan and exit, "
+                   "loading no weights: tokens per student and teacher row, the images a batch holds, the teacher "
+                   "cache on disk, estimated peak memory of training and evaluation; cuda: bf16 on a GPU "
+                   "(torch.cuda.max_memory_allocated); cpu: float32, peak resident memory; without a value the run's "
+                   f"own device (here: {here})")
+    p.add_argument("--image-memory", type=float, default=M.IMAGE_MEMORY / 1e9, help="GB the vision tower and "
+                   "Idefics2's connector may hold at once: they encode a batch's images in chunks of as many as fit "
+                   "(model.image_work; at least one), the same numbers as one call; the plan counts one chunk")
     p.add_argument("--processor", help="--plan: a local folder with the checkpoint's tokenizer and preprocessor "
                    "files, for a short --model name whose processor is not in the local Hugging Face cache")
     p.add_argument("--image-splitting", default="checkpoint", choices=M.IMAGE_SPLITTING, help="Idefics2: split each "

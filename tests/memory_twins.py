@@ -7,7 +7,7 @@ depth 1, random weights saved in bf16 as the real checkpoints are, the real toke
 (tests/twins.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
 JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
 
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory                 # every row of docs/real-models.md
+    python tests/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
 """
 import argparse
@@ -73,7 +73,10 @@ def photo(array):
 def twin_config(family, layers):
     """model.PUBLISHED's config of `family` with `layers` decoder layers, one vision layer, the perceiver at depth 1."""
     config = M.PUBLISHED[family]()
-    config.get_text_config().num_hidden_layers = layers
+    text = config.get_text_config()
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:layers]
     config.vision_config.num_hidden_layers = 1
     if hasattr(config, "perceiver_config"):
         config.perceiver_config.resampler_depth = 1
@@ -115,10 +118,10 @@ def planned(run, root):
     return figures["memory"]["train" if script == "train" else "eval_icl"]
 
 
-def measured(run, root):
-    """The run's peak RSS in bytes (/usr/bin/time -v), one thread."""
+def measured(run, root, lock=None):
+    """The run's peak RSS in bytes (/usr/bin/time -v), one thread; lock: a file to hold (flock) while it runs."""
     script = RUNS[run][4]
-    cmd = ["/usr/bin/time", "-v", sys.executable, os.path.join(os.path.dirname(HERE), f"{script}.py"),
+    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, os.path.join(os.path.dirname(HERE), f"{script}.py"),
            *flags(run, root), "--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if out.returncode:
@@ -130,13 +133,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default="/tmp/hyper-icl-memory", help="where the twins, photographs and runs go")
     p.add_argument("--only", nargs="*", choices=list(RUNS), help="these runs only (default: all)")
+    p.add_argument("--lock", help="hold this file (flock) during each measured run, one heavy run at a time")
     args = p.parse_args(argv)
     data.generated(os.path.join(args.root, "photos"), write_photos)
     print("| run | --plan cpu | measured peak RSS | plan / measured |\n|---|---:|---:|---:|")
     for run in args.only or RUNS:
         family, layers = RUNS[run][:2]
         write_twin(family, layers, os.path.join(args.root, f"{family}-{layers}"))
-        plan, peak = planned(run, args.root), measured(run, args.root)
+        plan, peak = planned(run, args.root), measured(run, args.root, args.lock)
         print(f"| {run} | {plan / 1e9:.2f} GB | {peak / 1e9:.2f} GB | {plan / peak:.2f} |", flush=True)
 
 

@@ -73,7 +73,7 @@ def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path
                                                         ("idefics2-split", "checkpoint", 89e6)])
 def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, splitting, per_query, monkeypatch, capsys):
     no_weights(monkeypatch)
-    planned = train.main(["--plan", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
+    planned = train.main(["--plan", "cuda", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
                           "--data-root", benchmarks.ROOT, "--image-splitting", splitting])
     n = len(planned["rows"]["query"])
     assert planned["cache"] / planned["queries"] == pytest.approx(per_query, rel=0.1)  # issue 30: ~21 MB, ~89 MB
