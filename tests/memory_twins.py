@@ -42,13 +42,14 @@ RUNS = {f"{name}-b{batch}-{script}": (family, layers, splitting, batch, script)
         for batch in batches for script in ("train", "evaluate")}
 
 
-def write_photos(root):
-    """The VQAv2 layout under `root` with skimage's photographs cut to 640 x 480 (every fourth 480 x 640)."""
+def write_photos(root, splits=SPLITS):
+    """The VQAv2 layout under `root` with skimage's photographs cut to 640 x 480 (every fourth 480 x 640): splits
+    {split: images}, one question each."""
     import skimage.data
     from PIL import Image
     rng, sources = random.Random(0), [Image.fromarray(photo(getattr(skimage.data, n)())).convert("RGB")
                                      for n in PHOTOS]
-    for split, n in SPLITS.items():
+    for split, n in splits.items():
         questions, annotations = [], []
         for i in range(n):
             image_id = i + 1 if split == "train" else 100_000 + i
