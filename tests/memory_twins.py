@@ -121,9 +121,9 @@ def planned(run, root):
 
 def measured(run, root, lock=None):
     """The run's peak RSS in bytes (/usr/bin/time -v), one thread; lock: a file to hold (flock) while it runs."""
-    script = RUNS[run][4]
-    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, os.path.join(os.path.dirname(HERE), f"{script}.py"),
-           *flags(run, root), "--threads", "1"]
+    script = os.path.join(os.path.dirname(HERE), f"{RUNS[run][4]}.py")
+    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, script, *flags(run, root),
+                                               "--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if out.returncode:
         raise RuntimeError(f"{run} failed:\n{out.stderr[-3000:]}")

@@ -188,7 +188,8 @@ def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins
     assert "batch 3," in out and "at batch 3:" in out and "is NOT writable" in out
 
 
-@pytest.mark.parametrize("name", ["idefics2", "idefics2-split", "llava-onevision", "tiny-idefics", "tiny-llava-interleave"])
+@pytest.mark.parametrize("name", ["idefics2", "idefics2-split", "llava-onevision", "tiny-idefics",
+                                  "tiny-llava-interleave"])
 @pytest.mark.parametrize("task", ["vqav2", "coco"])
 def test_query_tokens_without_images_are_the_encoded_queries(twins, name, task):
     backbone = M.load_backbone(twins.get(name, name))
