@@ -145,7 +145,8 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
 def target_logits(model, batch, **kwargs):
     """model's logits [B, K, V] at `batch`'s data.answer_window and the labels [B, K] they line up with."""
     keep = data.answer_window(batch["labels"])
-    return model(**data.model_inputs(batch), logits_to_keep=keep, **kwargs).logits, batch["labels"][:, -keep:]
+    return model(**data.model_inputs(batch), logits_to_keep=keep, use_cache=False, **kwargs).logits, \
+        batch["labels"][:, -keep:]
 
 
 def supervised_loss(logits, labels):
@@ -218,7 +219,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states"):
             logits, labels = target_logits(backbone.model, batch)
             answer = answer_positions(labels)
             return [logits[b, answer[b]].float().cpu() for b in range(len(queries))]
-        inputs = {**data.model_inputs(batch), "logits_to_keep": 1}  # states: no vocabulary-wide logits
+        inputs = {**data.model_inputs(batch), "logits_to_keep": 1, "use_cache": False}  # no logits, no KV cache
         kept = M.layer_outputs(backbone.model, keep=batch["query_target"], **inputs)[1]  # L x [sum of T_q, d]
     ends = batch["query_target"].sum(1).cumsum(0).tolist()
     return [torch.stack([h[end - n:end] for h in kept]).cpu() for end, n in zip(ends, batch["query_target"].sum(1))]
@@ -675,14 +676,15 @@ PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when ther
 CACHE_HEADER = 300  # bytes of a cache file besides its tensor: safetensors' header with the key and checksum
 RUNTIME = 0.45e9     # bytes: a CPU run's resident Python, torch, transformers and tokenizer before any weight
 MEMORY_ASSUMPTIONS = (
-    "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a "
-    "parameter); loading: on a CPU the weights plus the {file} file's copy (mapped while the weights are converted), "
-    "on a GPU the weights; images: the batch's pixel tensors as the batch builder returns them for the sampled rows, "
-    "the real images' copy in {dtype}, each image's vision-tower output, and one chunk of images (--image-memory "
-    "{budget}) at model.image_work; decoder: one layer's work B T (3 i + 5 d), the KV cache 2 L B T kv and a B x T "
-    "x T bool mask (SDPA without T x T scores), the teacher's kept states L B T_q d (no [L, B, T, d] stack), the "
-    "student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is its pixels + the larger of its image and "
-    "decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the sample's longest, random ICDs (train.memory)")
+    "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a parameter); "
+    "loading: on a CPU the weights plus the {file} file's copy (mapped while the weights are converted), on a GPU the "
+    "weights; images: the batch's pixel tensors as the batch builder returns them for the sampled rows, the real "
+    "images' copy in {dtype}, each image's vision-tower output, and one chunk of images (--image-memory {budget}) at "
+    "model.image_work; decoder: one layer's work B T (3 i + 5 d) and a B x T x T bool mask (SDPA without T x T "
+    "scores), in evaluation the KV cache 2 L B (T + new) kv (training forwards keep none), the teacher's kept states "
+    "L B T_q d (no [L, B, T, d] stack), the student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is "
+    "its pixels + the larger of its image and decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the "
+    "sample's longest, random ICDs (train.memory)")
 
 
 def image_key(processor):
@@ -815,8 +817,8 @@ def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens
         return sizes["bytes"] + sizes["images"] * (3 * sizes["pixels"][0] * sizes["pixels"][1] + patches * d_v) * b \
             + chunk * one
 
-    def layer(tokens):  # one decoder layer's working set, the inputs' embeddings, the KV cache, the bool mask
-        return batch * tokens * (3 * i + 5 * d) * b + 2 * L * batch * tokens * kv * b + batch * tokens ** 2
+    def layer(tokens, cached=False):  # one decoder layer's working set and inputs, the bool mask (+ KV cache)
+        return batch * tokens * (3 * i + 5 * d) * b + batch * tokens ** 2 + cached * 2 * L * batch * tokens * kv * b
 
     pixels = lambda name: max(s["bytes"] for s in rows["images"][name])
     worst = lambda name: max(vision(s) for s in rows["images"][name])
@@ -824,11 +826,12 @@ def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens
            "load": params * (b + file_dtype.itemsize) if on_cpu else params * b,
            "vision": worst("teacher"), "teacher": max(worst("teacher"), pixels("teacher") + layer(t_t) + kept),
            "student": max(worst("student"), pixels("student") + layer(t_s) + batch * t_s * L * (10 * d + 3 * i) * b)}
-    out["train"] = out["runtime"] + max(out["load"], out["weights"] + out["adapter"] + kept +
-                                        max(out["teacher"], out["student"]))
-    evaluation = lambda tokens, name: out["runtime"] + max(out["load"], out["weights"] + max(
-        worst(name), pixels(name) + layer(tokens + new_tokens)))
-    out["eval_adapter"], out["eval_icl"] = evaluation(t_s, "student"), evaluation(t_t, "teacher")
+    out["train_loaded"] = out["runtime"] + out["weights"] + out["adapter"] + kept + max(out["teacher"], out["student"])
+    evaluation = lambda tokens, name: out["runtime"] + out["weights"] + max(
+        worst(name), pixels(name) + layer(tokens + new_tokens, cached=True))
+    out["eval_adapter_loaded"], out["eval_icl_loaded"] = evaluation(t_s, "student"), evaluation(t_t, "teacher")
+    for run in ("train", "eval_adapter", "eval_icl"):  # the peak: loading, or the run once loaded
+        out[run] = max(out["runtime"] + out["load"], out[run + "_loaded"])
     return out
 
 

@@ -9,6 +9,7 @@ JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/
 
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
+    python tests/memory_twins.py --root /tmp/hyper-icl-memory --published    # the README's real-model table
 """
 import argparse
 import contextlib
@@ -37,7 +38,7 @@ SPLITS = {"train": 40, "val": 16}
 # name: (family, decoder layers, image splitting, batch size, script)
 RUNS = {f"{name}-b{batch}-{script}": (family, layers, splitting, batch, script)
         for name, family, layers, splitting, batches in (
-            ("idefics2-1-off", "idefics2", 1, "off", (1,)), ("idefics2-2-off", "idefics2", 2, "off", (1, 2)),
+            ("idefics2-2-off", "idefics2", 2, "off", (1, 2)),
             ("idefics2-2-on", "idefics2", 2, "on", (1,)), ("onevision-2", "llava-onevision", 2, "checkpoint", (1,)))
         for batch in batches for script in ("train", "evaluate")}
 
@@ -112,38 +113,66 @@ def flags(run, root):
 
 
 def planned(run, root):
-    """What --plan cpu says of the run: peak bytes of training, or of 8-shot evaluation."""
+    """What --plan cpu says of the run, training or 8-shot evaluation: (peak bytes, peak bytes once loaded)."""
     script = RUNS[run][4]
     with contextlib.redirect_stdout(io.StringIO()):
         figures = (train.main if script == "train" else evaluate.main)([*flags(run, root), "--plan", "cpu"])
-    return figures["memory"]["train" if script == "train" else "eval_icl"]
+    part = "train" if script == "train" else "eval_icl"
+    return figures["memory"][part], figures["memory"][part + "_loaded"]
 
 
 def measured(run, root, lock=None):
-    """The run's peak RSS in bytes (/usr/bin/time -v), one thread; lock: a file to hold (flock) while it runs."""
-    script = os.path.join(os.path.dirname(HERE), f"{RUNS[run][4]}.py")
-    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, script, *flags(run, root),
-                                               "--threads", "1"]
+    """The run's peak RSS in bytes (/usr/bin/time -v) and its peak once the backbone is loaded (child), one thread;
+    lock: a file to hold (flock) while it runs."""
+    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, os.path.abspath(__file__),
+                                               "--child", RUNS[run][4], *flags(run, root), "--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if out.returncode:
         raise RuntimeError(f"{run} failed:\n{out.stderr[-3000:]}")
-    return int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)) * 1024
+    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)) * 1024
+    return peak, int(re.search(r"peak once loaded: (\d+) kB", out.stderr).group(1)) * 1024
+
+
+def child(script, argv):
+    """Run train.py's or evaluate.py's main here, the peak RSS reset (/proc/self/clear_refs) as soon as the backbone
+    is loaded; then print that peak (VmHWM) to stderr."""
+    load = M.load_backbone
+
+    def loaded(*args, **kwargs):
+        backbone = load(*args, **kwargs)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := the RSS now
+        return backbone
+    M.load_backbone = loaded
+    (train if script == "train" else evaluate).main(argv)
+    with open("/proc/self/status") as f:
+        peak = re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)
+    print(f"peak once loaded: {peak} kB", file=sys.stderr)
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child(argv[1], argv[2:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default="/tmp/hyper-icl-memory", help="where the twins, photographs and runs go")
     p.add_argument("--only", nargs="*", choices=list(RUNS), help="these runs only (default: all)")
     p.add_argument("--lock", help="hold this file (flock) during each measured run, one heavy run at a time")
+    p.add_argument("--published", action="store_true", help="print the README's real-model table instead (the plan "
+                   "at the published sizes, no weights)")
     args = p.parse_args(argv)
     data.generated(os.path.join(args.root, "photos"), write_photos)
-    print("| run | --plan cpu | measured peak RSS | plan / measured |\n|---|---:|---:|---:|")
+    if args.published:
+        return published_table(args.root)
+    print("| run | --plan cpu | measured peak RSS | plan / measured | once loaded: plan | measured | plan / measured "
+          "|\n|---|---:|---:|---:|---:|---:|---:|")
     for run in args.only or RUNS:
         family, layers = RUNS[run][:2]
         write_twin(family, layers, os.path.join(args.root, f"{family}-{layers}"))
-        plan, peak = planned(run, args.root), measured(run, args.root, args.lock)
-        print(f"| {run} | {plan / 1e9:.2f} GB | {peak / 1e9:.2f} GB | {plan / peak:.2f} |", flush=True)
+        (plan, plan_loaded), (peak, peak_loaded) = planned(run, args.root), measured(run, args.root, args.lock)
+        print(f"| {run} | {plan / 1e9:.2f} GB | {peak / 1e9:.2f} GB | {plan / peak:.2f} | {plan_loaded / 1e9:.2f} GB "
+              f"| {peak_loaded / 1e9:.2f} GB | {plan_loaded / peak_loaded:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
