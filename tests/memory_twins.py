@@ -150,6 +150,33 @@ def child(script, argv):
     print(f"peak once loaded: {peak} kB", file=sys.stderr)
 
 
+PUBLISHED_ROWS = (("Idefics2-8B, splitting off", "idefics2", "idefics2", "off"),
+                  ("Idefics2-8B, splitting on", "idefics2", "idefics2", "on"),
+                  ("LLaVA-Interleave-7B", "llava-interleave", "llava-interleave", "checkpoint"),
+                  ("LLaVA-OneVision-7B", "llava-onevision", "llava-onevision", "checkpoint"))
+
+
+def published_table(root):
+    """The README's real-model table: --plan cuda at the published sizes (bf16, batch 4, 8 shots) with each
+    real-processor twin's processor (tests/twins.py) on the photographs."""
+    print("| backbone | student row / 8-shot teacher row, tokens | teacher cache, 1,000 queries | training memory | "
+          "evaluation memory: adapter / 8-shot ICL |\n|---|---:|---:|---:|---:|")
+    for name, family, twin, splitting in PUBLISHED_ROWS:
+        folder = os.path.join(root, "processors", twin)
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            twins.write_twin(twin, folder)
+        flags = ["--model", family, "--processor", folder, "--task", "vqav2", "--data-root",
+                 os.path.join(root, "photos"), "--shots", "8", "--batch-size", "4", "--n-heldout", "1",
+                 "--out", os.path.join(root, "runs", "published"), "--plan", "cuda"] + \
+            (["--image-splitting", splitting] if splitting != "checkpoint" else [])
+        with contextlib.redirect_stdout(io.StringIO()):
+            figures = train.main(flags)
+        rows, mem = figures["rows"], figures["memory"]
+        print(f"| {name} | {max(rows['student'].values())} / {max(rows['teacher'].values()):,} | "
+              f"{figures['cache'] / figures['queries'] * 1000 / 1e9:.1f} GB | ~{mem['train'] / 1e9:.1f} GB | "
+              f"~{mem['eval_adapter'] / 1e9:.1f} / ~{mem['eval_icl'] / 1e9:.1f} GB |", flush=True)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
