@@ -1641,6 +1641,8 @@ def parse_args(argv=None):
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
                                    "new_tokens": 1, "attention_tokens": 1, "threads": 1, "bench_shots": 0, "workers": 0,
                                    "curve_queries": 1})
+    if not args.image_memory > 0:
+        p.error(f"--image-memory must be > 0 (in GB; got {args.image_memory})")
     if args.curve:
         args.train_args = args.train_args or CURVE_TRAIN_ARGS
         unknown = set(args.curve_methods or []) - {name for name, _ in curve_runs()}
@@ -1707,7 +1709,8 @@ def main(argv=None):
                 M.published_model(family, device="cuda")
             backbone = M.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")
         else:
-            backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
+            backbone = M.load_backbone(args.model, image_splitting=args.image_splitting,
+                                       image_memory=args.image_memory * 1e9)
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")

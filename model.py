@@ -192,13 +192,16 @@ def without_adapter(model):
 LAYER_OUTPUTS_VERSION = 2  # what layer_outputs returns; 1 was hidden_states[1:], the last entry after the final norm
 
 
-def layer_outputs(model, forward=None, **inputs):
+def layer_outputs(model, forward=None, keep=None, **inputs):
     """model(**inputs) and h^(1), ..., h^(L), the output of each decoder layer (Eq 16 aligns these), read by forward
     hooks on the decoder layers: (output, L x [B, T, d]). Unlike `output_hidden_states`, whose last entry is the L-th
     output after the model's final norm, every h^(l) here is the layer's own output. forward: what runs the model
-    (a wrapper of it, such as DistributedDataParallel; default the model itself)."""
+    (a wrapper of it, such as DistributedDataParallel; default the model itself). keep: a bool mask [B, T]; then each
+    hook keeps only those positions as its layer produces them, L x [kept positions, d] in row order (h[keep]), and
+    no layer's whole output outlives the next layer."""
     states = []
-    record = lambda layer, args, out: states.append(out[0] if isinstance(out, tuple) else out)
+    own = lambda out: out[0] if isinstance(out, tuple) else out
+    record = lambda layer, args, out: states.append(own(out) if keep is None else own(out)[keep.to(own(out).device)])
     with hooked(*(layer.register_forward_hook(record) for layer in model.get_decoder().layers)):
         return (forward or model)(**inputs), states
 
@@ -212,6 +215,81 @@ def hooked(*handles):
         for handle in handles:
             handle.remove()
 
+
+# ---------------------------------------------------------- images in chunks: the same numbers, a bounded working set
+#
+# The vision tower and Idefics2's connector (modality projection, an MLP 1152 -> 14336 -> 4096, then the perceiver)
+# encode each image on its own, but transformers runs them over every image of a batch at once, padding included:
+# nine 640 x 640 images through the projection are three [9, 2025, 14336] tensors (1 GB each in float32). Run in
+# chunks of images whose working set (image_work) fits --image-memory, they give the same numbers and hold a chunk's.
+
+IMAGE_MEMORY = 1e9  # bytes, --image-memory's default: one Idefics2 image of 640 x 640 at float32 fits it
+
+
+def image_work(config, patches, itemsize):
+    """Bytes one image of `patches` patches holds while it is encoded, the larger of its two stages: a vision layer
+    (q, k, v, output and residual of width d_v, the MLP's two i_v-wide tensors) and, for Idefics2, the connector
+    (three [patches, i] tensors of the projection's gated MLP, its input and output, the perceiver's context)."""
+    vision, text = config.vision_config, config.get_text_config()
+    d_v, i_v = getattr(vision, "hidden_size", None) or vision.embed_dim, vision.intermediate_size
+    layer = patches * (6 * d_v + 2 * i_v)
+    connector = patches * (3 * text.intermediate_size + d_v + 3 * text.hidden_size)
+    return max(layer, connector if config.model_type == "idefics2" else 0) * itemsize
+
+
+def image_modules(model):
+    """The modules that encode a batch's images one image at a time, each over all of them in one call: the vision
+    tower, and Idefics2's connector (LLaVA's projector works on one patch at a time and holds little)."""
+    inner = model.model
+    return [m for m in (getattr(inner, name, None) for name in ("vision_model", "vision_tower", "connector"))
+            if m is not None]
+
+
+def chunk_images(model, budget=IMAGE_MEMORY):
+    """Make the image modules (image_modules) run over as many images a call as image_work says fit `budget` bytes
+    (at least one), concatenating the results: the numbers of one call, since each image is encoded on its own."""
+    for module in image_modules(model):
+        module.icl_chunking = {"budget": budget, "config": model.config}
+        if "forward" not in vars(module):  # once: the class's forward, called chunk by chunk
+            module.forward = lambda *args, module=module, **kwargs: chunked(module, *args, **kwargs)
+    return model
+
+
+def chunked(module, *args, **kwargs):
+    """module's own forward over its images (the first tensor argument's leading dimension) in chunks: every tensor
+    argument of that leading size is sliced alike, and the outputs are concatenated (joined)."""
+    forward, config = type(module).forward, module.icl_chunking["config"]
+    first = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
+    n, patch = first.shape[0], config.vision_config.patch_size
+    patches = first.shape[1] if first.dim() == 3 else first.shape[-2] * first.shape[-1] // patch ** 2
+    step = max(1, int(module.icl_chunking["budget"] // image_work(config, patches, first.element_size())))
+    if n <= step:
+        return forward(module, *args, **kwargs)
+    part = lambda v, s: v[s:s + step] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v
+    return joined([forward(module, *(part(a, s) for a in args), **{k: part(v, s) for k, v in kwargs.items()})
+                   for s in range(0, n, step)])
+
+
+def joined(outs):
+    """Chunks' outputs as one: tensors concatenated along the first dimension, field by field for a ModelOutput (its
+    tuples element by element); None stays None."""
+    first = outs[0]
+    if first is None or torch.is_tensor(first):
+        return first if first is None else cat_alike(outs)
+    if isinstance(first, tuple) and not hasattr(first, "keys"):
+        return tuple(joined([o[k] for o in outs]) for k in range(len(first)))
+    return type(first)(**{k: joined([o[k] for o in outs]) for k in first.keys()})
+
+
+
+def cat_alike(parts):
+    """torch.cat along the first dimension, in the parts' own memory layout: a transposed layout (SigLIP's patch
+    embedding leaves one) stays transposed, since the kernels of the layers after it, and so their rounding, follow
+    the layout."""
+    order = sorted(range(parts[0].dim()), key=lambda d: -parts[0].stride(d))
+    if not order or order[0] != 0:
+        return torch.cat(parts)
+    return torch.cat([p.permute(order) for p in parts]).permute([order.index(d) for d in range(len(order))])
 
 # -------------------------------------------------------------------------------------- saving and loading adapters
 
@@ -340,10 +418,11 @@ def freeze(model):
     return model.eval()
 
 
-def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint"):
+def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint", image_memory=IMAGE_MEMORY):
     """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
     weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
-    (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"."""
+    (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off".
+    image_memory: the bytes a call of the vision tower or connector may hold (chunk_images)."""
     family = family_of(name)
     if is_built(name):
         model, processor = TINY_BUILDERS[family](seed) if name.startswith("tiny-") else \
@@ -357,6 +436,7 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
         model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
                                                            device_map={"": placed(device)})  # no copy in host memory
+    chunk_images(model, image_memory)
     context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
     return Backbone(freeze(model), processor, family, name, images)
 

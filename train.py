@@ -19,6 +19,7 @@ without --resume or --overwrite, and one process at a time holds a folder (`lock
 """
 import argparse
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -30,7 +31,6 @@ import pickle
 import random
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -146,7 +146,8 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
 def target_logits(model, batch, **kwargs):
     """model's logits [B, K, V] at `batch`'s data.answer_window and the labels [B, K] they line up with."""
     keep = data.answer_window(batch["labels"])
-    return model(**data.model_inputs(batch), logits_to_keep=keep, **kwargs).logits, batch["labels"][:, -keep:]
+    return model(**data.model_inputs(batch), logits_to_keep=keep, use_cache=False, **kwargs).logits, \
+        batch["labels"][:, -keep:]
 
 
 def supervised_loss(logits, labels):
@@ -220,9 +221,10 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
             logits, labels = target_logits(backbone.model, batch)
             answer = answer_positions(labels)
             return [logits[b, answer[b]].float() for b in range(len(queries))]
-        inputs = {**data.model_inputs(batch), "logits_to_keep": 1}  # states: no vocabulary-wide logits
-        states = torch.stack(M.layer_outputs(backbone.model, **inputs)[1])  # [L, B, W, d]
-    return [states[:, b, batch["query_target"][b]] for b in range(len(queries))]
+        inputs = {**data.model_inputs(batch), "logits_to_keep": 1, "use_cache": False}  # no logits, no KV cache
+        kept = M.layer_outputs(backbone.model, keep=batch["query_target"], **inputs)[1]  # L x [sum of T_q, d]
+    ends = batch["query_target"].sum(1).cumsum(0).tolist()
+    return [torch.stack([h[end - n:end] for h in kept]) for end, n in zip(ends, batch["query_target"].sum(1).tolist())]
 
 
 def read_teacher(path, key, shape, output="states"):
@@ -241,6 +243,24 @@ def teacher_file(args, cache, query, icds):
 def query_sizes(pieces):
     """(T_q, answer tokens) of each query piece (data.query_pieces): the sizes of its teacher tensor."""
     return [(len(p["input_ids"]), sum(x != -100 for x in p["labels"])) for p in pieces]
+
+
+def query_tokens(processor, family, kind, queries):
+    """query_sizes of every query without loading its image: one query encoded in full (data.query_pieces) gives the
+    tokens its image stands for, a count fixed per family and setting (Idefics2 66 or 326, LLaVA-Interleave 729,
+    LLaVA-OneVision 730), and each query adds the tokens of its own text (text_tokens)."""
+    (reference, _), = query_sizes(data.query_pieces(processor, family, kind, queries[:1]))
+    image = reference - text_tokens(processor, family, kind, queries[0])[1]
+    return [(image + whole, whole - prompt) for prompt, whole in (text_tokens(processor, family, kind, q)
+                                                                  for q in queries)]
+
+
+def text_tokens(processor, family, kind, query):
+    """Tokens of the query's prompt and of its prompt + answer by the tokenizer alone, the image placeholder one
+    special token (each family's image tokens end in a special token too, so the text after it reads the same)."""
+    count = lambda text: len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = data.prompt_text(kind, query)
+    return count(prompt), count(prompt + data.answer_text(processor, family, kind, query.target))
 
 
 def teacher_states(backbone, args, kind, queries, icds, pieces, device, cache):
@@ -280,7 +300,14 @@ def completed_states(backbone, args, kind, queries, icds, pieces, device, cache,
     for i, s in zip(missing, fresh):
         states[i] = s
         if not args.no_teacher_cache:
-            data.write_cache(found["paths"][i], {output: s.cpu()}, found["keys"][i] + output)
+            try:
+                data.write_cache(found["paths"][i], {output: s.cpu()}, found["keys"][i] + output)
+            except OSError as e:  # a full disk mid-run: the same sentence as the room check before the first step
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                room = cache.get("room", f"the teacher cache in {args.teacher_cache} needs {size(s.nbytes)} a "
+                                 "query; give --teacher-cache DIR on a disk with room, or --no-teacher-cache")
+                raise OSError(e.errno, f"{e.strerror} writing {found['paths'][i]}: {room}") from None
     return [s.to(device, non_blocking=True) for s in states]
 
 
@@ -419,7 +446,8 @@ def start(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     queries, heldout, pool, shots = split_pool(args, M.family_of(args.model))
-    backbone = M.load_backbone(args.model, device=device, image_splitting=args.image_splitting)
+    backbone = M.load_backbone(args.model, device=device, image_splitting=args.image_splitting,
+                               image_memory=args.image_memory * 1e9)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
@@ -721,12 +749,17 @@ def build_toy(path, recipe=TOY_RECIPE, tries=3, threads=1, accept=ACCEPT):
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 CACHE_HEADER = 300  # bytes of a cache file besides its tensor: safetensors' header with the key and checksum
-MEMORY_ASSUMPTIONS = ("assumptions: weights and activations in {dtype}, adapter state in float32 (16 bytes a "
-                      "parameter: value, gradient, AdamW's two moments); teacher = 2 L B T_t d (every layer's output, "
-                      "hooked then stacked) + B T_t (3 i + 4 d) (one layer's work), no gradient; student = B T_s L "
-                      "(10 d + 3 i) saved for the backward through the adapters; evaluation = KV cache 2 L B (T + "
-                      "new) kv + B T (3 i + 4 d); vision = crops x patches x (i_v + 4 d_v), one layer at a time; "
-                      "SDPA without T x T scores; rows at the sample's longest, random ICDs")
+RUNTIME = 0.45e9     # bytes: a CPU run's resident Python, torch, transformers and tokenizer before any weight
+MEMORY_ASSUMPTIONS = (
+    "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a parameter); "
+    "loading: on a CPU the weights plus the {file} file's copy (mapped while the weights are converted), on a GPU the "
+    "weights; images: the batch's pixel tensors as the batch builder returns them for the sampled rows, the real "
+    "images' copy in {dtype}, each image's vision-tower output, and one chunk of images (--image-memory {budget}) at "
+    "model.image_work; decoder: one layer's work B T (3 i + 5 d) and a B x T x T bool mask (SDPA without T x T "
+    "scores), in evaluation the KV cache 2 L B (T + new) kv (training forwards keep none), the teacher's kept states "
+    "L B T_q d (no [L, B, T, d] stack), the student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is "
+    "its pixels + the larger of its image and decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the "
+    "sample's longest, random ICDs (train.memory)")
 
 
 def image_key(processor):
@@ -758,25 +791,34 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs)."""
     todo = [q for q in queries if not os.path.exists(teacher_file(args, cache, q, icds[q.id])[1])]
     if not todo:
-        return
-    pieces = data.query_pieces(backbone.processor, backbone.family, kind, todo[:PLAN_SAMPLE])
-    per_query = cache_file_bytes(args, backbone.model.config, query_sizes(pieces),
+        return 0
+    sizes = query_tokens(backbone.processor, backbone.family, kind, todo)  # every query's tokens, no image loaded
+    per_query = cache_file_bytes(args, backbone.model.config, sizes,
                                  autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
+    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (teacher_states)
     if need > free:
-        raise ValueError(f"the teacher cache needs {size(need)} for {len(todo)} queries ({size(per_query)} each) but "
-                         f"{args.teacher_cache} has {size(free)} free; give --teacher-cache DIR on a disk with room, "
-                         f"or --no-teacher-cache to recompute the teacher at every step ({args.epochs * len(queries)} "
-                         f"teacher forwards instead of {len(todo)})")
+        raise ValueError(no_room(args, need, len(todo), len(queries), free))
+    return need
+
+
+def no_room(args, need, todo, n_queries, free=None):
+    """The sentence that names the cache's size, its folder (and its free space), --teacher-cache and
+    --no-teacher-cache (and what that costs)."""
+    return (f"the teacher cache needs {size(need)} for {todo} queries ({size(need / todo)} each) in "
+            f"{args.teacher_cache}" + ("" if free is None else f", which has {size(free)} free") + "; give "
+            f"--teacher-cache DIR on a disk with room, or --no-teacher-cache to recompute the teacher at every step "
+            f"({args.epochs * n_queries} teacher forwards instead of {todo})")
 
 
 def plan_backbone(args, family):
-    """The processor and a meta-device model (no weights) of --model, its image setting and where each came from: a
+    """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
+    dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
     folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of --processor
     or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
     if M.is_built(args.model):
         backbone = M.load_backbone(args.model, image_splitting=args.image_splitting)
-        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)"
+        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
     if args.processor and not os.path.isdir(args.processor):
         raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
                          "and preprocessor files")
@@ -799,49 +841,80 @@ def plan_backbone(args, family):
     model = M.published_model(family, config=config)  # on the meta device: no weights
     source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)
-    return processor, model, images, f"config {source}, processor {folder}, no weights"
+    file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
+    return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
 
 
-def plan_rows(processor, family, kind, queries, icds, patch):
-    """Each sampled query's rows as a run collates them, one at a time: {"student": {id: tokens}, "teacher": {id:
-    tokens}, "query": {id: T_q}, "answers": {id: target tokens}, "crops": crops per image, "patches": per crop}."""
-    rows = {"student": {}, "teacher": {}, "query": {}, "answers": {}}
-    for q, d in zip(queries, icds):
-        piece = data.query_pieces(processor, family, kind, [q])
-        for name, batch in (("student", data.student_batch(processor, family, kind, piece)),
-                            ("teacher", data.teacher_batch(processor, family, kind, piece, [d]))):
-            rows[name][q.id] = int(batch["attention_mask"].sum())
-        rows["query"][q.id], rows["answers"][q.id] = query_sizes(piece)[0]
-    pixels = piece[0]["images"]["pixel_values"]  # a crop or view of the last query's image, each [3, h, w]
-    rows["crops"] = len(pixels) if family == "idefics2" else 1  # LLaVA-OneVision: its base view (onevision_piece)
-    rows["patches"] = max(p.shape[-2] for p in pixels) // patch * (max(p.shape[-1] for p in pixels) // patch)
+def plan_rows(processor, family, kind, queries, icds, batch):
+    """The sampled queries' rows collated as a run collates them, `batch` at a time: {"student": {id: tokens},
+    "teacher": {id: tokens}, "query": {id: T_q}, "answers": {id: target tokens}, "images": {"student": [...],
+    "teacher": [...]}, each batch's image_sizes}."""
+    rows = {"student": {}, "teacher": {}, "query": {}, "answers": {}, "images": {"student": [], "teacher": []}}
+    for start in range(0, len(queries), batch):
+        qs = queries[start:start + batch]
+        pieces = data.query_pieces(processor, family, kind, qs)
+        for name, collated in (("student", data.student_batch(processor, family, kind, pieces)),
+                               ("teacher", data.teacher_batch(processor, family, kind, pieces,
+                                                              icds[start:start + batch]))):
+            rows[name].update(zip((q.id for q in qs), collated["attention_mask"].sum(1).tolist()))
+            rows["images"][name].append(image_sizes(collated))
+        for q, (tokens, answers) in zip(qs, query_sizes(pieces)):
+            rows["query"][q.id], rows["answers"][q.id] = tokens, answers
     return rows
 
 
-def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens):
-    """Estimated peak accelerator bytes (MEMORY_ASSUMPTIONS) of each part, of training and of evaluation."""
-    text, vision = config.get_text_config(), getattr(config, "vision_config", None)
+def image_sizes(batch):
+    """What the image modules of a collated batch run over, read off its pixel tensors as the builder made them:
+    {"images": real images (all-zero padding images are dropped by the model), "pixels": [H, W] of each (its canvas),
+    "bytes": the pixel tensors' bytes}."""
+    pixels = batch["pixel_values"]
+    flat = pixels.reshape(-1, *pixels.shape[-3:])
+    real = flat.flatten(1).ne(0).any(1)
+    return {"images": int(real.sum()), "pixels": tuple(pixels.shape[-2:]),
+            "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
+
+
+def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens, on_cpu, file_dtype, image_memory):
+    """Estimated peak bytes of each part, of training and of evaluation (MEMORY_ASSUMPTIONS, every term here)."""
+    text = config.get_text_config()
     b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
         text.num_attention_heads
     kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or d // heads)
     t_s, t_t = max(rows["student"].values()), max(rows["teacher"].values())
-    d_v = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
-    vision_row = lambda images: images * rows["crops"] * rows["patches"] * (getattr(vision, "intermediate_size", 0)
-                                                                            + 4 * d_v) * b
-    work = lambda tokens: batch * tokens * (3 * i + 4 * d) * b
-    out = {"weights": params * b, "adapter": adapter_params * 16, "vision": vision_row(batch * (shots + 1)),
-           "teacher": 2 * L * batch * t_t * d * b + work(t_t), "student": batch * t_s * L * (10 * d + 3 * i) * b}
-    out["train"] = out["weights"] + out["adapter"] + out["vision"] + max(out["teacher"], out["student"])
-    evaluation = lambda tokens, images: out["weights"] + 2 * L * batch * (tokens + new_tokens) * kv * b + \
-        work(tokens) + vision_row(batch * images)
-    out["eval_adapter"], out["eval_icl"] = evaluation(t_s, 1), evaluation(t_t, shots + 1)
+    kept = L * batch * max(rows["query"].values()) * d * b   # the teacher's states at the query + target tokens
+
+    def vision(sizes):  # the batch's pixels, a chunk's working set, every image's tower output and features
+        patch = config.vision_config.patch_size
+        patches = (sizes["pixels"][0] // patch) * (sizes["pixels"][1] // patch)
+        one = M.image_work(config, patches, b)
+        d_v = getattr(config.vision_config, "hidden_size", None) or config.vision_config.embed_dim
+        chunk = min(sizes["images"], max(1, int(image_memory // one)))
+        return sizes["bytes"] + sizes["images"] * (3 * sizes["pixels"][0] * sizes["pixels"][1] + patches * d_v) * b \
+            + chunk * one
+
+    def layer(tokens, cached=False):  # one decoder layer's working set and inputs, the bool mask (+ KV cache)
+        return batch * tokens * (3 * i + 5 * d) * b + batch * tokens ** 2 + cached * 2 * L * batch * tokens * kv * b
+
+    pixels = lambda name: max(s["bytes"] for s in rows["images"][name])
+    worst = lambda name: max(vision(s) for s in rows["images"][name])
+    out = {"weights": params * b, "adapter": adapter_params * 16, "runtime": RUNTIME if on_cpu else 0,
+           "load": params * (b + file_dtype.itemsize) if on_cpu else params * b,
+           "vision": worst("teacher"), "teacher": max(worst("teacher"), pixels("teacher") + layer(t_t) + kept),
+           "student": max(worst("student"), pixels("student") + layer(t_s) + batch * t_s * L * (10 * d + 3 * i) * b)}
+    out["train_loaded"] = out["runtime"] + out["weights"] + out["adapter"] + kept + max(out["teacher"], out["student"])
+    evaluation = lambda tokens, name: out["runtime"] + out["weights"] + max(
+        worst(name), pixels(name) + layer(tokens + new_tokens, cached=True))
+    out["eval_adapter_loaded"], out["eval_icl_loaded"] = evaluation(t_s, "student"), evaluation(t_t, "teacher")
+    for run in ("train", "eval_adapter", "eval_icl"):  # the peak: loading, or the run once loaded
+        out[run] = max(out["runtime"] + out["load"], out[run + "_loaded"])
     return out
 
 
 def plan(args, queries=None):
     """Print what a run of these flags costs, without loading weights: tokens per student and teacher row at the
-    configured shots (the collated rows of a sample of the queries), image crops, the teacher cache on disk and the
-    peak accelerator memory of training and evaluation (MEMORY_ASSUMPTIONS). Returns the figures as a dict.
+    configured shots (the collated rows of a sample of the queries), the images the vision tower runs over, the teacher
+    cache on disk (every query's tokens) and the peak memory of training and evaluation (MEMORY_ASSUMPTIONS) in the
+    run's own dtype and device (--plan cuda | cpu). Returns the figures as a dict.
     queries: evaluate.py's items (ICDs then come from the training split); None: train.py's training queries."""
     family, kind, training = M.family_of(args.model), data.TASKS[args.task].kind, queries is None
     if training:
@@ -849,57 +922,60 @@ def plan(args, queries=None):
     else:
         shots = args.shots if args.shots else data.default_shots(args.task, family)
         pool = data.load_task(args.task, "train", args.data_root)
-    processor, model, images, source = plan_backbone(args, family)
+    processor, model, images, source, file_dtype = plan_backbone(args, family)
     config = model.config
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
-    patch = getattr(getattr(config, "vision_config", None), "patch_size", 14)
-    rows = plan_rows(processor, family, kind, sample, icds, patch)
-    dtype = autocast_dtype(args.plan)  # --plan cuda: bf16
+    batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
+    rows = plan_rows(processor, family, kind, sample, icds, batch)
+    dtype, on_cpu = autocast_dtype(args.plan), args.plan == "cpu"  # cuda: bf16; cpu: float32
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **method_sizes(args)).parameters()) \
         if training else 0
-    batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
-    mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens)
+    mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens, on_cpu,
+                 file_dtype, args.image_memory * 1e9)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
     print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
-          f"{str(dtype).split('.')[-1]} ({'a CUDA' if args.plan == 'cuda' else 'a CPU'} run); {source}")
+          f"{str(dtype).split('.')[-1]} ({'a CPU' if on_cpu else 'a CUDA'} run); {source}")
     if images:
         print(images)
+    seen = max(rows["images"]["teacher"], key=lambda s: s["images"])
     print(f"tokens a row ({len(sample)} queries encoded): student {mean(rows['student'].values()):.0f} mean, "
           f"{max(rows['student'].values())} max; teacher ({shots} ICDs) {mean(rows['teacher'].values()):.0f} mean, "
-          f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; "
-          f"{rows['crops']} crop(s) an image, {rows['patches']} patches a crop")
+          f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; a "
+          f"teacher batch's images: {seen['images']} of {seen['pixels'][0]} x {seen['pixels'][1]} pixels (as collated)")
     figures = {"rows": rows, "memory": mem, "shots": shots, "dtype": dtype, "queries": len(queries)}
-    print(f"weights: {count(params)} parameters = {size(mem['weights'])}"
+    print(f"weights: {count(params)} parameters = {size(mem['weights'])} (loading: {size(mem['load'])})"
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
     if training:
-        figures["cache"] = plan_cache(args, config, rows, len(queries), dtype, params)
+        sizes = query_tokens(processor, family, kind, queries)  # every query's tokens, no image loaded
+        figures["cache"] = plan_cache(args, config, sizes, dtype, 2 * params * mean(rows["teacher"].values()))
         print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
-              f"{size(mem['teacher'])}, student {size(mem['student'])}) + vision {size(mem['vision'])} + adapter "
-              f"{size(mem['adapter'])})")
+              f"{size(mem['teacher'])}, student {size(mem['student'])}; vision in them {size(mem['vision'])}) + "
+              f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")
     print(f"peak memory, evaluation at batch {batch}: ~{size(mem['eval_adapter'])} with the adapter or "
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
-    print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1]))
+    print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
+                                    budget=size(args.image_memory * 1e9)))
     return figures
 
 
-def plan_cache(args, config, rows, n_queries, dtype, params=None):
-    """Print and return the planned teacher cache: n_queries x the sample's mean bytes a file, against the free space
-    of --teacher-cache (or of the nearest folder above it that exists); and, given the backbone's `params`, whether
-    reading a query's file back costs less than recomputing its teacher (read_or_recompute)."""
+def plan_cache(args, config, sizes, dtype, teacher_flops=None):
+    """Print and return the planned teacher cache of the run's queries (sizes: their query_sizes), against the free
+    space of --teacher-cache (or of the nearest folder above it that exists); and, given the FLOPs of one query's
+    teacher forward, whether reading a query's file back costs less than recomputing its teacher (read_or_recompute)."""
+    n_queries = len(sizes)
     if args.anchor == "none":
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    per_query = cache_file_bytes(args, config, [(rows["query"][q], rows["answers"][q]) for q in rows["query"]], dtype)
+    per_query = cache_file_bytes(args, config, sizes, dtype)
     total = per_query * n_queries
     folder = args.teacher_cache
     while not os.path.isdir(folder):
         folder = os.path.dirname(os.path.abspath(folder))
     writable = os.access(folder, os.W_OK | os.X_OK)
-    versus = read_or_recompute(folder, per_query, 2 * params * statistics.mean(rows["teacher"].values())) \
-        if params and writable else None
+    versus = read_or_recompute(folder, per_query, teacher_flops) if teacher_flops and writable else None
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
               f"{n_queries}; it would take {size(total)})")
@@ -1183,7 +1259,8 @@ def parse_args(argv=None):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
-                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, "")):
+                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, ""),
+                                 ("image_memory", True, "in GB; ")):
         value = getattr(args, name)
         if not (value > 0 if positive else value >= 0):
             p.error(f"--{name.replace('_', '-')} must be {'>' if positive else '>='} 0 ({what}got {value})")
@@ -1229,11 +1306,17 @@ def add_icd_flags(p):
 
 
 def add_plan_flags(p):
-    """--plan, --processor and --image-splitting, the image setting that changes a run's cost most (train, evaluate)."""
-    p.add_argument("--plan", nargs="?", const="cuda", choices=["cuda", "cpu"], help="print the run's plan and exit, "
-                   "loading no weights: tokens per student and teacher row, image crops, the teacher cache on disk, "
-                   "estimated peak memory of training and evaluation; cuda (the default): bf16, as on a GPU; cpu: "
-                   "float32")
+    """--plan, --processor, --image-splitting (the image setting that changes a run's cost most) and --image-memory
+    (train, evaluate)."""
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--plan", nargs="?", const=here, choices=["cuda", "cpu"], help="print the run's plan and exit, "
+                   "loading no weights: tokens per student and teacher row, the images a batch holds, the teacher "
+                   "cache on disk, estimated peak memory of training and evaluation; cuda: bf16 on a GPU "
+                   "(torch.cuda.max_memory_allocated); cpu: float32, peak resident memory; without a value the run's "
+                   f"own device (here: {here})")
+    p.add_argument("--image-memory", type=float, default=M.IMAGE_MEMORY / 1e9, help="GB the vision tower and "
+                   "Idefics2's connector may hold at once: they encode a batch's images in chunks of as many as fit "
+                   "(model.image_work; at least one), the same numbers as one call; the plan counts one chunk")
     p.add_argument("--processor", help="--plan: a local folder with the checkpoint's tokenizer and preprocessor "
                    "files, for a short --model name whose processor is not in the local Hugging Face cache")
     p.add_argument("--image-splitting", default="checkpoint", choices=M.IMAGE_SPLITTING, help="Idefics2: split each "

@@ -73,7 +73,7 @@ def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path
                                                         ("idefics2-split", "checkpoint", 89e6)])
 def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, splitting, per_query, monkeypatch, capsys):
     no_weights(monkeypatch)
-    planned = train.main(["--plan", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
+    planned = train.main(["--plan", "cuda", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
                           "--data-root", benchmarks.ROOT, "--image-splitting", splitting])
     n = len(planned["rows"]["query"])
     assert planned["cache"] / planned["queries"] == pytest.approx(per_query, rel=0.1)  # issue 30: ~21 MB, ~89 MB
@@ -206,3 +206,39 @@ def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the
     assert tflop == pytest.approx(2 * params * teacher / 1e12, rel=1e-2)
     assert compute_ms == pytest.approx(tflop / train.ACCELERATOR_TFLOPS * 1e3, rel=1e-2)
     assert line.endswith("reading is cheaper") == (read_ms <= compute_ms)
+
+
+@pytest.mark.parametrize("name", ["idefics2", "idefics2-split", "llava-onevision", "tiny-idefics",
+                                  "tiny-llava-interleave"])
+@pytest.mark.parametrize("task", ["vqav2", "coco"])
+def test_query_tokens_without_images_are_the_encoded_queries(twins, name, task):
+    backbone = M.load_backbone(twins.get(name, name))
+    kind, queries = data.TASKS[task].kind, data.load_task(task, "train", benchmarks.ROOT)[:12]
+    pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
+    assert train.query_tokens(backbone.processor, backbone.family, kind, queries) == train.query_sizes(pieces)
+
+
+def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_out(tmp_path, monkeypatch):
+    """The room check counts every query's tokens (40 here, past the plan's sample of 32, questions of several
+    lengths): its size is the bytes the run writes. A full disk while caching ends in one line naming the size, the
+    folder, --teacher-cache and --no-teacher-cache."""
+    flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "40",
+             "--n-heldout", "1", "--batch-size", "8", "--shots", "1", "--epochs", "1", "--out", str(tmp_path / "run")]
+    needs = []
+    original = train.check_cache_room
+    monkeypatch.setattr(train, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
+    train.main(flags)
+    folder = tmp_path / "run" / "teacher"
+    written = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
+    assert len(os.listdir(folder)) == 40 and abs(needs[0] - written) <= 0.01 * written, (needs, written)
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(data, "write_cache", full)
+    with pytest.raises(OSError) as e:
+        train.main([*flags, "--overwrite", "--teacher-cache", str(tmp_path / "elsewhere")])
+    message = str(e.value)
+    for part in ("No space left on device", "kB for 40 queries", str(tmp_path / "elsewhere"), "--teacher-cache DIR",
+                 "--no-teacher-cache", "40 teacher forwards instead of 40"):
+        assert part in message, (part, message)
+    assert "\n" not in message

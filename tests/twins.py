@@ -63,11 +63,16 @@ def text_config(model_type, tok, vocab_size):
                 bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
 
 
+def idefics2_processor(folder, splitting):
+    """Idefics2-8B's processor: its tokenizer and published image settings, splitting on or off."""
+    return Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=splitting, resample=2,
+                                                       size={"longest_edge": 980, "shortest_edge": 378}),
+                             mistral_tokenizer(folder), image_seq_len=64)
+
+
 def idefics2(folder, splitting):
-    tok = mistral_tokenizer(folder)
-    processor = Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=splitting, resample=2,
-                                                            size={"longest_edge": 980, "shortest_edge": 378}),
-                                  tok, image_seq_len=64)
+    processor = idefics2_processor(folder, splitting)
+    tok = processor.tokenizer
     config = Idefics2Config(text_config=text_config("mistral", tok, 32003), vision_config=dict(VISION, image_size=980),
                             perceiver_config=dict(hidden_size=64, resampler_n_latents=64, resampler_depth=1,
                                                   resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=1),
@@ -88,10 +93,11 @@ def llava_interleave(folder):
     return LlavaForConditionalGeneration(config), processor
 
 
-def llava_onevision(folder):
-    """Written by hand: its processor cannot be saved without a video processor (which needs torchvision), so the
-    folder holds what the checkpoint holds: tokenizer files, preprocessor_config.json, processor_config.json, and a
-    video_preprocessor_config.json that loading must leave alone."""
+def onevision_processor_files(folder):
+    """Write LLaVA-OneVision-7B's processor files by hand: its processor cannot be saved without a video processor
+    (which needs torchvision), so the folder holds what the checkpoint holds: tokenizer files,
+    preprocessor_config.json, processor_config.json, and a video_preprocessor_config.json that loading must leave
+    alone. Returns the tokenizer."""
     tok = qwen_tokenizer()
     tok.save_pretrained(folder)
     LlavaOnevisionImageProcessorPil(size={"height": 384, "width": 384}, image_grid_pinpoints=ONEVISION_GRID,
@@ -102,6 +108,12 @@ def llava_onevision(folder):
                                                             {"video_processor_type": "LlavaOnevisionVideoProcessor"})):
         with open(os.path.join(folder, name), "w") as f:
             json.dump(obj, f)
+    return tok
+
+
+def llava_onevision(folder):
+    """The processor files by onevision_processor_files; the model tiny."""
+    tok = onevision_processor_files(folder)
     config = LlavaOnevisionConfig(text_config=text_config("qwen2", tok, 152128), vision_config=siglip(),
                                   vision_feature_select_strategy="full", vision_feature_layer=-1,
                                   image_grid_pinpoints=ONEVISION_GRID, image_token_index=151646)

@@ -1,0 +1,132 @@
+"""The real size on a GPU (issue 37), for the day one is lent: `python -m pytest -m gpu -s` trains the full-size
+Idefics2-8B (model.published_model: random weights, bf16, on CUDA) with a real-processor twin's processor on COCO-size
+photographs (tests/memory_twins.py): --plan, 20 steps at batch 4 with 8 shots and the teacher cache, then 64
+evaluation items at 0 and 8 shots and with the adapter, then Table 6 (evaluate.py --benchmark). It prints one table:
+peak torch.cuda.max_memory_allocated against the plan, step time, the share of a step spent building its batches,
+cache bytes per query against the plan, Table 6. About 12 minutes on one H200 (estimated; not run yet).
+
+The normal suite runs the same code path on the CPU at toy size (test_the_gpu_run_rehearsed_on_the_cpu), so it cannot
+rot unnoticed."""
+import os
+import statistics
+import time
+
+import pytest
+import torch
+
+import data
+import evaluate
+import model as M
+import train
+from memory_twins import write_photos
+from twins import write_twin
+
+
+def timed(monkeypatch, module, name, spent):
+    """Wrap module.name so that its calls' seconds add up in spent[name]."""
+    original = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+    monkeypatch.setattr(module, name, wrapper)
+
+
+def peak(device, run):
+    """run()'s result and the peak bytes torch.cuda allocated meanwhile (None on a CPU)."""
+    if device != "cuda":
+        return run(), None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    result = run()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated()
+
+
+def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eval, bench):
+    """The GPU run on `backbone` (what every load_backbone call returns meanwhile): plan, train, evaluate at 0 and
+    `shots` shots and with the adapter, Table 6. Returns the table's rows {what: (measured, planned)} and Table 6."""
+    device = "cuda" if next(backbone.model.parameters()).is_cuda else "cpu"
+    photos = data.generated(os.path.join(root, "photos"), lambda f: write_photos(f, {"train": batch * steps + 16,
+                                                                                    "val": n_eval}))
+    common = ["--task", "vqav2", "--data-root", photos, "--shots", str(shots), "--batch-size", str(batch)]
+    flags = [*common, "--n-train", str(batch * steps), "--n-heldout", "4", "--epochs", "1",
+             "--out", os.path.join(root, "run")]
+    plan = train.main([*plan_flags, *flags, "--plan", device])
+    monkeypatch.setattr(M, "load_backbone", lambda *args, **kwargs: backbone)
+    spent, step_times = {}, []
+    for name in ("query_pieces", "teacher_batch"):  # student_batch is teacher_batch without ICDs
+        timed(monkeypatch, data, name, spent)
+    step = train.train_step
+
+    def timed_step(run, batches):
+        start = time.perf_counter()
+        step(run, batches)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - start)
+    monkeypatch.setattr(train, "train_step", timed_step)
+    _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
+    cache = os.path.join(root, "run", "teacher")
+    files = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
+    rows = {"training peak": (trained, plan["memory"]["train"]),
+            "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
+            "share of a step building its batches": (sum(spent.values()) / sum(step_times), None),
+            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in files) / len(files),
+                                    plan["cache"] / plan["queries"])}
+    adapter = os.path.join(root, "run", "adapter.safetensors")
+    for setting, extra, planned in (("0-shot", ["--shots", "0"], "eval_adapter"),
+                                    (f"{shots}-shot", ["--shots", str(shots)], "eval_icl"),
+                                    ("adapter", ["--checkpoint", adapter], "eval_adapter")):
+        if hasattr(backbone.model, "icl_settings"):
+            M.detach(backbone.model)
+        evaluation = [*common, "--n-eval", str(n_eval), "--split", "val", "--out", os.path.join(root, setting)]
+        _, used = peak(device, lambda: evaluate.main(["--model", "idefics2", *evaluation, *extra]))
+        rows[f"evaluation peak, {setting}"] = (used, plan["memory"][planned])
+    table6 = evaluate.main(["--benchmark", "--model", "idefics2", "--task", "vqav2", "--data-root", photos,
+                            "--split", "val", "--checkpoint", adapter, "--out", os.path.join(root, "bench"), *bench])
+    print_table(rows, table6)
+    return rows, table6
+
+
+def print_table(rows, table6):
+    """One table: measured against planned, then Table 6's rows."""
+    print("\n| what | measured | planned |\n|---|---:|---:|")
+    for what, (measured, planned) in rows.items():
+        show = lambda v: "-" if v is None else train.size(v) if "peak" in what or "bytes" in what else f"{v:.3g}"
+        print(f"| {what} | {show(measured)} | {show(planned)} |")
+    print("\n| Table 6 setting | tokens | TFLOPs | x zero-shot | ms | x zero-shot |\n|---|---:|---:|---:|---:|---:|")
+    for r in table6:
+        print(f"| {r['setting']} | {r['prompt_tokens']} | {r['tflops']:.4g} | {r['tflops_ratio']:.3f} | {r['ms']:.1f} "
+              f"| {r['ms_ratio']:.3f} |")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_real_size_on_a_gpu(tmp_path, monkeypatch):
+    processor, images = M.load_processor(write_twin("idefics2", tmp_path / "twin"), "idefics2")
+    model = M.chunk_images(M.published_model("idefics2", device="cuda"))
+    M.context_limit(processor, model.config)
+    backbone = M.Backbone(model, processor, "idefics2", "idefics2", images)
+    rows, table6 = rehearse(backbone, ["--model", "idefics2", "--processor", str(tmp_path / "twin")], str(tmp_path),
+                            monkeypatch, steps=20, batch=4, shots=8, n_eval=64, bench=[])
+    for what, (measured, planned) in rows.items():
+        if planned is not None and "peak" in what:
+            assert measured <= 1.15 * planned, (what, measured, planned)  # the plan is not an underestimate
+    assert rows["cache bytes a query"][0] == pytest.approx(rows["cache bytes a query"][1], rel=0.05)
+    assert [r["setting"] for r in table6] == ["zero-shot", "hyper-icl", "8-shot", "16-shot", "32-shot"]
+
+
+def test_the_gpu_run_rehearsed_on_the_cpu(tmp_path, monkeypatch):
+    """The GPU test's code path at toy size on the CPU (a couple of steps): it runs, every measured row is filled in,
+    the cache bytes are the plan's."""
+    backbone = M.load_backbone("tiny-idefics2")
+    rows, table6 = rehearse(backbone, ["--model", "tiny-idefics2"], str(tmp_path), monkeypatch, steps=2, batch=2,
+                            shots=2, n_eval=2, bench=["--bench-shots", "2", "--rounds", "1", "--new-tokens", "2"])
+    assert all(measured is not None for what, (measured, _) in rows.items() if "peak" not in what)
+    assert 0 < rows["share of a step building its batches"][0] < 1
+    assert rows["cache bytes a query"][0] == pytest.approx(rows["cache bytes a query"][1], rel=0.05)
+    assert [r["setting"] for r in table6] == ["zero-shot", "hyper-icl", "2-shot"]

@@ -1,0 +1,66 @@
+"""Memory as planned (issue 37): the forward keeps only what it uses (the teacher's query positions layer by layer,
+images encoded in chunks) with the same numbers, and the teacher cache's room is checked for every query, a full
+disk mid-run named like the check."""
+import pytest
+import torch
+
+import benchmarks
+import data
+import model as M
+import train
+
+
+def teacher_rows(backbone, n=3, shots=2):
+    """n VQAv2 queries with `shots` ICDs each, as the teacher reads them: (queries, icds, pieces, batch)."""
+    pool = data.load_task("vqav2", "train", benchmarks.ROOT)
+    queries = pool[:n]
+    icds = data.demonstrations([q.id for q in queries], pool[n:], shots, 0)
+    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
+    return queries, icds, pieces, data.teacher_batch(backbone.processor, backbone.family, "vqa", pieces, icds)
+
+
+def calls_of(modules):
+    """Count the calls of each module's first child (once per chunk of images)."""
+    counts = [0] * len(modules)
+    for k, module in enumerate(modules):
+        first = next(module.children())
+        first.register_forward_hook(lambda *a, k=k: counts.__setitem__(k, counts[k] + 1))
+    return counts
+
+
+@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+def test_images_in_chunks_give_the_numbers_of_one_call(family):
+    """One image a call (a budget of 1 byte) against every image in one call: float64 to 1e-12, the arithmetic the
+    same; float32 to 1e-6 (MKL's GEMM picks another kernel for fewer rows at some widths: Idefics2's projection at
+    K = 128 differs by 2e-7, the LLaVA models' towers are bit-identical here)."""
+    for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+        backbone = M.load_backbone(f"tiny-{family}", dtype=dtype, image_memory=1e18)
+        batch = data.model_inputs(teacher_rows(backbone)[3])
+        batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        modules = M.image_modules(backbone.model)
+        counts = calls_of(modules)
+        with torch.no_grad():
+            whole = backbone.model(**batch).logits
+            once = list(counts)
+            M.chunk_images(backbone.model, 1)
+            chunked = backbone.model(**batch).logits
+        assert once == [1] * len(modules) and counts == [1 + 9] * len(modules)  # then 3 rows x 3 images, one a call
+        scale = whole.abs().max()
+        assert (whole - chunked).abs().max() <= tolerance * scale, (dtype, (whole - chunked).abs().max())
+
+
+@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+def test_the_teacher_keeps_only_the_query_positions_as_each_layer_runs(family):
+    """run_teacher's states equal the query + target positions of every layer's whole output, bit for bit, and the
+    hooks never hold a layer's whole [B, W, d]: each keeps [kept positions, d] only."""
+    backbone = M.load_backbone(f"tiny-{family}")
+    queries, icds, pieces, batch = teacher_rows(backbone)
+    keep = batch["query_target"]
+    with torch.no_grad():
+        full = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch), logits_to_keep=1)[1])
+        kept = M.layer_outputs(backbone.model, keep=keep, **data.model_inputs(batch), logits_to_keep=1)[1]
+    assert [tuple(h.shape) for h in kept] == [(int(keep.sum()), full.shape[-1])] * full.shape[0]
+    states = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
+    assert len(states) == len(queries)
+    for b, s in enumerate(states):
+        assert torch.equal(s, full[:, b, keep[b]]) and s.is_contiguous()
