@@ -312,7 +312,8 @@ def train_step(run, batches):
         for name, value in part.items():
             if not torch.isfinite(value):
                 raise FloatingPointError(f"step {step}: loss part {name!r} is {value.item()}; stopping. The last good "
-                                         "checkpoint is untouched; try a lower --lr or --kappa")
+                                         f"checkpoint is untouched. Settings that can cause it: {diverging(run.args)}; "
+                                         "try a lower value of one of them (--lr first)")
         (part["loss"] / run.args.grad_accum).backward()
         parts = {k: parts.get(k, 0) + v.item() / run.args.grad_accum for k, v in part.items()}
     # the step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule
@@ -325,6 +326,13 @@ def train_step(run, batches):
     run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
     if step % run.args.save_every == 0:
         save_run(run)
+
+
+def diverging(args):
+    """The settings of this run that can make its loss NaN or inf, with their values, as the stop names them."""
+    names = ["lr", "weight_decay", "clip", "lam"] + (["kappa"] if args.anchor == "hyperbolic" else []) + \
+        (["temperature"] if args.anchor == "kl" else []) + (["anchor_norm"] if args.anchor_norm != "none" else [])
+    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)
 
 
 @dataclass
@@ -720,6 +728,8 @@ def plan_backbone(args, family):
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
     config = AutoConfig.from_pretrained(args.model) if os.path.isdir(args.model) else None
+    if config is not None:
+        M.check_config(config, args.model)
     model = M.published_model(family, config=config)  # on the meta device: no weights
     source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)
@@ -847,9 +857,9 @@ def save_run(run):
     data.atomic_write(os.path.join(run.args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
-RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "n_train", "n_heldout", "epochs",
-                     "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa",
-                     "lam", "anchor", "anchor_norm", "temperature", "seed")
+RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
+                     "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
+                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed")
 
 
 def restore(args, backbone, optimizer, scheduler):
@@ -1068,14 +1078,18 @@ def parse_args(argv=None):
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                              "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
-                             "build_tries": 1, "threads": 1})
+                             "build_tries": 1, "threads": (1, MAX_THREADS), "seed": (0, MAX_SEED)})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
                                  ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, "")):
-        value = getattr(args, name)
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        if not math.isfinite(value) or abs(value) > FLOAT32.max:  # it scales float32 tensors: inf or NaN at step 1
+            p.error(f"{flag} must be a finite number of float32's range, at most {FLOAT32.max:.4g} (got {value})")
         if not (value > 0 if positive else value >= 0):
-            p.error(f"--{name.replace('_', '-')} must be {'>' if positive else '>='} 0 ({what}got {value})")
+            p.error(f"{flag} must be {'>' if positive else '>='} 0 ({what}got {value})")
+        if 0 < value < FLOAT32.tiny:  # 0 in float32 arithmetic, or its inverse overflows
+            p.error(f"{flag} must be at least {FLOAT32.tiny:.4g}, float32's smallest normal number (got {value})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
@@ -1083,12 +1097,22 @@ def parse_args(argv=None):
     return args
 
 
+MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes, seeds, steps) holds
+MAX_SEED = 2**32 - 1   # --seed: torch's generators take 64 bits, and epoch_order seeds with seed x 100,003 + epoch
+MAX_THREADS = max(1024, os.cpu_count() or 1)
+FLOAT32 = torch.finfo(torch.float32)  # the rates and weights scale float32 tensors (the adapter's, AdamW's)
+
+
 def check_at_least(p, args, bounds):
-    """A parser error for each flag of {name: least} given below its least value (a list flag: any of its values)."""
-    for name, least in bounds.items():
-        value = getattr(args, name)
-        if any(v is not None and v < least for v in (value if isinstance(value, list) else [value])):
+    """A parser error for each flag of {name: least or (least, most)} given outside [least, most] (most: MAX_INT
+    unless given; a list flag: any of its values), naming the flag."""
+    for name, bound in bounds.items():
+        (least, most), value = bound if isinstance(bound, tuple) else (bound, MAX_INT), getattr(args, name)
+        values = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
+        if any(v < least for v in values):
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
+        if any(v > most for v in values):
+            p.error(f"--{name.replace('_', '-')} must be at most {most:,} (got {value})")
 
 
 def check_folders(p, folders):
