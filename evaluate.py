@@ -149,9 +149,12 @@ def evaluate(backbone, args, items, setting, vector=None):
     kind = D.TASKS[args.task].kind
     stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
     metrics = {**result_settings(backbone, args, setting, len(items)), **vector_info}
+    if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
+        with open(args.checkpoint, "rb") as f:
+            metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
     if kind == "choice":
         metrics["protocol"] = args.seed_protocol
-    check_replaceable(stem + ".metrics.json", metrics)  # before the work, which a refusal would waste
+    check_replaceable(stem + ".metrics.json", {k: metrics[k] for k in RESULT_SETTINGS if k in metrics})  # first
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
         icds = D.choose_demonstrations(backbone, args, items, support, args.shots)
@@ -218,42 +221,6 @@ def result_name(args, setting, n, vector_info):
                                                                                           "adapter.safetensors")):
         parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
     return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
-
-
-# Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
-RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
-                   "rices_encoder", "protocol", "chair", "seed", "n_eval", "n", "vector_file", "vector_layer")
-
-
-def result_settings(backbone, args, setting, n):
-    """An evaluation's RESULT_SETTINGS (the SEED protocol and a vector's file and layer are added by evaluate): the
-    backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
-    choice (where there are demonstrations), the seed, --n-eval and the items scored."""
-    splitting, rices = train.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
-    return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
-            "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
-            "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
-            "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
-            "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": n}
-
-
-def check_replaceable(path, settings):
-    """Refuse to replace the result file at `path` (metrics, an analysis) if it records other settings than
-    `settings` (RESULT_SETTINGS, as far as the old file records them): a ValueError naming the file and each
-    difference. Paths compare as absolute paths. An unreadable file holds no result and is replaced."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-    except (OSError, ValueError):
-        return
-    path_of = lambda v: os.path.abspath(v) if isinstance(v, str) else v
-    same = lambda k: old[k] == settings.get(k) or k in ("checkpoint", "data_root") and \
-        path_of(old[k]) == path_of(settings.get(k))
-    differ = [f"{k} {old[k]!r} (now {settings.get(k)!r})" for k in RESULT_SETTINGS
-              if isinstance(old, dict) and k in old and not same(k)]
-    if differ:
-        raise ValueError(f"{path} holds the result of other settings: {', '.join(differ)}; it is kept. Give another "
-                         "--out, or remove the file to replace it")
 
 
 def write_mme_results(folder, items, predictions):
@@ -1455,6 +1422,8 @@ def curve(args):
     (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
     and budget), curve.json (every run), curve.png and tune.json. One thread on CPU unless --threads (main): on a
     shared machine that was about 10x faster than two, and deterministic."""
+    settings = curve_settings(args)
+    check_replaceable(os.path.join(args.out, "curve.json"), settings)  # before hours of training
     items, backbone = eval_items(args), M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
     # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
@@ -1489,8 +1458,16 @@ def curve(args):
                      "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row),
                      **answer_measures(backbone, kind, items, teacher, args.batch_size)})
         M.detach(backbone.model)
-    write_curve(args, runs, levels, len(items), chosen)
+    write_curve(args, runs, levels, len(items), chosen, settings)
     return runs, levels
+
+
+def curve_settings(args):
+    """What changes a --curve's result, as curve.json records it."""
+    return {"model": args.model, "task": args.task, "split": args.split, "n_eval": args.n_eval,
+            "data_root": args.data_root and os.path.abspath(args.data_root), "curve_queries": args.curve_queries,
+            "curve_seeds": args.curve_seeds, "curve_methods": args.curve_methods, "no_tune": args.no_tune,
+            "train_args": args.train_args}
 
 
 CURVE_RANGE = {"accuracy": (0, 100), "answer_logprob": (None, 0), "teacher_kl": (0, None)}  # where each can lie
@@ -1498,7 +1475,7 @@ CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(referen
                   "teacher_kl": "KL(8-shot teacher || model) per answer token"}
 
 
-def write_curve(args, runs, levels, n_items, chosen):
+def write_curve(args, runs, levels, n_items, chosen, settings):
     """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row and budget;
     curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as lines."""
     import matplotlib
@@ -1520,7 +1497,8 @@ def write_curve(args, runs, levels, n_items, chosen):
         lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
                   for s in settings]
     D.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    D.write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels, "tuned": chosen}, indent=2)
+    D.write_json(os.path.join(args.out, "curve.json"), {**settings, "runs": runs, "levels": levels, "tuned": chosen},
+                 indent=2)
     fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
     for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):
         for i, s in enumerate(settings):
@@ -1543,6 +1521,42 @@ def write_curve(args, runs, levels, n_items, chosen):
 
 
 # ----------------------------------------------------------------------------------------------------- command line
+
+# Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
+RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
+                   "rices_encoder", "protocol", "chair", "seed", "n_eval", "n", "vector_file", "vector_layer")
+
+
+def result_settings(backbone, args, setting, n):
+    """An evaluation's RESULT_SETTINGS (the SEED protocol and a vector's file and layer are added by evaluate): the
+    backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
+    choice (where there are demonstrations), the seed, --n-eval and the items scored."""
+    splitting, rices = train.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
+    return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
+            "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
+            "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
+            "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
+            "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": n}
+
+
+def check_replaceable(path, settings):
+    """Refuse to replace the result file at `path` (metrics, an analysis, a benchmark, a curve) if it records other
+    values of `settings` ({name: value}, as far as the old file records them): a ValueError naming the file and each
+    difference. Paths compare as absolute paths. An unreadable file holds no result and is replaced."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return
+    path_of = lambda v: os.path.abspath(v) if isinstance(v, str) else v
+    same = lambda k: old[k] == settings[k] or k in ("checkpoint", "data_root") and \
+        path_of(old[k]) == path_of(settings[k])
+    differ = [f"{k} {old[k]!r} (now {settings[k]!r})" for k in settings if isinstance(old, dict) and k in old and
+              not same(k)]
+    if differ:
+        raise ValueError(f"{path} holds the result of other settings: {', '.join(differ)}; it is kept. Give another "
+                         "--out, or remove the file to replace it")
+
 
 def default_checkpoint(model, task):
     """Where a train.py run with the default --out and --method writes its best adapter."""

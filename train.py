@@ -328,13 +328,6 @@ def train_step(run, batches):
         save_run(run)
 
 
-def diverging(args):
-    """The settings of this run that can make its loss NaN or inf, with their values, as the stop names them."""
-    names = ["lr", "weight_decay", "clip", "lam"] + (["kappa"] if args.anchor == "hyperbolic" else []) + \
-        (["temperature"] if args.anchor == "kl" else []) + (["anchor_norm"] if args.anchor_norm != "none" else [])
-    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)
-
-
 @dataclass
 class Run:
     """What the training loop's functions share; `progress` is what last.pt saves beside the adapter and AdamW."""
@@ -1095,6 +1088,13 @@ def parse_args(argv=None):
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
                       "--rices-cache": args.rices_cache})
     return args
+
+
+def diverging(args):
+    """The settings of this run that can make its loss NaN or inf, with their values, as the stop names them."""
+    names = ["lr", "weight_decay", "clip", "lam"] + (["kappa"] if args.anchor == "hyperbolic" else []) + \
+        (["temperature"] if args.anchor == "kl" else []) + (["anchor_norm"] if args.anchor_norm != "none" else [])
+    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)
 
 
 MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes, seeds, steps) holds

@@ -117,8 +117,8 @@ IMAGE = {"filepath": "val2014", "filename": "a.jpg", "imgid": 0, "cocoid": 5, "s
     ("flickr30k", [IMAGE, {**IMAGE, "cocoid": 6}], r"flickr30k: entry 1 of .*dataset_flickr30k.json .*duplicate "
                                                    r"imgid 0"),
     ("flickr30k", [{**IMAGE, "imgid": None}], r"entry 0 of .*: its imgid is None; it must be an integer"),
-    ("coco", [{k: v for k, v in IMAGE.items() if k != "filename"}], r"coco: entry 0 of .*dataset_coco.json .* "
-                                                                    r"missing or malformed field \(KeyError: 'filename'"),
+    ("coco", [{k: v for k, v in IMAGE.items() if k != "filename"}],
+     r"coco: entry 0 of .*dataset_coco.json .* missing or malformed field \(KeyError: 'filename'"),
 ])
 def test_caption_images_without_one_id_or_a_filename_are_refused(tmp_path, dataset, images, message):
     (tmp_path / dataset).mkdir()
