@@ -22,6 +22,7 @@ docs/real-models.md ("Data layout"); a bad file or entry is an error naming it. 
 and the project's file writes (atomic, with checked caches).
 """
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -289,7 +290,8 @@ def demonstrations(query_ids, support, m, seed):
     depends only on (seed, query id, support set), not on which other queries are drawn for or in what order, so a
     teacher run for a query is reproducible."""
     if len(support) <= m:
-        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1}; "
+                         "--shots sets the ICDs)")
     icds = []
     for qid in query_ids:  # a 64-bit seed per query from hashlib: the same in every Python process
         query_seed = int.from_bytes(hashlib.sha256(f"{seed}:{qid}".encode()).digest()[:8], "little")
@@ -314,7 +316,8 @@ def rices_demonstrations(query_ids, query_features, support, support_features, m
     the query itself (same id), as `demonstrations` returns them. Order: least to most similar, so the most similar
     ICD is the last one, right before the query; equal similarities rank in support order."""
     if len(support) <= m:
-        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1}; "
+                         "--shots sets the ICDs)")
     sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
     ids = torch.tensor([it.id for it in support])
     if sim.isnan().any():
@@ -475,6 +478,14 @@ def text_field(record, name):
     return value.strip()
 
 
+def integer_field(record, name):
+    """record[name], an integer; null, a boolean or anything else is a ValueError naming the field."""
+    value = record[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"its {name} is {value!r}; it must be an integer")
+    return value
+
+
 def unique_id(seen, qid, what):
     """Record an item id; one seen before is a ValueError (every prediction line must name one item)."""
     if qid in seen:
@@ -517,8 +528,8 @@ def vqa_answers(answers):
     if not isinstance(answers, list) or not answers:
         raise ValueError(f"its answers are {answers!r}; they must be a non-empty list of {{'answer': text}}")
     for x in answers:
-        if not isinstance(x["answer"], str):
-            raise ValueError(f"an answer is {x['answer']!r}; every answer must be text")
+        if not isinstance(x, dict) or not isinstance(x.get("answer"), str):
+            raise ValueError(f"an answer is {x!r}; every answer must be {{'answer': text}}")
     return tuple(x["answer"] for x in answers)
 
 
@@ -545,7 +556,8 @@ def read_vqa(root, split, dataset):
             if q["question_id"] not in annotations:
                 raise ValueError(f"question {q['question_id']} in {qpath} has no annotation in {apath}")
             unique_id(seen, q["question_id"], "question_id")
-            items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), text_field(q, "question"),
+            items.append(Item(q["question_id"], coco_image(root, split, integer_field(q, "image_id")),
+                              text_field(q, "question"),
                               *annotations[q["question_id"]]))
     return items
 
@@ -556,9 +568,7 @@ def read_karpathy(root, split, dataset):
     items, seen = [], set()
     for n, im in enumerate(records(path, dataset, "images")):
         with entry(path, dataset, n, im):
-            image_id = im[id_field]  # the id a prediction line and CIDEr's per-image score go by: one image each
-            if not isinstance(image_id, int) or isinstance(image_id, bool):
-                raise ValueError(f"its {id_field} is {image_id!r}; it must be an integer")
+            image_id = integer_field(im, id_field)  # what a prediction line and CIDEr's per-image score go by
             unique_id(seen, image_id, id_field)
             if im["split"] not in KARPATHY_SPLITS[split]:
                 continue
@@ -708,6 +718,8 @@ def read_seed2(root):
                 continue  # not the single-image part
             if not isinstance(q["data_id"], str):
                 raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
+            if q["data_source"] not in SEED2_FOLDERS:
+                raise ValueError(f"its data_source {q['data_source']!r} is none of {sorted(SEED2_FOLDERS)}")
             folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
             unique_id(seen, q["question_id"], "question_id")  # the plain form only (seed2_id): one number each
             items.append(seed_item("seed2", path, folder, q, seed2_id(q["question_id"]), names))
@@ -954,7 +966,7 @@ def generated(root, write):
 def discard(folder):
     """Remove a folder the project wrote, at once for its readers: renamed to a temporary name first (then removed;
     a kill leaves only that name, which remove_stale_tmp removes). No folder there: nothing to do."""
-    if not os.path.isdir(folder):
+    if not os.path.isdir(folder) or os.path.islink(folder):  # a link is not this project's folder (replaced says so)
         return
     gone = tmp_name(folder)
     try:
@@ -978,6 +990,8 @@ def replaced(root, write):
         os.mkdir(tmp)
         write(tmp)
         if os.path.lexists(root):
+            if not os.path.isdir(root) or os.path.islink(root):  # not a folder this project wrote
+                raise FileExistsError(errno.EEXIST, f"{root} is there and is not a folder; move it away")
             old = tmp_name(root)
             os.rename(root, old)
         try:

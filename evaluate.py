@@ -1697,6 +1697,8 @@ def parse_args(argv=None):
     if args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
             os.path.isfile(default):
         args.checkpoint = default
+    if args.checkpoint and not os.path.isfile(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        p.error(f"--checkpoint {args.checkpoint}: no such file")
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"

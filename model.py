@@ -384,12 +384,24 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         path = FAMILIES[family].hub_id if name == family else name
-        processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
-        check_config(AutoConfig.from_pretrained(path), path)
+        check_config(read_config(path), path)  # the config, eos ids and processor before the weights: it fails faster
         check_eos(path)
+        processor, images = load_processor(path, family, image_splitting)
         model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
     context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
     return Backbone(freeze(model), processor, family, name, images)
+
+
+def read_config(path):
+    """The transformers config of a checkpoint (a folder or hub id); one transformers refuses (a field of the wrong
+    type, say) is a ValueError naming <path>/config.json."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError:  # no such checkpoint: transformers' message names it
+        raise
+    except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassError
+        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid config ({str(e)[:200]}); restore the "
+                         "checkpoint's config.json") from e
 
 
 def check_config(config, path):
@@ -408,14 +420,16 @@ def check_eos(path):
     """Refuse eos ids in the checkpoint's generation_config.json that are not token ids (an integer or a list of
     them, at least 0): generation would stop at none. A ValueError naming the file; no such file: nothing to check."""
     from transformers import GenerationConfig
+    file = os.path.join(path, "generation_config.json")
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json: the model config's eos, the tokenizer's and the family's end token
+    except (OSError, ValueError) as e:  # none: the model config's eos, the tokenizer's and the family's end token
+        if os.path.isfile(file):  # there but unreadable: it would be ignored silently
+            raise ValueError(f"{file} cannot be read ({str(e)[:200]}); restore the checkpoint's file") from e
         return
     ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"{os.path.join(path, 'generation_config.json')}: eos_token_id is {eos!r}; it must be a token "
-                         "id (an integer) or a list of them")
+        raise ValueError(f"{file}: eos_token_id is {eos!r}; it must be a token id (an integer) or a list of them")
 
 
 def load_processor(path, family, image_splitting="checkpoint"):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import save
 from PIL import Image
 from tqdm import tqdm
-from transformers import AutoConfig, get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup
 
 import data
 import lorentz
@@ -358,7 +358,11 @@ def start(args):
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
-    params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
+    try:
+        params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
+    except RuntimeError as e:  # torch.OutOfMemoryError too: a --rank or --virtual-tokens too large for memory
+        raise ValueError(f"the {args.method} adapter of {method_sizes(args)} does not fit in memory "
+                         f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     student_model = data_parallel(backbone.model, args, len(queries)) if rank_and_world()[1] > 1 else None
     steps_per_epoch = math.ceil(math.ceil(len(queries) / args.batch_size) / args.grad_accum)
@@ -715,14 +719,14 @@ def plan_backbone(args, family):
             raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
                              f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
                              f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
+    config = M.read_config(args.model) if os.path.isdir(args.model) else None
+    if config is not None:
+        M.check_config(config, args.model)
     try:
         processor, images = M.load_processor(folder, family, args.image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
-    config = AutoConfig.from_pretrained(args.model) if os.path.isdir(args.model) else None
-    if config is not None:
-        M.check_config(config, args.model)
     model = M.published_model(family, config=config)  # on the meta device: no weights
     source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)

@@ -92,13 +92,23 @@ def vqa_root(tmp_path, dataset, questions, annotations):
     return str(tmp_path)
 
 
+@pytest.mark.parametrize("image_id", ["abc", True, None])
+def test_a_vqa_image_id_that_is_not_an_integer_is_refused(tmp_path, image_id):
+    root = vqa_root(tmp_path, "vqav2", [{**QUESTION, "image_id": image_id}], [ANNOTATION])
+    with pytest.raises(ValueError, match=rf"entry 0 of .*questions.json .*: its image_id is {image_id!r}; it must be "
+                                         "an integer"):
+        data.load_task("vqav2", "val", root)
+
+
 @pytest.mark.parametrize("dataset, annotation, message", [
     ("vqav2", None, r"entry 1 of .*v2_mscoco_val2014_annotations.json .*duplicate question_id 7"),
     ("ok-vqa", None, r"entry 1 of .*mscoco_val2014_annotations.json .*duplicate question_id 7"),
     ("vqav2", {**ANNOTATION, "multiple_choice_answer": None}, r"entry 0 of .*: its multiple_choice_answer is None"),
     ("vqav2", {**ANNOTATION, "answers": []}, r"entry 0 of .*: its answers are \[\]; they must be a non-empty list"),
-    ("vqav2", {**ANNOTATION, "answers": [{"answer": 2}] * 10}, r"entry 0 of .*: an answer is 2; every answer must be"),
+    ("vqav2", {**ANNOTATION, "answers": [{"answer": 2}] * 10}, r"entry 0 of .*: an answer is \{'answer': 2\}; every "
+                                                               r"answer must be"),
     ("ok-vqa", {**ANNOTATION, "answers": []}, r"entry 0 of .*: its answers are \[\]"),
+    ("vqav2", {**ANNOTATION, "answers": ["red"] * 10}, r"entry 0 of .*: an answer is 'red'; every answer must be"),
 ])
 def test_vqa_annotations_that_cannot_be_scored_are_refused_naming_file_and_entry(tmp_path, dataset, annotation,
                                                                                 message):
@@ -117,6 +127,11 @@ IMAGE = {"filepath": "val2014", "filename": "a.jpg", "imgid": 0, "cocoid": 5, "s
     ("flickr30k", [IMAGE, {**IMAGE, "cocoid": 6}], r"flickr30k: entry 1 of .*dataset_flickr30k.json .*duplicate "
                                                    r"imgid 0"),
     ("flickr30k", [{**IMAGE, "imgid": None}], r"entry 0 of .*: its imgid is None; it must be an integer"),
+    ("coco", [{**IMAGE, "split": "train"}, {**IMAGE, "imgid": 1}], r"entry 1 of .*duplicate cocoid 5"),
+    ("coco", [{**IMAGE, "cocoid": True}], r"entry 0 of .*: its cocoid is True; it must be an integer"),
+    ("coco", [{**IMAGE, "sentences": [{"raw": None}]}], r"entry 0 of .*: its raw is None; it must be non-empty text"),
+    ("coco", [{**IMAGE, "sentences": []}], r"entry 0 of .*: it has no captions"),
+    ("coco", [{**IMAGE, "filename": None}], r"entry 0 of .*: its filename is None"),
     ("coco", [{k: v for k, v in IMAGE.items() if k != "filename"}],
      r"coco: entry 0 of .*dataset_coco.json .* missing or malformed field \(KeyError: 'filename'"),
 ])
@@ -143,6 +158,32 @@ def test_questions_answers_yn_without_images_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"mme: {folder}/questions_answers_YN is there but "
                                                 rf"{folder}/images is not"):
         data.read_mme(root)
+
+
+def test_an_mme_image_without_its_question_file_or_images_without_questions_answers_yn_is_an_error(tmp_path):
+    root = benchmarks.copy(tmp_path, "mme")
+    os.remove(os.path.join(root, "mme", "existence", "0003.txt"))
+    with pytest.raises(FileNotFoundError, match=r"mme: no question file for .*existence/0003.jpg \(expected 0003.txt"):
+        data.read_mme(root, ("existence",))
+    shutil.rmtree(os.path.join(root, "mme", "scene", "questions_answers_YN"))
+    with pytest.raises(FileNotFoundError, match=r"scene/images is there but .*scene/questions_answers_YN is not"):
+        data.read_mme(root, ("scene",))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q: q.pop("level"), r"\(KeyError: 'level'\)"),
+    (lambda q: q.update(data_source="elsewhere"), r"its data_source 'elsewhere' is none of "
+                                                  r"\['SEED-Bench v2', 'cc3m'\]"),
+])
+def test_a_seed_bench_2_question_without_level_or_of_an_unknown_source_is_named(tmp_path, change, message):
+    root = benchmarks.copy(tmp_path, "seed-bench-2")
+    path = os.path.join(root, "seed-bench-2", data.SEED2_FILE)
+    obj = json.load(open(path))
+    change(obj["questions"][0])
+    open(path, "w").write(json.dumps(obj))
+    with pytest.raises(ValueError, match=rf"seed2: question #0 \(question_id {obj['questions'][0]['question_id']}\) "
+                                         rf".*{message}"):
+        data.read_seed2(root)
 
 
 def test_a_seed_bench_2_question_without_subpart_is_named_by_its_question_id(tmp_path):
@@ -185,6 +226,10 @@ def damaged(tmp_path, adapter, tensors=None, settings=None):
     (lambda t, s: (None, json.dumps({k: v for k, v in json.loads(s).items() if k != "method"})),
      r"its settings lack method"),
     (lambda t, s: (None, s[:-3]), r"its settings \(metadata\) are not JSON"),
+    (lambda t, s: (None, "[1, 2]"), r"its settings lack method, backbone, layers, heads, head_dim"),
+    (lambda t, s: (None, json.dumps({**json.loads(s), "method": "magic"})), r"do not make an adapter \(unknown method"),
+    (lambda t, s: (None, json.dumps({**json.loads(s), "rank": -1})), r"sizes \{'rank': -1\}\) do not make an adapter"),
+    (lambda t, s: ({**t, "extra": torch.zeros(2)}, None), r"extra is not one of the adapter's"),
 ])
 def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp_path, adapter, change, message):
     tensors, settings = change(adapter[1], adapter[2]["settings"])
@@ -217,6 +262,20 @@ def test_a_non_integer_eos_id_names_generation_config(twin_folder, tmp_path):
     with pytest.raises(ValueError, match=rf"{folder / 'generation_config.json'}: eos_token_id is '</s>'; it must be a "
                                          "token id"):
         M.load_backbone(str(folder))
+
+
+def test_a_generation_config_that_is_not_json_is_named_not_ignored(twin_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(twin_folder, folder)
+    (folder / "generation_config.json").write_text("{half")
+    with pytest.raises(ValueError, match=rf"{folder / 'generation_config.json'} cannot be read"):
+        M.load_backbone(str(folder))
+
+
+def test_a_config_field_of_the_wrong_type_names_config_json_under_plan(twin_folder, tmp_path):
+    folder = edited(twin_folder, tmp_path, "config.json", lambda c: c["text_config"].update(hidden_size="big"))
+    with pytest.raises(ValueError, match=rf"{folder / 'config.json'} is not a valid config \(.*hidden_size"):
+        train.main(["--plan", *TRAIN[:1], str(folder), *TRAIN[2:]])
 
 
 def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also_under_plan(twin_folder, tmp_path):
@@ -259,3 +318,49 @@ def test_the_nan_stop_names_every_setting_that_can_cause_it(tmp_path, monkeypatc
                                                  r"--weight-decay 1e-06, --clip 1\.0, --lam 0\.5, --kappa 0\.1"):
         train.main([*TRAIN, "--weight-decay", "1e-6", "--out", str(tmp_path / "run"), "--teacher-cache",
                     str(tmp_path / "teacher")])
+
+
+def test_an_adapter_too_large_for_memory_and_a_missing_checkpoint_are_named(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"the hyper-icl adapter of \{'rank': 1000000000000\} does not fit in memory .*"
+                                         r"lower --rank or --virtual-tokens"):
+        train.main([*TRAIN, "--rank", str(10**12), "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit):
+        evaluate.parse_args([*EVAL, "--checkpoint", str(tmp_path / "none.safetensors")])
+    assert f"error: --checkpoint {tmp_path / 'none.safetensors'}: no such file" in capsys.readouterr().err
+
+
+def test_chair_and_a_second_checkpoint_of_one_folder_are_in_the_name(tmp_path, adapter):
+    coco = ["--model", "tiny-idefics2", "--task", "coco", "--data-root", benchmarks.ROOT, "--n-eval", "2"]
+    evaluate.main([*coco, "--shots", "0", "--chair", "--out", str(tmp_path)])
+    evaluate.main([*coco, "--shots", "0", "--out", str(tmp_path)])
+    for name in ("adapter.safetensors", "other.safetensors"):
+        shutil.copy(adapter[0], tmp_path / name)
+        evaluate.main([*EVAL[:-2], "--checkpoint", str(tmp_path / name), "--out", str(tmp_path)])
+    names = metrics_files(tmp_path)
+    assert names[:2] == ["coco-val-0-shot-chair-seed0-n2.metrics.json", "coco-val-0-shot-seed0-n2.metrics.json"]
+    assert names[2].startswith("vqav2-val-hyper-icl-checkpoint-")
+    assert names[3] == "vqav2-val-hyper-icl-seed0-n2.metrics.json"
+    metrics = json.loads((tmp_path / names[3]).read_text())
+    import hashlib
+    assert metrics["checkpoint_sha256"] == hashlib.sha256((tmp_path / "adapter.safetensors").read_bytes()).hexdigest()
+
+
+def test_another_data_root_is_refused_and_a_users_file_at_the_mme_folder_is_kept(tmp_path):
+    out = tmp_path / "out"
+    evaluate.main([*EVAL, "--out", str(out)])
+    copy = benchmarks.copy(tmp_path / "copy", "vqav2", "coco")
+    with pytest.raises(ValueError, match=r"holds the result of other settings: data_root .* \(now '.*copy'\)"):
+        evaluate.main([*EVAL[:5], copy, *EVAL[6:], "--out", str(out)])
+    mine = out / "mme-val-0-shot-seed0-n28.mme"
+    mine.write_text("mine")
+    with pytest.raises(OSError, match=rf"could not write the folder {mine} \({mine} is there and is not a folder"):
+        evaluate.main([*EVAL[:2], "--task", "mme", *EVAL[4:6], "--n-eval", "28", "--shots", "0", "--out", str(out)])
+    assert mine.read_text() == "mine"
+
+
+def test_resume_with_another_clip_or_icds_is_refused(tmp_path):
+    run = [*TRAIN, "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher")]
+    train.main([*run, "--max-steps", "1"])
+    for flag, value in (("--clip", "0.5"), ("--icds", "rices")):
+        with pytest.raises(SystemExit, match=rf"last.pt was made with {flag} "):
+            train.main([*run, "--resume", flag, value])
