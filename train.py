@@ -1080,13 +1080,16 @@ def parse_args(argv=None):
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
                                  ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, "")):
-        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
-        if not math.isfinite(value) or abs(value) > FLOAT32.max:  # it scales float32 tensors: inf or NaN at step 1
-            p.error(f"{flag} must be a finite number of float32's range, at most {FLOAT32.max:.4g} (got {value})")
+        value, flag, power = getattr(args, name), f"--{name.replace('_', '-')}", 2 if name == "temperature" else 1
+        most, least, what = FLOAT32.max ** (1 / power), FLOAT32.tiny ** (1 / power), what + (
+            "T^2 scales the KL: it must fit float32 too; " if power == 2 else "")
+        if not math.isfinite(value) or abs(value) > most:  # it scales float32 tensors: inf or NaN at step 1
+            p.error(f"{flag} must be a finite number of float32's range, at most {most:.4g} ({what}got {value})")
         if not (value > 0 if positive else value >= 0):
             p.error(f"{flag} must be {'>' if positive else '>='} 0 ({what}got {value})")
-        if 0 < value < FLOAT32.tiny:  # 0 in float32 arithmetic, or its inverse overflows
-            p.error(f"{flag} must be at least {FLOAT32.tiny:.4g}, float32's smallest normal number (got {value})")
+        if 0 < value < least:  # 0 in float32 arithmetic, or its inverse overflows
+            p.error(f"{flag} must be at least {least:.4g}, float32's smallest normal number"
+                    + (" to the power 1/2 (T^2 scales the KL)" if power == 2 else "") + f" (got {value})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,

@@ -291,7 +291,8 @@ def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also
 
 @pytest.mark.parametrize("flag, value", [
     ("--lr", "1e300"), ("--lr", "inf"), ("--kappa", "inf"), ("--lam", "inf"), ("--weight-decay", "inf"),
-    ("--temperature", "inf"), ("--clip", "inf"), ("--temperature", "1e39"), ("--kappa", "1e-300")])
+    ("--temperature", "inf"), ("--clip", "inf"), ("--temperature", "1e39"), ("--kappa", "1e-300"),
+    ("--temperature", "1e-30"), ("--temperature", "1e20")])
 def test_float_flags_are_finite_and_in_float32s_range_before_anything_loads(flag, value, capsys, monkeypatch):
     monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
