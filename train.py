@@ -1078,18 +1078,7 @@ def parse_args(argv=None):
                              "build_tries": 1, "threads": (1, MAX_THREADS), "seed": (0, MAX_SEED)})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
-    for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
-                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, "")):
-        value, flag, power = getattr(args, name), f"--{name.replace('_', '-')}", 2 if name == "temperature" else 1
-        most, least, what = FLOAT32.max ** (1 / power), FLOAT32.tiny ** (1 / power), what + (
-            "T^2 scales the KL: it must fit float32 too; " if power == 2 else "")
-        if not math.isfinite(value) or abs(value) > most:  # it scales float32 tensors: inf or NaN at step 1
-            p.error(f"{flag} must be a finite number of float32's range, at most {most:.4g} ({what}got {value})")
-        if not (value > 0 if positive else value >= 0):
-            p.error(f"{flag} must be {'>' if positive else '>='} 0 ({what}got {value})")
-        if 0 < value < least:  # 0 in float32 arithmetic, or its inverse overflows
-            p.error(f"{flag} must be at least {least:.4g}, float32's smallest normal number"
-                    + (" to the power 1/2 (T^2 scales the KL)" if power == 2 else "") + f" (got {value})")
+    check_floats(p, args)
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
@@ -1108,6 +1097,28 @@ MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes,
 MAX_SEED = 2**32 - 1   # --seed: torch's generators take 64 bits, and epoch_order seeds with seed x 100,003 + epoch
 MAX_THREADS = max(1024, os.cpu_count() or 1)
 FLOAT32 = torch.finfo(torch.float32)  # the rates and weights scale float32 tensors (the adapter's, AdamW's)
+
+
+# {name: (must be > 0, else >= 0; power)}: each scales float32 tensors (the adapter's, AdamW's, the losses), so
+# value^power must be finite in float32 and, if not 0, not below its smallest normal number (T^2 scales LIVE's KL)
+FLOAT_FLAGS = {"lr": (True, 1), "weight_decay": (False, 1), "clip": (True, 1), "kappa": (True, 1), "lam": (False, 1),
+               "temperature": (True, 2)}
+
+
+def check_floats(p, args):
+    """A parser error naming the flag for each of FLOAT_FLAGS that is not finite, out of its sign, or whose power
+    leaves float32's range: inf for --lr would stop the run at step 1 after loading everything."""
+    for name, (positive, power) in FLOAT_FLAGS.items():
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        most, least, why = FLOAT32.max ** (1 / power), FLOAT32.tiny ** (1 / power), \
+            " (T^2 scales the KL)" if power == 2 else ""
+        if not math.isfinite(value) or abs(value) > most:
+            p.error(f"{flag} must be a finite number of float32's range, at most {most:.4g}{why} (got {value})")
+        if not (value > 0 if positive else value >= 0):
+            p.error(f"{flag} must be {'>' if positive else '>='} 0 (got {value})")
+        if 0 < value < least:
+            p.error(f"{flag} must be at least {least:.4g}" + (", whose square is" if power == 2 else ",") +
+                    f" float32's smallest normal number{why} (got {value})")
 
 
 def check_at_least(p, args, bounds):
