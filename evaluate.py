@@ -1475,9 +1475,10 @@ CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(referen
                   "teacher_kl": "KL(8-shot teacher || model) per answer token"}
 
 
-def write_curve(args, runs, levels, n_items, chosen, settings):
+def write_curve(args, runs, levels, n_items, chosen, recorded):
     """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row and budget;
-    curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as lines."""
+    curve.json (with the `recorded` settings, curve_settings); curve.png: each measure against the training queries,
+    a band per row, the ICL levels as lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1497,7 +1498,7 @@ def write_curve(args, runs, levels, n_items, chosen, settings):
         lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
                   for s in settings]
     D.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    D.write_json(os.path.join(args.out, "curve.json"), {**settings, "runs": runs, "levels": levels, "tuned": chosen},
+    D.write_json(os.path.join(args.out, "curve.json"), {**recorded, "runs": runs, "levels": levels, "tuned": chosen},
                  indent=2)
     fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
     for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):

@@ -365,3 +365,19 @@ def test_resume_with_another_clip_or_icds_is_refused(tmp_path):
     for flag, value in (("--clip", "0.5"), ("--icds", "rices")):
         with pytest.raises(SystemExit, match=rf"last.pt was made with {flag} "):
             train.main([*run, "--resume", flag, value])
+
+
+def test_an_analysis_or_curve_of_other_settings_is_kept_and_refused_before_the_work(tmp_path, adapter, monkeypatch):
+    gates = tmp_path / "gates-vqav2-val.json"
+    gates.write_text(json.dumps({"model": "tiny-idefics2", "checkpoint": "elsewhere.safetensors", "n_eval": 2}))
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"model": "tiny-idefics2", "curve_queries": [4, 8, 16, 32]}))
+    monkeypatch.setattr(evaluate, "gate_analysis", lambda *a: pytest.fail("analysed before the refusal"))
+    with pytest.raises(ValueError, match=rf"{gates} holds the result of other settings: checkpoint "
+                                         r"'elsewhere.safetensors' \(now '.*adapter.safetensors'\); it is kept"):
+        evaluate.main([*EVAL[:-2], "--gates", "--checkpoint", adapter[0], "--out", str(tmp_path)])
+    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    with pytest.raises(ValueError, match=rf"{curve} holds the result of other settings: curve_queries \[4, 8, 16, 32\] "
+                                         r"\(now \[4\]\)"):
+        evaluate.main(["--curve", *EVAL[:4], "--curve-queries", "4", "--out", str(tmp_path)])
+    assert json.loads(gates.read_text())["checkpoint"] == "elsewhere.safetensors" and curve.stat().st_size < 100
