@@ -22,7 +22,6 @@ docs/real-models.md ("Data layout"); a bad file or entry is an error naming it. 
 and the project's file writes (atomic, with checked caches).
 """
 import contextlib
-import errno
 import hashlib
 import io
 import json
@@ -991,7 +990,7 @@ def replaced(root, write):
         write(tmp)
         if os.path.lexists(root):
             if not os.path.isdir(root) or os.path.islink(root):  # not a folder this project wrote
-                raise FileExistsError(errno.EEXIST, f"{root} is there and is not a folder; move it away")
+                raise FileExistsError(f"{root} is there and is not a folder; move it away")
             old = tmp_name(root)
             os.rename(root, old)
         try:
