@@ -386,7 +386,8 @@ def demonstrations(query_ids, support, m, seed):
     depends only on (seed, query id, support set), not on which other queries are drawn for or in what order, so a
     teacher run for a query is reproducible."""
     if len(support) <= m:
-        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1}; "
+                         "--shots sets the ICDs)")
     icds = []
     for qid in query_ids:  # a 64-bit seed per query from hashlib: the same in every Python process
         query_seed = int.from_bytes(hashlib.sha256(f"{seed}:{qid}".encode()).digest()[:8], "little")
@@ -411,7 +412,8 @@ def rices_demonstrations(query_ids, query_features, support, support_features, m
     the query itself (same id), as `demonstrations` returns them. Order: least to most similar, so the most similar
     ICD is the last one, right before the query; equal similarities rank in support order."""
     if len(support) <= m:
-        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1})")
+        raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1}; "
+                         "--shots sets the ICDs)")
     sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
     ids = torch.tensor([it.id for it in support])
     if sim.isnan().any():
@@ -540,6 +542,7 @@ VQA_FILES = {  # dataset -> (folder, questions file, annotations file); {} is th
     "ok-vqa": ("ok-vqa", "OpenEnded_mscoco_{}2014_questions.json", "mscoco_{}2014_annotations.json"),
 }
 KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("test",)}
+KARPATHY_IDS = {"coco": "cocoid", "flickr30k": "imgid"}  # an item's id: COCO's image id, Flickr30k's Karpathy id
 
 
 def read_json(path, dataset):
@@ -569,6 +572,14 @@ def text_field(record, name):
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"its {name} is {value!r}; it must be non-empty text")
     return value.strip()
+
+
+def integer_field(record, name):
+    """record[name], an integer; null, a boolean or anything else is a ValueError naming the field."""
+    value = record[name]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"its {name} is {value!r}; it must be an integer")
+    return value
 
 
 def unique_id(seen, qid, what):
@@ -607,6 +618,17 @@ def coco_image(root, split, image_id):
     return os.path.join(root, "coco", f"{split}2014", f"COCO_{split}2014_{image_id:012d}.jpg")
 
 
+def vqa_answers(answers):
+    """The human answers of a VQA annotation ([{"answer": text}, ...]) as a tuple of strings: an empty list, or an
+    answer that is not text, is a ValueError (VQA accuracy and the most frequent answer need them)."""
+    if not isinstance(answers, list) or not answers:
+        raise ValueError(f"its answers are {answers!r}; they must be a non-empty list of {{'answer': text}}")
+    for x in answers:
+        if not isinstance(x, dict) or not isinstance(x.get("answer"), str):
+            raise ValueError(f"an answer is {x!r}; every answer must be {{'answer': text}}")
+    return tuple(x["answer"] for x in answers)
+
+
 def most_frequent(answers):
     """The most frequent answer; ties go to the one that occurs first."""
     return Counter(answers).most_common(1)[0][0]  # Counter keeps first-seen order among equal counts
@@ -619,8 +641,10 @@ def read_vqa(root, split, dataset):
     questions, annotations = records(qpath, dataset, "questions"), {}
     for n, a in enumerate(records(apath, dataset, "annotations")):
         with entry(apath, dataset, n, a):
-            answers = tuple(x["answer"] for x in a["answers"])
-            target = a["multiple_choice_answer"] if dataset == "vqav2" else most_frequent(answers)
+            answers = vqa_answers(a["answers"])
+            target = text_field(a, "multiple_choice_answer") if dataset == "vqav2" else most_frequent(answers)
+            if a["question_id"] in annotations:  # a second annotation would silently replace the first
+                raise ValueError(f"duplicate question_id {a['question_id']!r} (another annotation has it)")
             annotations[a["question_id"]] = answers, target
     items, seen = [], set()
     for n, q in enumerate(questions):
@@ -628,25 +652,30 @@ def read_vqa(root, split, dataset):
             if q["question_id"] not in annotations:
                 raise ValueError(f"question {q['question_id']} in {qpath} has no annotation in {apath}")
             unique_id(seen, q["question_id"], "question_id")
-            items.append(Item(q["question_id"], coco_image(root, split, q["image_id"]), text_field(q, "question"),
+            items.append(Item(q["question_id"], coco_image(root, split, integer_field(q, "image_id")),
+                              text_field(q, "question"),
                               *annotations[q["question_id"]]))
     return items
 
 
 def read_karpathy(root, split, dataset):
     """COCO Caption or Flickr30k ("coco" / "flickr30k") images of one split from the Karpathy split file."""
-    path = os.path.join(root, dataset, f"dataset_{dataset}.json")
-    items = []
+    path, id_field = os.path.join(root, dataset, f"dataset_{dataset}.json"), KARPATHY_IDS[dataset]
+    items, seen = [], set()
     for n, im in enumerate(records(path, dataset, "images")):
         with entry(path, dataset, n, im):
+            image_id = integer_field(im, id_field)  # what a prediction line and CIDEr's per-image score go by
+            unique_id(seen, image_id, id_field)
             if im["split"] not in KARPATHY_SPLITS[split]:
                 continue
-            image_id = im["cocoid"] if dataset == "coco" else im["imgid"]
             folder = im["filepath"] if dataset == "coco" else "flickr30k-images"
-            captions = tuple(s["raw"].strip() for s in im["sentences"])
-        if not captions:
-            raise ValueError(f"{dataset}: image {image_id} ({im['filename']}) in {path} has no captions")
-        items.append(Item(image_id, os.path.join(root, dataset, folder, im["filename"]), None, captions, captions[0]))
+            filename = im["filename"]
+            if not isinstance(filename, str) or not filename or not isinstance(folder, str):
+                raise ValueError(f"its filename is {filename!r} in folder {folder!r}; both must be text")
+            captions = tuple(text_field(s, "raw") for s in im["sentences"])
+            if not captions:
+                raise ValueError("it has no captions")
+        items.append(Item(image_id, os.path.join(root, dataset, folder, filename), None, captions, captions[0]))
     return items
 
 
@@ -688,7 +717,11 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 def mme_files(folder):
     """(question file, image) paths of one MME subtask folder, in either official layout."""
     qdir, idir = os.path.join(folder, "questions_answers_YN"), os.path.join(folder, "images")
-    if not (os.path.isdir(qdir) and os.path.isdir(idir)):
+    if os.path.isdir(qdir) != os.path.isdir(idir):  # half of the nested layout: its questions would vanish
+        have, lack = (qdir, idir) if os.path.isdir(qdir) else (idir, qdir)
+        raise FileNotFoundError(f"mme: {have} is there but {lack} is not; the release keeps both (layout: "
+                                "docs/real-models.md)")
+    if not os.path.isdir(qdir):
         qdir = idir = folder
     images = {}
     for f in sorted(os.listdir(idir)):
@@ -698,7 +731,13 @@ def mme_files(folder):
                 raise ValueError(f"mme: {os.path.join(idir, images[stem])} and {os.path.join(idir, f)} are two "
                                  "images for one question file; keep one")
             images[stem] = f
-    for name in sorted(f for f in os.listdir(qdir) if f.endswith(".txt")):
+    names = sorted(f for f in os.listdir(qdir) if f.endswith(".txt"))
+    alone = sorted(images.keys() - {name[:-len(".txt")] for name in names})  # their questions would vanish
+    if alone:
+        more = f", nor for {len(alone) - 1} more images" if alone[1:] else ""
+        raise FileNotFoundError(f"mme: no question file for {os.path.join(idir, images[alone[0]])} (expected "
+                                f"{alone[0]}.txt in {qdir}){more}")
+    for name in names:
         path, stem = os.path.join(qdir, name), name[:-len(".txt")]
         if stem not in images:
             raise FileNotFoundError(f"mme: no image for {path} (expected {stem}.jpg or .png in {idir})")
@@ -727,9 +766,13 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
         folder = os.path.join(root, "mme", subtask)
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"mme: expected the subtask folder {folder} (layout: docs/real-models.md)")
+        before = len(items)
         for path, image in mme_files(folder):
             items += [Item(len(items) + k, image, q, (a,), a, subtask)
                       for k, (q, a) in enumerate(read_mme_questions(path))]
+        if len(items) == before:  # MME's totals sum every subtask: one missing is not comparable with Table 2
+            raise ValueError(f"mme: the subtask folder {folder} holds no question; expected <name>.txt and its image "
+                             "(or questions_answers_YN/ and images/; layout: docs/real-models.md)")
     return items
 
 
@@ -763,13 +806,16 @@ def read_seed2(root):
     multi-image, video, interleaved and generation dimensions (17-27) need more than one image or an image output,
     which a single-image model cannot give, and are skipped."""
     path = os.path.join(root, "seed-bench-2", SEED2_FILE)
-    single_image = lambda q: q["subpart"] == SEED2_SUBPART and q["level"] in ("L1", "L2")
-    questions, names = seed_questions(path, "seed2", single_image)
+    questions, names = seed_questions(path, "seed2")
     items, seen = [], set()
     for n, q in enumerate(questions):
-        with entry(f"the single-image part of {path}", "seed2", n, q, question=True):
+        with entry(path, "seed2", n, q, question=True):
+            if q["subpart"] != SEED2_SUBPART or q["level"] not in ("L1", "L2"):
+                continue  # not the single-image part
             if not isinstance(q["data_id"], str):
                 raise ValueError(f"a single-image question needs one data_id, got {q['data_id']!r}")
+            if q["data_source"] not in SEED2_FOLDERS:
+                raise ValueError(f"its data_source {q['data_source']!r} is none of {sorted(SEED2_FOLDERS)}")
             folder = os.path.join(root, "seed-bench-2", SEED2_FOLDERS[q["data_source"]])
             unique_id(seen, q["question_id"], "question_id")  # the plain form only (seed2_id): one number each
             items.append(seed_item("seed2", path, folder, q, seed2_id(q["question_id"]), names))
@@ -779,14 +825,14 @@ def read_seed2(root):
     return items
 
 
-def seed_questions(path, dataset, part=lambda q: True):
-    """A SEED-Bench file's questions (those of `part`) and its dimensions {question_type_id: name}."""
+def seed_questions(path, dataset):
+    """A SEED-Bench file's questions and its dimensions {question_type_id: name}."""
     obj = read_json(path, dataset)
     try:
         names = {int(v): k for k, v in obj["question_type"].items()}
         if not isinstance(obj["questions"], list):
             raise TypeError(f"`questions` is {type(obj['questions']).__name__}, not a list")
-        return [q for q in obj["questions"] if part(q)], names
+        return obj["questions"], names
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{dataset}: {path} needs `questions` and a `question_type` name -> id mapping ({e!r})") from e
 
@@ -1010,6 +1056,55 @@ def generated(root, write):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def discard(folder):
+    """Remove a folder the project wrote, at once for its readers: renamed to a temporary name first (then removed;
+    a kill leaves only that name, which remove_stale_tmp removes). No folder there: nothing to do."""
+    if not os.path.isdir(folder) or os.path.islink(folder):  # a link is not this project's folder (replaced says so)
+        return
+    gone = tmp_name(folder)
+    try:
+        os.rename(folder, gone)
+    except OSError as e:
+        raise OSError(f"could not remove the old {folder} ({e.strerror or e})") from e
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def replaced(root, write):
+    """Write the folder `root` whole or not at all: write(folder) fills a temporary folder beside it, which then takes
+    its place (the old folder renamed to a temporary name first and removed after), so a kill leaves the old folder
+    whole, none, or the new one whole, never a mix; leftovers are temporary names (remove_stale_tmp). A failed write
+    is an OSError naming `root`."""
+    parent = os.path.dirname(os.path.abspath(root))
+    tmp = old = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        remove_stale_tmp(parent)
+        tmp = tmp_name(root)
+        os.mkdir(tmp)
+        write(tmp)
+        if os.path.lexists(root):
+            if not os.path.isdir(root) or os.path.islink(root):  # not a folder this project wrote
+                raise FileExistsError(f"{root} is there and is not a folder; move it away")
+            old = tmp_name(root)
+            os.rename(root, old)
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if old:  # put the previous folder back
+                os.rename(old, root)
+                old = None
+            raise
+    except OSError as e:
+        raise OSError(f"could not write the folder {root} ({e.strerror or e}); the previous one, if any, is "
+                      "unchanged") from e
+    finally:
+        for leftover in (tmp, old):
+            if leftover and os.path.lexists(leftover):
+                shutil.rmtree(leftover) if os.path.isdir(leftover) and not os.path.islink(leftover) else \
+                    os.remove(leftover)
     return root
 
 

@@ -167,35 +167,43 @@ def score(kind, items, predictions):
 def evaluate(backbone, args, items, setting, vector=None):
     """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
     function vector: `vector` as load_vector returns it) on --n-eval items. Writes <out>/<result_name>.predictions.jsonl
-    (id, prediction, references per item) and .metrics.json, prints one summary line and returns the metrics."""
+    (id, prediction, references per item) and .metrics.json (the settings, result_settings, and the scores), prints one
+    summary line and returns the metrics. A metrics file of other settings under that name is refused first."""
     icds, (steering, vector_info) = None, vector or (None, {})
+    kind = D.TASKS[args.task].kind
+    stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
+    metrics = {**result_settings(backbone, args, setting, len(items)), **vector_info}
+    if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
+        with open(args.checkpoint, "rb") as f:
+            metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
+    if kind == "choice":
+        metrics["protocol"] = args.seed_protocol
+    check_replaceable(stem + ".metrics.json", {k: metrics[k] for k in RESULT_SETTINGS if k in metrics})  # first
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = D.load_task(args.task, "train", args.data_root)
         icds = D.choose_demonstrations(backbone, args, items, support, args.shots)
-    kind = D.TASKS[args.task].kind
     with steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers)
     metric, value = score(kind, items, predictions)
     extra = chair_metrics(items, predictions, args.chair) if args.chair else {}
-    stem = os.path.join(args.out, result_name(args, setting, len(items), vector_info))
-    metrics = {"model": args.model, "task": args.task, "split": args.split, "setting": setting,
-               "shots": args.shots or 0, "checkpoint": args.checkpoint, "seed": args.seed, "n": len(items),
-               metric: value, **vector_info, **extra}
+    metrics |= {metric: value, **extra}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
-        metrics |= {"protocol": args.seed_protocol, "seed_bench": seed_scores(items, predictions)}
+        metrics["seed_bench"] = seed_scores(items, predictions)
     if train.rank_and_world()[0] != 0:  # under torchrun the first process writes
         return metrics
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
-    try:  # never the old metrics beside the new predictions, even if killed next
+    try:  # never the old metrics (or MME folder) beside the new predictions, even if killed next
         os.remove(stem + ".metrics.json")
     except FileNotFoundError:
         pass
     except OSError as e:
         raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
+    if kind == "yes-no":
+        D.discard(stem + ".mme")
     D.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
     if kind == "yes-no":
         write_mme_results(stem + ".mme", items, predictions)
@@ -216,35 +224,43 @@ def evaluate(backbone, args, items, setting, vector=None):
 
 
 def result_name(args, setting, n, vector_info):
-    """The file name (no extension) of an evaluation's results, naming everything besides the folder that changes
-    them: <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-<RICES encoder>][-<vector layer and
-    file key>][-chair-corrected][-<checkpoint key: a hash of its path, if outside the folder>]-seed<seed>-n<items>."""
+    """The file name (no extension) of an evaluation's results, naming what besides the folder a user varies:
+    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-splitting-on|off][-<RICES encoder>]
+    [-<vector layer and file key>][-chair[-corrected]][-<checkpoint key: a hash of its path, if it is not the folder's
+    adapter.safetensors>]-seed<seed>-n<items>. What else changes a result (the backbone, --data-root, --n-eval) is in
+    the metrics, and check_replaceable keeps a file of other settings from being replaced."""
     short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
     parts = [args.task, args.split, setting]
     if D.TASKS[args.task].kind == "choice":
         parts.append(args.seed_protocol)
+    if args.image_splitting != "checkpoint":
+        parts.append("splitting-" + args.image_splitting)
     if args.icds == "rices" and args.shots and args.rices_encoder:
         parts.append("encoder-" + short(args.rices_encoder))
     if vector_info:
         key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
         parts.append(f"layer{vector_info['vector_layer']}-{key}")
-    if args.chair == "corrected":
-        parts.append("chair-corrected")
-    if args.checkpoint and os.path.dirname(os.path.abspath(args.checkpoint)) != os.path.abspath(args.out):
+    if args.chair:
+        parts.append("chair" if args.chair == "chair.py" else "chair-" + args.chair)
+    if args.checkpoint and os.path.abspath(args.checkpoint) != os.path.abspath(os.path.join(args.out,
+                                                                                          "adapter.safetensors")):
         parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
     return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
 
 
 def write_mme_results(folder, items, predictions):
     """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
-    <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores."""
-    os.makedirs(folder, exist_ok=True)
+    <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores. The
+    folder is written whole or not at all (data.replaced): calculation.py never reads two runs' files mixed."""
     lines = {}
     for it, p in zip(items, predictions):  # " ".join(p.split()): no tab or newline may break the four columns
         row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{' '.join(p.split())}\n"
         lines.setdefault(it.category, []).append(row)
-    for subtask, rows in lines.items():
-        D.atomic_write(os.path.join(folder, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
+
+    def write(tmp):
+        for subtask, rows in lines.items():
+            D.atomic_write(os.path.join(tmp, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
+    D.replaced(folder, write)
 
 
 def eval_items(args):
@@ -1099,6 +1115,8 @@ def benchmark(backbone, args):
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
         [(f"{s}-shot", None, s) for s in args.bench_shots]
+    path = os.path.join(args.out, "benchmark.json")
+    check_replaceable(path, {"model": backbone.name})  # the latest measurement of this backbone
     device, (attention, _, _) = backbone.model.device, attention_call(backbone.model, args.attention_tokens)
     rows, runs = [], {"prefill": {}, "generate": {}}
     for name, method, shots in tqdm(settings, desc="FLOPs, memory", unit="setting"):
@@ -1130,7 +1148,6 @@ def benchmark(backbone, args):
             else f"{'-':>7} {'-':>5}"
         print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {part(r, 'prefill_tflops', 'prefill_ms')} | "
               f"{'':8} {part(r, 'tflops', 'ms')} | {'':9} {memory}")
-    path = os.path.join(args.out, "benchmark.json")
     D.write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
                         "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, indent=2)
     print(f"-> {path}")
@@ -1442,6 +1459,8 @@ def curve(args):
     (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
     and budget), curve.json (every run), curve.png and tune.json. One thread on CPU unless --threads (main): on a
     shared machine that was about 10x faster than two, and deterministic."""
+    settings = curve_settings(args)
+    check_replaceable(os.path.join(args.out, "curve.json"), settings)  # before hours of training
     items, backbone = eval_items(args), M.load_backbone(args.model)
     kind, shots = D.TASKS[args.task].kind, D.default_shots(args.task, backbone.family)
     # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
@@ -1476,8 +1495,16 @@ def curve(args):
                      "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row),
                      **answer_measures(backbone, kind, items, teacher, args.batch_size)})
         M.detach(backbone.model)
-    write_curve(args, runs, levels, len(items), chosen)
+    write_curve(args, runs, levels, len(items), chosen, settings)
     return runs, levels
+
+
+def curve_settings(args):
+    """What changes a --curve's result, as curve.json records it."""
+    return {"model": args.model, "task": args.task, "split": args.split, "n_eval": args.n_eval,
+            "data_root": args.data_root and os.path.abspath(args.data_root), "curve_queries": args.curve_queries,
+            "curve_seeds": args.curve_seeds, "curve_methods": args.curve_methods, "no_tune": args.no_tune,
+            "train_args": args.train_args}
 
 
 CURVE_RANGE = {"accuracy": (0, 100), "answer_logprob": (None, 0), "teacher_kl": (0, None)}  # where each can lie
@@ -1485,9 +1512,10 @@ CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(referen
                   "teacher_kl": "KL(8-shot teacher || model) per answer token"}
 
 
-def write_curve(args, runs, levels, n_items, chosen):
+def write_curve(args, runs, levels, n_items, chosen, recorded):
     """curve.md: each row's flags and size, then per measure a table of mean [95% interval] per row and budget;
-    curve.json; curve.png: each measure against the training queries, a band per row, the ICL levels as lines."""
+    curve.json (with the `recorded` settings, curve_settings); curve.png: each measure against the training queries,
+    a band per row, the ICL levels as lines."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1507,7 +1535,8 @@ def write_curve(args, runs, levels, n_items, chosen):
         lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
                   for s in settings]
     D.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    D.write_json(os.path.join(args.out, "curve.json"), {"runs": runs, "levels": levels, "tuned": chosen}, indent=2)
+    D.write_json(os.path.join(args.out, "curve.json"), {**recorded, "runs": runs, "levels": levels, "tuned": chosen},
+                 indent=2)
     fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
     for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):
         for i, s in enumerate(settings):
@@ -1530,6 +1559,42 @@ def write_curve(args, runs, levels, n_items, chosen):
 
 
 # ----------------------------------------------------------------------------------------------------- command line
+
+# Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
+RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
+                   "rices_encoder", "protocol", "chair", "seed", "n_eval", "n", "vector_file", "vector_layer")
+
+
+def result_settings(backbone, args, setting, n):
+    """An evaluation's RESULT_SETTINGS (the SEED protocol and a vector's file and layer are added by evaluate): the
+    backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
+    choice (where there are demonstrations), the seed, --n-eval and the items scored."""
+    splitting, rices = train.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
+    return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
+            "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
+            "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
+            "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
+            "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": n}
+
+
+def check_replaceable(path, settings):
+    """Refuse to replace the result file at `path` (metrics, an analysis, a benchmark, a curve) if it records other
+    values of `settings` ({name: value}, as far as the old file records them): a ValueError naming the file and each
+    difference. Paths compare as absolute paths. An unreadable file holds no result and is replaced."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return
+    path_of = lambda v: os.path.abspath(v) if isinstance(v, str) else v
+    same = lambda k: old[k] == settings[k] or k in ("checkpoint", "data_root") and \
+        path_of(old[k]) == path_of(settings[k])
+    differ = [f"{k} {old[k]!r} (now {settings[k]!r})" for k in settings if isinstance(old, dict) and k in old and
+              not same(k)]
+    if differ:
+        raise ValueError(f"{path} holds the result of other settings: {', '.join(differ)}; it is kept. Give another "
+                         "--out, or remove the file to replace it")
+
 
 def default_checkpoint(model, task):
     """Where a train.py run with the default --out and --method writes its best adapter."""
@@ -1639,10 +1704,11 @@ def parse_args(argv=None):
     args.seed_protocol = args.seed_protocol or "generate"
     train.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
-                                   "new_tokens": 1, "attention_tokens": 1, "threads": 1, "bench_shots": 0, "workers": 0,
-                                   "curve_queries": 1})
-    if not args.image_memory > 0:
-        p.error(f"--image-memory must be > 0 (in GB; got {args.image_memory})")
+                                   "new_tokens": 1, "attention_tokens": 1, "threads": (1, train.MAX_THREADS),
+                                   "bench_shots": 0, "curve_queries": 1, "seed": (0, train.MAX_SEED),
+                                   "workers": 0})
+    if not 0 < args.image_memory < math.inf:
+        p.error(f"--image-memory must be a finite number > 0 (in GB; got {args.image_memory})")
     if args.curve:
         args.train_args = args.train_args or CURVE_TRAIN_ARGS
         unknown = set(args.curve_methods or []) - {name for name, _ in curve_runs()}
@@ -1673,6 +1739,8 @@ def parse_args(argv=None):
     if args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
             os.path.isfile(default):
         args.checkpoint = default
+    if args.checkpoint and not os.path.isfile(args.checkpoint) and not os.path.isdir(args.checkpoint):
+        p.error(f"--checkpoint {args.checkpoint}: no such file")
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
@@ -1727,11 +1795,13 @@ def main(argv=None):
             if not asked and args.checkpoint in (None, default):  # the default job
                 return evaluate_with_baselines(backbone, args, items, setting)
             return evaluate(backbone, args, items, setting, load_vector(backbone, args) if args.vector else None)
+        path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
+        settings = result_settings(backbone, args, setting, len(items))
+        check_replaceable(path, settings)
         result = gate_analysis(backbone, args, items) if args.gates else hyperbolicity_analysis(backbone, args, items)
         if train.rank_and_world()[0] != 0:
             return result
-        path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-        D.write_json(path, {"model": args.model, "checkpoint": args.checkpoint, **result}, indent=2)
+        D.write_json(path, {**settings, **result}, indent=2)
         print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
         return result
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
-from transformers import (AttentionInterface, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
-                          Idefics2ImageProcessorPil, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
-                          IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
-                          LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
+from transformers import (AttentionInterface, AutoConfig, Idefics2Config, Idefics2ForConditionalGeneration,
+                          Idefics2Processor, Idefics2ImageProcessorPil, IdeficsConfig, IdeficsForVisionText2Text,
+                          IdeficsImageProcessorPil, IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration,
+                          LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil,
                           LlavaOnevisionProcessor, LlavaProcessor, PreTrainedTokenizerFast, SiglipImageProcessorPil)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -325,6 +325,9 @@ def save_adapter(path, backbone):
     atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
 
 
+ADAPTER_FIELDS = ("method", "backbone", "layers", "heads", "head_dim")  # what every adapter's settings hold
+
+
 def read_settings(path):
     """An adapter checkpoint's settings; anything else (a folder, a truncated file, train.py's last.pt): ValueError."""
     if os.path.isdir(path):
@@ -336,7 +339,15 @@ def read_settings(path):
         raise ValueError(f"{path} is not a readable adapter checkpoint (a truncated or other kind of file: {e})") from e
     if "settings" not in metadata:
         raise ValueError(f"{path} is not an adapter checkpoint of this project (no settings in its metadata)")
-    return json.loads(metadata["settings"])
+    try:
+        settings = json.loads(metadata["settings"])
+    except ValueError as e:
+        raise ValueError(f"{path}: its settings (metadata) are not JSON ({e}); the file is damaged or not this "
+                         "project's") from e
+    missing = [k for k in ADAPTER_FIELDS if not isinstance(settings, dict) or k not in settings]
+    if missing:
+        raise ValueError(f"{path}: its settings lack {', '.join(missing)}; the file is damaged or not this project's")
+    return settings
 
 
 def load_adapter(path, backbone, method=None, force=False):
@@ -357,10 +368,29 @@ def load_adapter(path, backbone, method=None, force=False):
                          + ", ".join(differ) + "; pass --force to load it anyway")
     if differ:
         print(f"warning: --force: loading adapter {path} onto {backbone.name!r} although its " + ", ".join(differ))
-    attach(backbone.model, saved["method"], **{k: v for k, v in saved.items()
-                                               if k not in (*shape, *here, "method", "backbone")})
-    adapter_modules(backbone.model).load_state_dict(load_file(path))
+    sizes = {k: v for k, v in saved.items() if k not in (*shape, *here, "method", "backbone")}
+    try:
+        attach(backbone.model, saved["method"], **sizes)
+    except (ValueError, TypeError, RuntimeError) as e:  # an unknown method, sizes it does not take or cannot make
+        raise ValueError(f"{path}: its settings (method {saved['method']!r}, sizes {sizes}) do not make an adapter "
+                         f"({e})") from e
+    load_tensors(path, backbone.model)
     return saved
+
+
+def load_tensors(path, model):
+    """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor
+    is a ValueError naming the file and the tensor (the adapter is detached again)."""
+    tensors, expected = load_file(path), adapter_modules(model).state_dict()
+    wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
+        [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
+        [f"{name} is {tuple(tensors[name].shape)}, not {tuple(t.shape)}" for name, t in sorted(expected.items())
+         if name in tensors and tensors[name].shape != t.shape]
+    if wrong:
+        detach(model)
+        raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
+                         (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+    adapter_modules(model).load_state_dict(tensors)
 
 
 # ------------------------------------------------------------------------------------------------ loading backbones
@@ -433,7 +463,9 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         path = FAMILIES[family].hub_id if name == family else name
-        processor, images = load_processor(path, family, image_splitting)  # before the weights: it fails faster
+        check_config(read_config(path), path)  # the config, eos ids and processor before the weights: it fails faster
+        check_eos(path)
+        processor, images = load_processor(path, family, image_splitting)
         model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
                                                            device_map={"": placed(device)})  # no copy in host memory
     chunk_images(model, image_memory)
@@ -447,6 +479,46 @@ def placed(device):
     device = torch.device(device)
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
         else device
+
+
+def read_config(path):
+    """The transformers config of a checkpoint (a folder or hub id); one transformers refuses (a field of the wrong
+    type, say) is a ValueError naming <path>/config.json."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError:  # no such checkpoint: transformers' message names it
+        raise
+    except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassError
+        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid config ({str(e)[:200]}); restore the "
+                         "checkpoint's config.json") from e
+
+
+def check_config(config, path):
+    """Refuse a config whose text decoder cannot hold an adapter (fewer than one layer, head or dimension): a
+    ValueError naming <path>/config.json and the field."""
+    text = config.get_text_config()
+    prefix = "" if text is config else "text_config."
+    for field in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        value = getattr(text, field, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{os.path.join(path, 'config.json')}: {prefix}{field} is {value!r}; it must be an "
+                             "integer of at least 1 (restore the checkpoint's config.json)")
+
+
+def check_eos(path):
+    """Refuse eos ids in the checkpoint's generation_config.json that are not token ids (an integer or a list of
+    them, at least 0): generation would stop at none. A ValueError naming the file; no such file: nothing to check."""
+    from transformers import GenerationConfig
+    file = os.path.join(path, "generation_config.json")
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError) as e:  # none: the model config's eos, the tokenizer's and the family's end token
+        if os.path.isfile(file):  # there but unreadable: it would be ignored silently
+            raise ValueError(f"{file} cannot be read ({str(e)[:200]}); restore the checkpoint's file") from e
+        return
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: eos_token_id is {eos!r}; it must be a token id (an integer) or a list of them")
 
 
 def load_processor(path, family, image_splitting="checkpoint"):

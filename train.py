@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from safetensors.torch import save
 from PIL import Image
 from tqdm import tqdm
-from transformers import AutoConfig, get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup
 
 import data
 import lorentz
@@ -407,7 +407,8 @@ def train_step(run, batches):
     for name, value in parts.items():
         if not math.isfinite(value):
             raise FloatingPointError(f"step {step}: loss part {name!r} is {value}; stopping. The last good "
-                                     "checkpoint is untouched; try a lower --lr or --kappa")
+                                     f"checkpoint is untouched. Settings that can cause it: {diverging(run.args)}; "
+                                     "try a lower value of one of them (--lr first)")
     # the step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule
     torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.args.clip)
     run.optimizer.step()
@@ -451,7 +452,11 @@ def start(args):
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), data.choose_demonstrations(backbone, args, queries, pool, shots)))
-    params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
+    try:
+        params = M.attach(backbone.model, args.method, **method_sizes(args)).parameters()
+    except RuntimeError as e:  # torch.OutOfMemoryError too: a --rank or --virtual-tokens too large for memory
+        raise ValueError(f"the {args.method} adapter of {method_sizes(args)} does not fit in memory "
+                         f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     student_model = data_parallel(backbone.model, args, len(queries)) if rank_and_world()[1] > 1 else None
     steps_per_epoch = math.ceil(math.ceil(len(queries) / args.batch_size) / args.grad_accum)
@@ -832,12 +837,14 @@ def plan_backbone(args, family):
             raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
                              f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
                              f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
+    config = M.read_config(args.model) if os.path.isdir(args.model) else None
+    if config is not None:
+        M.check_config(config, args.model)
     try:
         processor, images = M.load_processor(folder, family, args.image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
-    config = AutoConfig.from_pretrained(args.model) if os.path.isdir(args.model) else None
     model = M.published_model(family, config=config)  # on the meta device: no weights
     source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)
@@ -1033,9 +1040,9 @@ def save_run(run):
     data.atomic_write(os.path.join(run.args.out, "last.pt"), lambda f: torch.save(state, f))
 
 
-RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "n_train", "n_heldout", "epochs",
-                     "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "rank", "virtual_tokens", "kappa",
-                     "lam", "anchor", "anchor_norm", "temperature", "seed")
+RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
+                     "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
+                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed")
 
 
 def restore(args, backbone, optimizer, scheduler):
@@ -1255,15 +1262,13 @@ def parse_args(argv=None):
     args.anchor = args.anchor or DEFAULT_ANCHOR.get(args.method, "hyperbolic")
     check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                              "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
-                             "build_tries": 1, "threads": 1, "workers": 0})
+                             "build_tries": 1, "threads": (1, MAX_THREADS), "seed": (0, MAX_SEED),
+                             "workers": 0})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
-    for name, positive, what in (("kappa", True, "a curvature magnitude; "), ("temperature", True, ""),
-                                 ("lr", True, ""), ("clip", True, ""), ("weight_decay", False, ""), ("lam", False, ""),
-                                 ("image_memory", True, "in GB; ")):
-        value = getattr(args, name)
-        if not (value > 0 if positive else value >= 0):
-            p.error(f"--{name.replace('_', '-')} must be {'>' if positive else '>='} 0 ({what}got {value})")
+    check_floats(p, args)
+    if not 0 < args.image_memory < math.inf:
+        p.error(f"--image-memory must be a finite number > 0 (in GB; got {args.image_memory})")
     args.out = args.out or (TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
@@ -1271,12 +1276,51 @@ def parse_args(argv=None):
     return args
 
 
+def diverging(args):
+    """The settings of this run that can make its loss NaN or inf, with their values, as the stop names them."""
+    names = ["lr", "weight_decay", "clip", "lam"] + (["kappa"] if args.anchor == "hyperbolic" else []) + \
+        (["temperature"] if args.anchor == "kl" else []) + (["anchor_norm"] if args.anchor_norm != "none" else [])
+    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)
+
+
+MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes, seeds, steps) holds
+MAX_SEED = 2**32 - 1   # --seed: torch's generators take 64 bits, and epoch_order seeds with seed x 100,003 + epoch
+MAX_THREADS = max(1024, os.cpu_count() or 1)
+FLOAT32 = torch.finfo(torch.float32)  # the rates and weights scale float32 tensors (the adapter's, AdamW's)
+
+
+# {name: (must be > 0, else >= 0; power)}: each scales float32 tensors (the adapter's, AdamW's, the losses), so
+# value^power must be finite in float32 and, if not 0, not below its smallest normal number (T^2 scales LIVE's KL)
+FLOAT_FLAGS = {"lr": (True, 1), "weight_decay": (False, 1), "clip": (True, 1), "kappa": (True, 1), "lam": (False, 1),
+               "temperature": (True, 2)}
+
+
+def check_floats(p, args):
+    """A parser error naming the flag for each of FLOAT_FLAGS that is not finite, out of its sign, or whose power
+    leaves float32's range: inf for --lr would stop the run at step 1 after loading everything."""
+    for name, (positive, power) in FLOAT_FLAGS.items():
+        value, flag = getattr(args, name), f"--{name.replace('_', '-')}"
+        most, least, why = FLOAT32.max ** (1 / power), FLOAT32.tiny ** (1 / power), \
+            " (T^2 scales the KL)" if power == 2 else ""
+        if not math.isfinite(value) or abs(value) > most:
+            p.error(f"{flag} must be a finite number of float32's range, at most {most:.4g}{why} (got {value})")
+        if not (value > 0 if positive else value >= 0):
+            p.error(f"{flag} must be {'>' if positive else '>='} 0 (got {value})")
+        if 0 < value < least:
+            p.error(f"{flag} must be at least {least:.4g}" + (", whose square is" if power == 2 else ",") +
+                    f" float32's smallest normal number{why} (got {value})")
+
+
 def check_at_least(p, args, bounds):
-    """A parser error for each flag of {name: least} given below its least value (a list flag: any of its values)."""
-    for name, least in bounds.items():
-        value = getattr(args, name)
-        if any(v is not None and v < least for v in (value if isinstance(value, list) else [value])):
+    """A parser error for each flag of {name: least or (least, most)} given outside [least, most] (most: MAX_INT
+    unless given; a list flag: any of its values), naming the flag."""
+    for name, bound in bounds.items():
+        (least, most), value = bound if isinstance(bound, tuple) else (bound, MAX_INT), getattr(args, name)
+        values = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
+        if any(v < least for v in values):
             p.error(f"--{name.replace('_', '-')} must be at least {least} (got {value})")
+        if any(v > most for v in values):
+            p.error(f"--{name.replace('_', '-')} must be at most {most:,} (got {value})")
 
 
 def check_folders(p, folders):
