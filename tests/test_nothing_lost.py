@@ -311,7 +311,7 @@ def test_integer_flags_fit_their_dtype_and_name_the_flag(parse, flag, value, cap
 
 
 def test_the_nan_stop_names_every_setting_that_can_cause_it(tmp_path, monkeypatch):
-    nan = torch.tensor(float("nan"))
+    nan = torch.tensor(float("nan"), requires_grad=True)  # the step reads the parts after backward (once a step)
     monkeypatch.setattr(train, "losses", lambda *a, **k: {"anchor": nan, "sup": nan, "loss": nan})
     monkeypatch.setattr(train, "anchor_regime", lambda *a: None)
     with pytest.raises(FloatingPointError, match=r"step 1: loss part 'anchor' is nan; stopping\. The last good "
