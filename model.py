@@ -489,8 +489,9 @@ def read_config(path):
     except OSError:  # no such checkpoint: transformers' message names it
         raise
     except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassError
-        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid config ({str(e)[:200]}); restore the "
-                         "checkpoint's config.json") from e
+        why = " ".join(str(e).split())[:200]  # one line: transformers' message may hold several
+        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid config ({why}); restore the checkpoint's "
+                         "config.json") from e
 
 
 def check_config(config, path):
@@ -514,7 +515,8 @@ def check_eos(path):
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except (OSError, ValueError) as e:  # none: the model config's eos, the tokenizer's and the family's end token
         if os.path.isfile(file):  # there but unreadable: it would be ignored silently
-            raise ValueError(f"{file} cannot be read ({str(e)[:200]}); restore the checkpoint's file") from e
+            raise ValueError(f"{file} cannot be read ({' '.join(str(e).split())[:200]}); restore the checkpoint's "
+                             "file") from e
         return
     ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

@@ -274,8 +274,9 @@ def test_a_generation_config_that_is_not_json_is_named_not_ignored(twin_folder, 
 
 def test_a_config_field_of_the_wrong_type_names_config_json_under_plan(twin_folder, tmp_path):
     folder = edited(twin_folder, tmp_path, "config.json", lambda c: c["text_config"].update(hidden_size="big"))
-    with pytest.raises(ValueError, match=rf"{folder / 'config.json'} is not a valid config \(.*hidden_size"):
+    with pytest.raises(ValueError, match=rf"{folder / 'config.json'} is not a valid config \(.*hidden_size") as e:
         train.main(["--plan", *TRAIN[:1], str(folder), *TRAIN[2:]])
+    assert "\n" not in str(e.value)                                          # one line, as the CLI prints it
 
 
 def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also_under_plan(twin_folder, tmp_path):
