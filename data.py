@@ -339,7 +339,7 @@ def model_inputs(batch, device=None):
     """A batch as the backbone's forward keyword arguments (all but "labels" and "query_target"), on `device` (copied
     without waiting: the batch is pinned on CUDA), its pixels normalised there (normalised)."""
     return normalised({k: v.to(device, non_blocking=True) for k, v in batch.items()
-                       if k not in ("labels", "query_target")})
+                       if k not in ("labels", "query_target", "window")})
 
 
 class Prepared(torch.utils.data.Dataset):
@@ -373,8 +373,12 @@ def prepared(build, specs, workers, device="cpu"):
 
 
 def default_workers():
-    """--workers' default: the cores this process may use, shared among the processes torchrun starts on the machine,
-    less one for the process itself (which runs the model), at most 8; 0 on a machine of one core a process."""
+    """--workers' default. With a GPU: the cores this process may use, shared among the processes torchrun starts on
+    the machine, less one for the process itself, at most 8. Without one: 0, for the model's own threads use the
+    cores (on this 2-core machine a worker beside them made training 1.05x slower than preparing in-process:
+    docs/efficiency.md)."""
+    if not torch.cuda.is_available():
+        return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 
