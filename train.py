@@ -593,7 +593,7 @@ def toy_scenes(processor, n, rng):
     scenes = [data.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
     out = processor.image_processor(images, do_rescale=False, do_normalize=False, do_pad=False)  # data.image_pixels
-    return scenes, [{"pixel_values": [torch.from_numpy(c) for c in crops]} for crops in out["pixel_values"]]
+    return scenes, [{"pixel_values": [data.chw(c) for c in crops]} for crops in out["pixel_values"]]
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):

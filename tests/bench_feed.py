@@ -11,8 +11,8 @@ preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation promp
 each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (data.prepared);
 then one query's cached teacher states read back, against reading the file's bytes. --end-to-end times instead
 `train.py` (8 shots, 64 queries, 2 epochs; Idefics2) and `evaluate.py --shots 8` (64 items; Idefics2 and
-LLaVA-OneVision) at their defaults, old and new alternately. Medians over --rounds; ratios new / old. The worker runs include a control, a
-CPU-bound loop of no data ("spin"): what a second worker can gain on the machine at that moment.
+LLaVA-OneVision) at their defaults, old and new alternately. Medians over --rounds; ratios new / old. The worker
+runs include a control, a CPU-bound loop of no data ("spin"): what a second worker can gain on the machine then.
 """
 import argparse
 import functools
