@@ -202,9 +202,9 @@ def main():
               f"reading the bytes {c['raw_s'] * 1e3:.0f} ms: x{c['read_s'] / c['raw_s']:.2f}")
     if not args.end_to_end:
         return
-    for name, family, splitting, what in (("idefics2", "idefics2", "off", "train"),
-                                          ("idefics2", "idefics2", "off", "eval"),
-                                          ("llava-onevision", "llava-onevision", "checkpoint", "eval")):
+    for name, family, splitting, what in (("idefics2", "idefics2", "off", "eval"),
+                                          ("llava-onevision", "llava-onevision", "checkpoint", "eval"),
+                                          ("idefics2", "idefics2", "off", "train")):
         walls = {side: [] for side in sides}
         for r in range(args.rounds):
             for side, code in sides.items():
@@ -212,7 +212,7 @@ def main():
                                               os.path.join(tmp, f"e2e-{side}-{name}-{what}"), what))
         med = {side: statistics.median(v) for side, v in walls.items()}
         ratios = [n / o for n, o in zip(walls["new"], walls.get("old", walls["new"]))]
-        print(f"end to end {name} {what}: new {med['new']:.1f} s, old {med.get('old', float('nan')):.1f} s; paired "
+        print(f"load {os.getloadavg()}; end to end {name} {what}: new {med['new']:.1f} s, old {med.get('old', float('nan')):.1f} s; paired "
               f"ratios {', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f}")
 
 
