@@ -212,8 +212,9 @@ def main():
                                               os.path.join(tmp, f"e2e-{side}-{name}-{what}"), what))
         med = {side: statistics.median(v) for side, v in walls.items()}
         ratios = [n / o for n, o in zip(walls["new"], walls.get("old", walls["new"]))]
-        print(f"load {os.getloadavg()}; end to end {name} {what}: new {med['new']:.1f} s, old {med.get('old', float('nan')):.1f} s; paired "
-              f"ratios {', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f}")
+        print(f"load {os.getloadavg()}; end to end {name} {what}: new {med['new']:.1f} s, old "
+              f"{med.get('old', float('nan')):.1f} s; paired ratios {', '.join(f'{x:.2f}' for x in ratios)}, "
+              f"median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
