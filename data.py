@@ -36,6 +36,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
@@ -177,7 +178,14 @@ def image_pixels(processor, family, image):
         return onevision_piece(processor.image_processor, image)
     split = {"do_pad": False} if family == "idefics2" else {}  # Idefics2: no padding (collate pads the batch once)
     out = processor.image_processor([[image]] if split else [image], do_rescale=False, do_normalize=False, **split)
-    return {"pixel_values": [torch.from_numpy(c) for c in (out["pixel_values"][0] if split else out["pixel_values"])]}
+    return {"pixel_values": [chw(c) for c in (out["pixel_values"][0] if split else out["pixel_values"])]}
+
+
+def chw(array):
+    """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
+    numpy on one thread: copying the strided view into a canvas costs 3-6x more on a busy machine (torch splits it
+    over its threads)."""
+    return torch.from_numpy(numpy.ascontiguousarray(array))
 
 
 def onevision_tokens(processor):
@@ -195,10 +203,10 @@ def onevision_piece(process, image):
     training and evaluation alike (`image_inputs` tells the model): padded to a square of the mean colour and resized,
     as the image processor does for an image among several, once (not as a prompt of two images, one kept).
     Returns image_pixels' dict, with the image's "image_sizes" [1, 2]."""
-    chw = process.process_image(image, do_convert_rgb=True)
-    square = process.pad_to_square(chw, tuple(int(x * 255) for x in process.image_mean))
+    pixels = process.process_image(image, do_convert_rgb=True)
+    square = process.pad_to_square(pixels, tuple(int(x * 255) for x in process.image_mean))
     view = process.resize(square, process.size, resample=process.resample)
-    return {"pixel_values": [torch.from_numpy(view)], "image_sizes": torch.tensor([chw.shape[-2:]])}
+    return {"pixel_values": [chw(view)], "image_sizes": torch.tensor([pixels.shape[-2:]])}
 
 
 def encode_query(processor, family, kind, query, with_target=True):
@@ -339,7 +347,7 @@ def model_inputs(batch, device=None):
     """A batch as the backbone's forward keyword arguments (all but "labels" and "query_target"), on `device` (copied
     without waiting: the batch is pinned on CUDA), its pixels normalised there (normalised)."""
     return normalised({k: v.to(device, non_blocking=True) for k, v in batch.items()
-                       if k not in ("labels", "query_target")})
+                       if k not in ("labels", "query_target", "window")})
 
 
 class Prepared(torch.utils.data.Dataset):
@@ -373,8 +381,12 @@ def prepared(build, specs, workers, device="cpu"):
 
 
 def default_workers():
-    """--workers' default: the cores this process may use, shared among the processes torchrun starts on the machine,
-    less one for the process itself (which runs the model), at most 8; 0 on a machine of one core a process."""
+    """--workers' default. With a GPU: the cores this process may use, shared among the processes torchrun starts on
+    the machine, less one for the process itself, at most 8. Without one: 0, for the model's own threads use the
+    cores (on this 2-core machine a worker beside them made training 1.05x slower than preparing in-process:
+    docs/efficiency.md)."""
+    if not torch.cuda.is_available():
+        return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
 

@@ -145,7 +145,7 @@ def initial_anchor(backbone, args, kind, queries, icds, device, cache):
 
 def target_logits(model, batch, **kwargs):
     """model's logits [B, K, V] at `batch`'s data.answer_window and the labels [B, K] they line up with."""
-    keep = data.answer_window(batch["labels"])
+    keep = batch.get("window") or data.answer_window(batch["labels"])  # "window": counted on the host (finished)
     return model(**data.model_inputs(batch), logits_to_keep=keep, use_cache=False, **kwargs).logits, \
         batch["labels"][:, -keep:]
 
@@ -312,11 +312,12 @@ def completed_states(backbone, args, kind, queries, icds, pieces, device, cache,
 
 
 def stack_teacher(states, span):
-    """Lay per-query teacher states [L, T_q, d] at the student's aligned positions: [L, B, W, d]."""
+    """Lay per-query teacher states [L, T_q, d] at the student's aligned positions: [L, B, W, d]. Those are each row's
+    last T_q positions (data.collate pads on the left), so they are sliced, with no wait for the device."""
     L, d = states[0].shape[0], states[0].shape[-1]
     out = torch.zeros(L, *span.shape, d, dtype=states[0].dtype, device=span.device)
     for b, s in enumerate(states):
-        out[:, b, span[b]] = s.to(span.device)
+        out[:, b, span.shape[1] - s.shape[1]:] = s.to(span.device)
     return out
 
 
@@ -357,7 +358,7 @@ def prepared_micro_batch(setup, spec):
 def finished(backbone, args, kind, prepared, device, cache):
     """(student batch, teacher tensor for args.anchor) of a prepared micro-batch on `device`: the missing teacher
     states computed there, the cached ones copied there; laid at the student's aligned positions (stack_teacher)."""
-    student = to_device(prepared["student"], device)
+    student = {**to_device(prepared["student"], device), "window": data.answer_window(prepared["student"]["labels"])}
     if args.anchor == "none":
         return student, None
     states = completed_states(backbone, args, kind, prepared["queries"], prepared["icds"], None, device, cache,
@@ -625,7 +626,7 @@ def toy_scenes(processor, n, rng):
     scenes = [data.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(data.icl_jpeg(s))).convert("RGB")] for s in scenes]
     out = processor.image_processor(images, do_rescale=False, do_normalize=False, do_pad=False)  # data.image_pixels
-    return scenes, [{"pixel_values": [torch.from_numpy(c) for c in crops]} for crops in out["pixel_values"]]
+    return scenes, [{"pixel_values": [data.chw(c) for c in crops]} for crops in out["pixel_values"]]
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):
@@ -1333,9 +1334,10 @@ def check_folders(p, folders):
 def add_worker_flag(p):
     """--workers: the processes that prepare batches (train.py, evaluate.py)."""
     p.add_argument("--workers", type=int, default=data.default_workers(), help="DataLoader worker processes that "
-                   "prepare batches (images, tokens, cached teacher states) while the model runs (default: this "
-                   "machine's cores, less one, shared among torchrun's processes, at most 8; 0: in the main process, "
-                   "one batch at a time; the results are the same)")
+                   "prepare batches (images, tokens, cached teacher states) while the model runs (default with a "
+                   "GPU: this machine's cores less one, shared among torchrun's processes, at most 8; without one: 0, "
+                   "the model's threads using the cores; 0: in the main process, one batch at a time; the results "
+                   "are the same)")
 
 
 def add_icd_flags(p):

@@ -10,9 +10,9 @@ preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation promp
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,
 each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (data.prepared);
 then one query's cached teacher states read back, against reading the file's bytes. --end-to-end times instead
-`train.py` (8 shots, 64 queries, 2 epochs) and `evaluate.py --shots 8` (64 items) at their defaults, old and new
-alternately. Medians over --rounds; ratios new / old. The worker runs include a control, a
-CPU-bound loop of no data ("spin"): what a second worker can gain on the machine at that moment.
+`train.py` (8 shots, 64 queries, 2 epochs; Idefics2) and `evaluate.py --shots 8` (64 items; Idefics2 and
+LLaVA-OneVision) at their defaults, old and new alternately. Medians over --rounds; ratios new / old. The worker
+runs include a control, a CPU-bound loop of no data ("spin"): what a second worker can gain on the machine then.
 """
 import argparse
 import functools
@@ -202,10 +202,9 @@ def main():
               f"reading the bytes {c['raw_s'] * 1e3:.0f} ms: x{c['read_s'] / c['raw_s']:.2f}")
     if not args.end_to_end:
         return
-    for name, family, splitting, what in (("idefics2", "idefics2", "off", "train"),
-                                          ("idefics2", "idefics2", "off", "eval"),
+    for name, family, splitting, what in (("idefics2", "idefics2", "off", "eval"),
                                           ("llava-onevision", "llava-onevision", "checkpoint", "eval"),
-                                          ("llava-onevision", "llava-onevision", "checkpoint", "train")):
+                                          ("idefics2", "idefics2", "off", "train")):
         walls = {side: [] for side in sides}
         for r in range(args.rounds):
             for side, code in sides.items():
@@ -213,8 +212,9 @@ def main():
                                               os.path.join(tmp, f"e2e-{side}-{name}-{what}"), what))
         med = {side: statistics.median(v) for side, v in walls.items()}
         ratios = [n / o for n, o in zip(walls["new"], walls.get("old", walls["new"]))]
-        print(f"end to end {name} {what}: new {med['new']:.1f} s, old {med.get('old', float('nan')):.1f} s; paired "
-              f"ratios {', '.join(f'{x:.2f}' for x in ratios)}, median {statistics.median(ratios):.2f}")
+        print(f"load {os.getloadavg()}; end to end {name} {what}: new {med['new']:.1f} s, old "
+              f"{med.get('old', float('nan')):.1f} s; paired ratios {', '.join(f'{x:.2f}' for x in ratios)}, "
+              f"median {statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -267,6 +267,20 @@ def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_ad
         assert len(seen[workers]) == len(seen[0])
         for (ids, student, teacher, missing), (ids0, student0, teacher0, missing0) in zip(seen[workers], seen[0]):
             assert ids == ids0 and missing == missing0 and torch.equal(teacher, teacher0)
-            assert student.keys() == student0.keys() and all(torch.equal(student[k], student0[k]) for k in student)
+            assert student.keys() == student0.keys() and student["window"] == student0["window"]
+            assert all(torch.equal(student[k], student0[k]) for k in student if k != "window")
         assert all(torch.equal(adapters[workers][k], adapters[0][k]) for k in adapters[0])
         assert (tmp_path / str(workers) / "history.json").read_text() == (tmp_path / "0" / "history.json").read_text()
+
+
+def test_the_default_workers_are_the_cores_less_one_with_a_gpu_and_none_without(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert data.default_workers() == 0                                   # the model's threads use the cores
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert data.default_workers() == 8                                   # 15, at most 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert data.default_workers() == 3                                   # 16 cores shared by 4 processes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert data.default_workers() == 0
