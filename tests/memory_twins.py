@@ -122,15 +122,16 @@ def planned(run, root):
 
 
 def measured(run, root, lock=None):
-    """The run's peak RSS in bytes (/usr/bin/time -v) and its peak once the backbone is loaded (child), one thread;
-    lock: a file to hold (flock) while it runs."""
-    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, os.path.abspath(__file__),
+    """The run's peak RSS in bytes and its peak once the backbone is loaded (VmHWM, read by child), one thread; lock: a
+    file to hold (flock) while it runs."""
+    cmd = (["flock", lock] if lock else []) + [sys.executable, os.path.abspath(__file__),
                                                "--child", RUNS[run][4], *flags(run, root), "--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if out.returncode:
         raise RuntimeError(f"{run} failed:\n{out.stderr[-3000:]}")
-    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)) * 1024
-    return peak, int(re.search(r"peak once loaded: (\d+) kB", out.stderr).group(1)) * 1024
+    loading, loaded = (int(re.search(rf"peak {when}: (\d+) kB", out.stderr).group(1)) * 1024
+                       for when in ("while loading", "once loaded"))
+    return max(loading, loaded), loaded
 
 
 def child(script, argv):
@@ -140,14 +141,19 @@ def child(script, argv):
 
     def loaded(*args, **kwargs):
         backbone = load(*args, **kwargs)
+        print(f"peak while loading: {high_water()} kB", file=sys.stderr)
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := the RSS now
+            f.write("5")  # VmHWM (and the rusage /usr/bin/time reads) := the RSS now
         return backbone
     M.load_backbone = loaded
     (train if script == "train" else evaluate).main(argv)
+    print(f"peak once loaded: {high_water()} kB", file=sys.stderr)
+
+
+def high_water():
+    """This process's peak RSS so far in kB (VmHWM)."""
     with open("/proc/self/status") as f:
-        peak = re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)
-    print(f"peak once loaded: {peak} kB", file=sys.stderr)
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
 
 
 PUBLISHED_ROWS = (("Idefics2-8B, splitting off", "idefics2", "idefics2", "off"),
