@@ -171,7 +171,7 @@ def vision_peaks():
     pixels, mask = torch.rand(1, 9, 3, 640, 640), torch.ones(1, 9, 640, 640, dtype=torch.long)
     pixels[:, ::4, :, :, 480:], mask[:, ::4, :, 480:] = 0, 0
     one = M.image_work(config, 45 * 45, 4)
-    print(f"| --image-memory | images a call | measured peak | model.image_work x images a call |\n|---|---:|---:|---:|")
+    print("| --image-memory | images a call | measured peak | model.image_work x images a call |\n|---|---:|---:|---:|")
     for budget in (1e18, 1e9, 1):
         M.chunk_images(holder, budget)
         with torch.no_grad():
