@@ -223,7 +223,7 @@ def hooked(*handles):
 # nine 640 x 640 images through the projection are three [9, 2025, 14336] tensors (1 GB each in float32). Run in
 # chunks of images whose working set (image_work) fits --image-memory, they give the same numbers and hold a chunk's.
 
-IMAGE_MEMORY = 1e9  # bytes, --image-memory's default: one Idefics2 image of 640 x 640 at float32 fits it
+IMAGE_MEMORY = 1e9  # bytes, --image-memory's default: two 640 x 640 Idefics2 images a call in float32, four in bf16
 
 
 def image_work(config, patches, itemsize):
@@ -281,7 +281,6 @@ def joined(outs):
     return type(first)(**{k: joined([o[k] for o in outs]) for k in first.keys()})
 
 
-
 def cat_alike(parts):
     """torch.cat along the first dimension, in the parts' own memory layout: a transposed layout (SigLIP's patch
     embedding leaves one) stays transposed, since the kernels of the layers after it, and so their rounding, follow
@@ -290,6 +289,7 @@ def cat_alike(parts):
     if not order or order[0] != 0:
         return torch.cat(parts)
     return torch.cat([p.permute(order) for p in parts]).permute([order.index(d) for d in range(len(order))])
+
 
 # -------------------------------------------------------------------------------------- saving and loading adapters
 

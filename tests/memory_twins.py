@@ -10,9 +10,11 @@ JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --published    # the README's real-model table
+    python tests/memory_twins.py --vision                                     # Idefics2's images in chunks
 """
 import argparse
 import contextlib
+import gc
 import io
 import os
 import random
@@ -122,15 +124,16 @@ def planned(run, root):
 
 
 def measured(run, root, lock=None):
-    """The run's peak RSS in bytes (/usr/bin/time -v) and its peak once the backbone is loaded (child), one thread;
-    lock: a file to hold (flock) while it runs."""
-    cmd = (["flock", lock] if lock else []) + ["/usr/bin/time", "-v", sys.executable, os.path.abspath(__file__),
+    """The run's peak RSS in bytes and its peak once the backbone is loaded (VmHWM, read by child), one thread; lock: a
+    file to hold (flock) while it runs."""
+    cmd = (["flock", lock] if lock else []) + [sys.executable, os.path.abspath(__file__),
                                                "--child", RUNS[run][4], *flags(run, root), "--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if out.returncode:
         raise RuntimeError(f"{run} failed:\n{out.stderr[-3000:]}")
-    peak = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", out.stderr).group(1)) * 1024
-    return peak, int(re.search(r"peak once loaded: (\d+) kB", out.stderr).group(1)) * 1024
+    loading, loaded = (int(re.search(rf"peak {when}: (\d+) kB", out.stderr).group(1)) * 1024
+                       for when in ("while loading", "once loaded"))
+    return max(loading, loaded), loaded
 
 
 def child(script, argv):
@@ -140,14 +143,42 @@ def child(script, argv):
 
     def loaded(*args, **kwargs):
         backbone = load(*args, **kwargs)
+        print(f"peak while loading: {high_water()} kB", file=sys.stderr)
+        gc.collect()  # the checkpoint's file mapping, if nothing holds it any more
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := the RSS now
+            f.write("5")  # VmHWM (and the rusage /usr/bin/time reads) := the RSS now
         return backbone
     M.load_backbone = loaded
     (train if script == "train" else evaluate).main(argv)
+    print(f"peak once loaded: {high_water()} kB", file=sys.stderr)
+
+
+def high_water():
+    """This process's peak RSS so far in kB (VmHWM)."""
     with open("/proc/self/status") as f:
-        peak = re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)
-    print(f"peak once loaded: {peak} kB", file=sys.stderr)
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1))
+
+
+def vision_peaks():
+    """Peak memory (torch.profiler, evaluate.peak_memory_mb) of Idefics2's image encoding at full width, float32, one
+    vision layer, the perceiver at depth 1: the nine images of an 8-shot row on 640 x 640 canvases, every fourth a
+    portrait (its right quarter padding), at three --image-memory budgets, against model.image_work."""
+    from transformers.models.idefics2.modeling_idefics2 import Idefics2Model
+    config = twin_config("idefics2", 1)
+    inner = Idefics2Model(config).eval()
+    holder = torch.nn.Module()
+    holder.model, holder.config = inner, config  # what chunk_images reads
+    pixels, mask = torch.rand(1, 9, 3, 640, 640), torch.ones(1, 9, 640, 640, dtype=torch.long)
+    pixels[:, ::4, :, :, 480:], mask[:, ::4, :, 480:] = 0, 0
+    one = M.image_work(config, 45 * 45, 4)
+    print("| --image-memory | images a call | measured peak | model.image_work x images a call |\n|---|---:|---:|---:|")
+    for budget in (1e18, 1e9, 1):
+        M.chunk_images(holder, budget)
+        with torch.no_grad():
+            peak = evaluate.peak_memory_mb(lambda: inner.get_image_features(pixels, mask)) * 2 ** 20
+        chunk = max(1, min(9, int(budget // one)))
+        print(f"| {'all' if budget > 1e12 else train.size(budget)} | {chunk} | {peak / 1e9:.2f} GB | "
+              f"{chunk * one / 1e9:.2f} GB |", flush=True)
 
 
 PUBLISHED_ROWS = (("Idefics2-8B, splitting off", "idefics2", "idefics2", "off"),
@@ -187,7 +218,11 @@ def main(argv=None):
     p.add_argument("--lock", help="hold this file (flock) during each measured run, one heavy run at a time")
     p.add_argument("--published", action="store_true", help="print the README's real-model table instead (the plan "
                    "at the published sizes, no weights)")
+    p.add_argument("--vision", action="store_true", help="print the peak of Idefics2's image encoding at three "
+                   "--image-memory budgets instead (~2 GB, a minute)")
     args = p.parse_args(argv)
+    if args.vision:
+        return vision_peaks()
     data.generated(os.path.join(args.root, "photos"), write_photos)
     if args.published:
         return published_table(args.root)

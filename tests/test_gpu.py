@@ -57,24 +57,25 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
              "--out", os.path.join(root, "run")]
     plan = train.main([*plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(M, "load_backbone", lambda *args, **kwargs: backbone)
-    spent, step_times = {}, []
+    spent, step_times, building = {}, [], []
     for name in ("query_pieces", "teacher_batch"):  # student_batch is teacher_batch without ICDs
         timed(monkeypatch, data, name, spent)
     step = train.train_step
 
-    def timed_step(run, batches):
-        start = time.perf_counter()
+    def timed_step(run, batches):  # a step's seconds, and those of them spent building its batches
+        start, built = time.perf_counter(), sum(spent.values())
         step(run, batches)
         if device == "cuda":
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - start)
+        building.append(sum(spent.values()) - built)
     monkeypatch.setattr(train, "train_step", timed_step)
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     files = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
     rows = {"training peak": (trained, plan["memory"]["train"]),
             "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
-            "share of a step building its batches": (sum(spent.values()) / sum(step_times), None),
+            "share of a step building its batches": (sum(building) / sum(step_times), None),
             "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in files) / len(files),
                                     plan["cache"] / plan["queries"])}
     adapter = os.path.join(root, "run", "adapter.safetensors")

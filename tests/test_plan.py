@@ -242,3 +242,23 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
                  "--no-teacher-cache", "40 teacher forwards instead of 40"):
         assert part in message, (part, message)
     assert "\n" not in message
+
+
+def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_builders_batches(twins, tmp_path,
+                                                                                                monkeypatch):
+    """--plan without a value is this machine's run (float32 on a CPU: what the run itself computes in); the images
+    it counts are read off the batches the builder returns (data.teacher_batch), whatever their layout."""
+    import torch
+    assert train.parse_args(["--plan"]).plan == ("cuda" if torch.cuda.is_available() else "cpu")
+    no_weights(monkeypatch)
+    built, original = [], data.teacher_batch
+
+    def recording(processor, family, kind, pieces, icds):
+        batch = original(processor, family, kind, pieces, icds)
+        if any(icds):  # a teacher batch (student_batch calls teacher_batch without ICDs)
+            built.append(train.image_sizes(batch))
+        return batch
+    monkeypatch.setattr(data, "teacher_batch", recording)
+    planned = train.main(plan_flags(twins["idefics2"], tmp_path))
+    assert planned["rows"]["images"]["teacher"] == built and built[0]["images"] == 2 * 3  # 2 rows of 2 ICDs + query
+    assert built[0]["bytes"] > 0 and planned["memory"]["vision"] > built[0]["bytes"]
