@@ -1706,7 +1706,7 @@ def parse_args(argv=None):
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
                                    "new_tokens": 1, "attention_tokens": 1, "threads": (1, train.MAX_THREADS),
                                    "bench_shots": 0, "curve_queries": 1, "seed": (0, train.MAX_SEED),
-                                   "workers": 0})
+                                   "workers": (0, train.MAX_WORKERS)})
     if not 0 < args.image_memory < math.inf:
         p.error(f"--image-memory must be a finite number > 0 (in GB; got {args.image_memory})")
     if args.curve:

@@ -1264,7 +1264,7 @@ def parse_args(argv=None):
     check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                              "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
                              "build_tries": 1, "threads": (1, MAX_THREADS), "seed": (0, MAX_SEED),
-                             "workers": 0})
+                             "workers": (0, MAX_WORKERS)})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     check_floats(p, args)
@@ -1287,6 +1287,7 @@ def diverging(args):
 MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes, seeds, steps) holds
 MAX_SEED = 2**32 - 1   # --seed: torch's generators take 64 bits, and epoch_order seeds with seed x 100,003 + epoch
 MAX_THREADS = max(1024, os.cpu_count() or 1)
+MAX_WORKERS = 4 * (os.cpu_count() or 1)  # --workers: processes past this only cost memory (2**62 asked for all of it)
 FLOAT32 = torch.finfo(torch.float32)  # the rates and weights scale float32 tensors (the adapter's, AdamW's)
 
 

@@ -304,7 +304,8 @@ def test_float_flags_are_finite_and_in_float32s_range_before_anything_loads(flag
 @pytest.mark.parametrize("parse, flag, value", [
     (train.parse_args, "--seed", str(2**70)), (evaluate.parse_args, "--seed", str(2**70)),
     (train.parse_args, "--seed", "-1"), (train.parse_args, "--epochs", str(2**64)),
-    (evaluate.parse_args, "--n-eval", str(2**64)), (train.parse_args, "--threads", str(2**40))])
+    (evaluate.parse_args, "--n-eval", str(2**64)), (train.parse_args, "--threads", str(2**40)),
+    (train.parse_args, "--workers", str(2**62)), (evaluate.parse_args, "--workers", str(train.MAX_WORKERS + 1))])
 def test_integer_flags_fit_their_dtype_and_name_the_flag(parse, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
         parse([*TRAIN[:6], flag, value])
