@@ -360,8 +360,17 @@ class Prepared(torch.utils.data.Dataset):
         return len(self.specs)
 
     def __getitem__(self, k):
-        out = self.build(self.specs[k])
+        try:
+            out = self.build(self.specs[k])
+        except Exception as e:  # handed back whole: torch would re-raise it with the worker's traceback in its text
+            return Failed(e)
         return on_host(out) if self.on_host else out
+
+
+@dataclass
+class Failed:
+    """What a DataLoader worker hands back for an item it could not build: the error, raised again by prepared."""
+    error: Exception
 
 
 def on_host(obj):
@@ -373,11 +382,15 @@ def on_host(obj):
 def prepared(build, specs, workers, device="cpu"):
     """build(spec) for each spec, in order, made by `workers` DataLoader worker processes ahead of their use (two
     each in flight) while this process computes (0: here, when asked for; the same items); pinned for a CUDA
-    `device`, so model_inputs copies them without waiting. build must need no model (a worker has none)."""
+    `device`, so model_inputs copies them without waiting. build must need no model (a worker has none). An error
+    in a worker is raised here as it was raised there (an unreadable image names its item and file, one line)."""
     cuda = str(device).startswith("cuda")
-    return torch.utils.data.DataLoader(Prepared(build, specs, not cuda), batch_size=None, num_workers=workers,
-                                       pin_memory=cuda, prefetch_factor=2 if workers else None,
-                                       generator=torch.Generator())  # its seed draw leaves torch's global RNG alone
+    for item in torch.utils.data.DataLoader(Prepared(build, specs, not cuda), batch_size=None, num_workers=workers,
+                                            pin_memory=cuda, prefetch_factor=2 if workers else None,
+                                            generator=torch.Generator()):  # its seed draw leaves the global RNG alone
+        if isinstance(item, Failed):
+            raise item.error
+        yield item
 
 
 def default_workers():

@@ -767,7 +767,7 @@ def icl_means(backbone, kind, queries, icds, batch_size, workers=0):
     specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
     batches = D.prepared(functools.partial(prompt_rows, backbone.processor, backbone.family, kind), specs, workers,
                          model.device)
-    for batch in tqdm(batches, desc="ICL means", unit="batch"):
+    for batch in tqdm(batches, total=len(specs), desc="ICL means", unit="batch"):
         with layer_states_at(model, states), head_outputs(model, heads):
             model(**D.model_inputs(batch, model.device), logits_to_keep=1)
     mean = lambda store: torch.stack([torch.cat(store[l]).double().mean(0) for l in sorted(store)]).float().cpu()

@@ -383,3 +383,17 @@ def test_an_analysis_or_curve_of_other_settings_is_kept_and_refused_before_the_w
                                          r"\(now \[4\]\)"):
         evaluate.main(["--curve", *EVAL[:4], "--curve-queries", "4", "--out", str(tmp_path)])
     assert json.loads(gates.read_text())["checkpoint"] == "elsewhere.safetensors" and curve.stat().st_size < 100
+
+
+def unreadable(spec):
+    """A build whose every item fails as an unreadable image does (data.load_image's error)."""
+    raise OSError(f"item {spec}: cannot read its image /data/{spec}.jpg (cannot identify image file)")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_error_in_a_dataloader_worker_is_raised_as_it_was_raised_there(workers):
+    """torch re-raises a worker's error with the worker's traceback in its message; the CLI prints the message, so
+    a user saw 30 lines of traceback for one unreadable image (the hostile run, evaluate.py --workers 2)."""
+    with pytest.raises(OSError) as e:
+        list(data.prepared(unreadable, [7, 8], workers))
+    assert str(e.value) == "item 7: cannot read its image /data/7.jpg (cannot identify image file)"
