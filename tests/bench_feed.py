@@ -4,7 +4,7 @@
     flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before [--rounds 3]
     flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before --rounds 2 --end-to-end
 
-On real-processor twins (tests/twins.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
+On real-processor twins (tests/tiny.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
 layout whose images are photographs of skimage.data at COCO sizes (640 x 480, every fourth 480 x 640), it times
 preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation prompts (batches of 4), of Idefics2
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,

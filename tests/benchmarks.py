@@ -16,6 +16,7 @@ from collections import Counter
 from PIL import Image, ImageDraw
 
 import data as D
+from lab import files, mme_seed, readers, toy_world
 
 SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in (__file__, D.__file__))  # this file and data.py's writers
 ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
@@ -34,7 +35,7 @@ WORDS = ["zero", "one", "two", "three", "four"]
 
 def generate():
     """ROOT, written first if it is not there."""
-    return D.generated(ROOT, write)
+    return files.generated(ROOT, write)
 
 
 def copy(dest, *folders):
@@ -138,14 +139,14 @@ def write_coco(root):
         questions, annotations, images, objects = [], [], [], []
         for i in range(n_images):
             image_id, s = (i + 1 if split == "train" else 100_000 + i), scene(rng)
-            path = D.coco_image(root, split, image_id)
+            path = readers.coco_image(root, split, image_id)
             save(s, path, quality=90)
             question, answer, wrong, answer_type = vqa_question(s, rng)
             answers = [answer] * 10  # ten human answers: unanimous, or one to four dissenters for about a third
             if rng.random() < 0.35:
                 for k in rng.sample(range(10), rng.randint(1, 4)):
                     answers[k] = wrong
-            D.add_vqa(questions, annotations, image_id, question, answers, answer_type)
+            toy_world.add_vqa(questions, annotations, image_id, question, answers, answer_type)
             imgid = len(karpathy)
             sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
                          for k, c in enumerate(captions(s))]
@@ -154,12 +155,12 @@ def write_coco(root):
                              "sentences": sentences, "sentids": [x["sentid"] for x in sentences]})
             images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
             objects += instances(s, image_id, len(objects) + 1)
-        D.write_json(D.instances_path(root, f"{split}2014"), {
+        files.write_json(readers.instances_path(root, f"{split}2014"), {
             "info": {"description": "hyper-icl toy instances"}, "licenses": [], "images": images,
             "annotations": objects, "categories": [{"id": i, "name": s, "supercategory": "shape"}
                                                    for s, i in CATEGORIES.items()]})
-        D.write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
-    D.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
+        toy_world.write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
+    files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
 
 # ------------------------------------------------------------------------------------------------- MME (Table 2)
 
@@ -190,7 +191,7 @@ def write_mme(root):
     """Every MME subtask in the release layout: the MME_NESTED ones in images/ + questions_answers_YN/, the others
     with the image (.png for cognition, else .jpg) beside its question file."""
     rng = random.Random(SEED)
-    for subtask in D.MME_PERCEPTION + D.MME_COGNITION:
+    for subtask in mme_seed.MME_PERCEPTION + mme_seed.MME_COGNITION:
         folder, ask = os.path.join(root, "mme", subtask), MME_ASKS.get(subtask, subtask)
         nested = subtask in MME_NESTED
         idir, qdir = (os.path.join(folder, "images"), os.path.join(folder, "questions_answers_YN")) if nested \
@@ -200,7 +201,7 @@ def write_mme(root):
             s = scene(rng)
             while ask == "position" and s["side"] is None:
                 s = scene(rng)
-            save(s, os.path.join(idir, f"{i:04d}{'.png' if subtask in D.MME_COGNITION else '.jpg'}"))
+            save(s, os.path.join(idir, f"{i:04d}{'.png' if subtask in mme_seed.MME_COGNITION else '.jpg'}"))
             with open(os.path.join(qdir, f"{i:04d}.txt"), "w") as f:
                 f.writelines(f"{q}\t{a}\n" for q, a in mme_pair(ask, s, rng))
 
@@ -261,7 +262,7 @@ def write_seed(root):
                    "choice_d": "spinning", "data_id": f"{k}.webm", "data_type": "video",
                    "question": "What is the action being carried out in the video?", "question_id": f"v{k}",
                    "question_type_id": 10} for k in range(2)]
-    D.write_json(os.path.join(root, "seed-bench", "SEED-Bench.json"),
+    files.write_json(os.path.join(root, "seed-bench", "SEED-Bench.json"),
                  {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V1_DIMENSIONS)}})
 
 
@@ -279,7 +280,7 @@ def write_seed2(root):
         question, options = seed_question(5 if dimension == 16 else dimension, s, rng)
         questions.append({**options, "data_id": data_id, "data_source": "SEED-Bench v2" if v2 else "cc3m",
                           "data_type": "Single Image", "level": "L1", "question": question,
-                          "question_type_id": dimension, "subpart": D.SEED2_SUBPART, "version": "v2" if v2 else "v1"})
+                          "question_type_id": dimension, "subpart": mme_seed.SEED2_SUBPART, "version": "v2" if v2 else "v1"})
     questions += [{"answer": "A", **{f"choice_{x}": x for x in "abcd"}, "data_id": data_id,
                    "data_source": "SEED-Bench v2", "data_type": data_type, "level": level, "question": "Which?",
                    "question_type_id": d, "subpart": subpart, "version": "v2"}
@@ -288,5 +289,5 @@ def write_seed2(root):
     for q in questions:  # "{dimension}_{k}", k counting within the dimension, as the release numbers them
         q["question_id"] = f"{q['question_type_id']}_{per_dimension[q['question_type_id']]}"
         per_dimension[q["question_type_id"]] += 1
-    D.write_json(os.path.join(base, D.SEED2_FILE),
+    files.write_json(os.path.join(base, mme_seed.SEED2_FILE),
                  {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}})

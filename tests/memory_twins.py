@@ -4,7 +4,7 @@ alone, one heavy run at a time.
 
 The twins are the published configs (model.PUBLISHED) with 1-2 decoder layers, one vision layer and the perceiver at
 depth 1, random weights saved in bf16 as the real checkpoints are, the real tokenizers and processor settings
-(tests/twins.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
+(tests/tiny.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
 JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
 
     python tests/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
@@ -26,11 +26,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-import data  # noqa: E402
 import model as M  # noqa: E402
 import train  # noqa: E402
 import evaluate  # noqa: E402
 import twins  # noqa: E402
+from lab import backbones, files, chunks, plan, published, readers, table6, toy_world
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
           "stereo_motorcycle")  # the colour photographs skimage ships (stereo_motorcycle: its left view)
@@ -61,11 +61,11 @@ def write_photos(root, splits=SPLITS):
             scale = max(w / src.width, h / src.height) * rng.uniform(1.0, 1.3)
             big = src.resize((round(src.width * scale) + 1, round(src.height * scale) + 1))
             x, y = rng.randint(0, big.width - w), rng.randint(0, big.height - h)
-            path = data.coco_image(root, split, image_id)
+            path = readers.coco_image(root, split, image_id)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             big.crop((x, y, x + w, y + h)).save(path, quality=90)
-            data.add_vqa(questions, annotations, image_id, QUESTIONS[i % len(QUESTIONS)], ["yes"] * 10, "yes/no")
-        data.write_vqa(root, split, "skimage photographs at COCO size", questions, annotations)
+            toy_world.add_vqa(questions, annotations, image_id, QUESTIONS[i % len(QUESTIONS)], ["yes"] * 10, "yes/no")
+        toy_world.write_vqa(root, split, "skimage photographs at COCO size", questions, annotations)
     return root
 
 
@@ -76,7 +76,7 @@ def photo(array):
 
 def twin_config(family, layers):
     """model.PUBLISHED's config of `family` with `layers` decoder layers, one vision layer, the perceiver at depth 1."""
-    config = M.PUBLISHED[family]()
+    config = published.PUBLISHED[family]()
     text = config.get_text_config()
     text.num_hidden_layers = layers
     if getattr(text, "layer_types", None):
@@ -139,7 +139,7 @@ def measured(run, root, lock=None):
 def child(script, argv):
     """Run train.py's or evaluate.py's main here, the peak RSS reset (/proc/self/clear_refs) as soon as the backbone
     is loaded; then print that peak (VmHWM) to stderr."""
-    load = M.load_backbone
+    load = backbones.load_backbone
 
     def loaded(*args, **kwargs):
         backbone = load(*args, **kwargs)
@@ -148,7 +148,7 @@ def child(script, argv):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM (and the rusage /usr/bin/time reads) := the RSS now
         return backbone
-    M.load_backbone = loaded
+    backbones.load_backbone = loaded
     (train if script == "train" else evaluate).main(argv)
     print(f"peak once loaded: {high_water()} kB", file=sys.stderr)
 
@@ -170,14 +170,14 @@ def vision_peaks():
     holder.model, holder.config = inner, config  # what chunk_images reads
     pixels, mask = torch.rand(1, 9, 3, 640, 640), torch.ones(1, 9, 640, 640, dtype=torch.long)
     pixels[:, ::4, :, :, 480:], mask[:, ::4, :, 480:] = 0, 0
-    one = M.image_work(config, 45 * 45, 4)
+    one = chunks.image_work(config, 45 * 45, 4)
     print("| --image-memory | images a call | measured peak | model.image_work x images a call |\n|---|---:|---:|---:|")
     for budget in (1e18, 1e9, 1):
-        M.chunk_images(holder, budget)
+        chunks.chunk_images(holder, budget)
         with torch.no_grad():
-            peak = evaluate.peak_memory_mb(lambda: inner.get_image_features(pixels, mask)) * 2 ** 20
+            peak = table6.peak_memory_mb(lambda: inner.get_image_features(pixels, mask)) * 2 ** 20
         chunk = max(1, min(9, int(budget // one)))
-        print(f"| {'all' if budget > 1e12 else train.size(budget)} | {chunk} | {peak / 1e9:.2f} GB | "
+        print(f"| {'all' if budget > 1e12 else plan.size(budget)} | {chunk} | {peak / 1e9:.2f} GB | "
               f"{chunk * one / 1e9:.2f} GB |", flush=True)
 
 
@@ -189,7 +189,7 @@ PUBLISHED_ROWS = (("Idefics2-8B, splitting off", "idefics2", "idefics2", "off"),
 
 def published_table(root):
     """The README's real-model table: --plan cuda at the published sizes (bf16, batch 4, 8 shots) with each
-    real-processor twin's processor (tests/twins.py) on the photographs."""
+    real-processor twin's processor (tests/tiny.py) on the photographs."""
     print("| backbone | student row / 8-shot teacher row, tokens | teacher cache, 1,000 queries | training memory | "
           "evaluation memory: adapter / 8-shot ICL |\n|---|---:|---:|---:|---:|")
     for name, family, twin, splitting in PUBLISHED_ROWS:
@@ -223,7 +223,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.vision:
         return vision_peaks()
-    data.generated(os.path.join(args.root, "photos"), write_photos)
+    files.generated(os.path.join(args.root, "photos"), write_photos)
     if args.published:
         return published_table(args.root)
     print("| run | --plan cpu | measured peak RSS | plan / measured | once loaded: plan | measured | plan / measured "

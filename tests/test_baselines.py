@@ -1,5 +1,6 @@
 """The baselines (static gates, output level, MimIC, LIVE, LoRA) against independent formulas and inside the tiny
 Idefics2 twin: counts on the published configs, identity at init, masks, caching, gradients, saving, training."""
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import model as M
 import train
 from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
+from lab import backbones, checkpoints, published, tasks, train_cli
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
@@ -123,7 +125,7 @@ def hyper_icl_count(L, H, d_h, r):
                   "static-layer": 32 * (32 * 2 * 128 * 4 + 1), "static-layer-head": 32 * 32 * (2 * 128 * 4 + 1)}),
     ("idefics", {"lora": 24_993_792})])                                             # paper: 25.0 M
 def test_parameter_counts_on_published_configs(family, counts):
-    model = M.published_model(family)
+    model = published.published_model(family)
     for method, count in counts.items():
         assert sum(p.numel() for p in M.attach(model, method).parameters()) == count, method
         assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count, method
@@ -134,7 +136,7 @@ def test_parameter_counts_on_published_configs(family, counts):
 
 @pytest.fixture(scope="module")
 def backbone():
-    return M.load_backbone("tiny-idefics2")
+    return backbones.load_backbone("tiny-idefics2")
 
 
 @pytest.fixture()
@@ -223,13 +225,13 @@ def test_save_load_roundtrip_and_wrong_method_refused(plain, method, tmp_path):
     perturb(plain.model, seed=2)
     with torch.no_grad():
         saved = plain.model(**batch).logits
-        M.save_adapter(path, plain)
+        checkpoints.save_adapter(path, plain)
         M.detach(plain.model)
-        assert M.load_adapter(path, plain, method=method)["method"] == method
+        assert checkpoints.load_adapter(path, plain, method=method)["method"] == method
         torch.testing.assert_close(plain.model(**batch).logits, saved, rtol=0, atol=0)
     other = "live" if method != "live" else "mimic"
     with pytest.raises(ValueError, match=f"holds a '{method}' adapter, not a '{other}' one"):
-        M.load_adapter(path, plain, method=other)
+        checkpoints.load_adapter(path, plain, method=other)
 
 
 def test_answer_kl_is_lives_tempered_kl():
@@ -247,7 +249,7 @@ def test_trains_and_evaluates_end_to_end(method, tmp_path):
     train.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
                 "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs",
                 "1", "--lr", "1e-2"])
-    history = train.json.load(open(f"{out}/history.json"))
+    history = json.load(open(f"{out}/history.json"))
     assert len(history) == 1 and math.isfinite(history[0]["heldout_loss"])
     metrics = evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
                              "--checkpoint", f"{out}/adapter.safetensors", "--n-eval", "1"])
@@ -259,11 +261,11 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
                              "--method", method, "--teacher-cache", str(tmp_path)])
     assert args.anchor == anchor and args.lam == 0.5
-    pool = train.data.load_task(args.task, "train", args.data_root)
+    pool = tasks.load_task(args.task, "train", args.data_root)
     queries = pool[:3]
     icds = train.data.demonstrations([q.id for q in queries], pool, 1, args.seed)
-    M.attach(plain.model, method, **train.method_sizes(args))
-    cache = {"id": train.fingerprint(plain), "hits": 0, "misses": 0}
+    M.attach(plain.model, method, **train_cli.method_sizes(args))
+    cache = {"id": checkpoints.fingerprint(plain), "hits": 0, "misses": 0}
     student, teacher = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
     parts = train.losses(plain, args, student, teacher)
     assert set(parts) == ({"sup", "loss"} if anchor == "none" else {"anchor", "sup", "loss"})
@@ -274,7 +276,7 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     assert cache["hits"] == 3 and torch.equal(again, teacher)
     with torch.no_grad():  # the student as its own teacher: the distillation loss vanishes
         out, states = M.layer_outputs(plain.model, **train.data.model_inputs(student))
-    own = out.logits[train.answer_positions(student["labels"])] if anchor == "kl" else torch.stack(states)
+    own = out.logits[M.answer_positions(student["labels"])] if anchor == "kl" else torch.stack(states)
     if anchor == "kl":
         assert teacher.shape == own.shape  # one row per answer position, in the student's order
     assert parts["anchor"] > 0 and train.losses(plain, args, student, own)["anchor"].abs() < 1e-6

@@ -15,6 +15,7 @@ import data as D
 import evaluate as E
 import model as M
 import train
+from lab import backbones, metrics, mme_seed, results, tasks
 
 
 def write(path, text):
@@ -47,7 +48,7 @@ def mme_root(tmp_path):
 
 
 def test_mme_reader_both_layouts(mme_root):
-    items = D.read_mme(mme_root, ("existence", "artwork"))
+    items = mme_seed.read_mme(mme_root, ("existence", "artwork"))
     assert [it.id for it in items] == list(range(6))
     assert [(it.question, it.target, it.category) for it in items] == [
         ("Is there a dog? Please answer yes or no.", "Yes", "existence"),
@@ -69,23 +70,23 @@ def test_mme_malformed_line_names_file_and_line(mme_root, text, line):
     path = os.path.join(mme_root, "mme", "existence", "0001.txt")
     write(path, text)
     with pytest.raises(ValueError, match=f"{path} line {line}:"):
-        D.read_mme(mme_root, ("existence",))
+        mme_seed.read_mme(mme_root, ("existence",))
 
 
 def test_mme_needs_two_questions_per_image(mme_root):
     path = os.path.join(mme_root, "mme", "existence", "0001.txt")
     write(path, "Is there a dog?\tYes\n")
     with pytest.raises(ValueError, match=f"{path} has 1 questions"):
-        D.read_mme(mme_root, ("existence",))
+        mme_seed.read_mme(mme_root, ("existence",))
 
 
 def test_mme_missing_image_and_subtask(mme_root):
     os.remove(os.path.join(mme_root, "mme", "artwork", "images", "10002.jpg"))
     path = os.path.join(mme_root, "mme", "artwork", "questions_answers_YN", "10002.txt")
     with pytest.raises(FileNotFoundError, match=f"no image for {path}"):
-        D.read_mme(mme_root, ("artwork",))
+        mme_seed.read_mme(mme_root, ("artwork",))
     with pytest.raises(FileNotFoundError, match="mme/OCR"):
-        D.read_mme(mme_root, ("OCR",))
+        mme_seed.read_mme(mme_root, ("OCR",))
 
 # -----------------------------------------------------------------------------
 # SEED-Bench reader
@@ -113,7 +114,7 @@ def seed_root(tmp_path):
 
 def test_seed_reader(seed_root):
     root, _ = seed_root
-    items = D.read_seed(root)
+    items = mme_seed.read_seed(root)
     assert [(it.id, it.target, it.category) for it in items] == [
         (101669, "B", "Instances Counting"), (7, "D", "Scene Understanding"), (8, "A", "Text Understanding")]
     assert items[0].answers == ("One", "Two", "Three", "Four") and items[0].question == "How many towels?"
@@ -134,7 +135,7 @@ def test_seed_bad_item_names_file_and_item(seed_root, change, error, pattern):
     obj["questions"][2].update(change)
     write(os.path.join(root, "seed-bench", "SEED-Bench.json"), json.dumps(obj))
     with pytest.raises(error, match=pattern):
-        D.read_seed(root)
+        mme_seed.read_seed(root)
 
 
 def test_seed_missing_key_is_named(seed_root):
@@ -142,7 +143,7 @@ def test_seed_missing_key_is_named(seed_root):
     del obj["questions"][0]["choice_c"]
     write(os.path.join(root, "seed-bench", "SEED-Bench.json"), json.dumps(obj))
     with pytest.raises(ValueError, match=r"question #0 \(question_id 101669\).*'choice_c'"):
-        D.read_seed(root)
+        mme_seed.read_seed(root)
 
 # -----------------------------------------------------------------------------
 # split, shots
@@ -150,13 +151,13 @@ def test_seed_missing_key_is_named(seed_root):
 
 @pytest.mark.parametrize("task", ["mme", "seed"])
 def test_split_by_image(task, capsys):
-    pool, rest = D.load_task(task, "train", benchmarks.ROOT), D.load_task(task, "val", benchmarks.ROOT)
+    pool, rest = tasks.load_task(task, "train", benchmarks.ROOT), tasks.load_task(task, "val", benchmarks.ROOT)
     assert "training pool" in capsys.readouterr().out
-    everything = D.read_mme(benchmarks.ROOT) if task == "mme" else D.read_seed(benchmarks.ROOT)
+    everything = mme_seed.read_mme(benchmarks.ROOT) if task == "mme" else mme_seed.read_seed(benchmarks.ROOT)
     assert sorted(it.id for it in pool + rest) == sorted(it.id for it in everything)
     assert not {it.image_path for it in pool} & {it.image_path for it in rest}  # no image on both sides
-    fraction = D.POOL_FRACTION[task]
-    assert [it.id for it in pool] == [it.id for it in D.pool_split(everything, fraction)[0]]
+    fraction = tasks.POOL_FRACTION[task]
+    assert [it.id for it in pool] == [it.id for it in tasks.pool_split(everything, fraction)[0]]
     for category in {it.category for it in everything if it.category != "Instance Location"}:
         share = sum(it.category == category for it in pool) / sum(it.category == category for it in everything)
         assert fraction / 2 < share < 1.5 * fraction, category
@@ -170,7 +171,7 @@ def test_pool_split_properties(questions, fraction, seed):
     """Any items: the two parts partition them in order, share no image, and each category's pool holds
     round(fraction x its images) images (an image counts for the category of its first question)."""
     items = [D.Item(i, f"{image}.jpg", "q", ("Yes",), "Yes", c) for i, (image, c) in enumerate(questions)]
-    pool, rest = D.pool_split(items, fraction, seed)
+    pool, rest = tasks.pool_split(items, fraction, seed)
     assert sorted(pool + rest, key=lambda it: it.id) == items and pool == sorted(pool, key=lambda it: it.id)
     assert not {it.image_path for it in pool} & {it.image_path for it in rest}
     first = {}
@@ -179,13 +180,13 @@ def test_pool_split_properties(questions, fraction, seed):
     for c in set(first.values()):
         images = [p for p, fc in first.items() if fc == c]
         assert len({it.image_path for it in pool} & set(images)) == round(fraction * len(images))
-    assert D.pool_split(items, fraction, seed) == (pool, rest)
+    assert tasks.pool_split(items, fraction, seed) == (pool, rest)
 
 
 def test_default_shots():
     assert [D.default_shots(t, "idefics") for t in ("mme", "seed", "seed2", "vqav2")] == [2, 2, 2, 32]
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "mme", "--data-root", benchmarks.ROOT])
-    assert train.split_pool(args, "idefics2")[3] == 2
+    assert tasks.split_pool(args, "idefics2")[3] == 2
 
 # -----------------------------------------------------------------------------
 # metrics
@@ -218,11 +219,11 @@ def test_mme_scores_hand_computed(tmp_path):
     predictions = ["Yes", "no, there is none", "yes", "Yes it is", "Not sure", "maybe"]
     # existence: image 1 both right, image 2 one right -> acc 3/4, acc+ 1/2, score 125.
     # code_reasoning: "Not sure" has "no" in its first 4 characters -> "no" (wrong), "maybe" -> other (wrong).
-    m = E.mme_scores(items, predictions)
+    m = metrics.mme_scores(items, predictions)
     assert m["subtasks"] == {"existence": {"acc": 75.0, "acc_plus": 50.0, "score": 125.0},
                              "code_reasoning": {"acc": 0.0, "acc_plus": 0.0, "score": 0.0}}
     assert (m["perception"], m["cognition"], m["accuracy"], m["mean_subtask_accuracy"]) == (125.0, 0.0, 50.0, 37.5)
-    E.write_mme_results(str(tmp_path), items, predictions)  # the official way on the official results format
+    results.write_mme_results(str(tmp_path), items, predictions)  # the official way on the official results format
     for subtask, v in m["subtasks"].items():
         assert official_mme(str(tmp_path), subtask) == (v["acc"], v["acc_plus"])
 
@@ -233,13 +234,13 @@ def test_mme_scores_hand_computed(tmp_path):
     ("Bus", None), ("", None), ("The bus", None), ("1", None),
 ])
 def test_option_letter(generation, letter):
-    assert E.option_letter(generation) == letter
+    assert metrics.option_letter(generation) == letter
 
 
 def test_seed_scores_per_dimension():
     items = [D.Item(i, "x.jpg", "q", ("1", "2", "3", "4"), t, c)
              for i, (t, c) in enumerate([("A", "d1"), ("B", "d1"), ("C", "d2"), ("D", "d2"), ("A", "d2")])]
-    m = E.seed_scores(items, ["(A)", "The answer is c", "C.", "d", "B"])
+    m = metrics.seed_scores(items, ["(A)", "The answer is c", "C.", "d", "B"])
     assert m == {"dimensions": {"d1": 50.0, "d2": 200 / 3}, "accuracy": 60.0}
 
 # -----------------------------------------------------------------------------
@@ -248,7 +249,7 @@ def test_seed_scores_per_dimension():
 
 @pytest.fixture(scope="module")
 def backbone():
-    return M.load_backbone("tiny-idefics2")
+    return backbones.load_backbone("tiny-idefics2")
 
 
 def plain_loglik(backbone, row):
@@ -262,7 +263,7 @@ def plain_loglik(backbone, row):
 
 def test_likelihood_ranking_matches_plain_forward(backbone):
     proc, family = backbone.processor, backbone.family
-    items, pool = D.load_task("seed", "val", benchmarks.ROOT)[:2], D.load_task("seed", "train", benchmarks.ROOT)
+    items, pool = tasks.load_task("seed", "val", benchmarks.ROOT)[:2], tasks.load_task("seed", "train", benchmarks.ROOT)
     icds = D.demonstrations([it.id for it in items], pool, 1, seed=0)
     got = E.option_logliks(backbone, items, icds)
     end = proc.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
@@ -285,7 +286,7 @@ def test_evaluate_on_mme_and_seed(backbone, tmp_path, task, protocol):
     protocol = ["--seed-protocol", protocol] if protocol else []  # MME refuses a SEED protocol
     args = E.parse_args(["--model", "tiny-idefics2", "--task", task, "--shots", "2", "--out", str(tmp_path),
                          "--data-root", benchmarks.ROOT, *protocol])
-    items = D.load_task(task, "val", benchmarks.ROOT)[:4]
+    items = tasks.load_task(task, "val", benchmarks.ROOT)[:4]
     metrics = E.evaluate(backbone, args, items, "2-shot")
     if task == "mme":
         assert metrics["accuracy"] == metrics["mme"]["accuracy"]

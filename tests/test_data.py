@@ -12,7 +12,7 @@ from PIL import Image
 import benchmarks
 import data
 from data import Item
-from model import load_backbone
+from lab import backbones, files, mme_seed, readers, tasks, toy_world
 
 FAMILIES = ["idefics2", "idefics", "llava-interleave", "llava-onevision"]
 
@@ -26,7 +26,7 @@ def write_image(path, size=(40, 30)):
 
 def write_vqa(root, dataset, split="val", answers=None, drop_annotation=False):
     """Two questions about COCO image 42 in the official VQAv2 / OK-VQA layout."""
-    folder, qfile, afile = data.VQA_FILES[dataset]
+    folder, qfile, afile = readers.VQA_FILES[dataset]
     answers = answers or ["two", "2", "2", "two", "2", "2", "2", "3", "2", "2"]
     questions = [{"image_id": 42, "question": "How many cats?", "question_id": 42000},
                  {"image_id": 42, "question": "Is it sunny?", "question_id": 42001}]
@@ -37,10 +37,10 @@ def write_vqa(root, dataset, split="val", answers=None, drop_annotation=False):
                    {"question_id": 42001, "image_id": 42, "question_type": "is it", "answer_type": "yes/no",
                     "multiple_choice_answer": "yes",
                     "answers": [{"answer": "yes", "answer_confidence": "yes", "answer_id": i + 1} for i in range(10)]}]
-    data.write_json(os.path.join(root, folder, qfile.format(split)), {"questions": questions})
-    data.write_json(os.path.join(root, folder, afile.format(split)),
+    files.write_json(os.path.join(root, folder, qfile.format(split)), {"questions": questions})
+    files.write_json(os.path.join(root, folder, afile.format(split)),
                {"annotations": annotations[:1] if drop_annotation else annotations})
-    write_image(data.coco_image(root, split, 42))
+    write_image(readers.coco_image(root, split, 42))
 
 
 def karpathy_image(imgid, split, filename, captions, **extra):
@@ -56,8 +56,8 @@ def write_karpathy(root):
             for i, s in enumerate(["train", "restval", "val", "test"])]
     flickr = [karpathy_image(i, s, f"{100 + i}.jpg", [f"A man {i}.", f"Men {i}."])
               for i, s in enumerate(["train", "restval", "val", "test"])]
-    data.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": coco, "dataset": "coco"})
-    data.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"),
+    files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": coco, "dataset": "coco"})
+    files.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"),
                     {"images": flickr, "dataset": "flickr30k"})
 
 # ------------------------------------------------------------------------------------------------------ readers
@@ -65,7 +65,7 @@ def write_karpathy(root):
 
 def test_vqav2_reader(tmp_path):
     write_vqa(tmp_path, "vqav2")
-    items = data.load_task("vqav2", "val", tmp_path)
+    items = tasks.load_task("vqav2", "val", tmp_path)
     assert [i.id for i in items] == [42000, 42001]
     assert items[0].question == "How many cats?" and items[0].target == "2" and len(items[0].answers) == 10
     assert items[0].image_path == str(tmp_path / "coco" / "val2014" / "COCO_val2014_000000000042.jpg")
@@ -74,18 +74,18 @@ def test_vqav2_reader(tmp_path):
 
 def test_okvqa_target_is_most_frequent_answer_ties_to_first(tmp_path):
     write_vqa(tmp_path, "ok-vqa", split="train", answers=["cat"] * 4 + ["dog"] * 4 + ["cow"] * 2)
-    items = data.load_task("ok-vqa", "train", tmp_path)
+    items = tasks.load_task("ok-vqa", "train", tmp_path)
     assert items[0].target == "cat" and items[1].target == "yes"
-    assert data.most_frequent(["b", "a", "a", "b", "c"]) == "b"
+    assert readers.most_frequent(["b", "a", "a", "b", "c"]) == "b"
 
 
 def test_karpathy_readers(tmp_path):
     write_karpathy(tmp_path)
-    train, val = data.load_task("coco", "train", tmp_path), data.load_task("coco", "val", tmp_path)
+    train, val = tasks.load_task("coco", "train", tmp_path), tasks.load_task("coco", "val", tmp_path)
     assert [i.id for i in train] == [1000, 1001] and [i.id for i in val] == [1003]
     assert val[0].question is None and val[0].answers == ("A dog 3.", "Some dog 3.") and val[0].target == "A dog 3."
     assert val[0].image_path == str(tmp_path / "coco" / "val2014" / "COCO_val2014_000000000003.jpg")
-    flickr = data.load_task("flickr30k", "val", tmp_path)
+    flickr = tasks.load_task("flickr30k", "val", tmp_path)
     assert [i.id for i in flickr] == [3] and flickr[0].target == "A man 3."
     assert flickr[0].image_path == str(tmp_path / "flickr30k" / "flickr30k-images" / "103.jpg")
 
@@ -96,7 +96,7 @@ def test_karpathy_readers(tmp_path):
     ("coco", "coco/dataset_coco.json"), ("flickr30k", "flickr30k/dataset_flickr30k.json")])
 def test_missing_file_names_path_and_dataset(tmp_path, task, missing):
     with pytest.raises(FileNotFoundError) as e:
-        data.load_task(task, "val", tmp_path)
+        tasks.load_task(task, "val", tmp_path)
     assert str(tmp_path / missing) in str(e.value) and task in str(e.value)
 
 
@@ -104,20 +104,20 @@ def test_missing_annotations_file(tmp_path):
     write_vqa(tmp_path, "vqav2")
     os.remove(tmp_path / "vqav2" / "v2_mscoco_val2014_annotations.json")
     with pytest.raises(FileNotFoundError, match="v2_mscoco_val2014_annotations.json"):
-        data.load_task("vqav2", "val", tmp_path)
+        tasks.load_task("vqav2", "val", tmp_path)
 
 
 def test_malformed_json(tmp_path):
     write_karpathy(tmp_path)
     (tmp_path / "coco" / "dataset_coco.json").write_text('{"images": [')
     with pytest.raises(ValueError, match="coco: .*dataset_coco.json is not valid JSON"):
-        data.load_task("coco", "val", tmp_path)
+        tasks.load_task("coco", "val", tmp_path)
 
 
 def test_question_without_annotation(tmp_path):
     write_vqa(tmp_path, "vqav2", drop_annotation=True)
     with pytest.raises(ValueError, match="question 42001 .* has no annotation"):
-        data.load_task("vqav2", "val", tmp_path)
+        tasks.load_task("vqav2", "val", tmp_path)
 
 
 def test_unreadable_or_missing_image_names_item_and_path(tmp_path):
@@ -130,11 +130,11 @@ def test_unreadable_or_missing_image_names_item_and_path(tmp_path):
 
 def test_unknown_task_and_split_list_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="vqav2, ok-vqa, coco.*seed2, toy-icl-colour"):
-        data.load_task("gqa", "val", tmp_path)
+        tasks.load_task("gqa", "val", tmp_path)
     with pytest.raises(ValueError, match="train, val"):
-        data.load_task("vqav2", "test", tmp_path)
+        tasks.load_task("vqav2", "test", tmp_path)
     with pytest.raises(ValueError, match="--data-root"):
-        data.load_task("vqav2", "val")
+        tasks.load_task("vqav2", "val")
 
 # ------------------------------------------------------------------------------------- SEED-Bench-2, --n-eval
 
@@ -153,7 +153,7 @@ def write_seed2(root, questions):
     write_image(os.path.join(base, "SEED-Bench-2-image", "task13", "img", "0.png"))
     names = ["Scene Understanding", "Instance Identity", "Instance Attributes", "Instance Location",
              "Instances Counting"] + [f"dim{k}" for k in range(6, 28)]
-    data.write_json(os.path.join(base, data.SEED2_FILE),
+    files.write_json(os.path.join(base, mme_seed.SEED2_FILE),
                     {"questions": questions, "question_type": {n: k + 1 for k, n in enumerate(names)}})
 
 
@@ -164,7 +164,7 @@ def test_seed2_reads_the_single_image_part_of_the_official_layout(tmp_path, caps
         seed2_question("13_7", 13, "task13/img/0.png", "SEED-Bench v2", answer="D"),  # a path under v2's folder
         seed2_question("17_0", 17, ["task17/a_1.png", "task17/a_2.png"], "SEED-Bench v2", **multi),   # skipped
         seed2_question("25_0", 25, ["task25/1.jpg"], "SEED-Bench v2", level="L3", subpart="Image Generation")])
-    items = data.read_seed2(str(tmp_path))
+    items = mme_seed.read_seed2(str(tmp_path))
     assert [(it.id, it.category, it.target) for it in items] == [(5_000_000, "Instances Counting", "B"),
                                                                   (13_000_007, "dim13", "D")]
     assert items[0].image_path == os.path.join(str(tmp_path), "seed-bench-2", "cc3m-image", "1454426_2591111986.jpg")
@@ -183,11 +183,11 @@ def test_seed2_reads_the_single_image_part_of_the_official_layout(tmp_path, caps
 def test_seed2_bad_question_names_it(tmp_path, question, message):
     write_seed2(tmp_path, [question])
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        data.read_seed2(str(tmp_path))
+        mme_seed.read_seed2(str(tmp_path))
 
 
 def test_seed2_is_selectable_like_seed():
-    val, train = (data.load_task("seed2", s, benchmarks.ROOT) for s in ("val", "train"))
+    val, train = (tasks.load_task("seed2", s, benchmarks.ROOT) for s in ("val", "train"))
     assert len(val) + len(train) == benchmarks.SEED_IMAGES  # the skipped multi-image / video / L3 ones are not read
     assert {it.category for it in val + train} >= {"Visual Mathematics", "Scene Understanding"}
     assert not {it.image_path for it in val} & {it.image_path for it in train}
@@ -201,9 +201,9 @@ def test_likelihood_prompt_is_the_official_one():
 
 
 def test_largest_remainder_by_hand():
-    assert data.largest_remainder(5, [3, 3, 4]) == [2, 1, 2]   # 1.5 1.5 2.0: the first .5 gets the spare one
-    assert data.largest_remainder(10, [1, 1, 1]) == [4, 3, 3]
-    assert data.largest_remainder(7, [10, 0, 4]) == [5, 0, 2]   # 5.0 0 2.0
+    assert tasks.largest_remainder(5, [3, 3, 4]) == [2, 1, 2]   # 1.5 1.5 2.0: the first .5 gets the spare one
+    assert tasks.largest_remainder(10, [1, 1, 1]) == [4, 3, 3]
+    assert tasks.largest_remainder(7, [10, 0, 4]) == [5, 0, 2]   # 5.0 0 2.0
 
 
 def mme_like(images_per_subtask):
@@ -214,7 +214,7 @@ def mme_like(images_per_subtask):
 
 def test_stratified_subset_keeps_both_questions_of_an_image_and_every_subtask():
     items = mme_like({"existence": 30, "count": 30, "OCR": 20})  # 160 questions on 80 images
-    subset = data.stratified_subset(items, 17, seed=0)
+    subset = tasks.stratified_subset(items, 17, seed=0)
     # m = round(17 x 80 / 160) = 8 images, shared 30:30:20 -> 3, 3, 2 (exact 3, 3, 2)
     assert len(subset) == 16
     per_image = {}
@@ -223,16 +223,16 @@ def test_stratified_subset_keeps_both_questions_of_an_image_and_every_subtask():
     assert all(qs == ["q0", "q1"] for qs in per_image.values())
     assert [sum(it.category == c for it in subset) for c in ("existence", "count", "OCR")] == [6, 6, 4]
     assert subset == [it for it in items if it in subset]             # the reader's order
-    assert data.stratified_subset(items, 17, seed=0) == subset        # seeded
-    assert data.stratified_subset(items, 17, seed=1) != subset
-    assert data.stratified_subset(items, 500, seed=0) == items        # more than there are: all
+    assert tasks.stratified_subset(items, 17, seed=0) == subset        # seeded
+    assert tasks.stratified_subset(items, 17, seed=1) != subset
+    assert tasks.stratified_subset(items, 500, seed=0) == items        # more than there are: all
     with pytest.raises(ValueError, match="--n-eval must be at least 1"):
-        data.stratified_subset(items, 0)
+        tasks.stratified_subset(items, 0)
 
 
 def test_stratified_subset_of_single_question_images_is_exact():
     items = [Item(k, f"/{k}.jpg", "q", ("a",) * 4, "A", "dim1" if k < 90 else "dim2") for k in range(100)]
-    subset = data.stratified_subset(items, 10, seed=3)
+    subset = tasks.stratified_subset(items, 10, seed=3)
     assert len(subset) == 10 and sum(it.category == "dim2" for it in subset) == 1   # 9 : 1 as 90 : 10
 
 
@@ -241,7 +241,7 @@ def test_stratified_subset_of_single_question_images_is_exact():
 
 @pytest.fixture(scope="module")
 def bench():
-    return {(t, s): data.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco") for s in data.SPLITS}
+    return {(t, s): tasks.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco") for s in data.SPLITS}
 
 
 def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench):
@@ -250,7 +250,7 @@ def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench)
                                                       ("coco", "train"): 300, ("coco", "val"): 100}
     assert os.path.isfile(os.path.join(root, "vqav2", "v2_OpenEnded_mscoco_train2014_questions.json"))
     vqa = tasks["vqav2", "train"]
-    assert all(len(i.answers) == 10 and i.target == data.most_frequent(list(i.answers)) for i in vqa)
+    assert all(len(i.answers) == 10 and i.target == readers.most_frequent(list(i.answers)) for i in vqa)
     assert 0.2 < sum(len(set(i.answers)) > 1 for i in vqa) / len(vqa) < 0.5  # some annotators disagree
     assert {"yes", "no", "left", "red", "circle", "3"} <= {i.target for i in vqa}
     assert data.load_image(vqa[0]).size == (64, 64)
@@ -263,7 +263,7 @@ def test_the_benchmarks_are_seeded(tmp_path):
     root = benchmarks.ROOT
     benchmarks.write(tmp_path)
     for f in ("vqav2/v2_mscoco_val2014_annotations.json", "coco/dataset_coco.json", "mme/count/0003.txt",
-              "seed-bench/SEED-Bench.json", f"seed-bench-2/{data.SEED2_FILE}", "coco/val2014/COCO_val2014_"
+              "seed-bench/SEED-Bench.json", f"seed-bench-2/{mme_seed.SEED2_FILE}", "coco/val2014/COCO_val2014_"
               "000000100007.jpg"):
         assert (tmp_path / f).read_bytes() == open(os.path.join(root, f), "rb").read(), f
 
@@ -273,14 +273,14 @@ def test_generation_is_atomic(tmp_path, monkeypatch):
         os.makedirs(os.path.join(root, "vqav2"))
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "write_toy_icl", interrupted)
+    monkeypatch.setattr(toy_world, "write_toy_icl", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        data.load_task("toy-icl-colour", "train", tmp_path)
+        tasks.load_task("toy-icl-colour", "train", tmp_path)
     assert os.listdir(tmp_path / "toy-icl") == []  # neither a half-written colour/ nor a temporary folder
     monkeypatch.undo()
-    assert len(data.load_task("toy-icl-colour", "train", tmp_path)) == data.ICL_SIZES["train"]
-    monkeypatch.setattr(data, "write_toy_icl", interrupted)  # generated once, then only read
-    assert len(data.load_task("toy-icl-colour", "val", tmp_path)) == data.ICL_SIZES["val"]
+    assert len(tasks.load_task("toy-icl-colour", "train", tmp_path)) == toy_world.ICL_SIZES["train"]
+    monkeypatch.setattr(toy_world, "write_toy_icl", interrupted)  # generated once, then only read
+    assert len(tasks.load_task("toy-icl-colour", "val", tmp_path)) == toy_world.ICL_SIZES["val"]
 
 # ----------------------------------------------------------------------------------------------- demonstrations
 
@@ -313,7 +313,7 @@ def test_demonstrations_depend_on_the_seed_and_need_enough_support():
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def backbone(request):
-    return load_backbone("tiny-" + request.param)
+    return backbones.load_backbone("tiny-" + request.param)
 
 
 def image_tokens_per_image(processor, family, image):
@@ -401,7 +401,7 @@ def test_prompt_is_the_student_row_without_its_answer(backbone, bench):
 def test_idefics_query_cross_attends_as_in_the_student(bench):
     """Idefics' image_attention_mask, rebuilt for the joined row: query tokens see only the query image, as alone."""
     tasks = bench
-    bb = load_backbone("tiny-idefics")
+    bb = backbones.load_backbone("tiny-idefics")
     items = tasks["vqav2", "train"]
     teacher, student = teacher_and_student(bb.processor, "idefics", "vqa", items[:1], [items[1:4]])
     t_mask = teacher["image_attention_mask"][0][teacher["query_target"][0]]  # [query tokens, 4 images]

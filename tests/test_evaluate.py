@@ -15,6 +15,7 @@ import data as D
 import evaluate as E
 import model as M
 import train
+from lab import analyses, backbones, checkpoints, curves, mme_seed, published, table6, tasks
 
 N_EVAL = 6
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
@@ -24,13 +25,13 @@ TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A Hyper-ICL checkpoint for tiny-idefics2 with random (non-identity) weights, so the gate varies."""
-    backbone = M.load_backbone("tiny-idefics2")
+    backbone = backbones.load_backbone("tiny-idefics2")
     M.attach(backbone.model, "hyper-icl", rank=4)
     torch.manual_seed(0)
     for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.3)
     path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
-    M.save_adapter(path, backbone)
+    checkpoints.save_adapter(path, backbone)
     return path
 
 
@@ -77,7 +78,7 @@ def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, f
                       "--data-root", benchmarks.ROOT, "--out", str(tmp_path), *flags])
     n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
     records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}-", n)
-    items = D.load_task(task, "val", benchmarks.ROOT)[:n]
+    items = tasks.load_task(task, "val", benchmarks.ROOT)[:n]
     assert saved == metrics and saved["n"] == n == len(records) and saved["setting"] == setting
     assert [r["id"] for r in records] == [it.id for it in items]
     assert all(set(r) == {"id", "prediction", "references"} and isinstance(r["prediction"], str) for r in records)
@@ -93,7 +94,7 @@ def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_
                       "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     # the evaluation part holds 168 questions on 84 images, 6 per subtask: round(29 x 84 / 168) = 14 images
     # (round half to even), one per subtask, both of its questions
-    subtasks = D.MME_PERCEPTION + D.MME_COGNITION
+    subtasks = mme_seed.MME_PERCEPTION + mme_seed.MME_COGNITION
     assert metrics["n"] == 28 and set(metrics["mme"]["subtasks"]) == set(subtasks)
     for subtask in subtasks:
         with open(tmp_path / "mme-val-0-shot-seed0-n28.mme" / f"{subtask}.txt") as f:
@@ -117,9 +118,9 @@ def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch
 @pytest.mark.parametrize("family", sorted(M.FAMILIES))
 def test_batched_generation_matches_one_at_a_time(family):
     """Left padding changes nothing: the same answers batched (rows of different lengths) and one by one."""
-    backbone = M.load_backbone("tiny-" + family)
-    items = D.load_task("vqav2", "val", benchmarks.ROOT)[:4]
-    icds = D.demonstrations([it.id for it in items], D.load_task("vqav2", "train", benchmarks.ROOT), 1, seed=0)
+    backbone = backbones.load_backbone("tiny-" + family)
+    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:4]
+    icds = D.demonstrations([it.id for it in items], tasks.load_task("vqav2", "train", benchmarks.ROOT), 1, seed=0)
     assert len({len(D.prompt_batch(backbone.processor, family, "vqa", [it], [d])["input_ids"][0])
                 for it, d in zip(items, icds)}) > 1
     assert E.predict(backbone, "vqav2", items, icds, batch_size=4) == \
@@ -130,7 +131,7 @@ def test_batched_generation_matches_one_at_a_time(family):
 # efficiency (Table 6)
 
 def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(E, "ROUNDS", 1)
+    monkeypatch.setattr(table6, "ROUNDS", 1)
     rows = E.main([*TINY, "--benchmark", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     names = ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
@@ -150,28 +151,28 @@ def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, monk
 def test_synthetic_prompts_are_in_the_family_format(family):
     """--random-weights inputs, built from the tiny twin's config, run through the real model class, with as many
     tokens per image as the family's own processor gives an image of that size."""
-    backbone = M.load_backbone("tiny-" + family)
+    backbone = backbones.load_backbone("tiny-" + family)
     lengths = []
     for shots in (0, 2):
-        inputs = E.synthetic_prompt(backbone.model, family, shots)
+        inputs = table6.synthetic_prompt(backbone.model, family, shots)
         new = backbone.model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
         assert new.shape[1] == inputs["input_ids"].shape[1] + 2
         lengths.append(inputs["input_ids"].shape[1])
     h, w = inputs["pixel_values"].shape[-2:]
     image = Image.new("RGB", (w, h), (200, 30, 30))
     per_image = len(D.encode_piece(backbone.processor, family, "<image>", image)["input_ids"])
-    assert lengths[1] - lengths[0] == 2 * (per_image + E.ICD_TEXT)
+    assert lengths[1] - lengths[0] == 2 * (per_image + table6.ICD_TEXT)
 
 
 def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
     """--random-weights end to end on CPU, the real-size backbone replaced by the tiny twin (synthetic prompts)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(M, "published_model", lambda family, device: M.load_backbone("tiny-" + family).model)
-    monkeypatch.setattr(E, "ROUNDS", 1)
+    monkeypatch.setattr(published, "published_model", lambda family, device: backbones.load_backbone("tiny-" + family).model)
+    monkeypatch.setattr(table6, "ROUNDS", 1)
     rows = E.main(["--benchmark", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
                    "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]
-    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (E.ICD_TEXT + 4) for s in
+    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4) for s in
                                                       (8, 16, 32)]  # the tiny twin: 2 x 2 patches per image
     assert "llava-interleave (random weights)" in capsys.readouterr().out
 
@@ -195,17 +196,17 @@ def test_aligned_shift_compares_shared_keys_and_counts_icd_keys():
     teacher = torch.cat([torch.zeros(1, 1, T, pad_icd), plain[..., pad_plain:pad_plain + start],
                          torch.zeros(1, 1, T, icd), plain[..., -T:]], -1)
     n_plain, n_icd = start + T, start + icd + T
-    assert torch.allclose(E.aligned_shift(teacher, plain, n_icd, n_plain, T), torch.zeros(1, 1, T))
+    assert torch.allclose(analyses.aligned_shift(teacher, plain, n_icd, n_plain, T), torch.zeros(1, 1, T))
     moved = teacher.clone()
     moved[..., pad_icd + start] += 0.25 * moved[..., -1]  # a quarter of the last key's weight moves onto an ICD key
     moved[..., -1] *= 0.75
     expected = 0.5 * teacher[..., -1]
-    assert torch.allclose(E.aligned_shift(moved, plain, n_icd, n_plain, T), expected)
+    assert torch.allclose(analyses.aligned_shift(moved, plain, n_icd, n_plain, T), expected)
 
 
 def test_gates(tmp_path, checkpoint):
     r = E.main([*TINY, "--gates", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out", str(tmp_path)])
-    layers = len(M.decoder_self_attentions(M.load_backbone("tiny-idefics2").model))
+    layers = len(M.decoder_self_attentions(backbones.load_backbone("tiny-idefics2").model))
     assert len(r["per_layer_mean"]) == layers
     for v in r["per_layer_mean"] + [r["early_mean"], r["late_mean"]]:
         assert 0 < v < 1
@@ -230,13 +231,13 @@ def test_hyperbolicity(tmp_path, checkpoint):
 
 
 def test_middle_layers():
-    assert list(E.middle_layers(32)) == [14, 15, 16, 17]
-    assert list(E.middle_layers(2)) == [0, 1]
+    assert list(analyses.middle_layers(32)) == [14, 15, 16, 17]
+    assert list(analyses.middle_layers(2)) == [0, 1]
 
 
 def test_attention_benchmark_runs_every_path(monkeypatch, capsys):
-    monkeypatch.setattr(E, "ROUNDS", 1)
-    ms = E.attention_benchmark(M.load_backbone("tiny-idefics2").model, T=16)
+    monkeypatch.setattr(table6, "ROUNDS", 1)
+    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16)
     assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"] and all(t > 0 and m > 0 for t, m in ms.values())
     assert "hyper-icl reference" in capsys.readouterr().out
 
@@ -245,32 +246,32 @@ def test_attention_benchmark_runs_every_path(monkeypatch, capsys):
 # learning curves (--curve): intervals over seeds, graded measures
 
 def test_mean_interval_by_hand():
-    mean, low, high = E.mean_interval([1.0, 2.0, 3.0])          # s = 1, t(0.975, 2) = 4.303
+    mean, low, high = curves.mean_interval([1.0, 2.0, 3.0])          # s = 1, t(0.975, 2) = 4.303
     assert mean == 2 and abs(high - 2 - 4.303 / 3 ** 0.5) < 1e-9 and abs(2 - low - 4.303 / 3 ** 0.5) < 1e-9
-    mean, low, high = E.mean_interval([2.0, 4.0, 4.0, 6.0])     # s = sqrt(8 / 3), t(0.975, 3) = 3.182
+    mean, low, high = curves.mean_interval([2.0, 4.0, 4.0, 6.0])     # s = sqrt(8 / 3), t(0.975, 3) = 3.182
     assert mean == 4 and abs((high - low) / 2 - 3.182 * (8 / 3) ** 0.5 / 2) < 1e-9
-    assert E.mean_interval([5.0, 5.0, 5.0]) == (5.0, 5.0, 5.0)
-    mean, low, high = E.mean_interval([7.0])
+    assert curves.mean_interval([5.0, 5.0, 5.0]) == (5.0, 5.0, 5.0)
+    mean, low, high = curves.mean_interval([7.0])
     assert mean == 7 and math.isnan(low) and math.isnan(high)
 
 
 def test_answer_measures_against_the_models_own_logits():
     """With the teacher's logits replaced by the model's own zero-shot ones the KL is 0, and log p(target) summed
     over the items is minus the cross-entropy of train.supervised_loss times the number of target tokens."""
-    backbone = M.load_backbone("tiny-idefics2")
-    items = D.load_task("vqav2", "val", benchmarks.ROOT)[:5]
+    backbone = backbones.load_backbone("tiny-idefics2")
+    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:5]
     rows = [D.encode(backbone.processor, backbone.family, "vqa", [], q) for q in items]
     batch = D.collate(rows, backbone.processor, backbone.family)
     with torch.no_grad():
         logits = backbone.model(**D.model_inputs(batch)).logits
-    answer = train.answer_positions(batch["labels"])
+    answer = M.answer_positions(batch["labels"])
     own = [logits[b, answer[b]] for b in range(len(items))]
-    measures = E.answer_measures(backbone, "vqa", items, own, batch_size=2)
+    measures = curves.answer_measures(backbone, "vqa", items, own, batch_size=2)
     assert abs(measures["teacher_kl"]) < 1e-6
-    ce = train.supervised_loss(logits, batch["labels"]).item()
+    ce = M.supervised_loss(logits, batch["labels"]).item()
     assert abs(measures["answer_logprob"] * len(items) + ce * answer.sum().item()) < 1e-3
     shifted = [t + torch.randn_like(t) for t in own]                # another teacher: a positive KL
-    assert E.answer_measures(backbone, "vqa", items, shifted, batch_size=5)["teacher_kl"] > 1e-3
+    assert curves.answer_measures(backbone, "vqa", items, shifted, batch_size=5)["teacher_kl"] > 1e-3
 
 
 def test_curve_trains_every_row_budget_and_seed(tmp_path):
@@ -281,7 +282,7 @@ def test_curve_trains_every_row_budget_and_seed(tmp_path):
                            "--train-args", "--epochs 1 --n-heldout 2 --batch-size 4", "--out", str(out)])
     assert sorted((r["setting"], r["queries"], r["seed"]) for r in runs) == sorted(
         (s, n, k) for s in ("hyper-icl", "hificl") for n in (4, 8) for k in (0, 1))
-    assert set(levels) == {f"{n}-shot ICL" for n in E.ICL_LEVELS} and "teacher_kl" in levels["0-shot ICL"]
+    assert set(levels) == {f"{n}-shot ICL" for n in curves.ICL_LEVELS} and "teacher_kl" in levels["0-shot ICL"]
     table = (out / "curve.md").read_text()
     assert table.count("| hificl |") == 4 and "N = 8" in table and "| hificl | `--method hificl` |" in table
     assert (out / "curve.png").stat().st_size > 0
@@ -302,7 +303,8 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
             json.dump([{"epoch": 1, "heldout_loss": loss + 1}, {"epoch": 2, "heldout_loss": loss}], f)
     monkeypatch.setattr(train, "main", fake_train)
     args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--out", str(tmp_path)])
-    chosen, runs = E.tune(args, ["--model", "tiny-idefics2", "--task", "toy-icl-colour"], list(best))
+    chosen, runs = curves.tune(args, ["--model", "tiny-idefics2", "--task", "toy-icl-colour"], list(best), train.main,
+                               train.PAPER["lam"])
     assert chosen["hificl"] == {"lr": pytest.approx(5e-5), "lam": None}
     assert chosen["mimic"] == {"lr": pytest.approx(1e-2), "lam": 0.5}      # 1e-5 x 10^3: the widest it goes
     assert chosen["live"] == {"lr": pytest.approx(1e-3), "lam": 0.5}
@@ -311,17 +313,17 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
     assert sorted(lam for m, _, lam in trained if m == "live") == [0.5] * 3 + [5.0]   # lambda 0.5: the rate's run
     assert len(runs) == len(trained)
     assert json.loads((tmp_path / "tune.json").read_text())["chosen"]["live"]["lam"] == 0.5
-    assert E.row_flags(["--method", "live", "--lam", "2"], chosen) == ["--lr", "0.001", "--lam", "0.5",
+    assert curves.row_flags(["--method", "live", "--lam", "2"], chosen) == ["--lr", "0.001", "--lam", "0.5",
                                                                        "--method", "live", "--lam", "2"]
 
 
 def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_training_queries():
     args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour"])
     tuning_run = train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                                   *E.tune_flags(1e-3)])  # the flags E.tune gives train.main, whose split this is
-    trained, scored = train.split_pool(tuning_run, M.family_of(args.model))[:2]
-    evaluated = E.eval_items(args)
-    assert len(scored) == E.TUNE["n_heldout"] and len(trained) == E.TUNE["n_train"] and len(evaluated) == 300
+                                   *curves.tune_flags(1e-3)])  # the flags E.tune gives train.main, whose split this is
+    trained, scored = tasks.split_pool(tuning_run, M.family_of(args.model))[:2]
+    evaluated = tasks.eval_items(args)
+    assert len(scored) == curves.TUNE["n_heldout"] and len(trained) == curves.TUNE["n_train"] and len(evaluated) == 300
     images = lambda items: {hashlib.sha256(open(it.image_path, "rb").read()).hexdigest() for it in items}
     assert not images(scored) & images(evaluated) and not images(trained) & images(evaluated)
     assert not images(scored) & images(trained) and not {it.id for it in scored} & {it.id for it in evaluated}

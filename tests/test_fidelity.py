@@ -6,15 +6,15 @@ import benchmarks
 import data
 import model as M
 import train
-from evaluate import tokenize_caption
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
+from lab import backbones, metrics, tasks, teacher_cache
 
 
 # ------------------------------------------------------------------------- h^(L): the last layer's own output
 
 def with_final_norm_not_one(family, seed=0):
     """A tiny twin whose final norm has a non-uniform weight (as real checkpoints do; the twins have weight 1)."""
-    backbone = M.load_backbone(f"tiny-{family}")
+    backbone = backbones.load_backbone(f"tiny-{family}")
     norm = backbone.model.get_decoder().norm
     with torch.no_grad():
         norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=torch.Generator().manual_seed(seed)))
@@ -23,7 +23,7 @@ def with_final_norm_not_one(family, seed=0):
 
 def prompts(backbone):
     """Two VQAv2 prompts (images included) in the family's format, left-padded."""
-    items = data.load_task("vqav2", "val", benchmarks.ROOT)[:2]
+    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:2]
     return data.model_inputs(data.prompt_batch(backbone.processor, backbone.family, "vqa", items, None), "cpu")
 
 
@@ -47,7 +47,7 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
     backbone, norm = with_final_norm_not_one("idefics2")
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
                              "--no-teacher-cache"])
-    queries = data.load_task(args.task, "train", args.data_root)[:3]
+    queries = tasks.load_task(args.task, "train", args.data_root)[:3]
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     student = data.student_batch(backbone.processor, backbone.family, "vqa", pieces)
     with torch.no_grad():
@@ -64,10 +64,10 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
 
 def test_the_teacher_cache_key_names_the_state_definition(monkeypatch):
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT])
-    query = data.load_task(args.task, "train", args.data_root)[0]
-    key = train.teacher_key("b", args, query, [])
+    query = tasks.load_task(args.task, "train", args.data_root)[0]
+    key = teacher_cache.teacher_key("b", args, query, [])
     monkeypatch.setattr(M, "LAYER_OUTPUTS_VERSION", M.LAYER_OUTPUTS_VERSION + 1)
-    assert train.teacher_key("b", args, query, []) != key
+    assert teacher_cache.teacher_key("b", args, query, []) != key
 
 
 # ---------------------------------------------------------------------------- Eq 16: per query, then the batch
@@ -118,7 +118,7 @@ def test_a_query_without_aligned_tokens_is_left_out():
     ("A horse.", ["a", "horse"]),                                # an ordinary word loses the sentence's period
 ])
 def test_ptb_abbreviations(raw, expected):
-    assert tokenize_caption(raw) == expected
+    assert metrics.tokenize_caption(raw) == expected
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -128,7 +128,7 @@ def test_ptb_abbreviations(raw, expected):
     ("Dated 12/25/2014", ["dated", "12/25/2014"]),                                              # DATE
 ])
 def test_ptb_numbers_times_fractions(raw, expected):
-    assert tokenize_caption(raw) == expected
+    assert metrics.tokenize_caption(raw) == expected
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -140,7 +140,7 @@ def test_ptb_numbers_times_fractions(raw, expected):
     ("Don't, can't, they're", ["do", "n't", "ca", "n't", "they", "'re"]),
 ])
 def test_ptb_split_assimilations_and_clitics(raw, expected):
-    assert tokenize_caption(raw) == expected
+    assert metrics.tokenize_caption(raw) == expected
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -150,7 +150,7 @@ def test_ptb_split_assimilations_and_clitics(raw, expected):
     ("Two dogs' toys", ["two", "dogs", "toys"]),                 # a lone apostrophe is a quote: dropped
 ])
 def test_ptb_apostrophe_words(raw, expected):
-    assert tokenize_caption(raw) == expected
+    assert metrics.tokenize_caption(raw) == expected
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -161,4 +161,4 @@ def test_ptb_apostrophe_words(raw, expected):
     ("A black-and-white x-ray", ["a", "black-and-white", "x-ray"]),
 ])
 def test_ptb_brackets_quotes_and_compounds(raw, expected):
-    assert tokenize_caption(raw) == expected
+    assert metrics.tokenize_caption(raw) == expected

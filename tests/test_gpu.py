@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-import data
 import evaluate
 import model as M
 import train
 from memory_twins import write_photos
 from twins import write_twin
+from lab import backbones, chunks, files, plan, published
 
 
 def peak(device, run):
@@ -37,13 +37,13 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     """The GPU run on `backbone` (what every load_backbone call returns meanwhile): plan, train, evaluate at 0 and
     `shots` shots and with the adapter, Table 6. Returns the table's rows {what: (measured, planned)} and Table 6."""
     device = "cuda" if next(backbone.model.parameters()).is_cuda else "cpu"
-    photos = data.generated(os.path.join(root, "photos"), lambda f: write_photos(f, {"train": batch * steps + 16,
+    photos = files.generated(os.path.join(root, "photos"), lambda f: write_photos(f, {"train": batch * steps + 16,
                                                                                     "val": n_eval}))
     common = ["--task", "vqav2", "--data-root", photos, "--shots", str(shots), "--batch-size", str(batch)]
     flags = [*common, "--n-train", str(batch * steps), "--n-heldout", "4", "--epochs", "1",
              "--out", os.path.join(root, "run")]
     plan = train.main([*plan_flags, *flags, "--plan", device])
-    monkeypatch.setattr(M, "load_backbone", lambda *args, **kwargs: backbone)
+    monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
     step_times, waiting = [], []
     step, steps_of = train.train_step, train.remaining_steps
 
@@ -67,11 +67,11 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     monkeypatch.setattr(train, "train_step", timed_step)
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
-    files = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
+    cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
     rows = {"training peak": (trained, plan["memory"]["train"]),
             "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
             "share of a step waiting for its batches": (sum(waiting) / (sum(waiting) + sum(step_times)), None),
-            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in files) / len(files),
+            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(cached),
                                     plan["cache"] / plan["queries"])}
     adapter = os.path.join(root, "run", "adapter.safetensors")
     for setting, extra, planned in (("0-shot", ["--shots", "0"], "eval_adapter"),
@@ -92,7 +92,7 @@ def print_table(rows, table6):
     """One table: measured against planned, then Table 6's rows."""
     print("\n| what | measured | planned |\n|---|---:|---:|")
     for what, (measured, planned) in rows.items():
-        show = lambda v: "-" if v is None else train.size(v) if "peak" in what or "bytes" in what else f"{v:.3g}"
+        show = lambda v: "-" if v is None else plan.size(v) if "peak" in what or "bytes" in what else f"{v:.3g}"
         print(f"| {what} | {show(measured)} | {show(planned)} |")
     print("\n| Table 6 setting | tokens | TFLOPs | x zero-shot | ms | x zero-shot |\n|---|---:|---:|---:|---:|---:|")
     for r in table6:
@@ -104,7 +104,7 @@ def print_table(rows, table6):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_real_size_on_a_gpu(tmp_path, monkeypatch):
     processor, images = M.load_processor(write_twin("idefics2", tmp_path / "twin"), "idefics2")
-    model = M.chunk_images(M.published_model("idefics2", device="cuda"))
+    model = chunks.chunk_images(published.published_model("idefics2", device="cuda"))
     M.context_limit(processor, model.config)
     backbone = M.Backbone(model, processor, "idefics2", "idefics2", images)
     rows, table6 = rehearse(backbone, ["--model", "idefics2", "--processor", str(tmp_path / "twin")], str(tmp_path),
@@ -119,7 +119,7 @@ def test_the_real_size_on_a_gpu(tmp_path, monkeypatch):
 def test_the_gpu_run_rehearsed_on_the_cpu(tmp_path, monkeypatch):
     """The GPU test's code path at toy size on the CPU (a couple of steps): it runs, every measured row is filled in,
     the cache bytes are the plan's."""
-    backbone = M.load_backbone("tiny-idefics2")
+    backbone = backbones.load_backbone("tiny-idefics2")
     rows, table6 = rehearse(backbone, ["--model", "tiny-idefics2"], str(tmp_path), monkeypatch, steps=2, batch=2,
                             shots=2, n_eval=2, bench=["--bench-shots", "2", "--rounds", "1", "--new-tokens", "2"])
     assert all(measured is not None for what, (measured, _) in rows.items() if "peak" not in what)

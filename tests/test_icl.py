@@ -11,41 +11,42 @@ import data as D
 import evaluate as E
 import model as M
 import train
+from lab import backbones, files, tasks, toy_backbone, toy_world
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "data", "toy-idefics2.safetensors")
-SMALL_RECIPE = {**train.TOY_RECIPE, "named_steps": 2, "episode_steps": 2, "named_batch": 4, "episode_batch": 2,
+SMALL_RECIPE = {**toy_backbone.TOY_RECIPE, "named_steps": 2, "episode_steps": 2, "named_batch": 4, "episode_batch": 2,
                 "scenes": 64, "probe_every": 10**6}
 
 
-@pytest.mark.parametrize("attribute", list(D.ICL_ATTRIBUTES))
+@pytest.mark.parametrize("attribute", list(toy_world.ICL_ATTRIBUTES))
 def test_toy_icl_tasks_ask_an_uninformative_question_in_the_vqav2_format(attribute):
     task = f"toy-icl-{attribute}"
-    for split, n in D.ICL_SIZES.items():
-        items = D.load_task(task, split)
-        assert len(items) == n and {it.question for it in items} == {D.ICL_QUESTION}
-        assert {it.target for it in items} == set(D.ICL_ATTRIBUTES[attribute])  # every answer occurs
+    for split, n in toy_world.ICL_SIZES.items():
+        items = tasks.load_task(task, split)
+        assert len(items) == n and {it.question for it in items} == {toy_world.ICL_QUESTION}
+        assert {it.target for it in items} == set(toy_world.ICL_ATTRIBUTES[attribute])  # every answer occurs
         assert all(it.answers == (it.target,) * 10 for it in items)
-    assert Image.open(items[0].image_path).size == (D.ICL_SIDE, D.ICL_SIDE)
+    assert Image.open(items[0].image_path).size == (toy_world.ICL_SIDE, toy_world.ICL_SIDE)
 
 
 def test_the_tasks_draw_different_images_and_answers_follow_the_scene():
-    paths = {a: D.load_task(f"toy-icl-{a}", "val")[0].image_path for a in D.ICL_ATTRIBUTES}
+    paths = {a: tasks.load_task(f"toy-icl-{a}", "val")[0].image_path for a in toy_world.ICL_ATTRIBUTES}
     blobs = [open(p, "rb").read() for p in paths.values()]
     assert len(set(blobs)) == len(blobs)
     scene = {"colour": "blue", "background": "white", "count": "2", "cells": [0, 8], "margins": [[1] * 4] * 2,
              "shade": [0, 0, 0]}
-    pixels = Image.open(io.BytesIO(D.icl_jpeg(scene))).convert("RGB")
+    pixels = Image.open(io.BytesIO(toy_world.icl_jpeg(scene))).convert("RGB")
     assert pixels.getpixel((7, 7))[2] > 180 and pixels.getpixel((35, 35))[2] > 180  # the two squares' centres
     assert pixels.getpixel((21, 21))[2] < 250 and min(pixels.getpixel((21, 21))) > 200  # an empty cell
 
 
 def test_episodes_read_like_evaluation_prompts():
     """A meta-training row with one ICD is token for token the evaluation's 1-shot prompt + the query's answer."""
-    processor = M.toy_processor()
-    text = D.icl_text_pieces(processor)
-    items = D.load_task("toy-icl-colour", "val")[:2]
+    processor = toy_backbone.toy_processor()
+    text = toy_world.icl_text_pieces(processor)
+    items = tasks.load_task("toy-icl-colour", "val")[:2]
     pixels = [D.encode_piece(processor, "idefics2", "<image>", D.load_image(it))["images"] for it in items]
-    row = D.icl_episode(processor, [{**text[D.ICL_QUESTION, it.target, k == 1], "images": p}
+    row = toy_world.icl_episode(processor, [{**text[toy_world.ICL_QUESTION, it.target, k == 1], "images": p}
                                     for k, (it, p) in enumerate(zip(items, pixels))])
     reference = D.encode(processor, "idefics2", "vqa", items[:1], items[1])
     assert row["input_ids"] == reference["input_ids"]
@@ -58,8 +59,8 @@ def test_episodes_read_like_evaluation_prompts():
 
 
 def test_every_answer_is_one_token():
-    tok = M.toy_processor().tokenizer
-    for answers in D.ICL_ATTRIBUTES.values():
+    tok = toy_backbone.toy_processor().tokenizer
+    for answers in toy_world.ICL_ATTRIBUTES.values():
         assert all(len(tok(" " + a, add_special_tokens=False)["input_ids"]) == 1 for a in answers)
 
 
@@ -68,20 +69,20 @@ EVERY_BUILD = {"8-shot": 0.0, "0-shot": 1.0}  # acceptance bounds every build me
 
 def test_the_builder_is_deterministic_and_its_file_is_checked(tmp_path, capsys):
     paths = [str(tmp_path / f"{k}.safetensors") for k in "ab"]
-    first, second = (train.build_toy(p, SMALL_RECIPE, accept=EVERY_BUILD)[0].state_dict() for p in paths)
+    first, second = (toy_backbone.build_toy(p, SMALL_RECIPE, accept=EVERY_BUILD)[0].state_dict() for p in paths)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-    assert D.weights_digest(M.read_toy(paths[0])) == D.weights_digest(first)
-    meta = M.toy_metadata(paths[0])
+    assert files.weights_digest(toy_backbone.read_toy(paths[0])) == files.weights_digest(first)
+    meta = toy_backbone.toy_metadata(paths[0])
     assert meta["recipe"] == SMALL_RECIPE and set(meta["probe"]) == {"named", "0-shot", "8-shot"}
     assert "seed 0" in capsys.readouterr().out
-    loaded, _ = M.toy_idefics2(paths[0])  # read back, not rebuilt
+    loaded, _ = toy_backbone.toy_idefics2(paths[0])  # read back, not rebuilt
     assert all(torch.equal(loaded.state_dict()[k], first[k]) for k in first) and "seed" not in capsys.readouterr().out
     blob = open(paths[0], "rb").read()
     for damage in (blob[:len(blob) // 2], blob[:-8] + bytes(8)):  # truncated; weights changed
         with open(paths[0], "wb") as f:
             f.write(damage)
         with pytest.raises(ValueError, match=f"toy backbone {paths[0]}"):
-            M.load_backbone(paths[0])  # an error naming the file, never a silent rebuild
+            backbones.load_backbone(paths[0])  # an error naming the file, never a silent rebuild
 
 
 def test_a_build_that_never_learns_in_context_is_retried_then_refused(tmp_path, monkeypatch, capsys):
@@ -91,12 +92,12 @@ def test_a_build_that_never_learns_in_context_is_retried_then_refused(tmp_path, 
 
     def never_learns(recipe, threads=1, log=print):
         seeds.append(recipe["seed"])
-        processor = M.toy_processor()
-        model = M.toy_model(processor, recipe["seed"]).eval()
-        text, probe_set = D.icl_text_pieces(processor), train.toy_scenes(processor, 64, __import__("random").Random(1))
-        return model, processor, [], train.probe_row(model, processor, text, probe_set, n=16)
+        processor = toy_backbone.toy_processor()
+        model = toy_backbone.toy_model(processor, recipe["seed"]).eval()
+        text, probe_set = toy_world.icl_text_pieces(processor), toy_backbone.toy_scenes(processor, 64, __import__("random").Random(1))
+        return model, processor, [], toy_backbone.probe_row(model, processor, text, probe_set, n=16)
 
-    monkeypatch.setattr(train, "meta_train", never_learns)
+    monkeypatch.setattr(toy_backbone, "meta_train", never_learns)
     out = tmp_path / "backbone.safetensors"
     with pytest.raises(ValueError, match="no toy-idefics2 build learned in context in 3 tries .seeds 5..7"):
         train.main(["--build-toy", "--seed", "5", "--out", str(out)])
@@ -107,23 +108,23 @@ def test_a_build_that_never_learns_in_context_is_retried_then_refused(tmp_path, 
 def test_an_interrupted_build_leaves_nothing_behind(tmp_path, monkeypatch):
     def interrupted(tensors, metadata=None):  # stopped while serialising, its temporary file already open
         raise KeyboardInterrupt
-    monkeypatch.setattr(train, "save", interrupted)
+    monkeypatch.setattr(toy_backbone, "save", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train.build_toy(str(tmp_path / "backbone.safetensors"), SMALL_RECIPE, accept=EVERY_BUILD)
+        toy_backbone.build_toy(str(tmp_path / "backbone.safetensors"), SMALL_RECIPE, accept=EVERY_BUILD)
     assert os.listdir(tmp_path) == []
 
 
 def test_the_default_backbone_is_the_shipped_reference(monkeypatch, tmp_path):
     """toy-idefics2 is the shipped file, checked against model.TOY_SHA256: never built, never read from a cache."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(train, "meta_train", lambda *a, **k: pytest.fail("the default backbone must not be built"))
-    backbone = M.load_backbone("toy-idefics2")
-    assert D.weights_digest(backbone.model.state_dict()) == M.TOY_SHA256 and list(tmp_path.iterdir()) == []
-    meta = M.toy_metadata(SHIPPED)
-    assert train.learns_in_context(meta["probe"]) if "probe" in meta else meta["curve"][-1]["8-shot"]["colour"] >= .9
-    monkeypatch.setattr(M, "TOY_SHA256", "0" * 64)  # a reference whose bytes are not the pinned ones is refused
+    monkeypatch.setattr(toy_backbone, "meta_train", lambda *a, **k: pytest.fail("the default backbone must not be built"))
+    backbone = backbones.load_backbone("toy-idefics2")
+    assert files.weights_digest(backbone.model.state_dict()) == toy_backbone.TOY_SHA256 and list(tmp_path.iterdir()) == []
+    meta = toy_backbone.toy_metadata(SHIPPED)
+    assert toy_backbone.learns_in_context(meta["probe"]) if "probe" in meta else meta["curve"][-1]["8-shot"]["colour"] >= .9
+    monkeypatch.setattr(toy_backbone, "TOY_SHA256", "0" * 64)  # a reference whose bytes are not the pinned ones is refused
     with pytest.raises(ValueError, match="do not match their checksum"):
-        M.load_backbone("toy-idefics2")
+        backbones.load_backbone("toy-idefics2")
 
 
 def test_the_summary_says_when_the_backbone_does_not_learn_in_context(tmp_path, capsys):

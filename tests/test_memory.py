@@ -8,11 +8,12 @@ import benchmarks
 import data
 import model as M
 import train
+from lab import backbones, chunks, tasks
 
 
 def teacher_rows(backbone, n=3, shots=2):
     """n VQAv2 queries with `shots` ICDs each, as the teacher reads them: (queries, icds, pieces, batch)."""
-    pool = data.load_task("vqav2", "train", benchmarks.ROOT)
+    pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:n]
     icds = data.demonstrations([q.id for q in queries], pool[n:], shots, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
@@ -34,15 +35,15 @@ def test_images_in_chunks_give_the_numbers_of_one_call(family):
     same; float32 to 1e-6 (MKL's GEMM picks another kernel for fewer rows at some widths: Idefics2's projection at
     K = 128 differs by 2e-7, the LLaVA models' towers are bit-identical here)."""
     for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
-        backbone = M.load_backbone(f"tiny-{family}", dtype=dtype, image_memory=1e18)
+        backbone = backbones.load_backbone(f"tiny-{family}", dtype=dtype, image_memory=1e18)
         batch = data.model_inputs(teacher_rows(backbone)[3])
         batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
-        modules = M.image_modules(backbone.model)
+        modules = chunks.image_modules(backbone.model)
         counts = calls_of(modules)
         with torch.no_grad():
             whole = backbone.model(**batch).logits
             once = list(counts)
-            M.chunk_images(backbone.model, 1)
+            chunks.chunk_images(backbone.model, 1)
             chunked = backbone.model(**batch).logits
         assert once == [1] * len(modules) and counts == [1 + 9] * len(modules)  # then 3 rows x 3 images, one a call
         scale = whole.abs().max()
@@ -53,7 +54,7 @@ def test_images_in_chunks_give_the_numbers_of_one_call(family):
 def test_the_teacher_keeps_only_the_query_positions_as_each_layer_runs(family):
     """run_teacher's states equal the query + target positions of every layer's whole output, bit for bit, and the
     hooks never hold a layer's whole [B, W, d]: each keeps [kept positions, d] only."""
-    backbone = M.load_backbone(f"tiny-{family}")
+    backbone = backbones.load_backbone(f"tiny-{family}")
     queries, icds, pieces, batch = teacher_rows(backbone)
     keep = batch["query_target"]
     with torch.no_grad():

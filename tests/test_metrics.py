@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 import benchmarks
 import data as D
 import evaluate as E
-from evaluate import cider_d, multiple_choice_accuracy, normalize_vqa_answer, tokenize_caption, vqa_accuracy
+from lab import chair, metrics, results, tasks
 
 # -----------------------------------------------------------------------------
 # VQA normalisation (vqaEval.py processPunctuation / processDigitArticle)
@@ -40,12 +40,12 @@ from evaluate import cider_d, multiple_choice_accuracy, normalize_vqa_answer, to
     ("\n Two\tdogs \n", "2 dogs"),      # newline/tab -> space and strip come first
 ])
 def test_normalize_vqa_answer(raw, expected):
-    assert normalize_vqa_answer(raw) == expected
+    assert metrics.normalize_vqa_answer(raw) == expected
 
 
 def test_period_strip_count_quirk():
     # vqaEval passes re.UNICODE (= 32) as re.sub's count: only the first 32 periods are removed
-    assert normalize_vqa_answer("." * 40) == "." * 8
+    assert metrics.normalize_vqa_answer("." * 40) == "." * 8
 
 
 # -----------------------------------------------------------------------------
@@ -59,24 +59,24 @@ def test_vqa_accuracy_leave_one_out(k, expected):
     # k=1: (1*0 + 9*1/3)/10 = 0.3;  k=2: (2*1/3 + 8*2/3)/10 = 0.6;  k=3: (3*2/3 + 7*1)/10 = 0.9;
     # k=4: (4*1 + 6*1)/10 = 1.0
     answers = ["cat"] * k + [f"dog{i}" for i in range(10 - k)]
-    assert vqa_accuracy("cat", answers) == pytest.approx(expected, abs=1e-12)
+    assert metrics.vqa_accuracy("cat", answers) == pytest.approx(expected, abs=1e-12)
 
 
 def test_vqa_accuracy_all_identical_quirk():
     # ten identical answers: only whitespace cleanup, no punctuation/digit/article/case normalisation
-    assert vqa_accuracy("two", ["2"] * 10) == 0.0
-    assert vqa_accuracy("Two", ["two"] * 10) == 0.0
-    assert vqa_accuracy("the cat", ["cat"] * 10) == 0.0
-    assert vqa_accuracy(" 2\n", ["2"] * 10) == 1.0
-    assert vqa_accuracy("2", ["2 "] * 9 + ["2"]) == 1.0   # answers are whitespace-cleaned before the check
+    assert metrics.vqa_accuracy("two", ["2"] * 10) == 0.0
+    assert metrics.vqa_accuracy("Two", ["two"] * 10) == 0.0
+    assert metrics.vqa_accuracy("the cat", ["cat"] * 10) == 0.0
+    assert metrics.vqa_accuracy(" 2\n", ["2"] * 10) == 1.0
+    assert metrics.vqa_accuracy("2", ["2 "] * 9 + ["2"]) == 1.0   # answers are whitespace-cleaned before the check
     # one differing answer: normalisation applies to both sides; 9 answers match "2" -> 1.0
-    assert vqa_accuracy("two", ["2"] * 9 + ["3"]) == 1.0
-    assert vqa_accuracy("Two.", ["2"] * 2 + ["3"] * 8) == pytest.approx(0.6)
+    assert metrics.vqa_accuracy("two", ["2"] * 9 + ["3"]) == 1.0
+    assert metrics.vqa_accuracy("Two.", ["2"] * 2 + ["3"] * 8) == pytest.approx(0.6)
 
 
 def test_vqa_accuracy_normalises_answers_too():
     answers = ["Two", "2", "two.", "3", "3", "3", "3", "3", "3", "3"]  # three answers normalise to "2"
-    assert vqa_accuracy("2", answers) == pytest.approx(0.9)
+    assert metrics.vqa_accuracy("2", answers) == pytest.approx(0.9)
 
 
 @settings(max_examples=200)
@@ -84,7 +84,7 @@ def test_vqa_accuracy_normalises_answers_too():
        st.sampled_from(["yes", "no", "2", "two", "maybe"]))
 def test_vqa_accuracy_takes_leave_one_out_values(answers, prediction):
     # whatever the answers, the score is one of the five leave-one-out values
-    acc = vqa_accuracy(prediction, answers)
+    acc = metrics.vqa_accuracy(prediction, answers)
     assert any(math.isclose(acc, v, abs_tol=1e-12) for v in (0.0, 0.3, 0.6, 0.9, 1.0))
 
 
@@ -106,7 +106,7 @@ def test_vqa_accuracy_takes_leave_one_out_values(answers, prediction):
     ("a < b > c", ["a", "<", "b", ">", "c"]),                          # not a tag: a space after "<"
 ])
 def test_tokenize_caption(raw, expected):
-    assert tokenize_caption(raw) == expected
+    assert metrics.tokenize_caption(raw) == expected
 
 
 def test_cider_d_hand_computed():
@@ -128,7 +128,7 @@ def test_cider_d_hand_computed():
     score_a = 10 * (ref1 + ref2) / 4 / 2          # mean over n = 1..4, then over the two references
     score_b = 10 * (1 + 1 + 0 + 0) / 4            # identical caption: cosine 1 for uni and bi = 5.0
     score_c = 10 * (w * w / (w * w * math.sqrt(2))) * pen1 / 4  # "bird" vs "bird flies": 1/sqrt2, one word shorter
-    corpus, per_id = cider_d(cands, refs)
+    corpus, per_id = metrics.cider_d(cands, refs)
     assert per_id["a"] == pytest.approx(score_a, rel=1e-12)
     assert per_id["b"] == pytest.approx(5.0, rel=1e-12)
     assert per_id["c"] == pytest.approx(score_c, rel=1e-12)
@@ -144,24 +144,24 @@ def test_cider_d_clipping():
     refs = {"a": ["dog runs"], "b": ["cat"]}
     pen1 = math.exp(-1 / 72)
     clipped = (2 / math.sqrt(10) + 1 / math.sqrt(2)) * pen1
-    assert cider_d({"a": "dog dog runs", "b": "cat"}, refs)[1]["a"] == pytest.approx(10 * clipped / 4)
+    assert metrics.cider_d({"a": "dog dog runs", "b": "cat"}, refs)[1]["a"] == pytest.approx(10 * clipped / 4)
 
 
 def test_cider_d_length_penalty():
     # one reference: changing sigma only rescales by exp(-delta^2 / (2 sigma^2)); here delta = 8 - 2 = 6 words
     refs = {"a": ["red dog"], "b": ["blue sky"]}
     cands = {"a": "red dog runs on the green grass today", "b": "blue sky"}
-    with_penalty = cider_d(cands, refs)[1]["a"]
-    without = cider_d(cands, refs, sigma=1e9)[1]["a"]
+    with_penalty = metrics.cider_d(cands, refs)[1]["a"]
+    without = metrics.cider_d(cands, refs, sigma=1e9)[1]["a"]
     assert without > 0
     assert with_penalty == pytest.approx(without * math.exp(-36 / 72), rel=1e-9)
 
 
 def test_cider_d_edge_cases():
-    assert cider_d({"a": "dog"}, {"a": ["dog"]}) == (0.0, {"a": 0.0})  # one image: every idf is log(1) = 0
-    assert cider_d({"a": "", "b": "cat"}, {"a": ["dog"], "b": ["cat"]})[1]["a"] == 0.0
+    assert metrics.cider_d({"a": "dog"}, {"a": ["dog"]}) == (0.0, {"a": 0.0})  # one image: every idf is log(1) = 0
+    assert metrics.cider_d({"a": "", "b": "cat"}, {"a": ["dog"], "b": ["cat"]})[1]["a"] == 0.0
     with pytest.raises(AssertionError):
-        cider_d({"a": "dog"}, {"b": ["dog"]})
+        metrics.cider_d({"a": "dog"}, {"b": ["dog"]})
 
 
 _WORDS = ["red", "dog", "cat", "runs", "big"]
@@ -173,10 +173,10 @@ _caption = st.lists(st.sampled_from(_WORDS), min_size=1, max_size=5)
 def test_cider_d_reference_order_invariant(ref_words, seed):
     refs = {"a": [" ".join(r) for r in ref_words], "b": ["tree sky"], "c": ["dog sky"]}
     cands = {"a": " ".join(ref_words[0][::-1]), "b": "sky", "c": "red dog"}
-    corpus, per_id = cider_d(cands, refs)
+    corpus, per_id = metrics.cider_d(cands, refs)
     rng = random.Random(seed)
     shuffled = {k: rng.sample(v, len(v)) for k, v in reversed(list(refs.items()))}
-    corpus2, per_id2 = cider_d(cands, shuffled)
+    corpus2, per_id2 = metrics.cider_d(cands, shuffled)
     assert corpus2 == pytest.approx(corpus, rel=1e-12, abs=1e-12)
     assert all(per_id2[k] == pytest.approx(per_id[k], rel=1e-12, abs=1e-12) for k in per_id)
 
@@ -187,7 +187,7 @@ def test_cider_d_consensus_caption_wins(best, other, num_refs):
     # the candidate equal to every reference scores at least as high as any other candidate, strictly
     # higher unless the other has the same words (other images use a disjoint vocabulary, so idf > 0)
     refs = {"a": [" ".join(best)] * num_refs, "b": ["tree sky"], "c": ["sun"]}
-    score = lambda cand: cider_d({"a": cand, "b": "tree", "c": "sun"}, refs)[1]["a"]
+    score = lambda cand: metrics.cider_d({"a": cand, "b": "tree", "c": "sun"}, refs)[1]["a"]
     top, rival = score(" ".join(best)), score(" ".join(other))
     assert top == pytest.approx(10 * min(len(best), 4) / 4)
     if sorted(best) == sorted(other):
@@ -217,29 +217,29 @@ def test_cider_d_consensus_caption_wins(best, other, num_refs):
     ("", "A", False),
 ])
 def test_multiple_choice_single(pred, answer, correct):
-    assert multiple_choice_accuracy([pred], [answer]) == float(correct)
+    assert metrics.multiple_choice_accuracy([pred], [answer]) == float(correct)
 
 
 def test_multiple_choice_accuracy_mean():
-    assert multiple_choice_accuracy(["A", "yes", "C", "no"], ["A", "no", "b", "no"]) == 0.5
+    assert metrics.multiple_choice_accuracy(["A", "yes", "C", "no"], ["A", "no", "b", "no"]) == 0.5
 
 
 # -----------------------------------------------------------------------------
 # CHAIR as chair.py counts it (Rohrbach et al.'s utils/chair.py and data/synonyms.txt)
 
-VOCAB = E.chair_vocabulary(E.COCO_SYNONYMS)
+VOCAB = chair.chair_vocabulary(chair.COCO_SYNONYMS)
 
 
 def test_a_changed_synonyms_file_is_refused(tmp_path):
     changed = tmp_path / "synonyms.txt"
-    changed.write_text(E.published_synonyms() + "robot, android\n")
+    changed.write_text(chair.published_synonyms() + "robot, android\n")
     with pytest.raises(ValueError, match="not the published CHAIR synonyms.txt"):
-        E.published_synonyms(str(changed))
+        chair.published_synonyms(str(changed))
 
 
 def test_chair_synonyms_are_the_published_list():
-    assert len(E.COCO_SYNONYMS) == 80 and len(E.published_synonyms().splitlines()) == 80
-    assert list(E.COCO_SYNONYMS)[:3] == ["person", "bicycle", "car"] and list(E.COCO_SYNONYMS)[-1] == "toothbrush"
+    assert len(chair.COCO_SYNONYMS) == 80 and len(chair.published_synonyms().splitlines()) == 80
+    assert list(chair.COCO_SYNONYMS)[:3] == ["person", "bicycle", "car"] and list(chair.COCO_SYNONYMS)[-1] == "toothbrush"
     for word, category in [("bagel", "donut"), ("briefcase", "handbag"), ("wallet", "handbag"), ("pickup", "truck"),
                            ("bison", "cow"), ("panda", "bear"), ("sub", "sandwich"), ("notebook", "laptop"),
                            ("container", "bowl"), ("villager", "person"), ("husky", "dog"), ("steamship", "boat")]:
@@ -251,10 +251,10 @@ def test_chair_synonyms_are_the_published_list():
 
 
 def test_read_synonyms_strips_and_lowercases_and_rejects_empty_words():
-    assert E.read_synonyms("motorcycle, scooter,  motor bike\ncell phone, iPhone") == \
+    assert chair.read_synonyms("motorcycle, scooter,  motor bike\ncell phone, iPhone") == \
         {"motorcycle": "motorcycle, scooter, motor bike", "cell phone": "cell phone, iphone"}
     with pytest.raises(ValueError, match="synonyms line 2"):
-        E.read_synonyms("cat, kitten\ndog, , puppy")
+        chair.read_synonyms("cat, kitten\ndog, , puppy")
 
 
 @pytest.mark.parametrize("caption, mentions", [
@@ -271,7 +271,7 @@ def test_read_synonyms_strips_and_lowercases_and_rejects_empty_words():
     ("People, women and children.", [("person", "person"), ("woman", "person"), ("child", "person")]),
 ])
 def test_caption_objects_follow_chair_py(caption, mentions):
-    assert E.caption_objects(caption, VOCAB) == mentions
+    assert chair.caption_objects(caption, VOCAB) == mentions
 
 
 # chair.py's quirks (README, "CHAIR"): the caption, chair.py's mentions (worked out by hand from its code:
@@ -303,31 +303,31 @@ CHAIR_PY_DIFFERENCES = [
     ("Two computer mouses.", [("computer", "laptop"), ("mouse", "mouse")]),
 ])
 def test_caption_objects_report_chair_pys_words(caption, mentions):
-    assert E.caption_objects(caption, VOCAB) == mentions
+    assert chair.caption_objects(caption, VOCAB) == mentions
 
 
 def test_chair_py_pairs_and_plurals_change_the_count():
     # by hand: ground truth {dog}; "hot, dog" is a dog (no hot dog), "corgis" a dog; "doggies" nothing;
     # a tie hallucinated
     captions = {1: "A hot, dog and two corgis.", 2: "Doggies and a tie."}
-    result, wrong = E.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB)
+    result, wrong = chair.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB)
     assert wrong == {1: [], 2: ["tie"]} and result["chair_s"] == 0.5 and result["chair_i"] == pytest.approx(1 / 3)
-    result, wrong = E.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB, "corrected")
+    result, wrong = chair.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB, "corrected")
     assert wrong == {1: ["hot dog"], 2: ["tie"]} and result["chair_i"] == pytest.approx(2 / 4)
 
 
 @pytest.mark.parametrize("caption, chair_py, corrected", CHAIR_PY_DIFFERENCES)
 def test_chair_counts_as_chair_py_by_default_and_corrected_on_request(caption, chair_py, corrected):
-    assert E.caption_objects(caption, VOCAB) == chair_py != corrected
-    assert E.caption_objects(caption, VOCAB, "corrected") == corrected
+    assert chair.caption_objects(caption, VOCAB) == chair_py != corrected
+    assert chair.caption_objects(caption, VOCAB, "corrected") == corrected
 
 
 def test_chair_counts_a_singular_bus_only_when_corrected():
     captions = {1: "A bus on the street.", 2: "A dog and two buses."}
-    result, wrong = E.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB, "corrected")
+    result, wrong = chair.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB, "corrected")
     assert wrong == {1: ["bus"], 2: ["bus"]}
     assert result["chair_s"] == 1.0 and result["chair_i"] == pytest.approx(2 / 3)
-    result, wrong = E.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB)    # as chair.py
+    result, wrong = chair.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB)    # as chair.py
     assert wrong == {1: [], 2: ["bus"]} and result["chair_s"] == 0.5 and result["chair_i"] == 0.5
 
 
@@ -347,18 +347,18 @@ CHAIR_PY_BY_HAND = [
 def test_default_chair_equals_chair_pys_count_on_hand_worked_captions():
     captions = {k: c for k, (c, _, _, _) in enumerate(CHAIR_PY_BY_HAND)}
     truth = {k: t for k, (_, t, _, _) in enumerate(CHAIR_PY_BY_HAND)}
-    result, wrong = E.chair(captions, truth, {k: [] for k in captions}, VOCAB)
+    result, wrong = chair.chair(captions, truth, {k: [] for k in captions}, VOCAB)
     assert [wrong[k] for k in captions] == [w for _, _, w, _ in CHAIR_PY_BY_HAND]
     mentions = sum(n for *_, n in CHAIR_PY_BY_HAND)
     assert result["chair_i"] == pytest.approx(3 / mentions) and result["chair_s"] == pytest.approx(3 / 6)
-    corrected, _ = E.chair(captions, truth, {k: [] for k in captions}, VOCAB, "corrected")
+    corrected, _ = chair.chair(captions, truth, {k: [] for k in captions}, VOCAB, "corrected")
     assert corrected["chair_i"] != result["chair_i"]
 
 
 def test_the_corrected_count_is_named_in_the_output():
-    items = D.load_task("coco", "val", benchmarks.ROOT)[:2]
-    assert set(E.chair_metrics(items, [it.target for it in items], "corrected")) == \
+    items = tasks.load_task("coco", "val", benchmarks.ROOT)[:2]
+    assert set(chair.chair_metrics(items, [it.target for it in items], "corrected")) == \
         {"chair_s_corrected", "chair_i_corrected", "recall_corrected"}
     args = E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair", "corrected"])
-    assert args.chair == "corrected" and "chair-corrected" in E.result_name(args, "0-shot", 2, {})
+    assert args.chair == "corrected" and "chair-corrected" in results.result_name(args, "0-shot", 2, {})
     assert E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair"]).chair == "chair.py"

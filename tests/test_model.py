@@ -9,13 +9,14 @@ import data as D
 import model as M
 
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
+from lab import backbones, checkpoints, files, published
 
 FAMILIES = sorted(M.FAMILIES)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def backbone(request):
-    return M.load_backbone("tiny-" + request.param)
+    return backbones.load_backbone("tiny-" + request.param)
 
 
 def randomise(model, seed=0):
@@ -49,7 +50,7 @@ def test_attention_without_an_adapter_is_transformers_sdpa():
     """Eq 4 where no adapter sits: Idefics' vision tower and gated cross-attention also run through
     calibrated_attention. Their gates start closed in the twin (alpha = 0), so they are opened here, as a trained
     checkpoint has them; the attached model at init must then equal the unadapted one."""
-    backbone = M.load_backbone("tiny-idefics")
+    backbone = backbones.load_backbone("tiny-idefics")
     for layer in backbone.model.model.gated_cross_attn_layers:
         torch.nn.init.normal_(layer.alpha_cross_attn, std=1.0)
         torch.nn.init.normal_(layer.alpha_dense, std=1.0)
@@ -126,30 +127,30 @@ def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
     with torch.no_grad():
         want = plain.model(**batch).logits
     path = tmp_path / "adapter.safetensors"
-    M.save_adapter(path, plain)
-    saved = M.read_settings(path)
+    checkpoints.save_adapter(path, plain)
+    saved = checkpoints.read_settings(path)
     assert saved["method"] == "hificl" and saved["n"] == 2 and saved["rank"] == 3
     from safetensors.torch import load_file
     assert all("icl_adapter" not in k and "." in k for k in load_file(path))   # adapter tensors only
     M.detach(plain.model)
-    M.load_adapter(path, plain)
+    checkpoints.load_adapter(path, plain)
     with torch.no_grad():
         torch.testing.assert_close(plain.model(**batch).logits, want)
     M.detach(plain.model)
-    other = M.Backbone(M.published_model("idefics2"), None, "idefics2", "idefics2")
+    other = M.Backbone(published.published_model("idefics2"), None, "idefics2", "idefics2")
     with pytest.raises(ValueError, match="layers .saved 2, here 32."):
-        M.load_adapter(path, other)
+        checkpoints.load_adapter(path, other)
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, tmp_path / "foreign.safetensors")
     with pytest.raises(ValueError, match="not an adapter checkpoint"):
-        M.load_adapter(tmp_path / "foreign.safetensors", plain)
+        checkpoints.load_adapter(tmp_path / "foreign.safetensors", plain)
 
 
 @pytest.mark.parametrize("family,method,sizes,count", [
     ("idefics2", "hyper-icl", dict(rank=4), 1_180_672), ("idefics", "hyper-icl", dict(rank=4), 1_180_672),
     ("idefics2", "hificl", dict(n=8, rank=8), 2_228_224), ("llava-interleave", "hificl", dict(n=8, rank=8), 2_228_224)])
 def test_parameter_counts_on_published_sizes(family, method, sizes, count):
-    model = M.published_model(family)                      # meta device: no memory, no download
+    model = published.published_model(family)                      # meta device: no memory, no download
     M.attach(model, method, **sizes)
     assert sum(p.numel() for p in M.adapter_modules(model).parameters()) == count
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count
@@ -157,18 +158,18 @@ def test_parameter_counts_on_published_sizes(family, method, sizes, count):
 
 def test_unknown_backbone_lists_the_valid_names():
     with pytest.raises(ValueError, match="idefics2.*llava-onevision"):
-        M.load_backbone("gpt-5")
+        backbones.load_backbone("gpt-5")
 
 
 def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
     path = tmp_path / "f.bin"
-    D.atomic_write(path, lambda f: f.write(b"good"))
+    files.atomic_write(path, lambda f: f.write(b"good"))
 
     def crash(f):
         f.write(b"ha")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        D.atomic_write(path, crash)
+        files.atomic_write(path, crash)
     assert path.read_bytes() == b"good" and os.listdir(tmp_path) == ["f.bin"]
 
 
@@ -202,7 +203,7 @@ def test_fast_path_equals_reference_inside_the_model(plain, monkeypatch):
 
 def test_hyper_icl_at_init_is_the_base_model_in_bf16():
     """Q and K reach the kernel untouched, so zero-initialised Hyper-ICL adds no rounding in bf16 either."""
-    backbone = M.load_backbone("tiny-idefics2", dtype=torch.bfloat16)
+    backbone = backbones.load_backbone("tiny-idefics2", dtype=torch.bfloat16)
     batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in prompts(backbone, TEXTS).items()}
     with torch.no_grad():
         base = backbone.model(**batch).logits
@@ -221,6 +222,6 @@ def test_a_model_folder_that_does_not_exist_is_named(tmp_path):
 def test_only_toy_idefics2_is_a_toy_name(name):
     """toy-idefics2 is the one toy backbone; another family after "toy-" is no name (it was read as that family's
     hub checkpoint before)."""
-    assert not M.is_built(name)
+    assert not backbones.is_built(name)
     with pytest.raises(ValueError, match=f"unknown backbone {name!r}"):
         M.family_of(name)

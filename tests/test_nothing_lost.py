@@ -16,10 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import benchmarks
-import data
 import evaluate
 import model as M
 import train
+from lab import analyses, backbones, checkpoints, eval_cli, feed, flags, mme_seed, readers, results, tasks, train_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0"]
@@ -62,17 +62,17 @@ def test_a_result_of_another_backbone_is_kept_and_the_run_refused_naming_it(tmp_
 
 def test_a_kill_while_the_mme_folder_is_written_leaves_the_old_folder_whole(tmp_path):
     folder = tmp_path / "mme-val-0-shot-seed0-n336.mme"
-    items = data.read_mme(benchmarks.ROOT)
-    evaluate.write_mme_results(str(folder), items, ["old"] * len(items))
+    items = mme_seed.read_mme(benchmarks.ROOT)
+    results.write_mme_results(str(folder), items, ["old"] * len(items))
     before = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
-    kill_at_third = ("import os, signal, sys, data, evaluate; write, calls = data.atomic_write, []; "
-                     "data.atomic_write = lambda p, w: (calls.append(p), os.kill(os.getpid(), signal.SIGKILL) if "
-                     "len(calls) == 3 else write(p, w)); items = data.read_mme(sys.argv[2]); "
-                     "evaluate.write_mme_results(sys.argv[1], items, ['new'] * len(items))")
+    kill_at_third = ("import os, signal, sys; from lab import files, mme_seed, results; write, calls = files.atomic_write, []; "
+                     "files.atomic_write = lambda p, w: (calls.append(p), os.kill(os.getpid(), signal.SIGKILL) if "
+                     "len(calls) == 3 else write(p, w)); items = mme_seed.read_mme(sys.argv[2]); "
+                     "results.write_mme_results(sys.argv[1], items, ['new'] * len(items))")
     killed = subprocess.run([sys.executable, "-c", kill_at_third, str(folder), benchmarks.ROOT], cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL
     assert {f: (folder / f).read_bytes() for f in os.listdir(folder)} == before   # all 14 files of the old run
-    evaluate.write_mme_results(str(folder), items, ["new"] * len(items))
+    results.write_mme_results(str(folder), items, ["new"] * len(items))
     assert len(os.listdir(folder)) == 14 and all(line.endswith("\tnew") for f in os.listdir(folder)
                                                  for line in (folder / f).read_text().splitlines())
     assert sorted(os.listdir(tmp_path)) == [folder.name]                    # the killed write's folder is gone
@@ -85,7 +85,7 @@ ANNOTATION = {"question_id": 7, "answers": [{"answer": "red"}] * 10, "multiple_c
 
 
 def vqa_root(tmp_path, dataset, questions, annotations):
-    folder, qfile, afile = data.VQA_FILES[dataset]
+    folder, qfile, afile = readers.VQA_FILES[dataset]
     (tmp_path / folder).mkdir(exist_ok=True)
     (tmp_path / folder / qfile.format("val")).write_text(json.dumps({"questions": questions}))
     (tmp_path / folder / afile.format("val")).write_text(json.dumps({"annotations": annotations}))
@@ -97,7 +97,7 @@ def test_a_vqa_image_id_that_is_not_an_integer_is_refused(tmp_path, image_id):
     root = vqa_root(tmp_path, "vqav2", [{**QUESTION, "image_id": image_id}], [ANNOTATION])
     with pytest.raises(ValueError, match=rf"entry 0 of .*questions.json .*: its image_id is {image_id!r}; it must be "
                                          "an integer"):
-        data.load_task("vqav2", "val", root)
+        tasks.load_task("vqav2", "val", root)
 
 
 @pytest.mark.parametrize("dataset, annotation, message", [
@@ -115,7 +115,7 @@ def test_vqa_annotations_that_cannot_be_scored_are_refused_naming_file_and_entry
     annotations = [ANNOTATION, {**ANNOTATION, "answers": [{"answer": "blue"}] * 10}] if annotation is None else \
         [annotation]
     with pytest.raises(ValueError, match=message):
-        data.load_task(dataset, "val", vqa_root(tmp_path, dataset, [QUESTION], annotations))
+        tasks.load_task(dataset, "val", vqa_root(tmp_path, dataset, [QUESTION], annotations))
 
 
 IMAGE = {"filepath": "val2014", "filename": "a.jpg", "imgid": 0, "cocoid": 5, "split": "test",
@@ -139,7 +139,7 @@ def test_caption_images_without_one_id_or_a_filename_are_refused(tmp_path, datas
     (tmp_path / dataset).mkdir()
     (tmp_path / dataset / f"dataset_{dataset}.json").write_text(json.dumps({"images": images}))
     with pytest.raises(ValueError, match=message):
-        data.load_task(dataset, "val", str(tmp_path))
+        tasks.load_task(dataset, "val", str(tmp_path))
 
 
 def test_an_mme_subtask_that_yields_no_question_is_an_error(tmp_path):
@@ -148,7 +148,7 @@ def test_an_mme_subtask_that_yields_no_question_is_an_error(tmp_path):
     shutil.rmtree(folder)
     os.mkdir(folder)
     with pytest.raises(ValueError, match=rf"mme: the subtask folder {folder} holds no question"):
-        data.read_mme(root)
+        mme_seed.read_mme(root)
 
 
 def test_questions_answers_yn_without_images_is_an_error(tmp_path):
@@ -157,17 +157,17 @@ def test_questions_answers_yn_without_images_is_an_error(tmp_path):
     shutil.rmtree(os.path.join(folder, "images"))
     with pytest.raises(FileNotFoundError, match=rf"mme: {folder}/questions_answers_YN is there but "
                                                 rf"{folder}/images is not"):
-        data.read_mme(root)
+        mme_seed.read_mme(root)
 
 
 def test_an_mme_image_without_its_question_file_or_images_without_questions_answers_yn_is_an_error(tmp_path):
     root = benchmarks.copy(tmp_path, "mme")
     os.remove(os.path.join(root, "mme", "existence", "0003.txt"))
     with pytest.raises(FileNotFoundError, match=r"mme: no question file for .*existence/0003.jpg \(expected 0003.txt"):
-        data.read_mme(root, ("existence",))
+        mme_seed.read_mme(root, ("existence",))
     shutil.rmtree(os.path.join(root, "mme", "scene", "questions_answers_YN"))
     with pytest.raises(FileNotFoundError, match=r"scene/images is there but .*scene/questions_answers_YN is not"):
-        data.read_mme(root, ("scene",))
+        mme_seed.read_mme(root, ("scene",))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -177,25 +177,25 @@ def test_an_mme_image_without_its_question_file_or_images_without_questions_answ
 ])
 def test_a_seed_bench_2_question_without_level_or_of_an_unknown_source_is_named(tmp_path, change, message):
     root = benchmarks.copy(tmp_path, "seed-bench-2")
-    path = os.path.join(root, "seed-bench-2", data.SEED2_FILE)
+    path = os.path.join(root, "seed-bench-2", mme_seed.SEED2_FILE)
     obj = json.load(open(path))
     change(obj["questions"][0])
     open(path, "w").write(json.dumps(obj))
     with pytest.raises(ValueError, match=rf"seed2: question #0 \(question_id {obj['questions'][0]['question_id']}\) "
                                          rf".*{message}"):
-        data.read_seed2(root)
+        mme_seed.read_seed2(root)
 
 
 def test_a_seed_bench_2_question_without_subpart_is_named_by_its_question_id(tmp_path):
     root = benchmarks.copy(tmp_path, "seed-bench-2")
-    path = os.path.join(root, "seed-bench-2", data.SEED2_FILE)
+    path = os.path.join(root, "seed-bench-2", mme_seed.SEED2_FILE)
     obj = json.load(open(path))
     del obj["questions"][3]["subpart"]
     open(path, "w").write(json.dumps(obj))
     qid = obj["questions"][3]["question_id"]
     with pytest.raises(ValueError, match=rf"seed2: question #3 \(question_id {qid}\) in {path} has a missing or "
                                          r"malformed field \(KeyError: 'subpart'\)"):
-        data.read_seed2(root)
+        mme_seed.read_seed2(root)
 
 
 # ------------------------------------------------------------------------------ adapters, configs, checkpoints
@@ -204,9 +204,9 @@ def test_a_seed_bench_2_question_without_subpart_is_named_by_its_question_id(tmp
 def adapter(tmp_path_factory):
     """A Hyper-ICL adapter file of the tiny twin (untrained), its tensors and its metadata."""
     path = str(tmp_path_factory.mktemp("adapter") / "adapter.safetensors")
-    backbone = M.load_backbone("tiny-idefics2")
+    backbone = backbones.load_backbone("tiny-idefics2")
     M.attach(backbone.model, "hyper-icl", rank=4)
-    M.save_adapter(path, backbone)
+    checkpoints.save_adapter(path, backbone)
     with safe_open(path, "pt") as f:
         return path, load_file(path), f.metadata()
 
@@ -235,14 +235,14 @@ def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp
     tensors, settings = change(adapter[1], adapter[2]["settings"])
     path = damaged(tmp_path, adapter, tensors, settings)
     with pytest.raises(ValueError, match=rf"{path}(: | ).*{message}"):
-        M.load_adapter(path, M.load_backbone("tiny-idefics2"))
+        checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))
 
 
 @pytest.fixture(scope="module")
 def twin_folder(tmp_path_factory):
     """The tiny Idefics2 twin saved as a checkpoint folder (config.json, generation_config.json, processor)."""
     folder = tmp_path_factory.mktemp("twin") / "idefics2"
-    backbone = M.load_backbone("tiny-idefics2")
+    backbone = backbones.load_backbone("tiny-idefics2")
     backbone.model.save_pretrained(folder)
     backbone.processor.save_pretrained(folder)
     return folder
@@ -261,7 +261,7 @@ def test_a_non_integer_eos_id_names_generation_config(twin_folder, tmp_path):
     folder = edited(twin_folder, tmp_path, "generation_config.json", lambda g: g.update(eos_token_id="</s>"))
     with pytest.raises(ValueError, match=rf"{folder / 'generation_config.json'}: eos_token_id is '</s>'; it must be a "
                                          "token id"):
-        M.load_backbone(str(folder))
+        backbones.load_backbone(str(folder))
 
 
 def test_a_generation_config_that_is_not_json_is_named_not_ignored(twin_folder, tmp_path):
@@ -269,7 +269,7 @@ def test_a_generation_config_that_is_not_json_is_named_not_ignored(twin_folder, 
     shutil.copytree(twin_folder, folder)
     (folder / "generation_config.json").write_text("{half")
     with pytest.raises(ValueError, match=rf"{folder / 'generation_config.json'} cannot be read"):
-        M.load_backbone(str(folder))
+        backbones.load_backbone(str(folder))
 
 
 def test_a_config_field_of_the_wrong_type_names_config_json_under_plan(twin_folder, tmp_path):
@@ -285,7 +285,7 @@ def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also
     with pytest.raises(ValueError, match=message):
         train.main(["--plan", *TRAIN[:1], str(folder), *TRAIN[2:]])
     with pytest.raises(ValueError, match=message):
-        M.load_backbone(str(folder))
+        backbones.load_backbone(str(folder))
 
 
 # ------------------------------------------------------------------------------------------------ numeric flags
@@ -295,7 +295,7 @@ def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also
     ("--temperature", "inf"), ("--clip", "inf"), ("--temperature", "1e39"), ("--kappa", "1e-300"),
     ("--temperature", "1e-30"), ("--temperature", "1e20")])
 def test_float_flags_are_finite_and_in_float32s_range_before_anything_loads(flag, value, capsys, monkeypatch):
-    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
         train.main([*TRAIN, f"{flag}={value}"])
     assert e.value.code == 2 and f"error: {flag} must be" in capsys.readouterr().err
@@ -305,7 +305,7 @@ def test_float_flags_are_finite_and_in_float32s_range_before_anything_loads(flag
     (train.parse_args, "--seed", str(2**70)), (evaluate.parse_args, "--seed", str(2**70)),
     (train.parse_args, "--seed", "-1"), (train.parse_args, "--epochs", str(2**64)),
     (evaluate.parse_args, "--n-eval", str(2**64)), (train.parse_args, "--threads", str(2**40)),
-    (train.parse_args, "--workers", str(2**62)), (evaluate.parse_args, "--workers", str(train.MAX_WORKERS + 1))])
+    (train.parse_args, "--workers", str(2**62)), (evaluate.parse_args, "--workers", str(flags.MAX_WORKERS + 1))])
 def test_integer_flags_fit_their_dtype_and_name_the_flag(parse, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
         parse([*TRAIN[:6], flag, value])
@@ -374,11 +374,11 @@ def test_an_analysis_or_curve_of_other_settings_is_kept_and_refused_before_the_w
     gates.write_text(json.dumps({"model": "tiny-idefics2", "checkpoint": "elsewhere.safetensors", "n_eval": 2}))
     curve = tmp_path / "curve.json"
     curve.write_text(json.dumps({"model": "tiny-idefics2", "curve_queries": [4, 8, 16, 32]}))
-    monkeypatch.setattr(evaluate, "gate_analysis", lambda *a: pytest.fail("analysed before the refusal"))
+    monkeypatch.setattr(analyses, "gate_analysis", lambda *a: pytest.fail("analysed before the refusal"))
     with pytest.raises(ValueError, match=rf"{gates} holds the result of other settings: checkpoint "
                                          r"'elsewhere.safetensors' \(now '.*adapter.safetensors'\); it is kept"):
         evaluate.main([*EVAL[:-2], "--gates", "--checkpoint", adapter[0], "--out", str(tmp_path)])
-    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded before the refusal"))
     with pytest.raises(ValueError, match=rf"{curve} holds the result of other settings: curve_queries \[4, 8, 16, 32\] "
                                          r"\(now \[4\]\)"):
         evaluate.main(["--curve", *EVAL[:4], "--curve-queries", "4", "--out", str(tmp_path)])
@@ -395,5 +395,5 @@ def test_an_error_in_a_dataloader_worker_is_raised_as_it_was_raised_there(worker
     """torch re-raises a worker's error with the worker's traceback in its message; the CLI prints the message, so
     a user saw 30 lines of traceback for one unreadable image (the hostile run, evaluate.py --workers 2)."""
     with pytest.raises(OSError) as e:
-        list(data.prepared(unreadable, [7, 8], workers))
+        list(feed.prepared(unreadable, [7, 8], workers))
     assert str(e.value) == "item 7: cannot read its image /data/7.jpg (cannot identify image file)"

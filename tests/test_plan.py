@@ -1,4 +1,4 @@
-"""--plan and the teacher cache that fits (issue 30), on real-processor twins (tests/twins.py), CPU: the plan's token
+"""--plan and the teacher cache that fits (issue 30), on real-processor twins (tests/tiny.py), CPU: the plan's token
 counts are the collated rows', its cache size the bytes a run writes, it loads no weights; a cache that does not fit
 stops the run before its first step; Idefics2's image splitting is explicit (flag, printed source, cache key)."""
 import os
@@ -13,6 +13,7 @@ import evaluate
 import model as M
 import train
 from twins import write_twin
+from lab import backbones, files, plan, tasks, teacher_cache
 
 Free = namedtuple("Free", "total used free")
 
@@ -29,7 +30,7 @@ def no_weights(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the plan loaded weights")
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(M, "load_backbone", refuse)
+    monkeypatch.setattr(backbones, "load_backbone", refuse)
 
 
 def recorded_rows(monkeypatch):
@@ -97,14 +98,14 @@ def test_a_short_name_without_its_processor_says_what_to_pass(tmp_path, monkeypa
     import huggingface_hub
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache; no hub call
     with pytest.raises(ValueError, match="--processor DIR"):
-        train.plan_backbone(train.parse_args(["--model", "llava-interleave", "--plan"]), "llava-interleave")
+        plan.plan_backbone(train.parse_args(["--model", "llava-interleave", "--plan"]), "llava-interleave")
 
 
 def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, monkeypatch):
     flags = ["--model", twins["idefics2"], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "4",
              "--n-heldout", "1", "--batch-size", "2", "--shots", "2", "--epochs", "2", "--max-steps", "1",
              "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "cache")]
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
     steps = []
     with monkeypatch.context() as m, pytest.raises(ValueError) as e:
         m.setattr(train, "losses", lambda *a, **k: steps.append(1))
@@ -120,18 +121,18 @@ def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, 
 
 
 def test_image_splitting_is_explicit(twins):
-    split = M.load_backbone(twins["idefics2-split"])
-    unsplit = M.load_backbone(twins["idefics2-split"], image_splitting="off")
+    split = backbones.load_backbone(twins["idefics2-split"])
+    unsplit = backbones.load_backbone(twins["idefics2-split"], image_splitting="off")
     assert split.images.startswith("image splitting: on (the checkpoint's processor config): 5 crop(s)")
     assert unsplit.images.startswith("image splitting: off (--image-splitting off): 1 crop(s)")
-    query = data.load_task("vqav2", "train", benchmarks.ROOT)[:1]
+    query = tasks.load_task("vqav2", "train", benchmarks.ROOT)[:1]
     tokens = lambda b: len(data.query_pieces(b.processor, b.family, "vqa", query)[0]["input_ids"])
     assert tokens(split) - tokens(unsplit) == 4 * 65  # 4 more crops: 64 latents and a fake token each
     args = train.parse_args(["--model", twins["idefics2-split"], "--task", "vqav2", "--data-root", benchmarks.ROOT])
-    keys = {train.teacher_key("b", args, query[0], [], train.image_key(b.processor)) for b in (split, unsplit)}
+    keys = {teacher_cache.teacher_key("b", args, query[0], [], plan.image_key(b.processor)) for b in (split, unsplit)}
     assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
     with pytest.raises(ValueError, match="--image-splitting on: only Idefics2 splits images"):
-        M.load_backbone(twins["llava-onevision"], image_splitting="on")
+        backbones.load_backbone(twins["llava-onevision"], image_splitting="on")
 
 
 # Hostile inputs of the newest surface (issue 32): each ends in a one-line ValueError naming the file, flag or entry.
@@ -204,7 +205,7 @@ def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the
     params = float(re.search(r"weights: ([\d,]+) parameters", out).group(1).replace(",", ""))
     teacher = sum(figures["rows"]["teacher"].values()) / len(figures["rows"]["teacher"])
     assert tflop == pytest.approx(2 * params * teacher / 1e12, rel=1e-2)
-    assert compute_ms == pytest.approx(tflop / train.ACCELERATOR_TFLOPS * 1e3, rel=1e-2)
+    assert compute_ms == pytest.approx(tflop / plan.ACCELERATOR_TFLOPS * 1e3, rel=1e-2)
     assert line.endswith("reading is cheaper") == (read_ms <= compute_ms)
 
 
@@ -212,10 +213,10 @@ def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the
                                   "tiny-llava-interleave"])
 @pytest.mark.parametrize("task", ["vqav2", "coco"])
 def test_query_tokens_without_images_are_the_encoded_queries(twins, name, task):
-    backbone = M.load_backbone(twins.get(name, name))
-    kind, queries = data.TASKS[task].kind, data.load_task(task, "train", benchmarks.ROOT)[:12]
+    backbone = backbones.load_backbone(twins.get(name, name))
+    kind, queries = data.TASKS[task].kind, tasks.load_task(task, "train", benchmarks.ROOT)[:12]
     pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
-    assert train.query_tokens(backbone.processor, backbone.family, kind, queries) == train.query_sizes(pieces)
+    assert teacher_cache.query_tokens(backbone.processor, backbone.family, kind, queries) == teacher_cache.query_sizes(pieces)
 
 
 def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_out(tmp_path, monkeypatch):
@@ -225,8 +226,8 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "40",
              "--n-heldout", "1", "--batch-size", "8", "--shots", "1", "--epochs", "1", "--out", str(tmp_path / "run")]
     needs = []
-    original = train.check_cache_room
-    monkeypatch.setattr(train, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
+    original = plan.check_cache_room
+    monkeypatch.setattr(plan, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
     train.main(flags)
     folder = tmp_path / "run" / "teacher"
     written = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
@@ -234,7 +235,7 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
 
     def full(*args):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(data, "write_cache", full)
+    monkeypatch.setattr(files, "write_cache", full)
     with pytest.raises(OSError) as e:
         train.main([*flags, "--overwrite", "--teacher-cache", str(tmp_path / "elsewhere")])
     message = str(e.value)
@@ -256,7 +257,7 @@ def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_b
     def recording(processor, family, kind, pieces, icds):
         batch = original(processor, family, kind, pieces, icds)
         if any(icds):  # a teacher batch (student_batch calls teacher_batch without ICDs)
-            built.append(train.image_sizes(batch))
+            built.append(plan.image_sizes(batch))
         return batch
     monkeypatch.setattr(data, "teacher_batch", recording)
     planned = train.main(plan_flags(twins["idefics2"], tmp_path))

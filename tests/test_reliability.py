@@ -15,12 +15,15 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save
 
 import benchmarks
 import data
 import evaluate
 import model as M
 import train
+from lab import (backbones, checkpoints, eval_cli, files, mme_seed, readers, results, rices, tasks, teacher_cache,
+                 toy_backbone, train_cli, vectors)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
@@ -112,16 +115,16 @@ def test_truncated_or_empty_last_pt_is_a_clear_error(whole, tmp_path):
 def test_stale_temporary_files_are_removed_and_files_follow_the_umask(tmp_path):
     args = train.parse_args(flags(tmp_path, "run"))
     os.makedirs(args.teacher_cache)
-    stale = data.tmp_name(tmp_path / "teacher" / "x.safetensors", dead_pid())
-    fresh = data.tmp_name(tmp_path / "teacher" / "y.safetensors")
+    stale = files.tmp_name(tmp_path / "teacher" / "x.safetensors", dead_pid())
+    fresh = files.tmp_name(tmp_path / "teacher" / "y.safetensors")
     for f in (stale, fresh):
         open(f, "wb").write(b"half")
-    train.claim(args)
+    checkpoints.claim(args)
     assert not os.path.exists(stale) and os.path.exists(fresh)            # a live writer's file is left alone
     for umask in (0o022, 0o002):
         previous = os.umask(umask)
         try:
-            data.atomic_write(tmp_path / f"f{umask}", lambda f: f.write(b"x"))
+            files.atomic_write(tmp_path / f"f{umask}", lambda f: f.write(b"x"))
         finally:
             os.umask(previous)
         assert os.stat(tmp_path / f"f{umask}").st_mode & 0o777 == 0o666 & ~umask
@@ -131,18 +134,18 @@ def test_stale_temporary_files_are_removed_and_files_follow_the_umask(tmp_path):
 
 def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(whole, tmp_path, monkeypatch):
     """Every write goes to /dev/full, which fails as a full disk does (ENOSPC) for torch.save and safetensors."""
-    backbone = M.load_backbone("tiny-idefics2")
-    M.load_adapter(whole / "run" / "adapter.safetensors", backbone)
+    backbone = backbones.load_backbone("tiny-idefics2")
+    checkpoints.load_adapter(whole / "run" / "adapter.safetensors", backbone)
     shutil.copy(whole / "run" / "adapter.safetensors", tmp_path)
     before = (tmp_path / "adapter.safetensors").read_bytes()
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
     with pytest.raises(OSError, match=r"could not write .*adapter.safetensors \(No space left on device\); the "
                                       "previous file, if any, is unchanged") as e:
-        M.save_adapter(tmp_path / "adapter.safetensors", backbone)
+        checkpoints.save_adapter(tmp_path / "adapter.safetensors", backbone)
     assert e.value.__cause__.errno == errno.ENOSPC
     with pytest.raises(OSError, match=r"could not write .*last.pt \(No space left on device\)"):
-        data.atomic_write(tmp_path / "last.pt", lambda f: torch.save({"x": torch.zeros(1000)}, f))
+        files.atomic_write(tmp_path / "last.pt", lambda f: torch.save({"x": torch.zeros(1000)}, f))
     monkeypatch.undo()
     assert (tmp_path / "adapter.safetensors").read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["adapter.safetensors"]
@@ -152,16 +155,16 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(whole, tmp_path, m
 
 def test_adapter_refuses_another_family_or_other_weights_unless_forced(whole, capsys):
     path = whole / "run" / "adapter.safetensors"
-    assert M.read_settings(path)["family"] == "idefics2"
-    for other in (M.load_backbone("tiny-idefics2", seed=1), M.load_backbone("tiny-llava-interleave")):
+    assert checkpoints.read_settings(path)["family"] == "idefics2"
+    for other in (backbones.load_backbone("tiny-idefics2", seed=1), backbones.load_backbone("tiny-llava-interleave")):
         assert M.attention_shape(other.model) == (2, 4, 16)                # the same shape: only the identity differs
         with pytest.raises(ValueError, match="trained on another backbone .*fingerprint .*--force"):
-            M.load_adapter(path, other)
-        M.load_adapter(path, other, force=True)
+            checkpoints.load_adapter(path, other)
+        checkpoints.load_adapter(path, other, force=True)
         assert "warning: --force" in capsys.readouterr().out
     with pytest.raises(ValueError, match="family .saved idefics2, here llava-interleave."):
-        M.load_adapter(path, M.load_backbone("tiny-llava-interleave"))
-    M.load_adapter(path, M.load_backbone("tiny-idefics2"))                 # its own backbone loads silently
+        checkpoints.load_adapter(path, backbones.load_backbone("tiny-llava-interleave"))
+    checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))                 # its own backbone loads silently
     assert capsys.readouterr().out == ""
 
 
@@ -172,7 +175,7 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
                           (tmp_path / "truncated.safetensors", "not a readable adapter checkpoint"),
                           (whole / "run" / "last.pt", "not a readable adapter checkpoint")):
         with pytest.raises(ValueError, match=message):
-            M.read_settings(path)
+            checkpoints.read_settings(path)
     cli = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
                           benchmarks.ROOT, "--checkpoint", str(whole / "run")], cwd=ROOT, capture_output=True,
                          text=True)
@@ -186,18 +189,18 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
 def teacher_inputs(tmp_path, n):
     """train.teacher_states' arguments for the first n VQAv2 training queries, one ICD each, on the tiny twin."""
     args = train.parse_args(flags(tmp_path, "run"))
-    backbone = M.load_backbone("tiny-idefics2")
-    pool = data.load_task("vqav2", "train", benchmarks.ROOT)
+    backbone = backbones.load_backbone("tiny-idefics2")
+    pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:n]
     icds = data.demonstrations([q.id for q in queries], pool, 1, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
-    return args, backbone, queries, icds, pieces, {"id": M.fingerprint(backbone), "hits": 0, "misses": 0}
+    return args, backbone, queries, icds, pieces, {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
 
 
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
     args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 2)
     fresh = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
-    path = os.path.join(args.teacher_cache, train.teacher_key(cache["id"], args, queries[1], icds[1]) + ".safetensors")
+    path = os.path.join(args.teacher_cache, teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1]) + ".safetensors")
     good = open(path, "rb").read()
     open(path, "wb").write(good[:len(good) // 3])                          # as a crash or a full disk leaves it
     again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
@@ -205,14 +208,15 @@ def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tm
     assert cache == {"id": cache["id"], "hits": 1, "misses": 3}
     for a, b in zip(fresh, again):                                         # batched alone now: float noise only
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    key = train.teacher_key(cache["id"], args, queries[1], icds[1])
-    assert torch.equal(train.read_teacher(path, key, again[1].shape), again[1])  # and stored again
+    key = teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1])
+    assert torch.equal(teacher_cache.read_teacher(path, key, again[1].shape), again[1])  # and stored again
 
 
 KILLED_WRITER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
-import torch, data
+import torch
+from lab import files
 real = os.fdopen
 class Half:  # writes half of what it is given, says so, and waits to be killed
     def __init__(self, f): self.f = f
@@ -222,7 +226,7 @@ class Half:  # writes half of what it is given, says so, and waits to be killed
         self.f.write(b[:len(b) // 2]); self.f.flush(); print("half", flush=True); time.sleep(60)
     def __getattr__(self, name): return getattr(self.f, name)
 os.fdopen = lambda *a, **k: Half(real(*a, **k))
-data.write_cache({path!r}, {{"states": torch.arange(4096.).view(4, 1024)}}, "key")
+files.write_cache({path!r}, {{"states": torch.arange(4096.).view(4, 1024)}}, "key")
 """
 
 
@@ -235,17 +239,17 @@ def test_a_cache_file_killed_mid_write_is_never_read_and_a_damaged_one_is_refuse
     writer.kill()                                                          # kill -9 mid-write
     writer.wait()
     left = os.listdir(tmp_path / "cache")
-    assert len(left) == 1 and data.is_stale_tmp(str(tmp_path / "cache" / left[0]))  # only its temporary file
-    assert data.read_cache(path, "key", shapes) is None                     # nothing read as valid
+    assert len(left) == 1 and files.is_stale_tmp(str(tmp_path / "cache" / left[0]))  # only its temporary file
+    assert files.read_cache(path, "key", shapes) is None                     # nothing read as valid
     states = torch.arange(4096.).view(4, 1024)
-    data.write_cache(path, {"states": states}, "key")                       # the rerun writes it, cleans up
+    files.write_cache(path, {"states": states}, "key")                       # the rerun writes it, cleans up
     assert os.listdir(tmp_path / "cache") == ["q.safetensors"]
-    assert torch.equal(data.read_cache(path, "key", shapes)["states"], states)
+    assert torch.equal(files.read_cache(path, "key", shapes)["states"], states)
     good = open(path, "rb").read()
     for damaged in (good[:-4096] + bytes(4096),                            # a tail that never reached the disk
                     good[:len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:]):  # a bit
         open(path, "wb").write(damaged)
-        assert data.read_cache(path, "key", shapes) is None
+        assert files.read_cache(path, "key", shapes) is None
         assert "is unusable (its bytes do not match their checksum)" in capsys.readouterr().out
 
 
@@ -301,14 +305,14 @@ ANNOTATION = {"question_id": 7, "answers": [{"answer": "red"}] * 10, "multiple_c
 def test_malformed_dataset_json_names_the_file_and_entry(tmp_path, questions, annotations, message):
     root = vqa_root(tmp_path, questions, annotations)
     with pytest.raises(ValueError, match=message):
-        data.load_task("vqav2", "val", str(root))
+        tasks.load_task("vqav2", "val", str(root))
 
 
 def test_karpathy_file_of_the_wrong_shape_names_the_file(tmp_path):
     (tmp_path / "coco").mkdir(parents=True)
     (tmp_path / "coco" / "dataset_coco.json").write_text(json.dumps([{"split": "test"}]))
     with pytest.raises(ValueError, match="dataset_coco.json should be a JSON object with a list under 'images'"):
-        data.load_task("coco", "val", str(tmp_path))
+        tasks.load_task("coco", "val", str(tmp_path))
 
 
 def test_an_empty_split_is_a_clear_error(tmp_path):
@@ -322,8 +326,8 @@ def test_an_empty_split_is_a_clear_error(tmp_path):
 
 
 def test_a_prompt_longer_than_the_context_names_its_item():
-    backbone = M.load_backbone("tiny-idefics2")
-    item = data.load_task("vqav2", "train", benchmarks.ROOT)[0]
+    backbone = backbones.load_backbone("tiny-idefics2")
+    item = tasks.load_task("vqav2", "train", benchmarks.ROOT)[0]
     long = dataclasses.replace(item, question=" ".join(["quizzical"] * 2000))
     assert backbone.processor.tokenizer.model_max_length == 4096           # the tiny twin's max_position_embeddings
     with pytest.raises(ValueError, match=rf"item {item.id}: its prompt has \d+ tokens, more than the model's 4096 "
@@ -360,7 +364,7 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
     finally:
         first.kill()
         first.wait()
-    with train.locked(str(out)):                                            # the killed holder's lock is gone
+    with checkpoints.locked(str(out)):                                            # the killed holder's lock is gone
         pass
 
 
@@ -397,50 +401,50 @@ def test_results_of_other_seeds_and_protocols_are_other_files(tmp_path):
     assert names == ["vqav2-val-1-shot-seed0-n3.metrics.json", "vqav2-val-1-shot-seed1-n3.metrics.json"]
     args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "seed", "--shots", "2", "--icds", "rices",
                                 "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
-    assert evaluate.result_name(args, "2-shot-rices", 5, {}).startswith("seed-val-2-shot-rices-likelihood-encoder-")
+    assert results.result_name(args, "2-shot-rices", 5, {}).startswith("seed-val-2-shot-rices-likelihood-encoder-")
     info = {"vector_file": "x/m-vqav2-tv-0123456789ab.safetensors", "vector_layer": 1}
-    assert evaluate.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-" \
+    assert results.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-" \
                                                                              "seed0-n3"
 
 
 # ---------------------------------------------------------------------------------------------------- caches
 
 def test_a_truncated_or_wrongly_shaped_rices_cache_is_computed_again_with_a_warning(tmp_path, capsys):
-    items = data.load_task("vqav2", "train", benchmarks.ROOT)[:3]
+    items = tasks.load_task("vqav2", "train", benchmarks.ROOT)[:3]
     encode = lambda images: torch.ones(len(images), 4)
-    first = data.image_features(encode, "enc", items, tmp_path)
+    first = rices.image_features(encode, "enc", items, tmp_path)
     (path,) = tmp_path.glob("*.safetensors")
     good = path.read_bytes()
-    stale = data.tmp_name(tmp_path / "x.safetensors", dead_pid())
+    stale = files.tmp_name(tmp_path / "x.safetensors", dead_pid())
     open(stale, "wb").write(b"half")
     from safetensors.torch import save
     wrong = (save({"features": torch.ones(2, 4)}), save({"features": torch.ones(3, 4, dtype=torch.half)}))
     for bad in (good[:len(good) // 2], *wrong):
         path.write_bytes(bad)
-        assert torch.equal(data.image_features(encode, "enc", items, tmp_path), first)
+        assert torch.equal(rices.image_features(encode, "enc", items, tmp_path), first)
         assert f"warning: cache file {path} is unusable" in capsys.readouterr().out
-        data.image_features(encode, "enc", items, tmp_path)
+        rices.image_features(encode, "enc", items, tmp_path)
         assert capsys.readouterr().out == ""                                 # written again, whole
     assert not os.path.exists(stale)
 
 
 def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_out(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    backbone = M.load_backbone("tiny-idefics2")
+    backbone = backbones.load_backbone("tiny-idefics2")
     args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
                                 "--vector", "tv", "--shots", "1", "--vector-sets", "2", "--vector-heldout", "2",
                                 "--out", str(tmp_path / "out")])
     calls = []
     fake = lambda *a: calls.append(1) or {"vectors": torch.ones(2, 32), "losses": torch.tensor([1.0, 0.5])}
-    monkeypatch.setattr(evaluate, "compute_vector", fake)
-    evaluate.load_vector(backbone, args)
-    path, _ = evaluate.vector_path(backbone, args, 1)
+    monkeypatch.setattr(vectors, "compute_vector", fake)
+    vectors.load_vector(backbone, args)
+    path, _ = vectors.vector_path(backbone, args, 1)
     assert path.startswith(str(tmp_path / "out" / "vectors")) and not (tmp_path / "runs").exists()
     good = open(path, "rb").read()
     from safetensors.torch import save
     for bad in (good[:len(good) // 2], save({"vectors": torch.ones(1, 32), "losses": torch.ones(1)})):
         open(path, "wb").write(bad)
-        steering, _ = evaluate.load_vector(backbone, args)
+        steering, _ = vectors.load_vector(backbone, args)
         assert steering["layer"] == 1 and f"warning: cache file {path} is unusable" in capsys.readouterr().out
     assert len(calls) == 3
 
@@ -448,9 +452,9 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
 def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys):
     args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 1)
     (fresh,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
-    key = train.teacher_key(cache["id"], args, queries[0], icds[0])
+    key = teacher_cache.teacher_key(cache["id"], args, queries[0], icds[0])
     path = os.path.join(args.teacher_cache, key + ".safetensors")
-    data.write_cache(path, {"states": fresh[:, :-1]}, key + "states")      # a right key, a wrong shape
+    files.write_cache(path, {"states": fresh[:, :-1]}, key + "states")      # a right key, a wrong shape
     (again,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
     assert again.shape == fresh.shape and "is unusable (states is " in capsys.readouterr().out
 
@@ -474,7 +478,7 @@ def seed_root(tmp_path, change):
 ])
 def test_seed_bench_questions_are_checked_when_read(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
-        data.read_seed(seed_root(tmp_path, change))
+        mme_seed.read_seed(seed_root(tmp_path, change))
 
 
 def test_seed_bench_questions_that_are_not_a_list_name_the_file(tmp_path):
@@ -482,20 +486,20 @@ def test_seed_bench_questions_that_are_not_a_list_name_the_file(tmp_path):
     path = os.path.join(root, "seed-bench", "SEED-Bench.json")
     open(path, "w").write(json.dumps({"questions": 5, "question_type": {"Scene Understanding": 1}}))
     with pytest.raises(ValueError, match=rf"seed: {path} needs `questions`.*not a list"):
-        data.read_seed(root)
+        mme_seed.read_seed(root)
 
 
 @pytest.mark.parametrize("question, message", [(None, "its question is None"), ("  ", "its question is '  '")])
 def test_a_null_or_empty_question_names_the_file_and_entry(tmp_path, question, message):
     root = vqa_root(tmp_path, {"questions": [{**QUESTION, "question": question}]}, {"annotations": [ANNOTATION]})
     with pytest.raises(ValueError, match=rf"vqav2: entry 0 of .*questions.json .*: {message}"):
-        data.load_task("vqav2", "val", str(root))
+        tasks.load_task("vqav2", "val", str(root))
 
 
 def test_duplicate_vqa_question_ids_are_an_error(tmp_path):
     root = vqa_root(tmp_path, {"questions": [QUESTION, QUESTION]}, {"annotations": [ANNOTATION]})
     with pytest.raises(ValueError, match=r"entry 1 of .*questions.json .*duplicate question_id 7"):
-        data.load_task("vqav2", "val", str(root))
+        tasks.load_task("vqav2", "val", str(root))
 
 
 def mme_file(tmp_path):
@@ -507,25 +511,25 @@ def test_undecodable_text_names_the_file_and_a_byte_order_mark_is_stripped(tmp_p
     root, path = mme_file(tmp_path)
     text = open(path, "rb").read()
     open(path, "wb").write(b"\xef\xbb\xbf" + text)
-    assert data.read_mme(root, ("existence",))[0].question == text.decode().split("\t")[0]
+    assert mme_seed.read_mme(root, ("existence",))[0].question == text.decode().split("\t")[0]
     open(path, "wb").write(text.replace(b"Is", b"\xff\xfe", 1))
     with pytest.raises(ValueError, match=rf"mme: {path} is not UTF-8 text \(byte 0"):
-        data.read_mme(root, ("existence",))
+        mme_seed.read_mme(root, ("existence",))
     seed = seed_root(tmp_path, lambda qs: None)
     json_path = os.path.join(seed, "seed-bench", "SEED-Bench.json")
     raw = open(json_path, "rb").read()
     open(json_path, "wb").write(b"\xef\xbb\xbf" + raw)
-    assert data.read_seed(seed)
+    assert mme_seed.read_seed(seed)
     open(json_path, "wb").write(raw.replace(b"What", b"Wh\xe0t", 1))
     with pytest.raises(ValueError, match=rf"seed: {json_path} is not UTF-8 text"):
-        data.read_seed(seed)
+        mme_seed.read_seed(seed)
 
 
 def test_an_mme_line_without_a_question_is_an_error(tmp_path):
     root, path = mme_file(tmp_path)
     open(path, "w").write("\tYes\nIs it red?\tNo\n")
     with pytest.raises(ValueError, match=rf"mme: {path} line 1: expected"):
-        data.read_mme(root, ("existence",))
+        mme_seed.read_mme(root, ("existence",))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -535,13 +539,13 @@ def test_an_mme_line_without_a_question_is_an_error(tmp_path):
                                                                  r"category_id 99 is not among the file's categories"),
 ])
 def test_coco_instances_without_categories_or_with_unknown_ones_are_named(tmp_path, change, message):
-    items = data.load_task("coco", "val", benchmarks.copy(tmp_path, "coco"))[:2]
-    path = data.instances_path(str(tmp_path), "val2014")
+    items = tasks.load_task("coco", "val", benchmarks.copy(tmp_path, "coco"))[:2]
+    path = readers.instances_path(str(tmp_path), "val2014")
     coco = json.load(open(path))
     change(coco)
     open(path, "w").write(json.dumps(coco))
     with pytest.raises(ValueError, match=message):
-        data.read_instances(items)
+        readers.read_instances(items)
 
 
 def test_an_oversized_image_is_refused_by_name_with_its_size(tmp_path):
@@ -562,7 +566,7 @@ def test_an_oversized_image_is_refused_by_name_with_its_size(tmp_path):
 def test_a_data_root_or_cache_that_is_a_file_is_named(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError, match=f"--data-root {tmp_path / 'file'} is a file"):
-        data.load_task("vqav2", "train", str(tmp_path / "file"))
+        tasks.load_task("vqav2", "train", str(tmp_path / "file"))
     for parse, flag in ((train.parse_args, "--rices-cache"), (evaluate.parse_args, "--rices-cache"),
                         (train.parse_args, "--out"), (evaluate.parse_args, "--out")):
         with pytest.raises(SystemExit):
@@ -571,9 +575,9 @@ def test_a_data_root_or_cache_that_is_a_file_is_named(tmp_path, capsys):
 
 
 def test_stale_temporary_folders_of_a_killed_generation_are_removed(tmp_path):
-    stale = data.tmp_name(tmp_path / "toy-icl" / "colour", dead_pid())
+    stale = files.tmp_name(tmp_path / "toy-icl" / "colour", dead_pid())
     os.makedirs(os.path.join(stale, "coco"))
-    data.load_task("toy-icl-colour", "val", str(tmp_path))
+    tasks.load_task("toy-icl-colour", "val", str(tmp_path))
     assert sorted(os.listdir(tmp_path / "toy-icl")) == ["colour"]
 
 
@@ -601,7 +605,7 @@ def test_evaluate_rejects_counts_out_of_range(flag, value, capsys):
     ("--epochs 0", "train.py says: --epochs must be at least 1 (got 0)"),
     ("--no-such-flag", "train.py says: unrecognized arguments: --no-such-flag")])
 def test_curve_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
-    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", f"--train-args={train_args}"])
     assert e.value.code == 2 and message in capsys.readouterr().err
@@ -612,7 +616,7 @@ def test_curve_train_args_are_checked_before_any_work(train_args, message, capsy
 def test_bad_data_is_reported_before_the_backbone_loads(tmp_path, monkeypatch):
     root = vqa_root(tmp_path, {"questions": [{**QUESTION, "question": None}]}, {"annotations": [ANNOTATION]})
     vqa_root(tmp_path, {"questions": [{**QUESTION, "question": None}]}, {"annotations": [ANNOTATION]}, split="train")
-    monkeypatch.setattr(M, "load_backbone", lambda *a, **k: pytest.fail("the backbone was loaded first"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("the backbone was loaded first"))
     with pytest.raises(ValueError, match="its question is None"):
         train.main([*flags(tmp_path, "run"), "--data-root", str(root)])
     with pytest.raises(ValueError, match="its question is None"):
@@ -640,40 +644,40 @@ def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkey
     args = train.parse_args(flags(tmp_path, "run", "--rices-cache", str(tmp_path / "rices")))
     folders = [args.out, args.teacher_cache, args.rices_cache, str(tmp_path / "data"), str(tmp_path)]
     mine = [p for f in folders for p in user_files(f)]
-    stale = [data.tmp_name(os.path.join(f, "x.safetensors"), dead_pid()) for f in folders]
+    stale = [files.tmp_name(os.path.join(f, "x.safetensors"), dead_pid()) for f in folders]
     for p in stale:
         open(p, "w").write("half")
-    train.claim(args)
+    checkpoints.claim(args)
     for f in folders:
-        data.remove_stale_tmp(f)
-    data.generated(str(tmp_path / "data" / "dataset"), lambda folder: open(os.path.join(folder, "f"), "w").close())
-    data.atomic_write(tmp_path / "result.json", lambda f: f.write(b"{}"))
+        files.remove_stale_tmp(f)
+    files.generated(str(tmp_path / "data" / "dataset"), lambda folder: open(os.path.join(folder, "f"), "w").close())
+    files.atomic_write(tmp_path / "result.json", lambda f: f.write(b"{}"))
     assert all(open(p).read() == "mine" for p in mine) and not any(os.path.exists(p) for p in stale)
 
 
 def test_a_killed_writes_tmp_is_gone_after_a_successful_rerun_at_once(tmp_path):
-    code = ("import os, data; data.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
+    code = ("import os; from lab import files; files.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}).returncode
     assert len(os.listdir(tmp_path)) == 1                                   # the killed write's temporary file
-    data.atomic_write(tmp_path / "f.json", lambda f: f.write(b"{}"))
+    files.atomic_write(tmp_path / "f.json", lambda f: f.write(b"{}"))
     assert os.listdir(tmp_path) == ["f.json"]
 
 
 def test_a_temporary_name_of_another_machine_waits_its_15_minutes(tmp_path):
-    other = tmp_path / f".x.{data.TMP_MARK}-elsewhere{data.this_host()}-1-0123456789ab.tmp"
+    other = tmp_path / f".x.{files.TMP_MARK}-elsewhere{files.this_host()}-1-0123456789ab.tmp"
     other.write_text("half")
-    data.remove_stale_tmp(tmp_path)
+    files.remove_stale_tmp(tmp_path)
     assert other.exists()
     os.utime(other, (time.time() - 3600, time.time() - 3600))
-    data.remove_stale_tmp(tmp_path)
+    files.remove_stale_tmp(tmp_path)
     assert not other.exists()
 
 
 def seed2_root(tmp_path, change):
     root = benchmarks.copy(tmp_path, "seed-bench-2")
-    path = os.path.join(root, "seed-bench-2", data.SEED2_FILE)
+    path = os.path.join(root, "seed-bench-2", mme_seed.SEED2_FILE)
     obj = json.load(open(path))
-    change([q for q in obj["questions"] if q["subpart"] == data.SEED2_SUBPART])
+    change([q for q in obj["questions"] if q["subpart"] == mme_seed.SEED2_SUBPART])
     open(path, "w").write(json.dumps(obj))
     return root
 
@@ -689,14 +693,14 @@ def seed2_root(tmp_path, change):
 ])
 def test_seed_bench_2_questions_get_seed_bench_1s_checks(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
-        data.read_seed2(seed2_root(tmp_path, change))
+        mme_seed.read_seed2(seed2_root(tmp_path, change))
 
 
 def test_seed_bench_2_ids_cannot_collide():
-    assert data.seed2_id("2_0") == 2_000_000 and data.seed2_id("1_999999") == 1_999_999
+    assert mme_seed.seed2_id("2_0") == 2_000_000 and mme_seed.seed2_id("1_999999") == 1_999_999
     for bad in ("1_1000000", "-1_5", "1_-5", "1_+5", "1_5_0", "1_٣"):
         with pytest.raises(ValueError, match="is not of the form"):
-            data.seed2_id(bad)
+            mme_seed.seed2_id(bad)
 
 
 def test_an_mme_image_present_as_jpg_and_png_is_an_error_naming_both(tmp_path):
@@ -705,24 +709,24 @@ def test_an_mme_image_present_as_jpg_and_png_is_an_error_naming_both(tmp_path):
     jpg = sorted(f for f in os.listdir(folder) if f.endswith(".jpg"))[0]
     shutil.copy(os.path.join(folder, jpg), os.path.join(folder, jpg[:-4] + ".png"))
     with pytest.raises(ValueError, match=rf"mme: .*{jpg} and .*{jpg[:-4]}.png are two images for one question file"):
-        data.read_mme(root, ("existence",))
+        mme_seed.read_mme(root, ("existence",))
 
 
 def test_a_cache_file_passed_as_model_is_refused_by_content_naming_it(tmp_path):
     path = str(tmp_path / "features.safetensors")
-    data.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a cache file: no sha256 of its weights
+    files.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a cache file: no sha256 of its weights
     with pytest.raises(ValueError, match=rf"{path} is not a toy backbone \(no checksum"):
-        M.load_backbone(path)
-    with_digest = lambda tensors: data.atomic_write(path, lambda f: f.write(data.save(
-        tensors, metadata={"sha256": data.weights_digest(tensors)})))
+        backbones.load_backbone(path)
+    with_digest = lambda tensors: files.atomic_write(path, lambda f: f.write(save(
+        tensors, metadata={"sha256": files.weights_digest(tensors)})))
     with_digest({"features": torch.ones(3, 4)})                             # a valid checksum, other tensors
     with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: it holds 1 tensors \(features\)"):
-        M.load_backbone(path)
-    real = data.load_file(M.TOY_REFERENCE)
+        backbones.load_backbone(path)
+    real = load_file(toy_backbone.TOY_REFERENCE)
     name = sorted(real)[0]
     with_digest({**real, name: torch.zeros(*real[name].shape[:-1], real[name].shape[-1] + 1)})  # one shape off
     with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: {name} is"):
-        M.load_backbone(path)
+        backbones.load_backbone(path)
 
 
 def test_a_model_folder_whose_config_is_not_json_names_the_file(tmp_path):
@@ -743,7 +747,7 @@ def test_build_toy_checks_out_before_it_builds(tmp_path, monkeypatch, out, overw
     (tmp_path / "afile").write_text("x")
     (tmp_path / "old.safetensors").write_text("x")
     (tmp_path / "readonly").mkdir(mode=0o555)
-    monkeypatch.setattr(train, "build_toy", lambda *a: pytest.fail("built before --out was checked"))
+    monkeypatch.setattr(toy_backbone, "build_toy", lambda *a: pytest.fail("built before --out was checked"))
     real_open = os.open
     def refused(path, *a):  # as a read-only folder answers (root could write into one with mode 555)
         if "readonly" in str(path):
@@ -761,7 +765,7 @@ def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path
     assert (tmp_path / f"{name}.metrics.json").exists()
     def killed(path, obj, indent=None):
         raise KeyboardInterrupt
-    monkeypatch.setattr(data, "write_json", killed)
+    monkeypatch.setattr(files, "write_json", killed)
     with pytest.raises(KeyboardInterrupt):
         evaluate.main([*EVAL, "--out", str(tmp_path)])
     assert (tmp_path / f"{name}.predictions.jsonl").exists() and not (tmp_path / f"{name}.metrics.json").exists()
@@ -772,7 +776,7 @@ def test_a_lock_that_cannot_be_written_names_it_and_is_not_left(tmp_path, monkey
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match=rf"could not write the lock file {tmp_path / 'run' / '.lock'} \(No space"):
-        with train.locked(str(tmp_path / "run")):
+        with checkpoints.locked(str(tmp_path / "run")):
             pass
     assert os.listdir(tmp_path / "run") == []
 
@@ -808,11 +812,11 @@ def test_small_backbones_on_cpu_run_on_one_thread_unless_threads_says():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert M.choose_threads("idefics2") == 2                             # a real backbone: torch's choice
+        assert backbones.choose_threads("idefics2") == 2                             # a real backbone: torch's choice
         for name in ("tiny-idefics2", "toy-idefics2", "runs/x/backbone.safetensors"):
             torch.set_num_threads(2)
-            assert M.choose_threads(name) == 1
-        assert M.choose_threads("toy-idefics2", 2) == 2
+            assert backbones.choose_threads(name) == 1
+        assert backbones.choose_threads("toy-idefics2", 2) == 2
         assert train.parse_args(["--model", "toy-idefics2", "--threads", "3"]).threads == 3
     finally:
         torch.set_num_threads(before)

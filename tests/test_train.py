@@ -11,6 +11,7 @@ import data
 import lorentz
 import model as M
 import train
+from lab import backbones, checkpoints, feed, tasks, teacher_cache
 
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
@@ -25,9 +26,9 @@ def run(tmp_path, *extra, name="run"):
 @pytest.fixture(scope="module")
 def setup():
     args = train.parse_args([*TINY, "--shots", "2"])
-    backbone = M.load_backbone(args.model)
-    queries = data.load_task(args.task, "train", args.data_root)[:4]
-    pool = data.load_task(args.task, "train", args.data_root)
+    backbone = backbones.load_backbone(args.model)
+    queries = tasks.load_task(args.task, "train", args.data_root)[:4]
+    pool = tasks.load_task(args.task, "train", args.data_root)
     icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
     return args, backbone, queries, icds
 
@@ -39,7 +40,7 @@ def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     M.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
         kind = data.TASKS[args.task].kind
-        cache = {"id": train.fingerprint(backbone), "hits": 0, "misses": 0}
+        cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
         student, teacher = train.micro_batch(backbone, args, kind, queries, icds, "cpu", cache)
         opt = torch.optim.AdamW(M.adapter_modules(backbone.model).parameters(), lr=1e-2)
         history = []
@@ -146,18 +147,18 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     args, backbone, queries, icds = setup
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
-    cache = {"id": train.fingerprint(backbone), "hits": 0, "misses": 0}
+    cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
     first = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
     again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
     fresh = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
     assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
-    key = train.teacher_key(cache["id"], args, queries[0], icds[0])
-    assert key != train.teacher_key(cache["id"], args, queries[0], icds[1])        # other demonstrations
-    other = M.load_backbone(args.model, seed=1)
-    assert key != train.teacher_key(train.fingerprint(other), args, queries[0], icds[0])  # other backbone
+    key = teacher_cache.teacher_key(cache["id"], args, queries[0], icds[0])
+    assert key != teacher_cache.teacher_key(cache["id"], args, queries[0], icds[1])        # other demonstrations
+    other = backbones.load_backbone(args.model, seed=1)
+    assert key != teacher_cache.teacher_key(checkpoints.fingerprint(other), args, queries[0], icds[0])  # other backbone
     other_task = train.parse_args(["--model", "tiny-idefics2", "--task", "coco"])
-    assert key != train.teacher_key(cache["id"], other_task, queries[0], icds[0])
+    assert key != teacher_cache.teacher_key(cache["id"], other_task, queries[0], icds[0])
 
 
 def adapter_params(out):
@@ -214,10 +215,10 @@ def test_demonstrations_are_drawn_without_the_held_out_queries():
     rows; the training queries may (each never as its own)."""
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
                              "--n-train", "40", "--n-heldout", "60"])
-    queries, heldout, support, shots = train.split_pool(args, "idefics2")
+    queries, heldout, support, shots = tasks.split_pool(args, "idefics2")
     held = {q.id for q in heldout}
     assert held and not held & {it.id for it in support}
-    assert len(support) == len(train.data.load_task("vqav2", "train", benchmarks.ROOT)) - 60
+    assert len(support) == len(tasks.load_task("vqav2", "train", benchmarks.ROOT)) - 60
     icds = train.data.demonstrations([q.id for q in queries], support, 8, args.seed)
     assert all(d.id not in held and d.id != q.id for q, ds in zip(queries, icds) for d in ds)
 
@@ -226,8 +227,8 @@ def test_demonstrations_are_drawn_without_the_held_out_queries():
 def test_the_teacher_runs_without_the_adapter(method):
     """Eq 14's h'^(l) are the frozen backbone's: an attached adapter (trained, so it changes the student) leaves the
     teacher's states as they were without it."""
-    backbone = M.load_backbone("tiny-idefics2")
-    pool = data.load_task("vqav2", "train", benchmarks.ROOT)
+    backbone = backbones.load_backbone("tiny-idefics2")
+    pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:2]
     icds = data.demonstrations([q.id for q in queries], pool, 2, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
@@ -275,12 +276,12 @@ def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_ad
 
 def test_the_default_workers_are_the_cores_less_one_with_a_gpu_and_none_without(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert data.default_workers() == 0                                   # the model's threads use the cores
+    assert feed.default_workers() == 0                                   # the model's threads use the cores
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert data.default_workers() == 8                                   # 15, at most 8
+    assert feed.default_workers() == 8                                   # 15, at most 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert data.default_workers() == 3                                   # 16 cores shared by 4 processes
+    assert feed.default_workers() == 3                                   # 16 cores shared by 4 processes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    assert data.default_workers() == 0
+    assert feed.default_workers() == 0

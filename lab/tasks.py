@@ -1,0 +1,120 @@
+"""Tasks by name: which reader reads them, the benchmarks' pool splits, stratified subsets, a training run's
+queries, held-out queries and ICD pool, an evaluation's items."""
+import math
+import os
+import random
+
+import data
+from lab import mme_seed, readers, toy_world
+
+
+def load_task(task, split, data_root=None):
+    """The items of one split ("train" or "val") of a task; the toy-icl tasks are generated on first use. MME and
+    SEED-Bench have no training split: "train" is their training pool, "val" the evaluation part (pool_split), and
+    the sizes of both are printed."""
+    if task not in data.TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(data.TASKS)}")
+    if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
+        raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
+    if split not in data.SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(data.SPLITS)}")
+    if task.startswith("toy-icl-"):
+        return readers.read_vqa(toy_world.toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
+    if data_root is None:
+        raise ValueError(f"task {task!r} reads its files from --data-root (layout: docs/real-models.md)")
+    if data.TASKS[task].kind not in ("yes-no", "choice"):
+        return (readers.read_vqa if data.TASKS[task].kind == "vqa" else readers.read_karpathy)(data_root, split, task)
+    items = BENCHMARK_READERS[task](data_root)
+    pool, rest = pool_split(items, POOL_FRACTION[task])
+    count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
+    print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
+    return pool if split == "train" else rest
+
+
+BENCHMARK_READERS = {"mme": mme_seed.read_mme, "seed": mme_seed.read_seed, "seed2": mme_seed.read_seed2}
+
+
+# The share of each subtask's (dimension's) images in the training pool: MME's half (about 1,187 questions) holds
+# the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
+# stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
+POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2}
+
+
+SPLIT_SEED = 0
+
+
+def pool_split(items, fraction, seed=SPLIT_SEED):
+    """(training pool, evaluation part) of a benchmark without a training split: a seeded split by image. The images
+    of each category (an image's first question's) are shuffled with (seed, category) and the first
+    round(fraction x count) go to the pool, so every question of an image lands on the same side and each
+    subtask / dimension is split in the same proportion. Item order is kept on both sides."""
+    pool = set()
+    for c, images in images_by_category(items).items():
+        pool.update(random.Random(f"{seed}:{c}").sample(images, round(fraction * len(images))))
+    return [it for it in items if it.image_path in pool], [it for it in items if it.image_path not in pool]
+
+
+def images_by_category(items):
+    """{category: its images}, in order of first appearance; an image's category is its first question's."""
+    category, by_category = {}, {}
+    for it in items:
+        category.setdefault(it.image_path, it.category)
+    for image, c in category.items():
+        by_category.setdefault(c, []).append(image)
+    return by_category
+
+
+def largest_remainder(total, sizes):
+    """Whole shares of `total` in proportion to sizes (Hamilton's method; ties go to the earlier size)."""
+    exact = [total * k / sum(sizes) for k in sizes]
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: shares[i] - exact[i])
+    for i in by_remainder[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def stratified_subset(items, n, seed=0):
+    """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval). The
+    m = round(n x images / questions) images (MME: n / 2) are shared among the categories (an image's first
+    question's) in proportion to their images (largest remainders), and each category's images are drawn with
+    (seed, category); every question of a drawn image is kept, so both questions of an MME image are, and its
+    results file is one official calculation.py accepts. Item order is kept."""
+    if n <= 0:
+        raise ValueError(f"--n-eval must be at least 1, got {n}")
+    if not items:
+        return items
+    by_category = {c: sorted(images) for c, images in sorted(images_by_category(items).items())}
+    n_images = sum(len(images) for images in by_category.values())
+    m = min(n_images, max(1, round(n * n_images / len(items))))
+    shares = largest_remainder(m, [len(images) for images in by_category.values()])
+    chosen = {image for (c, images), k in zip(by_category.items(), shares)
+              for image in random.Random(f"n-eval:{seed}:{c}").sample(images, k)}
+    return [it for it in items if it.image_path in chosen]
+
+
+def split_pool(args, family):
+    """Training queries, held-out queries (best epoch), the ICDs' support set (the training split less the held-out
+    queries, which would reach the adapter through the teacher and bias the best epoch) and the shots."""
+    pool = load_task(args.task, "train", args.data_root)
+    if len(pool) <= args.n_heldout:
+        raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
+                         f"--n-heldout {args.n_heldout}")
+    order = random.Random(args.seed).sample(range(len(pool)), len(pool))
+    heldout = [pool[i] for i in order[:args.n_heldout]]
+    train = [pool[i] for i in order[args.n_heldout:args.n_heldout + args.n_train]]
+    if len(train) < args.n_train:
+        print(f"note: {args.task} has {len(pool)} training items; using {len(train)} queries "
+              f"(+{len(heldout)} held out)")
+    shots = args.shots if args.shots is not None else data.default_shots(args.task, family)
+    held = {it.id for it in heldout}
+    return train, heldout, [it for it in pool if it.id not in held], shots
+
+
+def eval_items(args):
+    """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
+    stratified by subtask / dimension, data.stratified_subset; otherwise the first N)."""
+    items = load_task(args.task, args.split, args.data_root)
+    if args.n_eval and data.TASKS[args.task].kind in ("yes-no", "choice"):
+        return stratified_subset(items, args.n_eval, args.seed)
+    return items[:args.n_eval]

@@ -1,0 +1,73 @@
+"""The teacher cache: one file per query of the teacher's states (or answer logits), keyed by everything they
+depend on, read by DataLoader workers, refused and recomputed when truncated, foreign or damaged."""
+import hashlib
+import json
+import os
+
+import data
+import model as M
+from lab import files
+
+
+def teacher_key(backbone_id, args, query, icds, images=None):
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format, how images
+    are encoded (`images`: Idefics2's image splitting, which changes the query's tokens) and the version of what the
+    states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never read."""
+    item = lambda it: [it.id, it.image_path, it.question, it.target]
+    spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def read_teacher(path, key, shape, output="states"):
+    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None if there
+    is no file or it is unusable (truncated, another shape, key or checksum: reported), so it is computed again."""
+    cached = files.read_cache(path, key + output, {output: (shape, None)})
+    return None if cached is None else cached[output]
+
+
+def teacher_file(args, cache, query, icds):
+    """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
+    key = teacher_key(cache["id"], args, query, icds, cache.get("images"))
+    return key, os.path.join(args.teacher_cache, key + ("-logits" if args.anchor == "kl" else "") + ".safetensors")
+
+
+def query_sizes(pieces):
+    """(T_q, answer tokens) of each query piece (data.query_pieces): the sizes of its teacher tensor."""
+    return [(len(p["input_ids"]), sum(x != -100 for x in p["labels"])) for p in pieces]
+
+
+def query_tokens(processor, family, kind, queries):
+    """query_sizes of every query without loading its image: one query encoded in full (data.query_pieces) gives the
+    tokens its image stands for, a count fixed per family and setting (Idefics2 66 or 326, LLaVA-Interleave 729,
+    LLaVA-OneVision 730), and each query adds the tokens of its own text (text_tokens)."""
+    (reference, _), = query_sizes(data.query_pieces(processor, family, kind, queries[:1]))
+    image = reference - text_tokens(processor, family, kind, queries[0])[1]
+    return [(image + whole, whole - prompt) for prompt, whole in (text_tokens(processor, family, kind, q)
+                                                                  for q in queries)]
+
+
+def text_tokens(processor, family, kind, query):
+    """Tokens of the query's prompt and of its prompt + answer by the tokenizer alone, the image placeholder one
+    special token (each family's image tokens end in a special token too, so the text after it reads the same)."""
+    count = lambda text: len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = data.prompt_text(kind, query)
+    return count(prompt), count(prompt + data.answer_text(processor, family, kind, query.target))
+
+
+def teacher_shape(model):
+    """(layers, width) of the teacher's states: what a cached tensor must have besides its tokens."""
+    return M.attention_shape(model)[0], model.config.get_text_config().hidden_size
+
+
+def cached_states(args, cache, shape, queries, icds, pieces):
+    """What the cache holds for these queries, read without the model (in a DataLoader worker): {"states": each
+    query's cached tensor, None where there is none or it is unusable (all None with --no-teacher-cache), "keys",
+    "paths"}. shape: teacher_shape."""
+    output = "logits" if args.anchor == "kl" else "states"
+    keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
+    shapes = [(answers, None) if output == "logits" else (shape[0], tokens, shape[1])
+              for tokens, answers in query_sizes(pieces)]
+    states = [None] * len(queries) if args.no_teacher_cache else \
+        [read_teacher(p, k, s, output) for p, k, s in zip(paths, keys, shapes)]
+    return {"states": states, "keys": list(keys), "paths": list(paths)}
