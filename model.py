@@ -1,4 +1,4 @@
-"""Backbones: the real checkpoints, their tiny offline twins, and the plug that puts an adapter into attention.
+"""The plug: an adapter inside a frozen backbone's attention, h^(l) of each decoder layer, and loading a backbone.
 
 A backbone is a frozen Hugging Face vision-language model. The adapters of `adapters.py` act inside the
 *text decoder's self-attention* only (not the vision tower, the perceiver, or Idefics' gated cross-attention).
@@ -8,8 +8,8 @@ silently pass no padding mask), switch the decoder's config to it, and hang one 
 module. The function hands the module's (rotary-embedded) queries, keys and values to the module's adapter; every
 other module falls through to the stock SDPA forward. No transformers forward is copied.
 
-Tiny twins (`tiny-idefics2`, ...) are the real model and processor classes built from small configs with seeded
-random weights and a byte-level BPE tokenizer trained locally, so every code path of the real model runs offline.
+load_checkpoint loads the paper's checkpoints by name (a family, a hub id or a checkpoint folder); every name,
+the offline tiny twins and toy backbones included, loads through lab/backbones.py:load_backbone.
 """
 import contextlib
 import json
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import (AttentionInterface, AutoConfig, Idefics2ForConditionalGeneration, IdeficsForVisionText2Text,
-                          LlavaForConditionalGeneration, LlavaOnevisionForConditionalGeneration, LlavaOnevisionProcessor)
+from transformers import (AttentionInterface, Idefics2ForConditionalGeneration, IdeficsForVisionText2Text,
+                          LlavaForConditionalGeneration, LlavaOnevisionForConditionalGeneration,
+                          LlavaOnevisionProcessor)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -47,6 +48,8 @@ def calibrated_attention(module, query, key, value, attention_mask, scaling=None
 
     query: [B, H, T, d_h]; key, value: [B, H_kv, S, d_h] (after rotary embedding and the KV cache);
     attention_mask: bool [B, 1, T, S] (True = attend) or None for plain causal. Returns ([B, T, H, d_h], None).
+    Called by transformers: each decoder self-attention's forward calls ALL_ATTENTION_FUNCTIONS.get_interface(
+    config._attn_implementation), which is this function once attach sets that to ATTN_NAME.
     """
     adapter = getattr(module, "icl_adapter", None)
     if adapter is None:
@@ -97,6 +100,7 @@ def attach(model, method="hyper-icl", **sizes):
         _, heads, head_dim = attention_shape(model)
         for attn in decoder_self_attentions(model):
             attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
+        # from now on transformers' attention registry hands each decoder self-attention to calibrated_attention
         decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
     model.icl_settings = {"method": method, **sizes}
     return adapter_modules(model).requires_grad_(True)
@@ -193,10 +197,14 @@ def layer_outputs(model, forward=None, keep=None, **inputs):
     (a wrapper of it, such as DistributedDataParallel; default the model itself). keep: a bool mask [B, T]; then each
     hook keeps only those positions as its layer produces them, L x [kept positions, d] in row order (h[keep]), and
     no layer's whole output outlives the next layer."""
+    layers = model.get_decoder().layers
+    keep = None if keep is None else keep.to(next(layers[0].parameters()).device)  # once, where the layers run
     states = []
-    own = lambda out: out[0] if isinstance(out, tuple) else out
-    record = lambda layer, args, out: states.append(own(out) if keep is None else own(out)[keep.to(own(out).device)])
-    with hooked(*(layer.register_forward_hook(record) for layer in model.get_decoder().layers)):
+
+    def record(layer, args, out):
+        h = out[0] if isinstance(out, tuple) else out  # [B, T, d]
+        states.append(h if keep is None else h[keep])
+    with hooked(*(layer.register_forward_hook(record) for layer in layers)):
         return (forward or model)(**inputs), states
 
 
@@ -221,6 +229,22 @@ FAMILIES = {
 }
 CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-interleave",
                 "llava_onevision": "llava-onevision"}
+
+
+def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint"):
+    """One of the paper's backbones by name: a family's short name (its hub id, FAMILIES), a hub id or a checkpoint
+    folder; bf16 on CUDA (the default device when there is one), float32 on CPU, frozen, the weights read straight
+    to the device. image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"
+    (image_setting). lab/backbones.py:load_backbone checks the checkpoint's config and eos ids before this."""
+    family = family_of(name)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    path = FAMILIES[family].hub_id if name == family else name
+    processor, images = load_processor(path, family, image_splitting)
+    model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                       device_map={"": placed(device)})  # no copy in host memory
+    context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
+    return Backbone(freeze(model), processor, family, name, images)
 
 
 def family_of(name):
@@ -259,6 +283,11 @@ def family_of(name):
                      "local path of one of those families")
 
 
+def is_toy_file(name):
+    """Whether a backbone name is a toy backbone's file (a build of train.py --build-toy)."""
+    return name.endswith(".safetensors")
+
+
 def freeze(model):
     """No backbone parameter trains; eval mode (no dropout)."""
     model.requires_grad_(False)
@@ -273,46 +302,10 @@ def placed(device):
         else device
 
 
-def read_config(path):
-    """The transformers config of a checkpoint (a folder or hub id); one transformers refuses (a field of the wrong
-    type, say) is a ValueError naming <path>/config.json."""
-    try:
-        return AutoConfig.from_pretrained(path)
-    except OSError:  # no such checkpoint: transformers' message names it
-        raise
-    except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassError
-        why = " ".join(str(e).split())[:200]  # one line: transformers' message may hold several
-        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid config ({why}); restore the checkpoint's "
-                         "config.json") from e
-
-
-def check_config(config, path):
-    """Refuse a config whose text decoder cannot hold an adapter (fewer than one layer, head or dimension): a
-    ValueError naming <path>/config.json and the field."""
-    text = config.get_text_config()
-    prefix = "" if text is config else "text_config."
-    for field in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-        value = getattr(text, field, None)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{os.path.join(path, 'config.json')}: {prefix}{field} is {value!r}; it must be an "
-                             "integer of at least 1 (restore the checkpoint's config.json)")
-
-
-def check_eos(path):
-    """Refuse eos ids in the checkpoint's generation_config.json that are not token ids (an integer or a list of
-    them, at least 0): generation would stop at none. A ValueError naming the file; no such file: nothing to check."""
-    from transformers import GenerationConfig
-    file = os.path.join(path, "generation_config.json")
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except (OSError, ValueError) as e:  # none: the model config's eos, the tokenizer's and the family's end token
-        if os.path.isfile(file):  # there but unreadable: it would be ignored silently
-            raise ValueError(f"{file} cannot be read ({' '.join(str(e).split())[:200]}); restore the checkpoint's "
-                             "file") from e
-        return
-    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"{file}: eos_token_id is {eos!r}; it must be a token id (an integer) or a list of them")
+def context_limit(processor, config):
+    """Cap the processor's tokenizer's model_max_length at the text model's positions (config's)."""
+    positions = config.get_text_config().max_position_embeddings
+    processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
 
 
 class ImageOnlyOnevisionProcessor(LlavaOnevisionProcessor):
@@ -376,22 +369,7 @@ def image_setting(processor, family, splitting="checkpoint", source="the checkpo
             f"{processor.image_seq_len} tokens an image")
 
 
-def context_limit(processor, config):
-    """Cap the processor's tokenizer's model_max_length at the text model's positions (config's)."""
-    positions = config.get_text_config().max_position_embeddings
-    processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
-
-
-# ------------------------------------------------------------ toy-idefics2: a small backbone that learns in context
-
-
-def is_toy_file(name):
-    """Whether a backbone name is a toy backbone's file (a build of train.py --build-toy)."""
-    return name.endswith(".safetensors")
-
-
-# ------------------------------------------------------------------------------------ published sizes (no download)
-
+# ------------------------------------------------------- L_sup: the student's logits at its target tokens
 
 def target_logits(model, batch, **kwargs):
     """model's logits [B, K, V] at `batch`'s data.answer_window and the labels [B, K] they line up with."""

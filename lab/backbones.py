@@ -1,35 +1,78 @@
-"""Backbones by name: the tiny twins and toy backbones built here, real checkpoints through model.py; CPU threads,
-the device a batch goes to and the autocast the backbone computes in."""
+"""Backbones by name: the tiny twins and toy backbones built here, the paper's checkpoints through
+model.py:load_checkpoint after checking their files; CPU threads, the device a batch goes to and the autocast the
+backbone computes in."""
+import os
 
 import torch
+from transformers import AutoConfig, GenerationConfig
 
 import model as M
 from lab import chunks, tiny, toy_backbone
 
 
-def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint", image_memory=chunks.IMAGE_MEMORY):
-    """Load a backbone by name: real checkpoints in bf16 on CUDA (float32 on CPU), a tiny offline twin (random
-    weights), `toy-idefics2` (the shipped reference, meta-trained to learn in context) or a toy backbone's file
-    (train.py --build-toy). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off".
+def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint",
+                  image_memory=chunks.IMAGE_MEMORY):
+    """Load a backbone by name: a tiny offline twin (random weights), `toy-idefics2` (the shipped reference,
+    meta-trained to learn in context), a toy backbone's file (train.py --build-toy), or one of the paper's checkpoints
+    (model.load_checkpoint: bf16 on CUDA, float32 on CPU), whose config and eos ids are checked first (it fails faster
+    than the weights load). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off".
     image_memory: the bytes a call of the vision tower or connector may hold (chunk_images)."""
-    family = M.family_of(name)
+    family = M.family_of(name)  # an unknown name is refused before anything loads
     if is_built(name):
         model, processor = tiny.TINY_BUILDERS[family](seed) if name.startswith("tiny-") else \
             toy_backbone.toy_idefics2(name if M.is_toy_file(name) else None)
         images = M.image_setting(processor, family, image_splitting, "built-in processor")
         model = model.to(device or "cpu", dtype or torch.float32)
+        M.context_limit(processor, model.config)  # the tokenizer knows the text model's context (data.collate)
+        backbone = M.Backbone(M.freeze(model), processor, family, name, images)
     else:
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
         path = M.FAMILIES[family].hub_id if name == family else name
-        M.check_config(M.read_config(path), path)  # the config, eos ids and processor before the weights: it fails faster
-        M.check_eos(path)
-        processor, images = M.load_processor(path, family, image_splitting)
-        model = M.FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                           device_map={"": M.placed(device)})  # no copy in host memory
-    chunks.chunk_images(model, image_memory)
-    M.context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
-    return M.Backbone(M.freeze(model), processor, family, name, images)
+        check_config(read_config(path), path)
+        check_eos(path)
+        backbone = M.load_checkpoint(name, device, dtype, image_splitting)
+    chunks.chunk_images(backbone.model, image_memory)
+    return backbone
+
+
+def read_config(path):
+    """The transformers config of a checkpoint (a folder or hub id); one transformers refuses (a field of the wrong
+    type, say) is a ValueError naming <path>/config.json."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError:  # no such checkpoint: transformers' message names it
+        raise
+    except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassError
+        why = " ".join(str(e).split())[:200]  # one line: transformers' message may hold several
+        raise ValueError(f"{os.path.join(path, 'config.json')} is not a valid config ({why}); restore the checkpoint's "
+                         "config.json") from e
+
+
+def check_config(config, path):
+    """Refuse a config whose text decoder cannot hold an adapter (fewer than one layer, head or dimension): a
+    ValueError naming <path>/config.json and the field."""
+    text = config.get_text_config()
+    prefix = "" if text is config else "text_config."
+    for field in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        value = getattr(text, field, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{os.path.join(path, 'config.json')}: {prefix}{field} is {value!r}; it must be an "
+                             "integer of at least 1 (restore the checkpoint's config.json)")
+
+
+def check_eos(path):
+    """Refuse eos ids in the checkpoint's generation_config.json that are not token ids (an integer or a list of
+    them, at least 0): generation would stop at none. A ValueError naming the file; no such file: nothing to check."""
+    file = os.path.join(path, "generation_config.json")
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except (OSError, ValueError) as e:  # none: the model config's eos, the tokenizer's and the family's end token
+        if os.path.isfile(file):  # there but unreadable: it would be ignored silently
+            raise ValueError(f"{file} cannot be read ({' '.join(str(e).split())[:200]}); restore the checkpoint's "
+                             "file") from e
+        return
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{file}: eos_token_id is {eos!r}; it must be a token id (an integer) or a list of them")
 
 
 def choose_threads(name, threads=None):

@@ -107,9 +107,9 @@ def plan_backbone(args, family):
             raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
                              f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
                              f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
-    config = M.read_config(args.model) if os.path.isdir(args.model) else None
+    config = backbones.read_config(args.model) if os.path.isdir(args.model) else None
     if config is not None:
-        M.check_config(config, args.model)
+        backbones.check_config(config, args.model)
     try:
         processor, images = M.load_processor(folder, family, args.image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
