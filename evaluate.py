@@ -1,21 +1,17 @@
-"""Evaluation: how a score is made, then the paper's other measurements.
+"""Evaluation: generate, score, the paper's evaluation (Table 1, Table 2), and the entry to the other modes.
 
-How a score is made (Table 1, Table 2): the items of --task's evaluation split (eval_items) are batched as left-padded
-prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the backbone decodes
-greedily (generate), each answer is cut at its first line (postprocess) and score() applies the official metric: VQA
-accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy of MME's yes/no and SEED-Bench's option
-letters, which SEED-Bench's likelihood protocol ranks by log p(option) instead (option_logliks). evaluate() writes the
-predictions and the metrics.
+How a score is made (Section 4.1): the items of --task's evaluation split (lab/tasks.py:eval_items) are batched as
+left-padded prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the
+backbone decodes greedily (generate), each answer is cut at its first line (postprocess) and score() applies the
+official metric (lab/metrics.py): VQA accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy
+of MME's yes/no and SEED-Bench's option letters, which SEED-Bench's likelihood protocol ranks by log p(option)
+instead (option_logliks). evaluate() writes the predictions and the metrics; the default job
+(evaluate_with_baselines) prints 0-shot, the paper's N-shot ICL and the adapter side by side.
 
-Sections, in order:
-    inference and scoring    generate, predict, option_logliks, score, evaluate             (Section 4.1)
-    metrics                  VQA accuracy, CIDEr-D with the PTB tokenizer, MME, SEED-Bench
-    CHAIR                    object hallucination in captions, as chair.py counts it        (Table 5)
-    in-context vectors       task and function vectors, training-free baselines             (Table 1)
-    efficiency               FLOPs and latency of one query, attention memory               (Table 6)
-    analyses                 the gate (Appendix D, Table 10), delta-hyperbolicity (Appendix C, Table 9)
-    learning curves          every method on the toy world with seeds, intervals, a tuning rule (--curve)
-    command line             the flags and main
+The other modes are lab's, entered from main: CHAIR (--chair, lab/chair.py, Table 5), task and function vectors
+(--vector, lab/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/table6.py, Table 6), the
+gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/analyses.py, Tables 10 and 9), learning curves
+(--curve, lab/curves.py). The flags are lab/eval_cli.py's.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -32,7 +28,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import re
 from collections import Counter
@@ -43,12 +38,12 @@ from tqdm import tqdm
 import data as D
 import model as M
 import train
-from lab import (analyses, backbones, chair, checkpoints, curves, eval_cli, feed, files, plan, results, rices,
-                 table6, tasks, torchrun, published, vectors)
+from lab import (analyses, backbones, chair, checkpoints, curves, eval_cli, feed, files, plan, published, results,
+                 rices, table6, tasks, torchrun, vectors)
 from lab.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
 
-# ------------------ inference and scoring (Section 4.1: greedy decoding, batched, left-padded prompts from data.py)
+# --------------------------------- generate and score (Section 4.1: greedy decoding, left-padded prompts of data.py)
 
 _ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
 
@@ -89,7 +84,8 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
     specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
-    build = functools.partial(option_rows if likelihood else feed.prompt_rows, backbone.processor, backbone.family, kind)
+    rows = option_rows if likelihood else feed.prompt_rows
+    build = functools.partial(rows, backbone.processor, backbone.family, kind)
     batches = feed.prepared(build, specs, workers, backbone.model.device)
     for i, batch in tqdm(zip(mine, batches), total=len(mine), desc=f"{backbone.name} {task}", unit="batch",
                          disable=rank != 0):
@@ -164,11 +160,12 @@ def evaluate(backbone, args, items, setting, vector=None):
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
     if kind == "choice":
         metrics["protocol"] = args.seed_protocol
-    results.check_replaceable(stem + ".metrics.json", {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})  # first
+    results.check_replaceable(stem + ".metrics.json",  # first: before any work
+                              {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.load_task(args.task, "train", args.data_root)
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
-    with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: zero-shot + vector
+    with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers)
     metric, value = score(kind, items, predictions)
@@ -180,23 +177,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         metrics["seed_bench"] = seed_scores(items, predictions)
     if torchrun.rank_and_world()[0] != 0:  # under torchrun the first process writes
         return metrics
-    lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
-                    for it, p in zip(items, predictions)).encode()
-    try:  # never the old metrics (or MME folder) beside the new predictions, even if killed next
-        os.remove(stem + ".metrics.json")
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
-    if kind == "yes-no":
-        files.discard(stem + ".mme")
-    files.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
-    if kind == "yes-no":
-        results.write_mme_results(stem + ".mme", items, predictions)
-    # last, and naming the predictions it scores: a kill in between leaves old metrics whose hash does not match
-    metrics |= {"predictions": os.path.basename(stem) + ".predictions.jsonl",
-                "predictions_sha256": hashlib.sha256(lines).hexdigest()}
-    files.write_json(stem + ".metrics.json", metrics, indent=2)
+    metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
           + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
     if kind == "yes-no":
@@ -245,14 +226,15 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
         return plan.plan(args, queries=tasks.eval_items(args))
-    backbones.choose_threads(args.model, args.threads or (1 if args.curve and not torch.cuda.is_available() else None))
-    table6.ROUNDS = args.rounds or table6.ROUNDS  # --rounds: the benchmarks' rounds
-    with torchrun.process_group(), contextlib.nullcontext() if args.benchmark_attention else checkpoints.locked(args.out):
+    one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None
+    backbones.choose_threads(args.model, args.threads or one_for_curves)
+    lock = contextlib.nullcontext() if args.benchmark_attention else checkpoints.locked(args.out)  # one run in --out
+    with torchrun.process_group(), lock:
         files.remove_stale_tmp(args.out)
         if args.benchmark or args.benchmark_attention:
             table6.keep_freed_memory()
         if args.benchmark_attention:
-            return table6.attention_benchmark(table6.attention_model(args), args.attention_tokens)
+            return table6.attention_benchmark(table6.attention_model(args), args.attention_tokens, args.rounds)
         if args.curve:
             return curves.curve(args, train.main, train.run_teacher, paper_lam=train.PAPER["lam"],
                                 scored=lambda b, flags, items, setting: evaluate(b, parse_args(flags), items, setting))
@@ -260,13 +242,10 @@ def main(argv=None):
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
         if args.random_weights:
-            family, mid = M.family_of(args.model), args.random_weights == "mid"
-            model = published.mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \
-                published.published_model(family, device="cuda")
-            backbone = M.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")
+            backbone = published.random_backbone(args.model, args.random_weights)
         else:
             backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting,
-                                       image_memory=args.image_memory * 1e9)
+                                               image_memory=args.image_memory * 1e9)
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
@@ -279,19 +258,11 @@ def main(argv=None):
             print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if not asked else ""))
         if args.benchmark:
             return table6.benchmark(backbone, args, generate)
-        if not (args.gates or args.hyperbolicity):
-            if not asked and args.checkpoint in (None, default):  # the default job
-                return evaluate_with_baselines(backbone, args, items, setting)
-            return evaluate(backbone, args, items, setting, vectors.load_vector(backbone, args) if args.vector else None)
-        path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-        settings = results.result_settings(backbone, args, setting, len(items))
-        results.check_replaceable(path, settings)
-        result = analyses.gate_analysis(backbone, args, items) if args.gates else analyses.hyperbolicity_analysis(backbone, args, items)
-        if torchrun.rank_and_world()[0] != 0:
-            return result
-        files.write_json(path, {**settings, **result}, indent=2)
-        print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
-        return result
+        if args.gates or args.hyperbolicity:
+            return analyses.analysis(backbone, args, items, setting)
+        if not asked and args.checkpoint in (None, default):  # the default job
+            return evaluate_with_baselines(backbone, args, items, setting)
+        return evaluate(backbone, args, items, setting, vectors.load_vector(backbone, args) if args.vector else None)
 
 
 if __name__ == "__main__":

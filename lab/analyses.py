@@ -1,15 +1,17 @@
 """The appendix analyses: where the gate opens (the attention shift ICDs cause) and the hyperbolicity of the
 states (Eq 18)."""
 import functools
+import json
+import os
 import statistics
 
-from tqdm import tqdm
 import torch
+from tqdm import tqdm
 
 import data
-import model as M
 import lorentz
-from lab import feed, tasks
+import model as M
+from lab import feed, files, results, tasks, torchrun
 
 
 def analysis_batches(backbone, args, items):
@@ -111,3 +113,18 @@ def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
             i += 1
     return {name: {"mean": statistics.mean(d), "std": statistics.pstdev(d)} for name, d in deltas.items()} | \
         {"layers": list(layers), "n": len(items)}
+
+
+def analysis(backbone, args, items, setting):
+    """--gates (Table 10) or --hyperbolicity (Table 9) on `items`: writes <out>/<gates | hyperbolicity>-<task>-<split>
+    .json (the result_settings and the result; a file of other settings is refused first, before any work), prints the
+    result but its per-layer means, and returns it. Under torchrun the first process writes."""
+    path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
+    settings = results.result_settings(backbone, args, setting, len(items))
+    results.check_replaceable(path, settings)
+    result = (gate_analysis if args.gates else hyperbolicity_analysis)(backbone, args, items)
+    if torchrun.rank_and_world()[0] != 0:
+        return result
+    files.write_json(path, {**settings, **result}, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_layer_mean"}), f"-> {path}")
+    return result

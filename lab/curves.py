@@ -8,9 +8,9 @@ import re
 import shlex
 import statistics
 
-from tqdm import tqdm
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import data
 import model as M

@@ -21,9 +21,11 @@ def parse_args(argv, doc, train_parse):
                         "tiny-<family> (offline twin, random weights), toy-idefics2 (meta-trained to learn in "
                         "context: the shipped reference), a toy backbone's file (train.py --build-toy), or a local "
                         "path (default: %(default)s)")
-    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="benchmark (default: %(default)s)")
+    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS),
+                   help="benchmark (default: %(default)s)")
     p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors; default: "
-                   f"{results.default_checkpoint('<model>', '<task>')} if it exists and --shots is not given, else none)")
+                   f"{results.default_checkpoint('<model>', '<task>')} if it exists and --shots is not given, else "
+                   "none)")
     p.add_argument("--shots", type=int, help="random in-context demonstrations per query from the training split "
                    "(0: zero-shot; N: the paper's N-shot Direct-ICD baseline). For --gates / --hyperbolicity: the "
                    "teacher's ICDs (default: the paper's, data.default_shots: 2 for MME and SEED)")
@@ -33,7 +35,7 @@ def parse_args(argv, doc, train_parse):
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test); "
                                               "MME and SEED-Bench: about N questions drawn by image, stratified by "
-                                              "subtask / dimension and seeded by --seed (data.stratified_subset)")
+                                              "subtask / dimension and seeded by --seed (tasks.stratified_subset)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
     p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy-icl tasks need none)")
     p.add_argument("--split", default="val", choices=data.SPLITS, help="split to evaluate (default: %(default)s)")
@@ -90,19 +92,19 @@ def parse_args(argv, doc, train_parse):
     p.add_argument("--random-weights", nargs="?", const="published", choices=["published", "mid"],
                    help="with --benchmark / --benchmark-attention: a backbone of --model's family with random weights "
                    "and synthetic prompts, no download. 'published' (the default when no size is named): the real "
-                   "size (model.PUBLISHED), bf16 on CUDA (--benchmark-attention: one layer of its attention sizes, "
-                   "also on CPU); 'mid': 8 decoder layers x 1024, 16 heads, 4 key/value heads (model.mid_model), "
+                   "size (published.PUBLISHED), bf16 on CUDA (--benchmark-attention: one layer of its attention sizes, "
+                   "also on CPU); 'mid': 8 decoder layers x 1024, 16 heads, 4 key/value heads (published.mid_model), "
                    f"float32, a {table6.MID_QUERY_TEXT}-token query, meant for CPUs")
     p.add_argument("--new-tokens", type=int, help="--benchmark: tokens generated per query (default: --task's "
-                                                 "generation length; 8 with --random-weights mid)")
+                                                  "generation length; 8 with --random-weights mid)")
     p.add_argument("--bench-shots", type=int, nargs="*", default=list(table6.BENCH_SHOTS),
                    help="--benchmark: the n-shot ICL rows (default: %(default)s; none when given without values)")
     p.add_argument("--attention-tokens", type=int, default=2048, help="--benchmark (peak memory of one attention "
                    "layer) and --benchmark-attention: query and key tokens (default: %(default)s)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: one for the tiny and toy backbones "
                    "on CPU, else torch's own choice)")
-    p.add_argument("--rounds", type=int, help=f"benchmarks: rounds of timed runs, each setting once per round "
-                   f"between two runs of the reference (default: {table6.ROUNDS})")
+    p.add_argument("--rounds", type=int, default=table6.ROUNDS, help="benchmarks: rounds of timed runs, each setting "
+                   "once per round between two runs of the reference (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="load --checkpoint even if it was trained on another "
                    "backbone (family or weights) of the same shape, with a warning")
     # `--train-args VALUE` as `--train-args=VALUE`: a value starting with '-' ("--resume") is the flag's, not a flag
@@ -131,7 +133,7 @@ def parse_args(argv, doc, train_parse):
         try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 train_parse(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                                  "--overwrite"])
+                             "--overwrite"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
         except SystemExit:

@@ -9,10 +9,10 @@ import shutil
 import socket
 import time
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 from tqdm import tqdm
-import torch
 
 
 def generated(root, write):

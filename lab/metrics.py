@@ -1,9 +1,9 @@
 """The metrics as the official tools compute them: VQA accuracy, CIDEr-D with PTB tokenisation, multiple choice,
 MME and SEED-Bench scores."""
-from collections import Counter
 import math
 import re
 import statistics
+from collections import Counter
 
 from lab import mme_seed
 

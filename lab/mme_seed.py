@@ -1,7 +1,6 @@
 """Readers of MME (its folders of images and question files) and SEED-Bench / SEED-Bench-2 (their JSON)."""
-from collections import Counter
 import os
-
+from collections import Counter
 
 import data
 from lab import readers

@@ -1,7 +1,7 @@
 """The published checkpoints' configs written out: parameter counts, latency and memory at full size with random
 weights and no download (published_model), and twins grown to a chosen width."""
-from transformers import Idefics2Config, IdeficsConfig, LlavaConfig, LlavaOnevisionConfig
 import torch
+from transformers import Idefics2Config, IdeficsConfig, LlavaConfig, LlavaOnevisionConfig
 
 import model as M
 from lab import tiny
@@ -67,3 +67,13 @@ def mid_model(family, seed=0):
     1024, 16 heads of 64, 4 key/value heads where the family groups them. Returns (model, processor)."""
     return grown_twin(family, seed, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=4, head_dim=64)
+
+
+def random_backbone(name, size="published"):
+    """--random-weights: a backbone of the family of `name` with random weights and no processor (synthetic prompts,
+    lab/table6.py:synthetic_prompt): the published size in bf16 on CUDA (published_model), or size "mid" (mid_model),
+    float32, on the GPU if there is one."""
+    family, mid = M.family_of(name), size == "mid"
+    model = mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \
+        published_model(family, device="cuda")
+    return M.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")

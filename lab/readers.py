@@ -1,10 +1,9 @@
 """Readers of the official formats: VQAv2 / OK-VQA questions and annotations, COCO / Flickr30k Karpathy splits,
 COCO instances; every field checked, naming the file and entry."""
-from collections import Counter
 import contextlib
 import json
 import os
-
+from collections import Counter
 
 import data
 

@@ -1,5 +1,5 @@
-"""Result files: their names, the settings a result depends on, refusing to replace another setting's result, MME's
-results folder."""
+"""Result files: their names, the settings a result depends on, refusing to replace another setting's result, an
+evaluation's predictions and metrics, MME's results folder."""
 import hashlib
 import json
 import os
@@ -27,16 +27,40 @@ def result_name(args, setting, n, vector_info):
         parts.append(f"layer{vector_info['vector_layer']}-{key}")
     if args.chair:
         parts.append("chair" if args.chair == "chair.py" else "chair-" + args.chair)
-    if args.checkpoint and os.path.abspath(args.checkpoint) != os.path.abspath(os.path.join(args.out,
-                                                                                          "adapter.safetensors")):
+    own = os.path.join(args.out, "adapter.safetensors")  # the folder's own adapter needs no key
+    if args.checkpoint and os.path.abspath(args.checkpoint) != os.path.abspath(own):
         parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
     return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
+
+
+def write_evaluation(stem, kind, items, predictions, metrics):
+    """An evaluation's files: <stem>.predictions.jsonl (id, prediction, references per item), for MME its results
+    folder <stem>.mme (write_mme_results), and last <stem>.metrics.json: `metrics` and the name and sha256 of the
+    predictions it scores, so that a kill in between leaves old metrics whose hash does not match (the old metrics
+    and MME folder are removed first). Returns the metrics as written."""
+    lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
+                    for it, p in zip(items, predictions)).encode()
+    try:  # never the old metrics (or MME folder) beside the new predictions, even if killed next
+        os.remove(stem + ".metrics.json")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
+    if kind == "yes-no":
+        files.discard(stem + ".mme")
+    files.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
+    if kind == "yes-no":
+        write_mme_results(stem + ".mme", items, predictions)
+    metrics = {**metrics, "predictions": os.path.basename(stem) + ".predictions.jsonl",
+               "predictions_sha256": hashlib.sha256(lines).hexdigest()}
+    files.write_json(stem + ".metrics.json", metrics, indent=2)
+    return metrics
 
 
 def write_mme_results(folder, items, predictions):
     """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
     <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores. The
-    folder is written whole or not at all (data.replaced): calculation.py never reads two runs' files mixed."""
+    folder is written whole or not at all (files.replaced): calculation.py never reads two runs' files mixed."""
     lines = {}
     for it, p in zip(items, predictions):  # " ".join(p.split()): no tab or newline may break the four columns
         row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{' '.join(p.split())}\n"

@@ -5,9 +5,9 @@ import json
 import math
 import os
 
-from tqdm import tqdm
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import data
 from lab import files

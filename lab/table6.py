@@ -6,19 +6,17 @@ import os
 import statistics
 import time
 
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
-import torch
 
 import data
 import model as M
 from lab import backbones, files, published, results, tasks
 
 
-ROUNDS = 10  # latency: rounds of timed runs; the FLOP count (Table 6) or the peak-memory run (attention) warms up
-
-
-BENCH_SHOTS = (8, 16, 32)
+ROUNDS = 10  # --rounds' default: rounds of timed runs; the FLOP count (Table 6) or the peak-memory run warms up
+BENCH_SHOTS = (8, 16, 32)  # --bench-shots' default: the n-shot ICL rows
 
 
 # Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
@@ -77,8 +75,8 @@ def benchmark_prompt(backbone, args, shots):
         batch = synthetic_prompt(backbone.model, backbone.family, shots, args.seed, query_text)
     else:
         query = tasks.load_task(args.task, args.split, args.data_root)[:1]
-        icds = data.demonstrations([query[0].id], tasks.load_task(args.task, "train", args.data_root), shots, args.seed) \
-            if shots else None
+        support = tasks.load_task(args.task, "train", args.data_root) if shots else None
+        icds = data.demonstrations([query[0].id], support, shots, args.seed) if shots else None
         batch = data.prompt_batch(backbone.processor, backbone.family, data.TASKS[args.task].kind, query, icds)
     return data.model_inputs(batch, backbone.model.device)
 
@@ -94,10 +92,10 @@ def keep_freed_memory():
     libc.mallopt(-1, 2 ** 31 - 1)    # M_TRIM_THRESHOLD: the heap's free top is never given back
 
 
-def paired_latency(runs, device):
+def paired_latency(runs, device, rounds):
     """Latency of every runs[name] relative to the first (the reference: zero-shot, plain SDPA) on a machine whose
     speed drifts. run(timer) runs one call under its setting, timed by timer(f) (seconds; the GPU synchronised).
-    Each of ROUNDS rounds times the reference before and after every other setting, so each run has reference runs
+    Each of `rounds` rounds times the reference before and after every other setting, so each run has reference runs
     on both sides; its ratio is its time over their mean. Returns {name: (ms, ratio, q1, q3)}: the median time, and
     the median and quartiles over rounds of the ratio (the reference's are 1). Why paired, not torch.utils.benchmark:
     docs/efficiency.md, "How latency is measured"."""
@@ -112,8 +110,8 @@ def paired_latency(runs, device):
 
     (reference, *others), times = list(runs), {name: [] for name in runs}
     ratios = {name: [1.0] if name == reference else [] for name in runs}
-    with tqdm(total=ROUNDS * (2 * len(others) + 1), desc="latency", unit="run") as bar:
-        for _ in range(ROUNDS):
+    with tqdm(total=rounds * (2 * len(others) + 1), desc="latency", unit="run") as bar:
+        for _ in range(rounds):
             times[reference].append(runs[reference](timer))
             for name in others:
                 times[name].append(runs[name](timer))
@@ -146,19 +144,19 @@ def run_as(model, method):
 
 
 def flops(backbone, inputs, new_tokens, generate):
-    """FLOPs of one `generate` call (evaluate.generate) of exactly new_tokens tokens (torch.utils.flop_counter); also
-    a warm-up."""
+    """FLOPs of one `generate` call (evaluate.generate, handed in) of exactly new_tokens tokens
+    (torch.utils.flop_counter); also a warm-up."""
     with FlopCounterMode(display=False) as counter:
         generate(backbone, inputs, new_tokens, min_new_tokens=new_tokens)
     return counter.get_total_flops()
 
 
 def benchmark(backbone, args, generate):
-    """Table 6: per query, FLOPs and latency (paired_latency) of the prefill (one new token) and of generating
-    --new-tokens tokens for zero-shot, each adapter (the --checkpoint's, else every method of model.METHODS) and
-    --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each adapter also the peak memory of one
-    decoder attention layer at --attention-tokens tokens (attention_call). Writes benchmark.json. generate: evaluate.py's
-    greedy decoding, handed in."""
+    """Table 6: per query, FLOPs and latency (paired_latency, --rounds rounds) of the prefill (one new token) and of
+    generating --new-tokens tokens for zero-shot, each adapter (the --checkpoint's, else every method of
+    model.METHODS) and --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each adapter also
+    the peak memory of one decoder attention layer at --attention-tokens tokens (attention_call). Writes
+    benchmark.json. generate: evaluate.generate (greedy decoding), handed in."""
     new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else data.TASKS[args.task].max_new_tokens)
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
@@ -179,14 +177,14 @@ def benchmark(backbone, args, generate):
             runs[part][name] = lambda timer, m=method, i=inputs, k=k: run_as(backbone.model, m)(
                 lambda: timer(lambda: generate(backbone, i, k, min_new_tokens=k)))()
     for part, key in (("prefill", "prefill_ms"), ("generate", "ms")):
-        for r, (ms, ratio, q1, q3) in zip(rows, paired_latency(runs[part], device).values()):
+        for r, (ms, ratio, q1, q3) in zip(rows, paired_latency(runs[part], device, args.rounds).values()):
             r[key], r[key + "_ratio"], r[key + "_quartiles"] = ms, ratio, [q1, q3]
     for r in rows:
         for key in ("prefill_tflops", "tflops", "attention_mib"):
             r[key + "_ratio"] = r[key] / rows[0][key] if r[key] is not None else None
     print(f"{backbone.name} on {device}, {torch.get_num_threads()} threads; prefill (1 new token) and {new_tokens} new "
-          f"tokens per query; latency: median ms, and the median [quartiles] over {ROUNDS} rounds of the time over "
-          f"zero-shot runs on both sides; attention: peak memory of one decoder attention layer at "
+          f"tokens per query; latency: median ms, and the median [quartiles] over {args.rounds} rounds of the time "
+          f"over zero-shot runs on both sides; attention: peak memory of one decoder attention layer at "
           f"{args.attention_tokens} tokens")
     print(f"{'setting':<17} {'tokens':>6} | prefill {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | "
           f"generate {'TFLOPs':>8} {'x':>6} {'ms':>8} {'x [quartiles]':>19} | attention {'MiB':>7} {'x':>5}")
@@ -198,7 +196,8 @@ def benchmark(backbone, args, generate):
         print(f"{r['setting']:<17} {r['prompt_tokens']:>6} | {'':7} {part(r, 'prefill_tflops', 'prefill_ms')} | "
               f"{'':8} {part(r, 'tflops', 'ms')} | {'':9} {memory}")
     files.write_json(path, {"model": backbone.name, "device": str(device), "threads": torch.get_num_threads(),
-                        "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows}, indent=2)
+                            "new_tokens": new_tokens, "attention_tokens": args.attention_tokens, "rows": rows},
+                     indent=2)
     print(f"-> {path}")
     return rows
 
@@ -238,10 +237,11 @@ def attention_call(model, T):
             f"{heads} heads ({kv_heads} key/value) x {head_dim}")
 
 
-def attention_benchmark(model, T=2048):
+def attention_benchmark(model, T=2048, rounds=ROUNDS):
     """One decoder self-attention of `model` at T query and key tokens (attention_call), batch 1: latency
-    (paired_latency) and peak memory (peak_memory_mb) of the stock SDPA forward, of every method of model.METHODS
-    through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns {name: (ms, MiB)}."""
+    (paired_latency, `rounds` rounds) and peak memory (peak_memory_mb) of the stock SDPA forward, of every method of
+    model.METHODS through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns
+    {name: (ms, MiB)}."""
     device, dtype = model.device, model.dtype
     forward, reference, sizes = attention_call(model, T)
     paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
@@ -251,9 +251,9 @@ def attention_benchmark(model, T=2048):
         with run_as(model, method):
             memory[name] = peak_memory_mb(run, device)
         runs[name] = lambda timer, m=method, run=run: run_as(model, m)(lambda: timer(run))()  # in its setting
-    latency = paired_latency(runs, device)
+    latency = paired_latency(runs, device, rounds)
     print(f"one attention layer: {sizes}, T = {T}, {dtype} on {device}, {torch.get_num_threads()} threads; latency: "
-          f"median ms, and the median [quartiles] over {ROUNDS} rounds of the time over SDPA runs on both sides; "
+          f"median ms, and the median [quartiles] over {rounds} rounds of the time over SDPA runs on both sides; "
           "peak memory: " + ("torch.cuda.max_memory_allocated" if torch.device(device).type == "cuda" else
                              "torch.profiler's allocation records"))
     for name, (ms, ratio, q1, q3) in latency.items():
@@ -264,7 +264,7 @@ def attention_benchmark(model, T=2048):
 
 def attention_model(args):
     """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
-    mid-size model or a one-layer model with the published attention sizes (model.grown_twin)."""
+    mid-size model or a one-layer model with the published attention sizes (published.grown_twin)."""
     family = M.family_of(args.model)
     if args.random_weights == "mid":
         return published.mid_model(family)[0]

@@ -1,11 +1,11 @@
 """Tiny offline twins: random weights of a few million parameters with the real processors' settings, one builder
 per family (tiny-<family>), for the tests and the offline runs."""
+import torch
 from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
                           Idefics2ImageProcessorPil, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
                           IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil, LlavaProcessor,
                           PreTrainedTokenizerFast, SiglipImageProcessorPil)
-import torch
 
 import model as M
 

@@ -9,8 +9,8 @@ import json
 import os
 import random
 
-from tqdm import tqdm
 import torch
+from tqdm import tqdm
 
 import data
 import model as M

@@ -26,7 +26,7 @@ def test_hificl_without_padding_builds_no_mask_and_equals_the_masked_path(T, S, 
 @pytest.mark.parametrize("family", sorted(M.FAMILIES))
 def test_grown_twin_has_the_asked_decoder_and_runs(family):
     model, _ = published.grown_twin(family, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                            num_hidden_layers=3, intermediate_size=64)
+                                    num_hidden_layers=3, intermediate_size=64)
     assert M.attention_shape(model) == (3, 6, 16)
     inputs = table6.synthetic_prompt(model, family, 0, query_text=5)
     assert model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False).shape[1] == \
@@ -39,14 +39,13 @@ class Extra(HiFICL):
 
 def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
     monkeypatch.setattr(M, "METHODS", {**M.METHODS, "extra": Extra})
-    monkeypatch.setattr(table6, "ROUNDS", 1)
-    rows = E.main(["--benchmark", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
-                   "--bench-shots", "--out", str(tmp_path)])
+    rows = E.main(["--benchmark", "--rounds", "1", "--model", "tiny-idefics2", "--task", "vqav2",
+                   "--data-root", benchmarks.ROOT, "--bench-shots", "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS]
     # each row really ran its adapter (LIVE's elementwise shift has no FLOPs FlopCounterMode counts)
     assert all(r["tflops_ratio"] > 1 for r in rows[1:] if r["setting"] != "live")
     assert not hasattr(backbones.load_backbone("tiny-idefics2").model, "icl_settings")
-    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=8)
+    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=8, rounds=1)
     assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"]
 
 
@@ -55,24 +54,22 @@ def test_peak_memory_counts_allocations():
     assert 128 <= mib < 130
 
 
-def test_fused_paths_form_no_t_by_t_tensor(monkeypatch):
-    monkeypatch.setattr(table6, "ROUNDS", 1)
+def test_fused_paths_form_no_t_by_t_tensor():
     model = backbones.load_backbone("tiny-idefics2").model
     T, (_, heads, _) = 512, M.attention_shape(model)
     one_score_matrix = heads * T * T * 4 / 2 ** 20               # MiB of one float32 [1, H, T, T] tensor
-    result = table6.attention_benchmark(model, T=T)
+    result = table6.attention_benchmark(model, T=T, rounds=1)
     for name, (_, mib) in result.items():
         assert (mib > one_score_matrix) == (name == "hyper-icl reference"), (name, mib, one_score_matrix)
 
 
-def test_paired_latency_cancels_a_drifting_machine(monkeypatch):
+def test_paired_latency_cancels_a_drifting_machine():
     """A machine that slows down by 10% per run: every setting's ratio to the zero-shot runs on both sides of it is
     still its true 1.5x (2x), while the ratio of its median time to the reference's median is not."""
-    monkeypatch.setattr(table6, "ROUNDS", 3)
     clock = iter(1.1 ** i for i in range(100))                       # the machine's slowness at each run
     runs = {"zero-shot": lambda timer: next(clock), "a": lambda timer: 1.5 * next(clock),
             "b": lambda timer: 2 * next(clock)}
-    result = table6.paired_latency(runs, "cpu")
+    result = table6.paired_latency(runs, "cpu", rounds=3)
     ms, ratio, q1, q3 = result["a"]
     assert ratio == pytest.approx(1.5 * 2 * 1.1 / (1 + 1.1 ** 2)) and (q1, q3) == pytest.approx((ratio, ratio))  # 1.493
     assert result["b"][1] == pytest.approx(2 * 2 * 1.1 / (1 + 1.1 ** 2))

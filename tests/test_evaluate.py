@@ -130,9 +130,8 @@ def test_batched_generation_matches_one_at_a_time(family):
 # -----------------------------------------------------------------------------
 # efficiency (Table 6)
 
-def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(table6, "ROUNDS", 1)
-    rows = E.main([*TINY, "--benchmark", "--out", str(tmp_path)])
+def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, capsys):
+    rows = E.main([*TINY, "--benchmark", "--rounds", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     names = ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
     assert [r["setting"] for r in rows] == names
@@ -167,13 +166,13 @@ def test_synthetic_prompts_are_in_the_family_format(family):
 def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
     """--random-weights end to end on CPU, the real-size backbone replaced by the tiny twin (synthetic prompts)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(published, "published_model", lambda family, device: backbones.load_backbone("tiny-" + family).model)
-    monkeypatch.setattr(table6, "ROUNDS", 1)
-    rows = E.main(["--benchmark", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
+    monkeypatch.setattr(published, "published_model",
+                        lambda family, device: backbones.load_backbone("tiny-" + family).model)
+    rows = E.main(["--benchmark", "--rounds", "1", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
                    "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]
-    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4) for s in
-                                                      (8, 16, 32)]  # the tiny twin: 2 x 2 patches per image
+    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4)
+                                                       for s in (8, 16, 32)]  # the tiny twin: 2 x 2 patches an image
     assert "llava-interleave (random weights)" in capsys.readouterr().out
 
 
@@ -235,9 +234,8 @@ def test_middle_layers():
     assert list(analyses.middle_layers(2)) == [0, 1]
 
 
-def test_attention_benchmark_runs_every_path(monkeypatch, capsys):
-    monkeypatch.setattr(table6, "ROUNDS", 1)
-    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16)
+def test_attention_benchmark_runs_every_path(capsys):
+    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16, rounds=1)
     assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"] and all(t > 0 and m > 0 for t, m in ms.values())
     assert "hyper-icl reference" in capsys.readouterr().out
 
@@ -314,7 +312,7 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
     assert len(runs) == len(trained)
     assert json.loads((tmp_path / "tune.json").read_text())["chosen"]["live"]["lam"] == 0.5
     assert curves.row_flags(["--method", "live", "--lam", "2"], chosen) == ["--lr", "0.001", "--lam", "0.5",
-                                                                       "--method", "live", "--lam", "2"]
+                                                                            "--method", "live", "--lam", "2"]
 
 
 def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_training_queries():
