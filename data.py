@@ -1,4 +1,4 @@
-"""Data: what the teacher and the student read, the demonstrations, and the benchmarks in their official formats.
+"""Data: the items, their prompts, what the teacher and the student read, and the demonstrations.
 
 Items. Each question (VQA, MME, SEED-Bench) or image (captions) is one `Item`: VQA `answers` are the ten human
 answers and the target VQAv2's `multiple_choice_answer` (OK-VQA: the most frequent answer); captions have no
@@ -17,9 +17,8 @@ concatenations of those ids, so the query's ids are identical in teacher and stu
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
-Then the readers: the layout of --data-root, the splits of MME and SEED-Bench and what every reader checks are in
-docs/real-models.md ("Data layout"); a bad file or entry is an error naming it. Last, the generated toy-icl datasets
-and the project's file writes (atomic, with checked caches).
+The readers of the official formats (lab/readers.py, lab/mme_seed.py: the layout of --data-root and what each checks
+are in docs/real-models.md, "Data layout") and the generated toy-icl datasets (lab/toy_world.py) make the Items.
 """
 import hashlib
 import random
@@ -30,6 +29,8 @@ import torch
 from PIL import Image
 from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
                                                             incremental_to_binary_attention_mask)
+
+
 # -------------------------------------------------------------------------------------------------- items and tasks
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Item:
 
 @dataclass(frozen=True)
 class Task:
-    kind: str            # "vqa" or "caption"
+    kind: str            # "vqa", "caption", "yes-no" (MME) or "choice" (SEED-Bench): the PROMPTS entry
     max_new_tokens: int  # generation length at evaluation
     shots: int | None = None  # ICDs per query where the paper fixes them for the task, else DEFAULT_SHOTS
 
@@ -75,12 +76,12 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
                    query="<image>Question: {question} Answer:", answer=" {answer}"),
     "choice": dict(instruction="Answer each question about its image with the letter of the correct option.\n",
                    query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
-    # SEED's likelihood protocol: the official prompt (SEED-Bench's model/instruct_blip_interface.py,
-    # "Question: {question}\nAnswer:"), no instruction line and no options; an answer is an option's text
-    # (evaluate.option_logliks).
+    # SEED's likelihood protocol (evaluate.option_logliks): SEED-Bench's official prompt "Question: {question}\nAnswer:"
+    # (its model/instruct_blip_interface.py), no instruction line and no options; an answer is an option's text.
     "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
+SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 
 def end_token(processor, family):
@@ -184,14 +185,24 @@ def onevision_piece(process, image):
     image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one image; an image among
     several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher row holds several
     images, so its query image is in that mode; the student's lone query image must be too, or the query's tokens
-    would differ between the rows (Eq 16 compares them token by token). So every image is encoded this way, in
-    training and evaluation alike (`image_inputs` tells the model): padded to a square of the mean colour and resized,
-    as the image processor does for an image among several, once (not as a prompt of two images, one kept).
-    Returns image_pixels' dict, with the image's "image_sizes" [1, 2]."""
+    would differ between the rows (Eq 16 compares them token by token). So every image, in training and evaluation
+    (`image_inputs` tells the model), is padded to a square of the mean colour and resized, as the image processor
+    does for an image among several. Returns image_pixels' dict, with the image's "image_sizes" [1, 2]."""
     pixels = process.process_image(image, do_convert_rgb=True)
     square = process.pad_to_square(pixels, tuple(int(x * 255) for x in process.image_mean))
     view = process.resize(square, process.size, resample=process.resample)
     return {"pixel_values": [chw(view)], "image_sizes": torch.tensor([pixels.shape[-2:]])}
+
+
+def load_image(item):
+    """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
+    try:
+        with Image.open(item.image_path) as im:
+            return im.convert("RGB")
+    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
+        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
+    except OSError as e:
+        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
 
 
 def encode_query(processor, family, kind, query, with_target=True):
@@ -296,11 +307,6 @@ def normalised(batch):
     return {**{k: v for k, v in batch.items() if k != "pixel_norm"}, "pixel_values": out}
 
 
-def left_pad(seq, width, fill):
-    """seq preceded by `fill` up to `width`."""
-    return [fill] * (width - len(seq)) + list(seq)
-
-
 def collate(rows, processor, family):
     """Left-pad rows into a batch: input_ids, attention_mask, position_ids (real tokens only: 0 on padding), labels
     (-100 except on the answer + end token), query_target (each row's last query_len positions: the query + target,
@@ -312,12 +318,13 @@ def collate(rows, processor, family):
                              f"{processor.tokenizer.model_max_length} positions; shorten its question (or use fewer "
                              "demonstrations)")
     width, pad = max(len(r["input_ids"]) for r in rows), processor.tokenizer.pad_token_id
-    input_ids = torch.tensor([left_pad(r["input_ids"], width, pad) for r in rows])
-    attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), width, 0) for r in rows])
-    query_target = torch.tensor([left_pad([True] * r["query_len"], width, False) for r in rows])
+    left_pad = lambda seq, fill: [fill] * (width - len(seq)) + list(seq)  # seq preceded by `fill` up to `width`
+    input_ids = torch.tensor([left_pad(r["input_ids"], pad) for r in rows])
+    attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), 0) for r in rows])
+    query_target = torch.tensor([left_pad([True] * r["query_len"], False) for r in rows])
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-            "labels": torch.tensor([left_pad(r["labels"], width, -100) for r in rows]), "query_target": query_target,
+            "labels": torch.tensor([left_pad(r["labels"], -100) for r in rows]), "query_target": query_target,
             **image_inputs(rows, processor, family, input_ids)}
 
 
@@ -351,19 +358,3 @@ def demonstrations(query_ids, support, m, seed):
         icds.append([support[i] for i in picks if support[i].id != qid][:m])
     return icds
 
-
-# ---------------------------------------------------------------------------------- readers of the official formats
-
-
-def load_image(item):
-    """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
-    try:
-        with Image.open(item.image_path) as im:
-            return im.convert("RGB")
-    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
-        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
-    except OSError as e:
-        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
-
-
-SEED_LETTERS = "ABCD"
