@@ -77,7 +77,7 @@ def stop_ids(backbone):
 def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0):
     """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
     `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
-    prepared by `workers` DataLoader workers while the model decodes (data.prepared). Under torchrun each process
+    prepared by `workers` DataLoader workers while the model decodes (lab/feed.py:prepared). Under torchrun each process
     answers every N-th batch; every process returns all answers, in item order."""
     kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}

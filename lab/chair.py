@@ -10,7 +10,8 @@ from lab import metrics, readers
 # their utils/chair.py), shipped byte for byte as tests/data/chair-synonyms.txt (its sha256 checked on import): one
 # COCO category a line, its instances_*2014.json name first, then the words a caption may use for it, in singular
 # form (captions are singularised first), repetitions and stray spaces included.
-CHAIR_SYNONYMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "chair-synonyms.txt")
+CHAIR_SYNONYMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                              "chair-synonyms.txt")
 
 
 CHAIR_SYNONYMS_SHA256 = "b685537b36fe21b791c87151b96a991ceb582edff19f3da204dcc7a7905502f2"
@@ -150,7 +151,7 @@ def chair(captions, annotated, references, vocabulary, count="chair.py"):
 
 def chair_metrics(items, predictions, count="chair.py"):
     """Table 5 for caption items: CHAIR_s, CHAIR_i and Recall x 100, with the objects of the COCO instances files of
-    the items' image folders (data.read_instances) and the items' reference captions. count "chair.py" (chair.py's
+    the items' image folders (readers.read_instances) and the items' reference captions. count "chair.py" (chair.py's
     count, quirks included) names them chair_s, chair_i, recall; "corrected" chair_s_corrected, ..."""
     annotated, categories = readers.read_instances(items)
     vocabulary = chair_vocabulary(categories)

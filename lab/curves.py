@@ -81,7 +81,7 @@ def method_of(flags):
 # k = -1, 0, 1, widened a decade at a time while the best rate is at an edge (at most TUNE_DECADES from the published
 # one). Then LIVE's and MimIC's weight of the cross-entropy beside their own loss (lambda) among TUNE_LAMBDAS at that
 # rate. A run's score is its best epoch's supervised loss (-log p per answer token) on TUNE["n_heldout"] queries held
-# out of the *training* split (train.split_pool: never trained on in that run, never an evaluation image), at
+# out of the *training* split (tasks.split_pool: never trained on in that run, never an evaluation image), at
 # TUNE["n_train"] training queries and a seed no curve run uses. Hyper-ICL's variants (Table 4, lambda, kappa) train
 # at Hyper-ICL's rate. Published rates: the papers' 5e-3 (Hyper-ICL, HiFICL, and so the gate ablations of Hyper-ICL);
 # LoRA 5e-4 and MimIC 1e-5 (MimIC's public configs, peft/lora.yaml and peft/mimic.yaml); LIVE 1e-3 (its VQAv2 runs).
@@ -146,8 +146,9 @@ def row_flags(flags, chosen):
 def curve_runs(names=None):
     """The rows of --curve: every method of model.METHODS, Hyper-ICL's anchor ablations (Table 4), lambda and kappa
     beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; only `names`, if given."""
-    rows = [(m, ["--method", m]) for m in M.METHODS] + [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]),
-            ("hyper-icl, CE only", ["--anchor", "none"]), ("hyper-icl, anchor only", ["--lam", "0"])]   # Table 4
+    rows = [(m, ["--method", m]) for m in M.METHODS]
+    rows += [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]), ("hyper-icl, CE only", ["--anchor", "none"]),
+             ("hyper-icl, anchor only", ["--lam", "0"])]                                  # Table 4
     rows += [(f"hyper-icl, lambda {lam}", ["--lam", lam]) for lam in ("5", "50")]           # Fig 3b: lambda
     rows += [(f"hyper-icl, kappa {kappa}", ["--kappa", kappa]) for kappa in ("0.01", "1")]  # Fig 3b: kappa
     rows += [("hyper-icl, anchor / first step", ["--anchor-norm", "first"])]              # not in the paper
@@ -176,8 +177,8 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])
-    levels = {f"{n}-shot ICL": scored(backbone, scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")], items, f"{n}-shot")
-              for n in sorted({*ICL_LEVELS, shots})}
+    icl_flags = lambda n: scoring + ["--shots", str(n), "--out", os.path.join(args.out, "icl")]
+    levels = {f"{n}-shot ICL": scored(backbone, icl_flags(n), items, f"{n}-shot") for n in sorted({*ICL_LEVELS, shots})}
     levels = {k: {"accuracy": m[results.headline_metric(m)]} for k, m in levels.items()}
     levels["0-shot ICL"] |= answer_measures(backbone, kind, items, teacher, args.batch_size)
     rows = curve_runs(args.curve_methods)
@@ -239,8 +240,8 @@ def write_curve(args, runs, levels, n_items, chosen, recorded):
         lines += [f"| {s} | " + " | ".join("{:.3g} [{:.3g}, {:.3g}]".format(*stats[s, n, k]) for n in budgets) + " |"
                   for s in settings]
     files.atomic_write(os.path.join(args.out, "curve.md"), lambda f: f.write(("\n".join(lines) + "\n").encode()))
-    files.write_json(os.path.join(args.out, "curve.json"), {**recorded, "runs": runs, "levels": levels, "tuned": chosen},
-                 indent=2)
+    files.write_json(os.path.join(args.out, "curve.json"),
+                     {**recorded, "runs": runs, "levels": levels, "tuned": chosen}, indent=2)
     fig, axes = plt.subplots(1, len(CURVE_MEASURES), figsize=(15, 4.6), dpi=100)
     for ax, (k, title) in zip(axes, CURVE_MEASURES.items()):
         for i, s in enumerate(settings):

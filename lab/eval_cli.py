@@ -37,7 +37,8 @@ def parse_args(argv, doc, train_parse):
                                               "MME and SEED-Bench: about N questions drawn by image, stratified by "
                                               "subtask / dimension and seeded by --seed (tasks.stratified_subset)")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
-    p.add_argument("--data-root", help="datasets in their official layout (see data.py; toy-icl tasks need none)")
+    p.add_argument("--data-root", help="datasets in their official layout (docs/real-models.md; toy-icl tasks need "
+                                       "none)")
     p.add_argument("--split", default="val", choices=data.SPLITS, help="split to evaluate (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
     p.add_argument("--seed-protocol", choices=["generate", "likelihood"], help="SEED-Bench: generate the option "

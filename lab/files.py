@@ -86,7 +86,7 @@ def replaced(root, write):
     return root
 
 
-# The writes every script makes (model.py and evaluate.py use them too), their leftovers cleaned up.
+# The writes every script makes (train.py, evaluate.py and lab's files), their leftovers cleaned up.
 
 def atomic_write(path, write, durable=True):
     """Call write(f) on a new binary file beside `path`, then rename it over `path`: readers see the old file or the

@@ -128,8 +128,8 @@ def read_vqa(root, split, dataset):
                 raise ValueError(f"question {q['question_id']} in {qpath} has no annotation in {apath}")
             unique_id(seen, q["question_id"], "question_id")
             items.append(data.Item(q["question_id"], coco_image(root, split, integer_field(q, "image_id")),
-                              text_field(q, "question"),
-                              *annotations[q["question_id"]]))
+                                   text_field(q, "question"),
+                                   *annotations[q["question_id"]]))
     return items
 
 

@@ -113,7 +113,7 @@ def split_pool(args, family):
 
 def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
-    stratified by subtask / dimension, data.stratified_subset; otherwise the first N)."""
+    stratified by subtask / dimension, stratified_subset; otherwise the first N)."""
     items = load_task(args.task, args.split, args.data_root)
     if args.n_eval and data.TASKS[args.task].kind in ("yes-no", "choice"):
         return stratified_subset(items, args.n_eval, args.seed)

@@ -15,7 +15,7 @@ from lab import files, readers
 # squares or of the background) is readable only from the demonstrations' image-answer pairs. One VQAv2
 # dataset per attribute, task `toy-icl-<attribute>`, in ~/.cache/hyper-icl/toy-icl/<attribute> (or
 # data_root/toy-icl/<attribute>). Images are 42 x 42, a 3 x 3 grid of 14-px cells: one vision patch per cell of
-# the toy backbone (model.py), which is meta-trained on scenes of its own drawing, never on these files.
+# the toy backbone (lab/toy_backbone.py), which is meta-trained on scenes of its own drawing, never on these files.
 
 ICL_QUESTION = "What is it?"
 
@@ -110,7 +110,7 @@ def write_vqa(root, split, description, questions, annotations):
     header = {"info": {"description": description}, "license": {}, "data_type": "mscoco",
               "data_subtype": f"{split}2014"}
     files.write_json(os.path.join(root, "vqav2", qfile.format(split)),
-               {**header, "task_type": "Open-Ended", "questions": questions})
+                     {**header, "task_type": "Open-Ended", "questions": questions})
     files.write_json(os.path.join(root, "vqav2", afile.format(split)), {**header, "annotations": annotations})
 
 

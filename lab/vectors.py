@@ -45,7 +45,7 @@ def vector_sets(pool, args, shots):
 
 def target_batches(backbone, kind, queries, icds, batch_size, workers=0):
     """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token; made
-    by `workers` DataLoader workers (data.prepared)."""
+    by `workers` DataLoader workers (feed.prepared)."""
     icds = icds or [[] for _ in queries]
     specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
     build = functools.partial(forced_rows, backbone.processor, backbone.family, kind)
@@ -64,8 +64,8 @@ def icl_means(backbone, kind, queries, icds, batch_size, workers=0):
     of every layer, Hendel et al.), and of each head's output there, [L, H, d_h] (Todd et al.'s mean activations)."""
     model, states, heads = backbone.model, {}, {}
     specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
-    batches = feed.prepared(functools.partial(feed.prompt_rows, backbone.processor, backbone.family, kind), specs, workers,
-                         model.device)
+    build = functools.partial(feed.prompt_rows, backbone.processor, backbone.family, kind)
+    batches = feed.prepared(build, specs, workers, model.device)
     for batch in tqdm(batches, total=len(specs), desc="ICL means", unit="batch"):
         with layer_states_at(model, states), head_outputs(model, heads):
             model(**data.model_inputs(batch, model.device), logits_to_keep=1)
@@ -86,7 +86,7 @@ def answer_probability(backbone, batch, positions):
 def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed):
     """Average indirect effect of every head (Todd et al. 2024), [L, H]: on ICL prompts whose ICD labels are
     shuffled, the rise of the first answer token's probability when the head's output at the last prompt token is
-    replaced by its mean over clean prompts (model.set_head_output), averaged over the prompts."""
+    replaced by its mean over clean prompts (set_head_output), averaged over the prompts."""
     rng = random.Random(seed)  # the corrupted prompts: each ICD list with its targets shuffled among its ICDs
     shuffled = [[dataclasses.replace(d, target=t) for d, t in zip(ds, rng.sample([d.target for d in ds], len(ds)))]
                 for ds in icds]
@@ -107,7 +107,7 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
 
 def function_vector(model, mean_heads, aie, k):
     """Todd et al.'s FV: the sum over the k heads of largest average indirect effect of what each adds to the
-    residual stream with its mean output (model.head_contribution). Returns ([d], the heads as [k, 2] (layer, head))."""
+    residual stream with its mean output (head_contribution). Returns ([d], the heads as [k, 2] (layer, head))."""
     top = aie.flatten().topk(k).indices
     heads = torch.stack([top // aie.shape[1], top % aie.shape[1]], 1)
     fv = sum(head_contribution(model, l, h, mean_heads[l, h]) for l, h in heads.tolist())

@@ -1,14 +1,14 @@
 """How fast batches are prepared (no model forward), and what that does end to end: a benchmark, not a test.
 
-    git worktree add --detach /tmp/before f61fb91      # the code to compare with (read-only)
+    git worktree add --detach /tmp/before b7b8401      # the code to compare with (read-only; lab/ layout)
     flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before [--rounds 3]
     flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before --rounds 2 --end-to-end
 
-On real-processor twins (tests/tiny.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
+On real-processor twins (tests/twins.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
 layout whose images are photographs of skimage.data at COCO sizes (640 x 480, every fourth 480 x 640), it times
 preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation prompts (batches of 4), of Idefics2
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,
-each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (data.prepared);
+each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (lab/feed.py:prepared);
 then one query's cached teacher states read back, against reading the file's bytes. --end-to-end times instead
 `train.py` (8 shots, 64 queries, 2 epochs; Idefics2) and `evaluate.py --shots 8` (64 items; Idefics2 and
 LLaVA-OneVision) at their defaults, old and new alternately. Medians over --rounds; ratios new / old. The worker
@@ -61,11 +61,11 @@ def child(args):
     sys.path[:0] = [args.code]
     import torch
     import data as D
-    import model as M
+    from lab import backbones, feed, tasks
     torch.set_num_threads(1)
     family, splitting = BACKBONES[args.backbone]
-    b = M.load_backbone(args.twin, image_splitting=splitting)
-    pool = D.load_task("vqav2", "train", args.data)
+    b = backbones.load_backbone(args.twin, image_splitting=splitting)
+    pool = tasks.load_task("vqav2", "train", args.data)
     n = ROWS[args.backbone]
     queries = pool[:n]
     icds = D.demonstrations([q.id for q in queries], pool, 8, 0)
@@ -84,13 +84,13 @@ def child(args):
         more = specs * 4
         for name, build in {**builders, "spin": spin}.items():  # spin: what 2 workers can gain on this machine now
             for w in (0, 1, 2):
-                loader = torch.utils.data.DataLoader(D.Prepared(build, more, False), batch_size=None,
+                loader = torch.utils.data.DataLoader(feed.Prepared(build, more, False), batch_size=None,
                                                      num_workers=w, prefetch_factor=2 if w else None)
                 start = time.perf_counter()
                 for _ in loader:
                     pass
                 out[f"{name}-{w}w"] = 4 * n / (time.perf_counter() - start)
-        build = lambda spec: D.on_host(builders["teacher"](spec))  # a CPU run: normalised in the worker
+        build = lambda spec: feed.on_host(builders["teacher"](spec))  # a CPU run: normalised in the worker
         start = time.perf_counter()
         for spec in specs:
             build(spec)
@@ -121,13 +121,14 @@ def eval_rows(processor, family, spec):
 
 def cache_child(args):
     """One query's cached LLaVA-OneVision-size teacher states (28 layers x 745 tokens x 3584, bf16: 150 MB), read
-    back by read_teacher against reading the file's bytes (both from the page cache), with the code under args.code."""
+    back by lab/teacher_cache.py:read_teacher against reading the file's bytes (both from the page cache), with the
+    code under args.code."""
     sys.path[:0] = [args.code]
     import torch
-    import train
+    from lab import files, teacher_cache
     path, key = os.path.join(args.data, "states.safetensors"), "key"
     states = torch.randn(28, 745, 3584).to(torch.bfloat16)
-    train.data.write_cache(path, {"states": states}, key + "states")
+    files.write_cache(path, {"states": states}, key + "states")
     read, raw = [], []
     for _ in range(7):
         start = time.perf_counter()
@@ -135,7 +136,7 @@ def cache_child(args):
             f.read()
         raw.append(time.perf_counter() - start)
         start = time.perf_counter()
-        assert train.read_teacher(path, key, states.shape) is not None
+        assert teacher_cache.read_teacher(path, key, states.shape) is not None
         read.append(time.perf_counter() - start)
     print(json.dumps({"bytes": os.path.getsize(path), "raw_s": statistics.median(raw),
                       "read_s": statistics.median(read)}))
@@ -193,7 +194,7 @@ def main():
         for k, v in med["new"].items():
             old = None if k.endswith("w") else med.get("old", {}).get(k.split("-")[0])
             print(f"{name} {k}: {v:.2f} rows/s" + (f" (old {old:.2f}; s a row new / old {old / v:.2f})" if old
-                                                    else ""))
+                                                   else ""))
         for kind in ("teacher", "student", "eval", "spin"):
             print(f"{name} {kind}: 2 workers / 1 worker {med['new'][f'{kind}-2w'] / med['new'][f'{kind}-1w']:.2f}")
     for side, code in {} if args.end_to_end else sides.items():

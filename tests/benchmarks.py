@@ -1,9 +1,10 @@
 """Small benchmarks in the official layouts, for the tests: VQAv2 and COCO (images, Karpathy captions, instance
 annotations), MME (all fourteen subtasks), SEED-Bench-1 and SEED-Bench-2, drawn with Pillow from fixed seeds.
 
-They are read by data.py's own readers under the real task names: `--task vqav2 --data-root benchmarks.ROOT` (also
-coco, mme, seed, seed2). ROOT is written once (conftest.py calls `generate`) to a folder whose name holds a hash of
-this file and data.py, so a changed fixture is never read from a stale folder; data.generated makes the write atomic.
+They are read by the project's own readers (lab/readers.py, lab/mme_seed.py) under the real task names: `--task
+vqav2 --data-root benchmarks.ROOT` (also coco, mme, seed, seed2). ROOT is written once (conftest.py calls
+`generate`) to a folder whose name holds a hash of this file and of the lab files it writes with, so a changed fixture
+is never read from a stale folder; files.generated makes the write atomic.
 """
 import hashlib
 import os
@@ -18,7 +19,8 @@ from PIL import Image, ImageDraw
 import data as D
 from lab import files, mme_seed, readers, toy_world
 
-SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in (__file__, D.__file__))  # this file and data.py's writers
+WRITERS = (__file__, D.__file__, files.__file__, mme_seed.__file__, readers.__file__, toy_world.__file__)
+SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in WRITERS)  # this file and the code it writes with
 ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
 MME_IMAGES = 12                          # per subtask, two questions each
@@ -262,8 +264,9 @@ def write_seed(root):
                    "choice_d": "spinning", "data_id": f"{k}.webm", "data_type": "video",
                    "question": "What is the action being carried out in the video?", "question_id": f"v{k}",
                    "question_type_id": 10} for k in range(2)]
+    types = {name: k + 1 for k, name in enumerate(SEED_V1_DIMENSIONS)}
     files.write_json(os.path.join(root, "seed-bench", "SEED-Bench.json"),
-                 {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V1_DIMENSIONS)}})
+                     {"questions": questions, "question_type": types})
 
 
 def write_seed2(root):
@@ -280,7 +283,8 @@ def write_seed2(root):
         question, options = seed_question(5 if dimension == 16 else dimension, s, rng)
         questions.append({**options, "data_id": data_id, "data_source": "SEED-Bench v2" if v2 else "cc3m",
                           "data_type": "Single Image", "level": "L1", "question": question,
-                          "question_type_id": dimension, "subpart": mme_seed.SEED2_SUBPART, "version": "v2" if v2 else "v1"})
+                          "question_type_id": dimension, "subpart": mme_seed.SEED2_SUBPART,
+                          "version": "v2" if v2 else "v1"})
     questions += [{"answer": "A", **{f"choice_{x}": x for x in "abcd"}, "data_id": data_id,
                    "data_source": "SEED-Bench v2", "data_type": data_type, "level": level, "question": "Which?",
                    "question_type_id": d, "subpart": subpart, "version": "v2"}
@@ -289,5 +293,5 @@ def write_seed2(root):
     for q in questions:  # "{dimension}_{k}", k counting within the dimension, as the release numbers them
         q["question_id"] = f"{q['question_type_id']}_{per_dimension[q['question_type_id']]}"
         per_dimension[q["question_type_id"]] += 1
-    files.write_json(os.path.join(base, mme_seed.SEED2_FILE),
-                 {"questions": questions, "question_type": {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}})
+    types = {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}
+    files.write_json(os.path.join(base, mme_seed.SEED2_FILE), {"questions": questions, "question_type": types})

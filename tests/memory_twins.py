@@ -2,7 +2,7 @@
 peak RSS of real runs beside what `--plan cpu` says for the same flags. Not a test (each run holds ~5-8 GB): run it
 alone, one heavy run at a time.
 
-The twins are the published configs (model.PUBLISHED) with 1-2 decoder layers, one vision layer and the perceiver at
+The twins are the published configs (published.PUBLISHED) with 1-2 decoder layers, one vision layer and the perceiver at
 depth 1, random weights saved in bf16 as the real checkpoints are, the real tokenizers and processor settings
 (tests/tiny.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
 JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
@@ -51,7 +51,7 @@ def write_photos(root, splits=SPLITS):
     import skimage.data
     from PIL import Image
     rng, sources = random.Random(0), [Image.fromarray(photo(getattr(skimage.data, n)())).convert("RGB")
-                                     for n in PHOTOS]
+                                      for n in PHOTOS]
     for split, n in splits.items():
         questions, annotations = [], []
         for i in range(n):
@@ -75,7 +75,8 @@ def photo(array):
 
 
 def twin_config(family, layers):
-    """model.PUBLISHED's config of `family` with `layers` decoder layers, one vision layer, the perceiver at depth 1."""
+    """published.PUBLISHED's config of `family` with `layers` decoder layers, one vision layer, the perceiver at
+    depth 1."""
     config = published.PUBLISHED[family]()
     text = config.get_text_config()
     text.num_hidden_layers = layers
@@ -160,9 +161,9 @@ def high_water():
 
 
 def vision_peaks():
-    """Peak memory (torch.profiler, evaluate.peak_memory_mb) of Idefics2's image encoding at full width, float32, one
+    """Peak memory (torch.profiler, table6.peak_memory_mb) of Idefics2's image encoding at full width, float32, one
     vision layer, the perceiver at depth 1: the nine images of an 8-shot row on 640 x 640 canvases, every fourth a
-    portrait (its right quarter padding), at three --image-memory budgets, against model.image_work."""
+    portrait (its right quarter padding), at three --image-memory budgets, against chunks.image_work."""
     from transformers.models.idefics2.modeling_idefics2 import Idefics2Model
     config = twin_config("idefics2", 1)
     inner = Idefics2Model(config).eval()
@@ -171,7 +172,8 @@ def vision_peaks():
     pixels, mask = torch.rand(1, 9, 3, 640, 640), torch.ones(1, 9, 640, 640, dtype=torch.long)
     pixels[:, ::4, :, :, 480:], mask[:, ::4, :, 480:] = 0, 0
     one = chunks.image_work(config, 45 * 45, 4)
-    print("| --image-memory | images a call | measured peak | model.image_work x images a call |\n|---|---:|---:|---:|")
+    print("| --image-memory | images a call | measured peak | chunks.image_work x images a call |\n"
+          "|---|---:|---:|---:|")
     for budget in (1e18, 1e9, 1):
         chunks.chunk_images(holder, budget)
         with torch.no_grad():

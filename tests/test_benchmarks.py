@@ -13,7 +13,6 @@ from PIL import Image
 import benchmarks
 import data as D
 import evaluate as E
-import model as M
 import train
 from lab import backbones, metrics, mme_seed, results, tasks
 

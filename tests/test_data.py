@@ -39,7 +39,7 @@ def write_vqa(root, dataset, split="val", answers=None, drop_annotation=False):
                     "answers": [{"answer": "yes", "answer_confidence": "yes", "answer_id": i + 1} for i in range(10)]}]
     files.write_json(os.path.join(root, folder, qfile.format(split)), {"questions": questions})
     files.write_json(os.path.join(root, folder, afile.format(split)),
-               {"annotations": annotations[:1] if drop_annotation else annotations})
+                     {"annotations": annotations[:1] if drop_annotation else annotations})
     write_image(readers.coco_image(root, split, 42))
 
 
@@ -58,7 +58,7 @@ def write_karpathy(root):
               for i, s in enumerate(["train", "restval", "val", "test"])]
     files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": coco, "dataset": "coco"})
     files.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"),
-                    {"images": flickr, "dataset": "flickr30k"})
+                     {"images": flickr, "dataset": "flickr30k"})
 
 # ------------------------------------------------------------------------------------------------------ readers
 
@@ -154,7 +154,7 @@ def write_seed2(root, questions):
     names = ["Scene Understanding", "Instance Identity", "Instance Attributes", "Instance Location",
              "Instances Counting"] + [f"dim{k}" for k in range(6, 28)]
     files.write_json(os.path.join(base, mme_seed.SEED2_FILE),
-                    {"questions": questions, "question_type": {n: k + 1 for k, n in enumerate(names)}})
+                     {"questions": questions, "question_type": {n: k + 1 for k, n in enumerate(names)}})
 
 
 def test_seed2_reads_the_single_image_part_of_the_official_layout(tmp_path, capsys):
@@ -166,7 +166,7 @@ def test_seed2_reads_the_single_image_part_of_the_official_layout(tmp_path, caps
         seed2_question("25_0", 25, ["task25/1.jpg"], "SEED-Bench v2", level="L3", subpart="Image Generation")])
     items = mme_seed.read_seed2(str(tmp_path))
     assert [(it.id, it.category, it.target) for it in items] == [(5_000_000, "Instances Counting", "B"),
-                                                                  (13_000_007, "dim13", "D")]
+                                                                 (13_000_007, "dim13", "D")]
     assert items[0].image_path == os.path.join(str(tmp_path), "seed-bench-2", "cc3m-image", "1454426_2591111986.jpg")
     assert items[1].image_path.endswith(os.path.join("SEED-Bench-2-image", "task13", "img", "0.png"))
     assert items[0].answers == ("One", "Two", "Three", "Four")                   # stripped, as SEED-Bench-1's
@@ -247,7 +247,7 @@ def bench():
 def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench):
     root, tasks = benchmarks.ROOT, bench
     assert {k: len(v) for k, v in tasks.items()} == {("vqav2", "train"): 300, ("vqav2", "val"): 100,
-                                                      ("coco", "train"): 300, ("coco", "val"): 100}
+                                                     ("coco", "train"): 300, ("coco", "val"): 100}
     assert os.path.isfile(os.path.join(root, "vqav2", "v2_OpenEnded_mscoco_train2014_questions.json"))
     vqa = tasks["vqav2", "train"]
     assert all(len(i.answers) == 10 and i.target == readers.most_frequent(list(i.answers)) for i in vqa)

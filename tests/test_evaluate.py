@@ -255,7 +255,7 @@ def test_mean_interval_by_hand():
 
 def test_answer_measures_against_the_models_own_logits():
     """With the teacher's logits replaced by the model's own zero-shot ones the KL is 0, and log p(target) summed
-    over the items is minus the cross-entropy of train.supervised_loss times the number of target tokens."""
+    over the items is minus the cross-entropy of model.supervised_loss times the number of target tokens."""
     backbone = backbones.load_backbone("tiny-idefics2")
     items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:5]
     rows = [D.encode(backbone.processor, backbone.family, "vqa", [], q) for q in items]

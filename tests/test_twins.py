@@ -219,7 +219,7 @@ def test_seed_likelihood_at_2_shots_runs_in_under_4_gb(folders, tmp_path):
                           "--data-root", benchmarks.ROOT, "--shots", "2", "--seed-protocol", "likelihood", "--n-eval",
                           "8", "--out", str(tmp_path)],
                          cwd=os.path.dirname(HERE), capture_output=True, text=True, env={**os.environ,
-                                                                                          "OMP_NUM_THREADS": "1"})
+                                                                                         "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     rss_gb = int(out.stdout.split("maxrss_kb")[-1]) / 2 ** 20
     assert rss_gb <= 4, rss_gb

@@ -120,7 +120,7 @@ def backbone():
 
 def test_rices_with_the_vision_tower(backbone, tmp_path):
     support, queries = tasks.load_task("coco", "train", benchmarks.ROOT)[:12], tasks.load_task("coco", "val",
-                                                                                      benchmarks.ROOT)[:2]
+                                                                                               benchmarks.ROOT)[:2]
     queries = queries + [support[3]]                        # a query that is also in the support set
     args = argparse.Namespace(icds="rices", rices_encoder=None, rices_cache=str(tmp_path), seed=0)
     icds = rices.choose_demonstrations(backbone, args, queries, support, 4)
@@ -261,7 +261,7 @@ def test_task_vector_is_the_mean_last_token_state(backbone, tmp_path, monkeypatc
     assert torch.allclose(out["vectors"][:-1], torch.stack(states).mean(0), atol=1e-5)  # the last one is normed
     steering, info = vectors.load_vector(backbone, args)
     assert info["vector_layer"] == int(out["losses"].argmin()) and torch.equal(steering["vector"],
-                                                                              out["vectors"][info["vector_layer"]])
+                                                                               out["vectors"][info["vector_layer"]])
     assert torch.equal(vectors.load_vector(backbone, args)[0]["vector"], steering["vector"])  # read back, same
 
 

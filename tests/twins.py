@@ -1,5 +1,6 @@
 """Real-processor twins: a checkpoint folder per backbone with the real tokenizer, the published processor settings
-and tiny random weights at the real vocabulary, loaded by model.load_backbone exactly as a real checkpoint is.
+and tiny random weights at the real vocabulary, loaded by lab.backbones.load_backbone (model.load_checkpoint) exactly
+as a real checkpoint is.
 
 The tokenizers come from two packages on the index (tests only; no tokenizer file is in the repository):
 - mistral-common ships Mistral-7B-v0.1's SentencePiece model (`mistral_common/data/tokenizer.model.v1`, 32,000
