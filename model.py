@@ -48,8 +48,7 @@ def calibrated_attention(module, query, key, value, attention_mask, scaling=None
 
     query: [B, H, T, d_h]; key, value: [B, H_kv, S, d_h] (after rotary embedding and the KV cache);
     attention_mask: bool [B, 1, T, S] (True = attend) or None for plain causal. Returns ([B, T, H, d_h], None).
-    Called by transformers: each decoder self-attention's forward calls ALL_ATTENTION_FUNCTIONS.get_interface(
-    config._attn_implementation), which is this function once attach sets that to ATTN_NAME.
+    Transformers calls it from each decoder self-attention's forward: ALL_ATTENTION_FUNCTIONS[_attn_implementation].
     """
     adapter = getattr(module, "icl_adapter", None)
     if adapter is None:
@@ -100,7 +99,7 @@ def attach(model, method="hyper-icl", **sizes):
         _, heads, head_dim = attention_shape(model)
         for attn in decoder_self_attentions(model):
             attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
-        # from now on transformers' attention registry hands each decoder self-attention to calibrated_attention
+        # transformers now calls calibrated_attention from each decoder self-attention (the registry's ATTN_NAME)
         decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
     model.icl_settings = {"method": method, **sizes}
     return adapter_modules(model).requires_grad_(True)
