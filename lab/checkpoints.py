@@ -120,9 +120,9 @@ def save_run(run):
     if torchrun.rank_and_world()[0] != 0:
         return
     state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
-             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.args),
+             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.cfg),
              "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1]}
-    files.atomic_write(os.path.join(run.args.out, "last.pt"), lambda f: torch.save(state, f))
+    files.atomic_write(os.path.join(run.cfg.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
