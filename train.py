@@ -134,7 +134,8 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
     """The frozen teacher on [ICDs; query + target], no adapter: per query, its states [L, T_q, d] at the query + target
     tokens; output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32. They stay
     on `device`. batch: their teacher batch, when a DataLoader worker made it already (data.teacher_batch)."""
-    batch = backbones.to_device(batch or data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds), device)
+    batch = batch or data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds)
+    batch = backbones.to_device(batch, device)
     with M.without_adapter(backbone.model), backbones.autocast(device):
         if output == "logits":
             logits, labels = M.target_logits(backbone.model, batch)
@@ -154,11 +155,14 @@ def teacher_of(backbone, cfg, device):
                                                             batch)
 
 
-def micro_batch(backbone, cfg, queries, icds, device, cache):
+def micro_batch(run, queries):
     """The student batch (query + target) of `queries` and, for the anchor, the teacher's states laid at its aligned
-    positions: from the cache where it holds them, from the teacher where not (lab/micro_batches.py)."""
-    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, cfg, cache), (queries, icds))
-    return micro_batches.finished(cfg, prepared, device, cache, teacher_of(backbone, cfg, device))
+    positions: from the cache where it holds them, from the teacher where not (lab/micro_batches.py). run: what the
+    run shares (lab/runs.py: its backbone, cfg, icds, device and teacher cache)."""
+    spec = queries, [run.icds[q.id] for q in queries]
+    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(run.backbone, run.cfg, run.cache), spec)
+    teacher = teacher_of(run.backbone, run.cfg, run.device)
+    return micro_batches.finished(run.cfg, prepared, run.device, run.cache, teacher)
 
 
 # --------------------------------------------------------------------------------------------------------- the loop
@@ -184,8 +188,7 @@ def train(cfg):
     run = runs.start(cfg, backbone, device, (queries, heldout, icds), optimizer, scheduler)
     teacher = teacher_of(backbone, cfg, device)
     # not the paper: --anchor-norm first's divisor, the anchor's scale on this backbone (lab/anchors.py)
-    anchors.before_training(run, lambda qs: micro_batch(backbone, cfg, qs, [icds[q.id] for q in qs], device, run.cache),
-                            functools.partial(losses, backbone, cfg))
+    anchors.before_training(run, functools.partial(micro_batch, run), functools.partial(losses, backbone, cfg))
     runs.show_progress(run)
     with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved, continued with --resume
         for epoch in range(len(run.progress["history"]), cfg.epochs):  # an epoch counts once it is scored

@@ -143,8 +143,8 @@ def restore(args, backbone, optimizer, scheduler):
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"].get(k) != getattr(args, k)]
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
-        differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact only "
-                      "with as many as before)")
+        differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
+                      "only with as many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])

@@ -67,11 +67,11 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     todo = [q for q in queries if not os.path.exists(teacher_cache.teacher_file(args, cache, q, icds[q.id])[1])]
     if not todo:
         return 0
-    sizes = teacher_cache.query_tokens(backbone.processor, backbone.family, kind, todo)  # every query's tokens, no image loaded
+    sizes = teacher_cache.query_tokens(backbone.processor, backbone.family, kind, todo)  # no image loaded
     per_query = cache_file_bytes(args, backbone.model.config, sizes,
                                  backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
-    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (teacher_states)
+    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (completed_states)
     if need > free:
         raise ValueError(no_room(args, need, len(todo), len(queries), free))
     return need

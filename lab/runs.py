@@ -155,7 +155,7 @@ def end_of_epoch(run, epoch):
     """Score the held-out queries; keep the best epoch's adapter as <out>/adapter.safetensors; checkpoint the run. The
     epoch enters the history only once its adapter is saved, so a run stopped in between scores it again."""
     progress, first = run.progress, torchrun.rank_and_world()[0] == 0
-    loss = heldout_loss(run.backbone, run.cfg, run.heldout, run.device)
+    loss = heldout_loss(run)
     if loss < progress["best"]:
         if first:
             checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone)
@@ -167,9 +167,10 @@ def end_of_epoch(run, epoch):
 
 
 @torch.no_grad()
-def heldout_loss(backbone, cfg, heldout, device):
+def heldout_loss(run):
     """The supervised loss of the held-out queries, which picks the best epoch. Under torchrun each process scores
     every N-th batch; the batches' values are gathered and summed in order."""
+    backbone, cfg, heldout, device = run.backbone, run.cfg, run.heldout, run.device
     rank, world = torchrun.rank_and_world()
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
     mine = starts[rank::world]

@@ -13,6 +13,7 @@ import model as M
 import train
 from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
+from test_train import micro_batch
 from lab import anchors, backbones, checkpoints, published, tasks, train_cli
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
@@ -267,13 +268,13 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     icds = data.demonstrations([q.id for q in queries], pool, 1, args.seed)
     M.attach(plain.model, method, **train_cli.method_sizes(args))
     cache = {"id": checkpoints.fingerprint(plain), "hits": 0, "misses": 0}
-    student, teacher = train.micro_batch(plain, args, queries, icds, "cpu", cache)
+    student, teacher = micro_batch(plain, args, queries, icds, cache)
     parts = train.losses(plain, args, student, teacher)
     assert set(parts) == ({"sup", "loss"} if anchor == "none" else {"anchor", "sup", "loss"})
     if anchor == "none":
         return
     assert cache == {"id": cache["id"], "hits": 0, "misses": 3}
-    _, again = train.micro_batch(plain, args, queries, icds, "cpu", cache)
+    _, again = micro_batch(plain, args, queries, icds, cache)
     assert cache["hits"] == 3 and torch.equal(again, teacher)
     with torch.no_grad():  # the student as its own teacher: the distillation loss vanishes
         out, states = M.layer_outputs(plain.model, **data.model_inputs(student))

@@ -19,7 +19,7 @@ import benchmarks
 import evaluate
 import model as M
 import train
-from lab import analyses, anchors, backbones, checkpoints, eval_cli, feed, flags, mme_seed, readers, results, tasks, train_cli
+from lab import analyses, anchors, backbones, checkpoints, feed, flags, mme_seed, readers, results, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0"]
@@ -65,7 +65,8 @@ def test_a_kill_while_the_mme_folder_is_written_leaves_the_old_folder_whole(tmp_
     items = mme_seed.read_mme(benchmarks.ROOT)
     results.write_mme_results(str(folder), items, ["old"] * len(items))
     before = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
-    kill_at_third = ("import os, signal, sys; from lab import files, mme_seed, results; write, calls = files.atomic_write, []; "
+    kill_at_third = ("import os, signal, sys; from lab import files, mme_seed, results; "
+                     "write, calls = files.atomic_write, []; "
                      "files.atomic_write = lambda p, w: (calls.append(p), os.kill(os.getpid(), signal.SIGKILL) if "
                      "len(calls) == 3 else write(p, w)); items = mme_seed.read_mme(sys.argv[2]); "
                      "results.write_mme_results(sys.argv[1], items, ['new'] * len(items))")

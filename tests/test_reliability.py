@@ -22,8 +22,8 @@ import data
 import evaluate
 import model as M
 import train
-from lab import (backbones, checkpoints, eval_cli, files, micro_batches, mme_seed, readers, results, rices, runs,
-                 tasks, teacher_cache, toy_backbone, train_cli, vectors)
+from lab import (backbones, checkpoints, files, micro_batches, mme_seed, readers, results, rices, runs, tasks,
+                 teacher_cache, toy_backbone, vectors)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
@@ -63,8 +63,8 @@ def saved_progress(out):
 def test_kill_9_while_an_epoch_is_scored_then_resume_reproduces_the_run(whole, tmp_path):
     """A real kill -9 in a subprocess at the start of epoch 1's held-out scoring (after its last step's checkpoint)."""
     shutil.copytree(whole / "teacher", tmp_path / "teacher")
-    die = "import os, signal, sys, train; from lab import runs; runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); " \
-          "train.main(sys.argv[1:])"
+    die = "import os, signal, sys, train; from lab import runs; " \
+          "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); train.main(sys.argv[1:])"
     killed = subprocess.run([sys.executable, "-c", die, *flags(tmp_path, "run")], cwd=ROOT, capture_output=True)
     assert killed.returncode == -signal.SIGKILL
     progress = saved_progress(tmp_path / "run")
@@ -164,7 +164,7 @@ def test_adapter_refuses_another_family_or_other_weights_unless_forced(whole, ca
         assert "warning: --force" in capsys.readouterr().out
     with pytest.raises(ValueError, match="family .saved idefics2, here llava-interleave."):
         checkpoints.load_adapter(path, backbones.load_backbone("tiny-llava-interleave"))
-    checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))                 # its own backbone loads silently
+    checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))       # its own backbone loads silently
     assert capsys.readouterr().out == ""
 
 
@@ -208,7 +208,8 @@ def teacher_states(backbone, cfg, queries, icds, pieces, cache):
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
     args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 2)
     fresh = teacher_states(backbone, args, queries, icds, pieces, cache)
-    path = os.path.join(args.teacher_cache, teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1]) + ".safetensors")
+    key = teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1])
+    path = os.path.join(args.teacher_cache, key + ".safetensors")
     good = open(path, "rb").read()
     open(path, "wb").write(good[:len(good) // 3])                          # as a crash or a full disk leaves it
     again = teacher_states(backbone, args, queries, icds, pieces, cache)
@@ -411,8 +412,7 @@ def test_results_of_other_seeds_and_protocols_are_other_files(tmp_path):
                                 "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
     assert results.result_name(args, "2-shot-rices", 5, {}).startswith("seed-val-2-shot-rices-likelihood-encoder-")
     info = {"vector_file": "x/m-vqav2-tv-0123456789ab.safetensors", "vector_layer": 1}
-    assert results.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-" \
-                                                                             "seed0-n3"
+    assert results.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-seed0-n3"
 
 
 # ---------------------------------------------------------------------------------------------------- caches
@@ -664,7 +664,8 @@ def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkey
 
 
 def test_a_killed_writes_tmp_is_gone_after_a_successful_rerun_at_once(tmp_path):
-    code = ("import os; from lab import files; files.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
+    code = ("import os; from lab import files; "
+            "files.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}).returncode
     assert len(os.listdir(tmp_path)) == 1                                   # the killed write's temporary file
     files.atomic_write(tmp_path / "f.json", lambda f: f.write(b"{}"))

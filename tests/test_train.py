@@ -2,6 +2,7 @@
 resume, failures."""
 import contextlib
 import os
+import types
 
 import pytest
 import torch
@@ -18,6 +19,13 @@ from lab import backbones, checkpoints, feed, micro_batches, tasks, teacher_cach
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
          "--save-every", "1"]
+
+
+def micro_batch(backbone, cfg, queries, icds, cache):
+    """train.micro_batch of `queries` (icds: theirs, in order) on the CPU, with what a run would share."""
+    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, icds={q.id: d for q, d in zip(queries, icds)},
+                                device="cpu", cache=cache)
+    return train.micro_batch(run, queries)
 
 
 def run(tmp_path, *extra, name="run"):
@@ -41,7 +49,7 @@ def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     M.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
         cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, queries, icds, "cpu", cache)
+        student, teacher = micro_batch(backbone, args, queries, icds, cache)
         opt = torch.optim.AdamW(M.adapter_modules(backbone.model).parameters(), lr=1e-2)
         history = []
         for _ in range(8):
@@ -65,7 +73,7 @@ def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeyp
     M.attach(backbone.model, "hyper-icl", rank=2)
     try:
         cache = {"id": "x", "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, queries, icds, "cpu", cache)
+        student, teacher = micro_batch(backbone, args, queries, icds, cache)
     finally:
         M.detach(backbone.model)
     teacher_ids, = seen                                  # one forward: the teacher's (the student runs later)
@@ -86,7 +94,7 @@ def attached_batch(setup, tmp_path, cache_id):
     M.attach(backbone.model, "hyper-icl", rank=2)
     try:
         cache = {"id": cache_id, "hits": 0, "misses": 0}
-        yield train.micro_batch(backbone, args, queries, icds, "cpu", cache)
+        yield micro_batch(backbone, args, queries, icds, cache)
     finally:
         M.detach(backbone.model)
 
@@ -253,7 +261,7 @@ def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_ad
     def spy(cfg, prepared, device, cache, teacher):
         student, teacher = finished(cfg, prepared, device, cache, teacher)
         seen[cfg.workers].append(([q.id for q in prepared["queries"]], student, teacher,
-                                   [s is None for s in prepared["found"]["states"]]))
+                                  [s is None for s in prepared["found"]["states"]]))
         return student, teacher
     monkeypatch.setattr(micro_batches, "finished", spy)
     adapters = {}
