@@ -37,7 +37,7 @@ from lab import (anchors, backbones, checkpoints, chunks, feed, micro_batches, p
 class Config:
     """Every setting of a run, the defaults of train.py's flags (lab/train_cli.py makes one flag of each field)."""
     # what is trained, on what
-    model: str = "toy-idefics2"       # backbone: a name (model.PUBLISHED, tiny-*, toy-idefics2), a file or a folder
+    model: str = "toy-idefics2"       # backbone: a name (lab/published.py, tiny-*, toy-idefics2), a file or a folder
     task: str = "toy-icl-colour"      # data.TASKS
     method: str = "hyper-icl"         # model.METHODS
     # the paper's settings (Section 4.1)
@@ -99,7 +99,7 @@ def eq17(cfg, h, h_teacher, span, logits, labels, anchor_scale=1.0):
     """Eq 17 on one micro-batch: L = L_H-anchor + lambda L_sup. Returns {"anchor", "sup", "loss"}.
 
     h, h_teacher: [L, B, W, d], every decoder layer's own output (model.layer_outputs) for the student (query only,
-    with the adapter) and the teacher (with the ICDs, laid at the student's positions: stack_teacher).
+    with the adapter) and the teacher (with the ICDs, laid at the student's positions: micro_batches.stack_teacher).
     span: bool [B, W], the tokens Eq 16 compares: the query's and its target's (answer + end token), the tokens both
     rows hold (data.collate). A choice: the paper says "the query tokens", and the target is part of both rows.
     logits, labels: the student's at its answer window (model.target_logits).
@@ -108,7 +108,7 @@ def eq17(cfg, h, h_teacher, span, logits, labels, anchor_scale=1.0):
     sup = M.supervised_loss(logits, labels)                          # L_sup: CE per target token (not in paper)
     anchor = torchrun.share_of_global_mean(anchor, span.any(1).sum())  # torchrun: this process's share of the mean
     sup = torchrun.share_of_global_mean(sup, M.answer_positions(labels).sum())
-    anchor = anchors.normed(anchor, anchor_scale)                    # --anchor-norm (not in the paper): by 1
+    anchor = anchors.normed(anchor, anchor_scale)                    # / 1, unless --anchor-norm first (not in paper)
     return {"anchor": anchor, "sup": sup, "loss": anchor + cfg.lam * sup}  # Eq 17
 
 
