@@ -84,7 +84,7 @@ def test_sigterm_while_an_epoch_is_scored_saves_and_resume_scores_it(whole, tmp_
         train.main(flags(tmp_path, "run"))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL              # the handler does not outlive the run
     assert saved_progress(tmp_path / "run")["history"] == []
-    monkeypatch.setattr(train, "heldout_loss", score)
+    monkeypatch.setattr(runs, "heldout_loss", score)
     train.main(flags(tmp_path, "run", "--resume"))
     assert_same_run(whole / "run", tmp_path / "run")
 
