@@ -89,8 +89,8 @@ def no_room(args, need, todo, n_queries, free=None):
 def plan_backbone(args, family):
     """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
     dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
-    folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of --processor
-    or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
+    folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
+    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
     if backbones.is_built(args.model):
         backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting)
         return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
