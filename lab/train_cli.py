@@ -1,4 +1,4 @@
-"""train.py's command line: every flag, its checks and defaults, and --benchmark."""
+"""train.py's command line: every flag (its default a field of train.py's Config), its checks, and --benchmark."""
 import argparse
 import dataclasses
 import math
