@@ -236,7 +236,7 @@ def main(argv=None):
         if args.benchmark_attention:
             return table6.attention_benchmark(table6.attention_model(args), args.attention_tokens, args.rounds)
         if args.curve:
-            return curves.curve(args, train.main, train.run_teacher, paper_lam=train.PAPER["lam"],
+            return curves.curve(args, train.main, train.run_teacher, paper_lam=train.Config.lam,
                                 scored=lambda b, flags, items, setting: evaluate(b, parse_args(flags), items, setting))
         items = None if args.benchmark else tasks.eval_items(args)
         if items == []:

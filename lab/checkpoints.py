@@ -120,9 +120,9 @@ def save_run(run):
     if torchrun.rank_and_world()[0] != 0:
         return
     state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
-             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.args),
+             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.cfg),
              "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1]}
-    files.atomic_write(os.path.join(run.args.out, "last.pt"), lambda f: torch.save(state, f))
+    files.atomic_write(os.path.join(run.cfg.out, "last.pt"), lambda f: torch.save(state, f))
 
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
@@ -143,8 +143,8 @@ def restore(args, backbone, optimizer, scheduler):
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"].get(k) != getattr(args, k)]
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
-        differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact only "
-                      "with as many as before)")
+        differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
+                      "only with as many as before)")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])

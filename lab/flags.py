@@ -95,7 +95,7 @@ def add_plan_flags(p):
                    f"own device (here: {here})")
     p.add_argument("--image-memory", type=float, default=chunks.IMAGE_MEMORY / 1e9, help="GB the vision tower and "
                    "Idefics2's connector may hold at once: they encode a batch's images in chunks of as many as fit "
-                   "(model.image_work; at least one), the same numbers as one call; the plan counts one chunk")
+                   "(chunks.image_work; at least one), the same numbers as one call; the plan counts one chunk")
     p.add_argument("--processor", help="--plan: a local folder with the checkpoint's tokenizer and preprocessor "
                    "files, for a short --model name whose processor is not in the local Hugging Face cache")
     p.add_argument("--image-splitting", default="checkpoint", choices=M.IMAGE_SPLITTING, help="Idefics2: split each "

@@ -30,11 +30,11 @@ MEMORY_ASSUMPTIONS = (
     "loading: on a CPU the weights plus the {file} file's copy (mapped while the weights are converted), on a GPU the "
     "weights; images: the batch's pixel tensors as the batch builder returns them for the sampled rows, the real "
     "images' copy in {dtype}, each image's vision-tower output, and one chunk of images (--image-memory {budget}) at "
-    "model.image_work; decoder: one layer's work B T (3 i + 5 d) and a B x T x T bool mask (SDPA without T x T "
+    "chunks.image_work; decoder: one layer's work B T (3 i + 5 d) and a B x T x T bool mask (SDPA without T x T "
     "scores), in evaluation the KV cache 2 L B (T + new) kv (training forwards keep none), the teacher's kept states "
     "L B T_q d (no [L, B, T, d] stack), the student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is "
     "its pixels + the larger of its image and decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the "
-    "sample's longest, random ICDs (train.memory)")
+    "sample's longest, random ICDs (plan.memory)")
 
 
 def image_key(processor):
@@ -51,7 +51,7 @@ def size(n):
 
 
 def cache_file_bytes(args, config, sizes, dtype):
-    """The mean bytes of a query's cache file (data.write_cache) over `sizes` (query_sizes): its teacher tensor, states
+    """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
     [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
     if args.anchor == "kl":
@@ -67,11 +67,11 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     todo = [q for q in queries if not os.path.exists(teacher_cache.teacher_file(args, cache, q, icds[q.id])[1])]
     if not todo:
         return 0
-    sizes = teacher_cache.query_tokens(backbone.processor, backbone.family, kind, todo)  # every query's tokens, no image loaded
+    sizes = teacher_cache.query_tokens(backbone.processor, backbone.family, kind, todo)  # no image loaded
     per_query = cache_file_bytes(args, backbone.model.config, sizes,
                                  backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
-    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (teacher_states)
+    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (completed_states)
     if need > free:
         raise ValueError(no_room(args, need, len(todo), len(queries), free))
     return need
@@ -89,8 +89,8 @@ def no_room(args, need, todo, n_queries, free=None):
 def plan_backbone(args, family):
     """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
     dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
-    folder's own config.json and processor; for a short name model.PUBLISHED's config and the processor of --processor
-    or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
+    folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
+    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
     if backbones.is_built(args.model):
         backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting)
         return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
@@ -116,7 +116,7 @@ def plan_backbone(args, family):
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
     model = published.published_model(family, config=config)  # on the meta device: no weights
-    source = f'model.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
+    source = f'published.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
     M.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype

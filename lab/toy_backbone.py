@@ -31,7 +31,8 @@ TOY_CORPUS = " ".join([data.PROMPTS["vqa"]["instruction"], toy_world.ICL_QUESTIO
                        "Question: Short answer:", *(a for v in toy_world.ICL_ATTRIBUTES.values() for a in v)] * 8)
 
 
-TOY_REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data", "toy-idefics2.safetensors")
+TOY_REFERENCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data",
+                             "toy-idefics2.safetensors")
 
 
 TOY_SHA256 = "94ddc506fac0b506d2c297e7d0e7c75396da7e2c8673c89586a28a74070d0463"  # weights_digest of TOY_REFERENCE

@@ -1,10 +1,10 @@
-"""train.py's command line: every flag, its checks and defaults, and --benchmark."""
+"""train.py's command line: every flag (its default a field of train.py's Config), its checks, and --benchmark."""
 import argparse
+import dataclasses
 import math
 import os
 import tempfile
 import time
-
 
 import data
 import model as M
@@ -17,67 +17,67 @@ def method_sizes(args):
     return sizes | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
 
 
-def parse_args(argv, doc, paper, default_rank, default_anchor):
+def parse_args(argv, doc, defaults):
+    """train.py's flags, one a field of `defaults` (train.py's Config) with its value as the default (--help lists
+    it); returns that Config with the parsed values, checked, and --out and --teacher-cache filled in."""
     class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         """The module docstring as written, and every flag's default."""
     p = argparse.ArgumentParser(description=doc, formatter_class=Help)
-    p.add_argument("--model", default="toy-idefics2", help="backbone: idefics2, idefics, llava-interleave, "
-                   "llava-onevision, tiny-<one of those> (offline twin, random weights), toy-idefics2 (meta-trained "
-                   "to learn in context: the shipped reference copy), a toy backbone's file (--build-toy), or a local "
-                   "checkpoint path")
-    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS), help="task (toy-icl-* need no "
-                   "download and can only be solved from demonstrations)")
-    p.add_argument("--method", default="hyper-icl", choices=list(M.METHODS), help="what is learned: hyper-icl "
-                   "(gated logit bias), static-layer / static-layer-head (its gate a learned constant per layer / per "
-                   "layer and head, Fig 3a), output-level (the same module on the attention output, Table 11), "
-                   "hificl (virtual key-values), mimic (MimIC), live (LIVE), lora (LoRA via peft); each trains with "
-                   "its own loss (see --anchor)")
+    p.add_argument("--model", help="backbone: idefics2, idefics, llava-interleave, llava-onevision, tiny-<one of "
+                   "those> (offline twin, random weights), toy-idefics2 (meta-trained to learn in context: the shipped "
+                   "reference copy), a toy backbone's file (--build-toy), or a local checkpoint path")
+    p.add_argument("--task", choices=list(data.TASKS), help="task (toy-icl-* need no download and can only be "
+                   "solved from demonstrations)")
+    p.add_argument("--method", choices=list(M.METHODS), help="what is learned: hyper-icl (gated logit bias), "
+                   "static-layer / static-layer-head (its gate a learned constant per layer / per layer and head, "
+                   "Fig 3a), output-level (the same module on the attention output, Table 11), hificl (virtual "
+                   "key-values), mimic (MimIC), live (LIVE), lora (LoRA via peft); each trains with its own loss (see "
+                   "--anchor)")
     p.add_argument("--shots", type=int, help="ICDs per query for the teacher (paper: 8 for Idefics2 and the "
                    "LLaVA models, 32 for Idefics; 2 on MME and SEED: data.default_shots)")
     flags.add_icd_flags(p)
     flags.add_plan_flags(p)
-    p.add_argument("--n-train", type=int, default=paper["n_train"], help="training queries (paper: 1000)")
-    p.add_argument("--n-heldout", type=int, default=32, help="queries held out of the training pool to pick the "
-                   "best epoch (by their loss; the evaluation split is never used)")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the training queries (paper: best epoch "
-                   "reported, count not stated)")
-    p.add_argument("--batch-size", type=int, default=4, help="queries per micro-batch (paper: not stated)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
-    p.add_argument("--lr", type=float, default=paper["lr"], help="AdamW learning rate, the same for every method "
-                   "(paper: 5e-3; the baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, "
-                   "LIVE 1e-3 or 5e-3 in its README runs)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (paper: not stated)")
-    p.add_argument("--warmup", type=float, default=paper["warmup"], help="fraction of steps of linear warm-up "
-                   "before the cosine decay (paper: 0.1)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping (not in the paper)")
+    p.add_argument("--n-train", type=int, help="training queries (paper: 1000)")
+    p.add_argument("--n-heldout", type=int, help="queries held out of the training pool to pick the best epoch (by "
+                   "their loss; the evaluation split is never used)")
+    p.add_argument("--epochs", type=int, help="passes over the training queries (paper: best epoch reported, count "
+                   "not stated)")
+    p.add_argument("--batch-size", type=int, help="queries per micro-batch (paper: not stated)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimiser step")
+    p.add_argument("--lr", type=float, help="AdamW learning rate, the same for every method (paper: 5e-3; the "
+                   "baselines' own code: MimIC 1e-5 and its LoRA 5e-4 in src/config/peft/, LIVE 1e-3 or 5e-3 in its "
+                   "README runs)")
+    p.add_argument("--weight-decay", type=float, help="AdamW weight decay (paper: not stated)")
+    p.add_argument("--warmup", type=float, help="fraction of steps of linear warm-up before the cosine decay "
+                   "(paper: 0.1)")
+    p.add_argument("--clip", type=float, help="gradient norm clipping (not in the paper)")
     p.add_argument("--rank", type=int, help="adapter rank r (default 4 for hyper-icl and its variants, 8 for "
                    "hificl, 16 for lora; mimic and live have none)")
-    p.add_argument("--virtual-tokens", type=int, default=8, help="HiFICL's n virtual key-value pairs")
-    p.add_argument("--kappa", type=float, default=paper["kappa"],
-                   help="curvature magnitude of the Lorentz model (paper: 0.1)")
-    p.add_argument("--lam", type=float, default=paper["lam"], help="lambda, weight of the cross-entropy next to the "
-                   "distillation loss, which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with "
-                   "align_loss_weight 1, github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: "
-                   "hard_loss_weight 0.5 with the KL at weight 1, github.com/ForJadeForest/"
-                   "LIVE-Learnable-In-Context-Vector README and icv_src/icv_module.py)")
+    p.add_argument("--virtual-tokens", type=int, help="HiFICL's n virtual key-value pairs")
+    p.add_argument("--kappa", type=float, help="curvature magnitude of the Lorentz model (paper: 0.1)")
+    p.add_argument("--lam", type=float, help="lambda, weight of the cross-entropy next to the distillation loss, "
+                   "which has weight 1 (Eq 17; paper: 0.5; MimIC: ce_loss_weight 0.5 with align_loss_weight 1, "
+                   "github.com/Kamichanw/MimIC src/config/peft/mimic.yaml; LIVE: hard_loss_weight 0.5 with the KL at "
+                   "weight 1, github.com/ForJadeForest/LIVE-Learnable-In-Context-Vector README and "
+                   "icv_src/icv_module.py)")
     p.add_argument("--anchor", choices=["hyperbolic", "euclidean", "mse", "kl", "none"],
                    help="the distillation loss (default: the method's own: hyperbolic for hyper-icl, static-* and "
                    "output-level, mse for mimic, kl for live, none for hificl and lora). hyperbolic: Eq 16; "
                    "euclidean: L2-anchor (Table 4); mse: MimIC's layer-wise MSE of the hidden states at the query "
                    "tokens (MimIC src/shift_model.py); kl: LIVE's T^2 KL(teacher || student) over the vocabulary "
                    "at the answer positions (LIVE icv_src/icv_module.py); none: cross-entropy only")
-    p.add_argument("--anchor-norm", choices=["none", "first"], default="none", help="none: the paper's Eq 17; first: "
-                   "the distillation loss divided by its value at the first step (before any update), so that it "
-                   "starts at 1 beside lambda x CE instead of hundreds of times larger (not in the paper)")
-    p.add_argument("--temperature", type=float, default=1.0, help="T of --anchor kl (LIVE divides both logits by "
-                   "T and scales the KL by T^2; its value is not in LIVE's public files)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the query split, ICD draw, order and adapter init")
+    p.add_argument("--anchor-norm", choices=["none", "first"], help="none: the paper's Eq 17; first: the "
+                   "distillation loss divided by its value at the first step (before any update), so that it starts "
+                   "at 1 beside lambda x CE instead of hundreds of times larger (not in the paper)")
+    p.add_argument("--temperature", type=float, help="T of --anchor kl (LIVE divides both logits by T and scales "
+                   "the KL by T^2; its value is not in LIVE's public files)")
+    p.add_argument("--seed", type=int, help="seed of the query split, ICD draw, order and adapter init")
     p.add_argument("--data-root", help="folder with the datasets (layout: see data.py / README)")
     p.add_argument("--out", help="output folder (default runs/<model>-<task>-<method>)")
     p.add_argument("--teacher-cache", help="folder of cached teacher states (default <out>/teacher)")
     p.add_argument("--no-teacher-cache", action="store_true", help="recompute the teacher at every step (epochs x "
                    "queries teacher forwards instead of one per query; no disk)")
-    p.add_argument("--save-every", type=int, default=50, help="also checkpoint every this many steps")
+    p.add_argument("--save-every", type=int, help="also checkpoint every this many steps")
     p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps (the schedule still "
                    "spans all epochs; --resume continues)")
     again = p.add_mutually_exclusive_group()
@@ -90,27 +90,27 @@ def parse_args(argv, doc, paper, default_rank, default_anchor):
     build.add_argument("--build-toy", action="store_true", help="meta-train a toy-idefics2 from scratch, seeds --seed, "
                        "--seed + 1, ... until one learns in context on held-out episodes; write it to --out (default "
                        f"{toy_backbone.TOY_BUILD_OUT}); use it with --model <that file>")
-    build.add_argument("--build-tries", type=int, default=3, help="seeds to try before giving up")
+    build.add_argument("--build-tries", type=int, help="seeds to try before giving up")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: one for the tiny and toy backbones "
                    "on CPU, which more threads only slow down on a busy machine, and for --build-toy, whose bytes "
                    "then repeat on the same machine; else torch's own choice)")
     flags.add_worker_flag(p)
-    args = p.parse_args(argv)
-    args.rank = default_rank.get(args.method, paper["rank"]) if args.rank is None else args.rank
-    args.anchor = args.anchor or default_anchor.get(args.method, "hyperbolic")
+    p.set_defaults(**dataclasses.asdict(defaults))  # over the shared flags' defaults too (lab/flags.py)
+    args = dataclasses.replace(defaults, **vars(p.parse_args(argv)))
     flags.check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
-                             "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
-                             "build_tries": 1, "threads": (1, flags.MAX_THREADS), "seed": (0, flags.MAX_SEED),
-                             "workers": (0, flags.MAX_WORKERS)})
+                                   "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
+                                   "build_tries": 1, "threads": (1, flags.MAX_THREADS), "seed": (0, flags.MAX_SEED),
+                                   "workers": (0, flags.MAX_WORKERS)})
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
     if not 0 < args.image_memory < math.inf:
         p.error(f"--image-memory must be a finite number > 0 (in GB; got {args.image_memory})")
-    args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else default_out(args.model, args.task, args.method))
+    args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else
+                            default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     flags.check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
-                      "--rices-cache": args.rices_cache})
+                            "--rices-cache": args.rices_cache})
     return args
 
 
@@ -131,8 +131,8 @@ def benchmark(args, train):
     times = {}
     for reuse in (False, True):
         with tempfile.TemporaryDirectory() as out:
-            run = argparse.Namespace(**{**vars(args), "out": out, "teacher_cache": os.path.join(out, "teacher"),
-                                        "no_teacher_cache": not reuse, "benchmark": False})
+            run = dataclasses.replace(args, out=out, teacher_cache=os.path.join(out, "teacher"),
+                                      no_teacher_cache=not reuse, benchmark=False)
             start = time.perf_counter()
             train(run)
             times[reuse] = time.perf_counter() - start

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 import benchmarks
+import data
 import evaluate
 import model as M
 import train
 from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
-from lab import backbones, checkpoints, published, tasks, train_cli
+from test_train import micro_batch
+from lab import anchors, backbones, checkpoints, published, tasks, train_cli
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
@@ -239,8 +241,8 @@ def test_answer_kl_is_lives_tempered_kl():
     T = 2.0
     p, q = torch.softmax(t / T, -1), torch.softmax(s / T, -1)
     want = T ** 2 * (p * (p.log() - q.log())).sum(-1).mean()
-    torch.testing.assert_close(train.answer_kl(s, t, T), want.float(), rtol=1e-6, atol=1e-6)
-    assert train.answer_kl(t, t, T).abs() < 1e-6
+    torch.testing.assert_close(anchors.answer_kl(s, t, T), want.float(), rtol=1e-6, atol=1e-6)
+    assert anchors.answer_kl(t, t, T).abs() < 1e-6
 
 
 @pytest.mark.parametrize("method", BASELINES)
@@ -263,19 +265,19 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     assert args.anchor == anchor and args.lam == 0.5
     pool = tasks.load_task(args.task, "train", args.data_root)
     queries = pool[:3]
-    icds = train.data.demonstrations([q.id for q in queries], pool, 1, args.seed)
+    icds = data.demonstrations([q.id for q in queries], pool, 1, args.seed)
     M.attach(plain.model, method, **train_cli.method_sizes(args))
     cache = {"id": checkpoints.fingerprint(plain), "hits": 0, "misses": 0}
-    student, teacher = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
+    student, teacher = micro_batch(plain, args, queries, icds, cache)
     parts = train.losses(plain, args, student, teacher)
     assert set(parts) == ({"sup", "loss"} if anchor == "none" else {"anchor", "sup", "loss"})
     if anchor == "none":
         return
     assert cache == {"id": cache["id"], "hits": 0, "misses": 3}
-    _, again = train.micro_batch(plain, args, "vqa", queries, icds, "cpu", cache)
+    _, again = micro_batch(plain, args, queries, icds, cache)
     assert cache["hits"] == 3 and torch.equal(again, teacher)
     with torch.no_grad():  # the student as its own teacher: the distillation loss vanishes
-        out, states = M.layer_outputs(plain.model, **train.data.model_inputs(student))
+        out, states = M.layer_outputs(plain.model, **data.model_inputs(student))
     own = out.logits[M.answer_positions(student["labels"])] if anchor == "kl" else torch.stack(states)
     if anchor == "kl":
         assert teacher.shape == own.shape  # one row per answer position, in the student's order

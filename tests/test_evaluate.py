@@ -302,7 +302,7 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
     monkeypatch.setattr(train, "main", fake_train)
     args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--out", str(tmp_path)])
     chosen, runs = curves.tune(args, ["--model", "tiny-idefics2", "--task", "toy-icl-colour"], list(best), train.main,
-                               train.PAPER["lam"])
+                               train.Config.lam)
     assert chosen["hificl"] == {"lr": pytest.approx(5e-5), "lam": None}
     assert chosen["mimic"] == {"lr": pytest.approx(1e-2), "lam": 0.5}      # 1e-5 x 10^3: the widest it goes
     assert chosen["live"] == {"lr": pytest.approx(1e-3), "lam": 0.5}

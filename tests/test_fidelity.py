@@ -7,7 +7,7 @@ import data
 import model as M
 import train
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
-from lab import backbones, metrics, tasks, teacher_cache
+from lab import backbones, metrics, micro_batches, tasks, teacher_cache
 
 
 # ------------------------------------------------------------------------- h^(L): the last layer's own output
@@ -53,7 +53,7 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
     with torch.no_grad():
         # no ICDs and no adapter: the teacher reads what the student reads, so the anchor is exactly 0 ...
         teacher = train.run_teacher(backbone, "vqa", queries, [[]] * 3, pieces, "cpu")
-        laid = train.stack_teacher(teacher, student["query_target"])
+        laid = micro_batches.stack_teacher(teacher, student["query_target"])
         assert train.losses(backbone, args, student, laid)["anchor"] == 0
         # ... and the teacher's last layer is h^(L), which the final norm maps onto transformers' last hidden state
         last = backbone.model(**data.model_inputs(student), output_hidden_states=True).hidden_states[-1]

@@ -19,7 +19,7 @@ import model as M
 import train
 from memory_twins import write_photos
 from twins import write_twin
-from lab import backbones, chunks, files, plan, published
+from lab import backbones, chunks, files, plan, published, runs
 
 
 def peak(device, run):
@@ -45,14 +45,7 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     plan = train.main([*plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
     step_times, waiting = [], []
-    step, steps_of = train.train_step, train.remaining_steps
-
-    def timed_step(run, batches):  # a step's seconds on the accelerator
-        start = time.perf_counter()
-        step(run, batches)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        step_times.append(time.perf_counter() - start)
+    steps_of = runs.remaining_steps
 
     def timed_steps(run, epoch):  # the seconds the loop waits for each step's batches (DataLoader workers' lag)
         steps = steps_of(run, epoch)
@@ -62,9 +55,12 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
             if batches is None:
                 return
             waiting.append(time.perf_counter() - start)
-            yield batches
-    monkeypatch.setattr(train, "remaining_steps", timed_steps)
-    monkeypatch.setattr(train, "train_step", timed_step)
+            start = time.perf_counter()
+            yield batches  # the loop asks for the next step's batches once this step is taken
+            if device == "cuda":
+                torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - start)  # a step's seconds on the accelerator
+    monkeypatch.setattr(runs, "remaining_steps", timed_steps)
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]

@@ -9,7 +9,6 @@ from PIL import Image
 
 import data as D
 import evaluate as E
-import model as M
 import train
 from lab import backbones, files, tasks, toy_backbone, toy_world
 
@@ -47,7 +46,7 @@ def test_episodes_read_like_evaluation_prompts():
     items = tasks.load_task("toy-icl-colour", "val")[:2]
     pixels = [D.encode_piece(processor, "idefics2", "<image>", D.load_image(it))["images"] for it in items]
     row = toy_world.icl_episode(processor, [{**text[toy_world.ICL_QUESTION, it.target, k == 1], "images": p}
-                                    for k, (it, p) in enumerate(zip(items, pixels))])
+                                            for k, (it, p) in enumerate(zip(items, pixels))])
     reference = D.encode(processor, "idefics2", "vqa", items[:1], items[1])
     assert row["input_ids"] == reference["input_ids"]
     answers = [i for i, label in zip(row["input_ids"], row["labels"]) if label != -100]
@@ -94,7 +93,8 @@ def test_a_build_that_never_learns_in_context_is_retried_then_refused(tmp_path, 
         seeds.append(recipe["seed"])
         processor = toy_backbone.toy_processor()
         model = toy_backbone.toy_model(processor, recipe["seed"]).eval()
-        text, probe_set = toy_world.icl_text_pieces(processor), toy_backbone.toy_scenes(processor, 64, __import__("random").Random(1))
+        text = toy_world.icl_text_pieces(processor)
+        probe_set = toy_backbone.toy_scenes(processor, 64, __import__("random").Random(1))
         return model, processor, [], toy_backbone.probe_row(model, processor, text, probe_set, n=16)
 
     monkeypatch.setattr(toy_backbone, "meta_train", never_learns)
@@ -117,12 +117,15 @@ def test_an_interrupted_build_leaves_nothing_behind(tmp_path, monkeypatch):
 def test_the_default_backbone_is_the_shipped_reference(monkeypatch, tmp_path):
     """toy-idefics2 is the shipped file, checked against model.TOY_SHA256: never built, never read from a cache."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setattr(toy_backbone, "meta_train", lambda *a, **k: pytest.fail("the default backbone must not be built"))
+    monkeypatch.setattr(toy_backbone, "meta_train",
+                        lambda *a, **k: pytest.fail("the default backbone must not be built"))
     backbone = backbones.load_backbone("toy-idefics2")
-    assert files.weights_digest(backbone.model.state_dict()) == toy_backbone.TOY_SHA256 and list(tmp_path.iterdir()) == []
+    assert files.weights_digest(backbone.model.state_dict()) == toy_backbone.TOY_SHA256
+    assert list(tmp_path.iterdir()) == []
     meta = toy_backbone.toy_metadata(SHIPPED)
-    assert toy_backbone.learns_in_context(meta["probe"]) if "probe" in meta else meta["curve"][-1]["8-shot"]["colour"] >= .9
-    monkeypatch.setattr(toy_backbone, "TOY_SHA256", "0" * 64)  # a reference whose bytes are not the pinned ones is refused
+    assert toy_backbone.learns_in_context(meta["probe"]) if "probe" in meta else \
+        meta["curve"][-1]["8-shot"]["colour"] >= .9
+    monkeypatch.setattr(toy_backbone, "TOY_SHA256", "0" * 64)  # a reference of other bytes than the pinned is refused
     with pytest.raises(ValueError, match="do not match their checksum"):
         backbones.load_backbone("toy-idefics2")
 

@@ -19,7 +19,7 @@ import benchmarks
 import evaluate
 import model as M
 import train
-from lab import analyses, backbones, checkpoints, eval_cli, feed, flags, mme_seed, readers, results, tasks, train_cli
+from lab import analyses, anchors, backbones, checkpoints, feed, flags, mme_seed, readers, results, tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0"]
@@ -65,7 +65,8 @@ def test_a_kill_while_the_mme_folder_is_written_leaves_the_old_folder_whole(tmp_
     items = mme_seed.read_mme(benchmarks.ROOT)
     results.write_mme_results(str(folder), items, ["old"] * len(items))
     before = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
-    kill_at_third = ("import os, signal, sys; from lab import files, mme_seed, results; write, calls = files.atomic_write, []; "
+    kill_at_third = ("import os, signal, sys; from lab import files, mme_seed, results; "
+                     "write, calls = files.atomic_write, []; "
                      "files.atomic_write = lambda p, w: (calls.append(p), os.kill(os.getpid(), signal.SIGKILL) if "
                      "len(calls) == 3 else write(p, w)); items = mme_seed.read_mme(sys.argv[2]); "
                      "results.write_mme_results(sys.argv[1], items, ['new'] * len(items))")
@@ -315,7 +316,7 @@ def test_integer_flags_fit_their_dtype_and_name_the_flag(parse, flag, value, cap
 def test_the_nan_stop_names_every_setting_that_can_cause_it(tmp_path, monkeypatch):
     nan = torch.tensor(float("nan"), requires_grad=True)  # the step reads the parts after backward (once a step)
     monkeypatch.setattr(train, "losses", lambda *a, **k: {"anchor": nan, "sup": nan, "loss": nan})
-    monkeypatch.setattr(train, "anchor_regime", lambda *a: None)
+    monkeypatch.setattr(anchors, "anchor_regime", lambda *a: None)
     with pytest.raises(FloatingPointError, match=r"step 1: loss part 'anchor' is nan; stopping\. The last good "
                                                  r"checkpoint is untouched\. Settings that can cause it: --lr 0\.005, "
                                                  r"--weight-decay 1e-06, --clip 1\.0, --lam 0\.5, --kappa 0\.1"):

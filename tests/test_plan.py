@@ -10,7 +10,6 @@ import transformers
 import benchmarks
 import data
 import evaluate
-import model as M
 import train
 from twins import write_twin
 from lab import backbones, files, plan, tasks, teacher_cache
@@ -216,7 +215,8 @@ def test_query_tokens_without_images_are_the_encoded_queries(twins, name, task):
     backbone = backbones.load_backbone(twins.get(name, name))
     kind, queries = data.TASKS[task].kind, tasks.load_task(task, "train", benchmarks.ROOT)[:12]
     pieces = data.query_pieces(backbone.processor, backbone.family, kind, queries)
-    assert teacher_cache.query_tokens(backbone.processor, backbone.family, kind, queries) == teacher_cache.query_sizes(pieces)
+    tokens = teacher_cache.query_tokens(backbone.processor, backbone.family, kind, queries)
+    assert tokens == teacher_cache.query_sizes(pieces)
 
 
 def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_out(tmp_path, monkeypatch):

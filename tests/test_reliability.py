@@ -22,8 +22,8 @@ import data
 import evaluate
 import model as M
 import train
-from lab import (backbones, checkpoints, eval_cli, files, mme_seed, readers, results, rices, tasks, teacher_cache,
-                 toy_backbone, train_cli, vectors)
+from lab import (backbones, checkpoints, files, micro_batches, mme_seed, readers, results, rices, runs, tasks,
+                 teacher_cache, toy_backbone, vectors)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
@@ -63,8 +63,8 @@ def saved_progress(out):
 def test_kill_9_while_an_epoch_is_scored_then_resume_reproduces_the_run(whole, tmp_path):
     """A real kill -9 in a subprocess at the start of epoch 1's held-out scoring (after its last step's checkpoint)."""
     shutil.copytree(whole / "teacher", tmp_path / "teacher")
-    die = "import os, signal, sys, train; train.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); " \
-          "train.main(sys.argv[1:])"
+    die = "import os, signal, sys, train; from lab import runs; " \
+          "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); train.main(sys.argv[1:])"
     killed = subprocess.run([sys.executable, "-c", die, *flags(tmp_path, "run")], cwd=ROOT, capture_output=True)
     assert killed.returncode == -signal.SIGKILL
     progress = saved_progress(tmp_path / "run")
@@ -74,17 +74,17 @@ def test_kill_9_while_an_epoch_is_scored_then_resume_reproduces_the_run(whole, t
 
 
 def test_sigterm_while_an_epoch_is_scored_saves_and_resume_scores_it(whole, tmp_path, monkeypatch, capsys):
-    score = train.heldout_loss
+    score = runs.heldout_loss
 
     def terminated(*a):
         os.kill(os.getpid(), signal.SIGTERM)
         return score(*a)
-    monkeypatch.setattr(train, "heldout_loss", terminated)
+    monkeypatch.setattr(runs, "heldout_loss", terminated)
     with pytest.raises(SystemExit, match=r"interrupted: saved step 2 to .*last.pt \(SIGTERM\); continue with --resume"):
         train.main(flags(tmp_path, "run"))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL              # the handler does not outlive the run
     assert saved_progress(tmp_path / "run")["history"] == []
-    monkeypatch.setattr(train, "heldout_loss", score)
+    monkeypatch.setattr(runs, "heldout_loss", score)
     train.main(flags(tmp_path, "run", "--resume"))
     assert_same_run(whole / "run", tmp_path / "run")
 
@@ -164,7 +164,7 @@ def test_adapter_refuses_another_family_or_other_weights_unless_forced(whole, ca
         assert "warning: --force" in capsys.readouterr().out
     with pytest.raises(ValueError, match="family .saved idefics2, here llava-interleave."):
         checkpoints.load_adapter(path, backbones.load_backbone("tiny-llava-interleave"))
-    checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))                 # its own backbone loads silently
+    checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))       # its own backbone loads silently
     assert capsys.readouterr().out == ""
 
 
@@ -187,7 +187,7 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
 # -------------------------------------------------------------------------------------------- the teacher cache
 
 def teacher_inputs(tmp_path, n):
-    """train.teacher_states' arguments for the first n VQAv2 training queries, one ICD each, on the tiny twin."""
+    """teacher_states' arguments for the first n VQAv2 training queries, one ICD each, on the tiny twin."""
     args = train.parse_args(flags(tmp_path, "run"))
     backbone = backbones.load_backbone("tiny-idefics2")
     pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
@@ -197,13 +197,22 @@ def teacher_inputs(tmp_path, n):
     return args, backbone, queries, icds, pieces, {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
 
 
+def teacher_states(backbone, cfg, queries, icds, pieces, cache):
+    """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
+    computed by the teacher and stored where not (lab/micro_batches.py)."""
+    found = teacher_cache.cached_states(cfg, cache, teacher_cache.teacher_shape(backbone.model), queries, icds, pieces)
+    prepared = {"queries": queries, "icds": icds, "pieces": pieces, "found": found}
+    return micro_batches.completed_states(cfg, prepared, "cpu", cache, train.teacher_of(backbone, cfg, "cpu"))
+
+
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
     args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 2)
-    fresh = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
-    path = os.path.join(args.teacher_cache, teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1]) + ".safetensors")
+    fresh = teacher_states(backbone, args, queries, icds, pieces, cache)
+    key = teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1])
+    path = os.path.join(args.teacher_cache, key + ".safetensors")
     good = open(path, "rb").read()
     open(path, "wb").write(good[:len(good) // 3])                          # as a crash or a full disk leaves it
-    again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    again = teacher_states(backbone, args, queries, icds, pieces, cache)
     assert f"warning: cache file {path} is unusable (unreadable" in capsys.readouterr().out
     assert cache == {"id": cache["id"], "hits": 1, "misses": 3}
     for a, b in zip(fresh, again):                                         # batched alone now: float noise only
@@ -403,8 +412,7 @@ def test_results_of_other_seeds_and_protocols_are_other_files(tmp_path):
                                 "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
     assert results.result_name(args, "2-shot-rices", 5, {}).startswith("seed-val-2-shot-rices-likelihood-encoder-")
     info = {"vector_file": "x/m-vqav2-tv-0123456789ab.safetensors", "vector_layer": 1}
-    assert results.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-" \
-                                                                             "seed0-n3"
+    assert results.result_name(evaluate.parse_args(EVAL), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-seed0-n3"
 
 
 # ---------------------------------------------------------------------------------------------------- caches
@@ -451,11 +459,11 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
 
 def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys):
     args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 1)
-    (fresh,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    (fresh,) = teacher_states(backbone, args, queries, icds, pieces, cache)
     key = teacher_cache.teacher_key(cache["id"], args, queries[0], icds[0])
     path = os.path.join(args.teacher_cache, key + ".safetensors")
     files.write_cache(path, {"states": fresh[:, :-1]}, key + "states")      # a right key, a wrong shape
-    (again,) = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    (again,) = teacher_states(backbone, args, queries, icds, pieces, cache)
     assert again.shape == fresh.shape and "is unusable (states is " in capsys.readouterr().out
 
 
@@ -656,7 +664,8 @@ def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkey
 
 
 def test_a_killed_writes_tmp_is_gone_after_a_successful_rerun_at_once(tmp_path):
-    code = ("import os; from lab import files; files.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
+    code = ("import os; from lab import files; "
+            "files.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}).returncode
     assert len(os.listdir(tmp_path)) == 1                                   # the killed write's temporary file
     files.atomic_write(tmp_path / "f.json", lambda f: f.write(b"{}"))

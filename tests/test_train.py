@@ -2,6 +2,7 @@
 resume, failures."""
 import contextlib
 import os
+import types
 
 import pytest
 import torch
@@ -11,12 +12,20 @@ import data
 import lorentz
 import model as M
 import train
-from lab import backbones, checkpoints, feed, tasks, teacher_cache
+from test_reliability import teacher_states
+from lab import backbones, checkpoints, feed, micro_batches, tasks, teacher_cache
 
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
          "--save-every", "1"]
+
+
+def micro_batch(backbone, cfg, queries, icds, cache):
+    """train.micro_batch of `queries` (icds: theirs, in order) on the CPU, with what a run would share."""
+    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, icds={q.id: d for q, d in zip(queries, icds)},
+                                device="cpu", cache=cache)
+    return train.micro_batch(run, queries)
 
 
 def run(tmp_path, *extra, name="run"):
@@ -39,9 +48,8 @@ def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args = train.parse_args([*TINY, "--method", method, "--teacher-cache", str(tmp_path)])
     M.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
-        kind = data.TASKS[args.task].kind
         cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, kind, queries, icds, "cpu", cache)
+        student, teacher = micro_batch(backbone, args, queries, icds, cache)
         opt = torch.optim.AdamW(M.adapter_modules(backbone.model).parameters(), lr=1e-2)
         history = []
         for _ in range(8):
@@ -65,7 +73,7 @@ def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeyp
     M.attach(backbone.model, "hyper-icl", rank=2)
     try:
         cache = {"id": "x", "hits": 0, "misses": 0}
-        student, teacher = train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+        student, teacher = micro_batch(backbone, args, queries, icds, cache)
     finally:
         M.detach(backbone.model)
     teacher_ids, = seen                                  # one forward: the teacher's (the student runs later)
@@ -86,7 +94,7 @@ def attached_batch(setup, tmp_path, cache_id):
     M.attach(backbone.model, "hyper-icl", rank=2)
     try:
         cache = {"id": cache_id, "hits": 0, "misses": 0}
-        yield train.micro_batch(backbone, args, "vqa", queries, icds, "cpu", cache)
+        yield micro_batch(backbone, args, queries, icds, cache)
     finally:
         M.detach(backbone.model)
 
@@ -148,8 +156,7 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
-    first = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
-    again = train.teacher_states(backbone, args, "vqa", queries, icds, pieces, "cpu", cache)
+    first, again = (teacher_states(backbone, args, queries, icds, pieces, cache) for _ in range(2))
     fresh = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
     assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
@@ -219,7 +226,7 @@ def test_demonstrations_are_drawn_without_the_held_out_queries():
     held = {q.id for q in heldout}
     assert held and not held & {it.id for it in support}
     assert len(support) == len(tasks.load_task("vqav2", "train", benchmarks.ROOT)) - 60
-    icds = train.data.demonstrations([q.id for q in queries], support, 8, args.seed)
+    icds = data.demonstrations([q.id for q in queries], support, 8, args.seed)
     assert all(d.id not in held and d.id != q.id for q, ds in zip(queries, icds) for d in ds)
 
 
@@ -249,14 +256,14 @@ def test_the_teacher_runs_without_the_adapter(method):
 def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_adapter(tmp_path, monkeypatch):
     """--workers N: the micro-batches (their order, every tensor of the student batch, the teacher's states, computed
     in epoch 1 and read from the cache by the workers in epoch 2) and the trained adapter are those of --workers 0."""
-    finished, seen = train.finished, {}
+    finished, seen = micro_batches.finished, {}
 
-    def spy(backbone, args, kind, prepared, device, cache):
-        student, teacher = finished(backbone, args, kind, prepared, device, cache)
-        seen[args.workers].append(([q.id for q in prepared["queries"]], student, teacher,
-                                   [s is None for s in prepared["found"]["states"]]))
+    def spy(cfg, prepared, device, cache, teacher):
+        student, teacher = finished(cfg, prepared, device, cache, teacher)
+        seen[cfg.workers].append(([q.id for q in prepared["queries"]], student, teacher,
+                                  [s is None for s in prepared["found"]["states"]]))
         return student, teacher
-    monkeypatch.setattr(train, "finished", spy)
+    monkeypatch.setattr(micro_batches, "finished", spy)
     adapters = {}
     for workers in (0, 1, 2):
         seen[workers] = []
