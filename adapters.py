@@ -1,13 +1,12 @@
 """What is learned inside self-attention: Hyper-ICL's gated low-rank logit bias and HiFICL's virtual key-values.
 
-Both act on one attention layer, all heads at once, with the tensors the attention kernel sees:
-q: [B, H, T, d_h] (after rotary embedding), k, v: [B, H_kv, S, d_h] with H a multiple of H_kv (grouped-query
-attention: query heads h of one group share key/value head h // (H / H_kv), never copied), mask: bool [B, 1, T, S]
-(True = may attend) or None for plain causal attention, scaling = 1/sqrt(d_h).
-
-First the attention decomposition of Eq 1-2, the identity both methods start from; then Hyper-ICL, HiFICL,
-the baselines (static gates, output level, MimIC, LIVE, LoRA) and METHODS, which names them all; the kernel
-helpers last.
+Both act on one attention layer, all heads at once, with the tensors the attention kernel sees: q: [batch, H, T, d_h]
+(after rotary embedding), k, v: [batch, H_kv, T_k, d_h] with H a multiple of H_kv (grouped-query attention: query
+heads h of one group share key/value head h // (H / H_kv), never copied), mask: bool [batch, 1, T, T_k] (True = may
+attend) or None for plain causal attention, scaling = 1/sqrt(d_h). Symbols as in the paper: S the logits, K and V
+the keys and values, A = Q U_q, B = K U_k, g the gate (w, b); T queries attend T_k keys. A method's `reference`
+writes its equations out (T x T_k logits): the tests hold its fused `forward`, the form that runs, to it.
+First Eq 1-2 (the decomposition), then Hyper-ICL, HiFICL, the baselines and METHODS; the kernel helpers last.
 """
 import math
 
@@ -19,10 +18,11 @@ from torch import nn
 # ------------------------------------------------------------------------------------ Eq 1-2: the decomposition
 
 def decompose(logits_D, logits, V_D, V, mask=None):
-    """Eq 2: SA over [K_D; K] = (1 - mu) SA(q, K, V) + mu SA(q, K_D, V_D), per query row.
+    """Eq 2 written out: SA over [K_D; K] = (1 - mu) SA(q, K, V) + mu SA(q, K_D, V_D), per query row. The tests hold
+    it to the left side (joint_attention); HiFICL and MimIC run it fused (virtual_key_attention).
 
-    logits_D: [..., T, T_D] = q K_D^T (already scaled); logits: [..., T, S] = q K^T; V_D: [..., T_D, d_v];
-    V: [..., S, d_v]; mask: bool broadcastable to logits (True = attend), applied to K only.
+    logits_D: [..., T, T_D] = q K_D^T (already scaled); logits: [..., T, T_k] = q K^T; V_D: [..., T_D, d_v];
+    V: [..., T_k, d_v]; mask: bool broadcastable to logits (True = attend), applied to K only.
     Returns (SA(q, K, V), SA(q, K_D, V_D), mu) with mu = Z1 / (Z1 + Z2) of shape [..., T, 1].
     """
     if mask is not None:
@@ -74,30 +74,30 @@ class HyperICL(nn.Module):
         self.b = nn.Parameter(torch.zeros(num_heads))
 
     def gate(self, q):
-        """Eq 9: g = sigmoid(LN(Q) w + b), one value per query token and head: [B, H, T, 1]."""
+        """Eq 9: g = sigmoid(LN(Q) w + b), one value per query token and head: [batch, H, T, 1]."""
         dtype = torch.promote_types(q.dtype, torch.float32)  # bf16 / fp16 in float32
         u = F.layer_norm(q.to(dtype), q.shape[-1:])
         return torch.sigmoid(torch.einsum("bhtd,hd->bht", u, self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
 
     def reference(self, q, k, v, mask, scaling):
-        """Eq 3-8 written out: forms the T x S logits S~ (readable; the fast path must match it)."""
+        """Eq 3-8 written out, with the T x T_k logits S~: the reference the tests hold forward (what runs) to."""
         k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
         A, B = q @ self.U_q.to(q.dtype), k @ self.U_k.to(k.dtype)              # Eq 6
         S = q @ k.transpose(-1, -2) * scaling                                   # Eq 3
         Delta = A @ B.transpose(-1, -2) / math.sqrt(self.rank)                  # Eq 7
         S_tilde = S + self.gate(q).to(S.dtype) * Delta                          # Eq 5
         seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
-        P = S_tilde.masked_fill(~seen, -math.inf).softmax(-1)
-        P = P.masked_fill(~seen.any(-1, keepdim=True), 0)   # a padding query sees no key: output 0, as SDPA does
-        return P @ v                                                            # Eq 8
+        weights = S_tilde.masked_fill(~seen, -math.inf).softmax(-1)
+        weights = weights.masked_fill(~seen.any(-1, keepdim=True), 0)  # a query that sees no key (padding): 0, as SDPA
+        return weights @ v                                                      # Eq 8
 
     def forward(self, q, k, v, mask, scaling):
-        """Eq 3-8 inside fused attention. Delta = (Q U_q)(K U_k)^T / sqrt(r) = (Q U_q U_k^T) K^T / sqrt(r), so
+        """What runs: Eq 3-9 in fused attention. Delta = (Q U_q)(K U_k)^T / sqrt(r) = (Q U_q U_k^T) K^T / sqrt(r), so
 
             S~ = S + Diag(g) Delta = scaling Q~ K^T,   Q~ = Q + Diag(g) (Q U_q) U_k^T / (scaling sqrt(r)):
 
         the logit bias is a gated rank-r change of each query. The kernel gets Q~ and the model's own K and V (grouped
-        heads shared, as in the base model's call): no T x S tensor, no copy of the keys or the cache, no wider head.
+        heads shared, as in the base model's call): no T x T_k tensor, no copy of the keys or the cache, no wider head.
         Where Delta = 0 (U_k = 0 at initialisation) Q~ = Q exactly, so the kernel computes what the base model's
         does, in bf16 too; otherwise Q~ is rounded once to the model's dtype, as Q itself was.
         """
@@ -133,8 +133,8 @@ class HiFICL(nn.Module):
         return (self.K_A @ self.K_B).to(dtype), (self.V_A @ self.V_B).to(dtype)
 
     def reference(self, q, k, v, mask, scaling):
-        """HiFICL as written: softmax([q K_learn^T, q K^T] scaling) [V_learn; V], the model's mask on K only. Forms
-        the T x (n + S) logits (readable; the fused forward must match it)."""
+        """HiFICL as written: softmax([q K_learn^T, q K^T] scaling) [V_learn; V], the model's mask on K only, with
+        the T x (n + T_k) logits: the reference the tests hold forward (what runs) to."""
         k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
         K_learn, V_learn = self.virtual(q.dtype)
         seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
@@ -142,14 +142,14 @@ class HiFICL(nn.Module):
         return joint_attention(logits_D, logits, V_learn.expand(len(q), -1, -1, -1), v, seen)
 
     def forward(self, q, k, v, mask, scaling):
-        """The reference, computed by Eq 2 without a T x S tensor (an optimisation, same function):
+        """What runs: the reference, computed by Eq 2 without a T x T_k tensor (an optimisation, same function):
         (1 - mu) SA(q, K, V) + mu SA(q, K_learn, V_learn), mu = Z1 / (Z1 + Z2). The T x n virtual part is computed
         directly (float32 or float64); the real keys go through one fused call that also returns mu
         (virtual_key_attention: one virtual key with logit log Z1 = logsumexp(q K_learn^T scaling)), with K and V
         grouped as the model keeps them.
         """
         K_learn, V_learn = self.virtual(torch.promote_types(q.dtype, torch.float32))
-        logits_D = q.to(K_learn.dtype) @ K_learn.transpose(-1, -2) * scaling    # [B, H, T, n]
+        logits_D = q.to(K_learn.dtype) @ K_learn.transpose(-1, -2) * scaling    # [batch, H, T, n]
         weighted_SA, mu, _ = virtual_key_attention(q, k, v, torch.logsumexp(logits_D, -1), mask, scaling)
         SA_D = logits_D.softmax(-1) @ V_learn                                  # SA(q, K_learn, V_learn)
         return torch.addcmul(weighted_SA.to(SA_D.dtype), mu.to(SA_D.dtype), SA_D).to(q.dtype)
@@ -170,7 +170,7 @@ class StaticGate(HyperICL):
         self.c = nn.Parameter(torch.zeros(num_heads if self.per_head else 1))
 
     def gate(self, q):
-        """The constant g = sigmoid(c), broadcastable to [B, H, T, 1]."""
+        """The constant g = sigmoid(c), broadcastable to [batch, H, T, 1]."""
         return torch.sigmoid(self.c.to(torch.promote_types(q.dtype, torch.float32)))[None, :, None, None]
 
 
@@ -194,11 +194,11 @@ class OutputLevel(HyperICL):
         offset = self.gate(q).to(q.dtype) * (A @ self.U_k.to(q.dtype).transpose(-1, -2)) / math.sqrt(self.rank)
         return sdpa(q, k, v, mask, scale=scaling) + offset
 
-    reference = None  # no logit bias, hence no T x S form: forward is plain fused attention plus an offset
+    reference = None  # no logit bias, hence no T x T_k form: forward is plain fused attention plus an offset
 
 
 class MimIC(nn.Module):
-    """MimIC (Jiang et al. 2025): per head a shift s (size d_h) and log Z1 = w.q + b, the head's output becomes
+    """MimIC (Jiang et al. 2025): per head a shift s and log Z1 = w.q + b (MimIC's w, b), the head's output becomes
 
         SA(q, K, V) + mu s,   mu = Z1 / (Z1 + Z2),   Z2 = sum over the keys the token may see of exp(q.k scaling).
 
@@ -213,13 +213,13 @@ class MimIC(nn.Module):
         self.b = nn.Parameter(torch.zeros(num_heads))
 
     def log_Z1(self, q):
-        """log Z1 = w.q + b per query token and head: [B, H, T, 1] in float32 (or float64)."""
+        """log Z1 = w.q + b per query token and head: [batch, H, T, 1] in float32 (or float64)."""
         dtype = torch.promote_types(q.dtype, torch.float32)
         return (torch.einsum("bhtd,hd->bht", q.to(dtype), self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
 
     def reference(self, q, k, v, mask, scaling):
-        """MimIC as written: SA(q, K, V) + mu s with Z2 summed over the keys each token may see. Forms the T x S
-        logits (readable; the fused forward must match it). A token that sees no key (padding) gets SA = 0."""
+        """MimIC as written: SA(q, K, V) + mu s with Z2 summed over the keys each token may see, with the T x T_k
+        logits: the reference the tests hold forward (what runs) to. A token that sees no key (padding): SA = 0."""
         k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
         seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
         logits = (q @ k.transpose(-1, -2) * scaling).masked_fill(~seen, -math.inf)
@@ -228,7 +228,7 @@ class MimIC(nn.Module):
         return SA + mu.to(q.dtype) * self.s.to(q.dtype)[:, None]
 
     def forward(self, q, k, v, mask, scaling):
-        """The reference in one fused call over [virtual key; K] (an optimisation, same function): the virtual key's
+        """What runs: the reference in one fused call over [virtual key; K] (same function): the virtual key's
         logit is log Z1 (virtual_key_attention), SA = (1 - mu) SA / (1 - mu), each read with the kernel's own
         relative precision. A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere
         nothing is clamped: if Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and
@@ -241,8 +241,8 @@ class MimIC(nn.Module):
 
 
 class LIVE(nn.Module):
-    """LIVE (Peng et al. 2024): one vector v (size d) and scale alpha per decoder layer, added to the output h of the
-    layer's MLP and renormalised to its norm: h' = (h + alpha v) |h| / |h + alpha v|.
+    """LIVE (Peng et al. 2024): one vector v (LIVE's, size d) and scale alpha per decoder layer, added to the output
+    h of the layer's MLP and renormalised to its norm: h' = (h + alpha v) |h| / |h + alpha v|.
 
     Initialised as in LIVE's public runs: alpha = 0.1 (their alpha_init_value), v ~ N(0, 0.01^2). Parameters per
     layer: d + 1. Runs as a forward hook on the MLP (model.attach), not inside attention.
@@ -270,7 +270,7 @@ def lora_config(rank=16):
     i.e. the attention layers of the vision encoder (whose out_proj is not so named), the perceiver and the text
     decoder (self- and Idefics' cross-attention). These are MimIC's public LoRA settings (src/config/peft/lora.yaml),
     and give the paper's counts: 17.6 M on Idefics2-8B, 25.0 M on Idefics-9B. No dropout (the backbone runs in eval
-    mode for every method). B = 0 at initialisation: the base model.
+    mode for every method). lora_B = 0 at initialisation: the base model.
     """
     from peft import LoraConfig  # imported here: peft takes seconds to import and only LoRA needs it
     return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
@@ -285,25 +285,25 @@ METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, 
 
 # ------------------------------------------- kernel helpers (optimisations): masks, SDPA, one virtual key
 
-def causal_mask(T, S, device):
-    """Bool [T, S]: query i (the last T of S positions) may attend key j <= S - T + i."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)
+def causal_mask(T, T_k, device):
+    """Bool [T, T_k]: query i (the last T of T_k positions) may attend key j <= T_k - T + i."""
+    return torch.ones(T, T_k, dtype=torch.bool, device=device).tril(T_k - T)
 
 
-def full_mask(mask, T, S, device):
-    """The explicit bool mask that `mask` (None = plain causal) stands for, broadcastable to [B, 1, T, S]."""
-    return causal_mask(T, S, device) if mask is None else mask
+def full_mask(mask, T, T_k, device):
+    """The explicit bool mask that `mask` (None = plain causal) stands for, broadcastable to [batch, 1, T, T_k]."""
+    return causal_mask(T, T_k, device) if mask is None else mask
 
 
 def sdpa(q, k, v, mask, scale):
     """scaled_dot_product_attention with our mask convention (None = causal; decoding steps see everything) and
     grouped key/value heads shared by their query heads inside the kernel (enable_gqa). On CPU the fused kernel takes
     them with or without a mask; on a GPU only flash attention does (half precision, no mask), and the others would
-    fall back to the math kernel, which forms T x S scores, so there the heads are repeated first, as transformers'
+    fall back to the math kernel, which forms T x T_k scores, so there the heads are repeated first, as transformers'
     own call does."""
-    T, S = q.shape[-2], k.shape[-2]
-    if mask is None and T > 1 and T != S:
-        mask = causal_mask(T, S, q.device)
+    T, T_k = q.shape[-2], k.shape[-2]
+    if mask is None and T > 1 and T != T_k:
+        mask = causal_mask(T, T_k, q.device)
     if q.device.type != "cpu" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
         k, v = per_query_head(k, q.shape[1]), per_query_head(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
@@ -311,20 +311,20 @@ def sdpa(q, k, v, mask, scale):
 
 
 def per_query_head(x, heads):
-    """[B, H_kv, S, d] -> [B, heads, S, d]: each key/value head repeated for its group."""
+    """[batch, H_kv, T_k, d] -> [batch, heads, T_k, d]: each key/value head repeated for its group."""
     return x.repeat_interleave(heads // x.shape[1], 1)
 
 
 def virtual_key_attention(q, k, v, log_Z1, mask, scaling):
     """Eq 2 in one fused call: attention over [k_D; K] where one virtual key k_D, with value 0, has the logit log Z1
-    (a float [B, H, T] per query and head) and the real keys keep the model's mask. Returns ((1 - mu) SA(q, K, V), mu,
-    1 - mu), each [B, H, T, *], mu = Z1 / (Z1 + Z2), Z2 = sum over the keys the query may see of exp(q.k scaling).
+    ([batch, H, T], per query and head) and the real keys keep the model's mask. Returns ((1 - mu) SA(q, K, V), mu,
+    1 - mu), each [batch, H, T, *], mu = Z1 / (Z1 + Z2), Z2 = sum over the keys the query may see of exp(q.k scaling).
 
     q gains a column log Z1 / scaling; the virtual key is the unit vector on it (real keys hold 0 there), so it is one
     key shared by every query head and K stays grouped. Two value columns mark the virtual and the real keys: the
     kernel returns mu and 1 - mu there, each with its own relative precision. Under plain causal attention (mask None)
     a leading dummy query row lines the kernel's own causal mask up with [k_D; K]; a decoding step (T = 1) sees every
-    key; otherwise the model's bool mask gains one always-true column. No T x S tensor is formed.
+    key; otherwise the model's bool mask gains one always-true column. No T x T_k tensor is formed.
     """
     d_h, lead = q.shape[-1], int(mask is None and q.shape[-2] > 1)
     width = -(-(d_h + 2) // 8) * 8                         # fused kernels take head sizes in multiples of 8

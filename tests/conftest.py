@@ -1,9 +1,17 @@
-"""Shared test settings: hypothesis without per-example deadlines (CI machines are slow), and the benchmarks in
-their official layouts (benchmarks.py) written once, before any test reads them from benchmarks.ROOT."""
+"""Shared test settings: the repository root and tests/ on sys.path (so `python -m pytest tests/paper`, the whole
+suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
+deadlines (CI machines are slow), and the benchmarks in their official layouts (benchmarks.py) written once, before
+any test reads them from benchmarks.ROOT."""
+import os
+import sys
+
 import pytest
 from hypothesis import settings
 
-import benchmarks
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS) if p not in sys.path]
+
+import benchmarks  # noqa: E402 (after the paths above)
 
 settings.register_profile("repo", deadline=None, print_blob=True)
 settings.load_profile("repo")
