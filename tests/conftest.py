@@ -1,7 +1,7 @@
 """Shared test settings: the repository root and tests/ on sys.path (so `python -m pytest tests/paper`, the whole
 suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
-deadlines (CI machines are slow), and the benchmarks in their official layouts (benchmarks.py) written once, before
-any test reads them from benchmarks.ROOT."""
+deadlines (CI machines are slow), the `plain` fixture (a module's backbone without an adapter), and the benchmarks in
+their official layouts (benchmarks.py) written once, before any test reads them from benchmarks.ROOT."""
 import os
 import sys
 
@@ -12,9 +12,18 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS) if p not in sys.path]
 
 import benchmarks  # noqa: E402 (after the paths above)
+import model as M  # noqa: E402
 
 settings.register_profile("repo", deadline=None, print_blob=True)
 settings.load_profile("repo")
+
+
+@pytest.fixture()
+def plain(backbone):
+    """The test module's `backbone` fixture with no adapter before and after the test."""
+    yield backbone
+    if hasattr(backbone.model, "icl_settings"):
+        M.detach(backbone.model)
 
 
 def pytest_configure(config):

@@ -141,14 +141,6 @@ def backbone():
     return backbones.load_backbone("tiny-idefics2")
 
 
-@pytest.fixture()
-def plain(backbone):
-    """The backbone with no adapter before and after the test."""
-    yield backbone
-    if hasattr(backbone.model, "icl_settings"):
-        M.detach(backbone.model)
-
-
 def perturb(model, seed=0):
     """Move every adapter parameter away from its initialisation (as training would)."""
     torch.manual_seed(seed)

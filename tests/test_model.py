@@ -24,14 +24,6 @@ def randomise(model, seed=0):
         torch.nn.init.normal_(p, std=0.3)
 
 
-@pytest.fixture()
-def plain(backbone):
-    """The backbone with no adapter before and after the test."""
-    yield backbone
-    if hasattr(backbone.model, "icl_settings"):
-        M.detach(backbone.model)
-
-
 def test_the_adapter_is_in_the_text_decoder_only(plain):
     M.attach(plain.model, "hyper-icl", rank=2)
     owners = [name for name, module in plain.model.named_modules() if hasattr(module, "icl_adapter")]

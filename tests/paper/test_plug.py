@@ -23,14 +23,6 @@ def backbone(request):
     return backbones.load_backbone("tiny-" + request.param)
 
 
-@pytest.fixture()
-def plain(backbone):
-    """The backbone with no adapter before and after the test."""
-    yield backbone
-    if hasattr(backbone.model, "icl_settings"):
-        M.detach(backbone.model)
-
-
 def randomise(model, seed=0):
     torch.manual_seed(seed)
     for p in M.adapter_modules(model).parameters():
