@@ -230,15 +230,18 @@ CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-in
                 "llava_onevision": "llava-onevision"}
 
 
-def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint"):
+def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint", check=None):
     """One of the paper's backbones by name: a family's short name (its hub id, FAMILIES), a hub id or a checkpoint
     folder; bf16 on CUDA (the default device when there is one), float32 on CPU, frozen, the weights read straight
     to the device. image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"
-    (image_setting). lab/backbones.py:load_backbone checks the checkpoint's config and eos ids before this."""
+    (image_setting). check(path): run on the checkpoint's folder or hub id before anything loads (lab/backbones.py
+    checks its config and eos ids there)."""
     family = family_of(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     path = FAMILIES[family].hub_id if name == family else name
+    if check:
+        check(path)
     processor, images = load_processor(path, family, image_splitting)
     model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
                                                        device_map={"": placed(device)})  # no copy in host memory

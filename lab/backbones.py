@@ -26,12 +26,15 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         M.context_limit(processor, model.config)  # the tokenizer knows the text model's context (data.collate)
         backbone = M.Backbone(M.freeze(model), processor, family, name, images)
     else:
-        path = M.FAMILIES[family].hub_id if name == family else name
-        check_config(read_config(path), path)
-        check_eos(path)
-        backbone = M.load_checkpoint(name, device, dtype, image_splitting)
+        backbone = M.load_checkpoint(name, device, dtype, image_splitting, check=check_files)
     chunks.chunk_images(backbone.model, image_memory)
     return backbone
+
+
+def check_files(path):
+    """The checkpoint's config and eos ids, checked before its processor and weights load (check_config, check_eos)."""
+    check_config(read_config(path), path)
+    check_eos(path)
 
 
 def read_config(path):
