@@ -67,13 +67,12 @@ def finished(cfg, prepared, device, cache, teacher):
 
 def completed_states(cfg, prepared, device, cache, teacher):
     """prepared["found"] (cached_states) with the missing states computed by teacher(queries, icds, pieces, batch)
-    on `device` (where they stay) and stored; prepared["teacher"]: the teacher batch of the missing queries if made
-    already (else prepared["pieces"] are encoded). The hits and misses are counted in `cache`."""
-    queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared.get("teacher")
+    on `device` (where they stay) from their teacher batch, prepared["teacher"], and stored. The hits and misses are
+    counted in `cache`."""
+    queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared["teacher"]
     output = "logits" if cfg.anchor == "kl" else "states"
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
-    pieces = None if batch else [prepared["pieces"][i] for i in missing]
-    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], pieces, batch) if missing else []
+    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], None, batch) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     for i, s in zip(missing, fresh):

@@ -193,26 +193,24 @@ def teacher_inputs(tmp_path, n):
     pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:n]
     icds = data.demonstrations([q.id for q in queries], pool, 1, 0)
-    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
-    return args, backbone, queries, icds, pieces, {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
+    return args, backbone, queries, icds, {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
 
 
-def teacher_states(backbone, cfg, queries, icds, pieces, cache):
+def teacher_states(backbone, cfg, queries, icds, cache):
     """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
     computed by the teacher and stored where not (lab/micro_batches.py)."""
-    found = teacher_cache.cached_states(cfg, cache, teacher_cache.teacher_shape(backbone.model), queries, icds, pieces)
-    prepared = {"queries": queries, "icds": icds, "pieces": pieces, "found": found}
+    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, cfg, cache), (queries, icds))
     return micro_batches.completed_states(cfg, prepared, "cpu", cache, train.teacher_of(backbone, cfg, "cpu"))
 
 
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
-    args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 2)
-    fresh = teacher_states(backbone, args, queries, icds, pieces, cache)
+    args, backbone, queries, icds, cache = teacher_inputs(tmp_path, 2)
+    fresh = teacher_states(backbone, args, queries, icds, cache)
     key = teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1])
     path = os.path.join(args.teacher_cache, key + ".safetensors")
     good = open(path, "rb").read()
     open(path, "wb").write(good[:len(good) // 3])                          # as a crash or a full disk leaves it
-    again = teacher_states(backbone, args, queries, icds, pieces, cache)
+    again = teacher_states(backbone, args, queries, icds, cache)
     assert f"warning: cache file {path} is unusable (unreadable" in capsys.readouterr().out
     assert cache == {"id": cache["id"], "hits": 1, "misses": 3}
     for a, b in zip(fresh, again):                                         # batched alone now: float noise only
@@ -458,12 +456,12 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
 
 
 def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys):
-    args, backbone, queries, icds, pieces, cache = teacher_inputs(tmp_path, 1)
-    (fresh,) = teacher_states(backbone, args, queries, icds, pieces, cache)
+    args, backbone, queries, icds, cache = teacher_inputs(tmp_path, 1)
+    (fresh,) = teacher_states(backbone, args, queries, icds, cache)
     key = teacher_cache.teacher_key(cache["id"], args, queries[0], icds[0])
     path = os.path.join(args.teacher_cache, key + ".safetensors")
     files.write_cache(path, {"states": fresh[:, :-1]}, key + "states")      # a right key, a wrong shape
-    (again,) = teacher_states(backbone, args, queries, icds, pieces, cache)
+    (again,) = teacher_states(backbone, args, queries, icds, cache)
     assert again.shape == fresh.shape and "is unusable (states is " in capsys.readouterr().out
 
 

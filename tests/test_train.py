@@ -156,7 +156,7 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
-    first, again = (teacher_states(backbone, args, queries, icds, pieces, cache) for _ in range(2))
+    first, again = (teacher_states(backbone, args, queries, icds, cache) for _ in range(2))
     fresh = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
     assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
