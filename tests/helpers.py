@@ -1,13 +1,21 @@
-"""Helpers shared by the model tests (test_model.py, test_baselines.py): prompts for the tiny twins and the
-cached-decoding check."""
+"""Helpers shared by the model tests (test_model.py, test_baselines.py, paper/test_plug.py): prompts for the tiny
+twins, randomised adapters and the cached-decoding check."""
 import torch
 from PIL import Image
 
+import model as M
 
 
 def images(texts):
     """One image per prompt, determined by the prompt (so a prompt alone and in a batch sees the same image)."""
     return [Image.new("RGB", (28, 28), (7 * len(t) % 255, 200, 90)) for t in texts]
+
+
+def randomise(model, seed=0):
+    """Every adapter parameter of `model` drawn from N(0, 0.3^2): an adapter far from its identity start."""
+    torch.manual_seed(seed)
+    for p in M.adapter_modules(model).parameters():
+        torch.nn.init.normal_(p, std=0.3)
 
 
 def prompts(backbone, texts, positions=True):

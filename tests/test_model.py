@@ -7,7 +7,7 @@ import torch
 
 import model as M
 
-from helpers import TEXTS, prompts
+from helpers import TEXTS, prompts, randomise
 from lab import backbones, checkpoints, files, published
 
 FAMILIES = sorted(M.FAMILIES)
@@ -16,12 +16,6 @@ FAMILIES = sorted(M.FAMILIES)
 @pytest.fixture(scope="module", params=FAMILIES)
 def backbone(request):
     return backbones.load_backbone("tiny-" + request.param)
-
-
-def randomise(model, seed=0):
-    torch.manual_seed(seed)
-    for p in M.adapter_modules(model).parameters():
-        torch.nn.init.normal_(p, std=0.3)
 
 
 def test_the_adapter_is_in_the_text_decoder_only(plain):

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import model as M
-from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
+from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts, randomise
 from lab import backbones, published
 from test_adapters import explicit_hyper_icl
 
@@ -21,12 +21,6 @@ WORDS = "question what colour is the shape how many cats are on a table short an
 @pytest.fixture(scope="module", params=FAMILIES)
 def backbone(request):
     return backbones.load_backbone("tiny-" + request.param)
-
-
-def randomise(model, seed=0):
-    torch.manual_seed(seed)
-    for p in M.adapter_modules(model).parameters():
-        torch.nn.init.normal_(p, std=0.3)
 
 
 @functools.cache
