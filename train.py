@@ -203,12 +203,8 @@ def train(cfg):
                     (part["loss"] / cfg.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.detach() / cfg.grad_accum for k, v in part.items()}
                 parts = runs.checked(run, parts)  # read once a step; a NaN or inf stops the run before the step
-                # the step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule
-                torch.nn.utils.clip_grad_norm_(M.adapter_modules(backbone.model).parameters(), cfg.clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                runs.stepped(run, parts)  # shown; checkpointed every --save-every steps
+                runs.update(run)  # the step: gradients clipped (--clip, not in the paper), AdamW, the schedule
+                runs.stepped(run, parts)  # shown; checkpointed every --save-every steps; a signal stops here
             runs.end_of_epoch(run, epoch)  # the held-out loss keeps the best epoch's adapter; checkpointed
         return runs.finish(run)  # last.pt, history.json, the summary line
 

@@ -1,6 +1,7 @@
 """Checkpoints: adapter files (safetensors holding only the adapter and its settings), the run's last.pt
 (resume), run folders claimed and locked by one process at a time."""
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -121,7 +122,8 @@ def save_run(run):
         return
     state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
              "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.cfg),
-             "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1]}
+             "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1],
+             "fingerprint": run.cache["id"]}  # the backbone's weights (fingerprint): a resume needs the same
     files.atomic_write(os.path.join(run.cfg.out, "last.pt"), lambda f: torch.save(state, f))
 
 
@@ -135,16 +137,15 @@ def restore(args, backbone, optimizer, scheduler):
     path = os.path.join(args.out, "last.pt")
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
-    try:
-        state = torch.load(path, weights_only=False, map_location="cpu")  # not rank 0's GPU on every process
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
-        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {e}); start over with "
-                         "--overwrite") from e
+    state = read_run(path)
     differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
               if state["args"].get(k) != getattr(args, k)]
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
         differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
                       "only with as many as before)")
+    here = fingerprint(backbone)
+    if state.get("fingerprint", here) != here:
+        differ.append(f"other weights of --model {args.model} (fingerprint {state['fingerprint']}, now {here})")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
@@ -152,6 +153,24 @@ def restore(args, backbone, optimizer, scheduler):
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state["progress"]
+
+
+def read_run(path):
+    """The state a last.pt holds, unpickled with weights_only=True (tensors, numbers, strings, lists, dicts: no code
+    of the file runs); anything else (a truncated, corrupt or crafted file) is a ValueError naming it."""
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")  # not rank 0's GPU on every process
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        if "weights only" in str(e).lower():  # torch's message would suggest weights_only=False: not repeated
+            raise ValueError(f"--resume: {path} is not a checkpoint of this project (it holds more than tensors, "
+                             "numbers, strings, lists and dicts); start over with --overwrite") from None
+        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {str(e).splitlines()[0][:160]}); "
+                         "start over with --overwrite") from None
+    if not isinstance(state, dict) or not {"adapter", "optimizer", "scheduler", "progress", "args", "rng"} <= \
+            state.keys():
+        raise ValueError(f"--resume: {path} is not a checkpoint of this project (not the dict train.py saves); "
+                         "start over with --overwrite")
+    return state
 
 
 def claim(args):
@@ -207,11 +226,15 @@ def locked(folder):
 
 def open_lock(path):
     """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be.
-    Made exclusively (O_EXCL), so only the process that made the file may remove it."""
+    Made exclusively (O_EXCL), so only the process that made the file may remove it; never through a symbolic link
+    (O_NOFOLLOW: a link there is refused, and what it points to untouched)."""
     for made, verb, exclusive in ((True, "make", os.O_EXCL), (False, "open", 0)):
         try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | exclusive, 0o666), made
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | exclusive, 0o666), made
         except FileExistsError:  # only with O_EXCL: someone made it first, open it
             continue
         except OSError as e:
+            if e.errno == errno.ELOOP or os.path.islink(path):
+                raise OSError(f"the lock file {path} is a symbolic link, which is never followed; remove it") \
+                    from None
             raise OSError(f"could not {verb} the lock file {path} ({e.strerror or e})") from e

@@ -8,6 +8,7 @@ import secrets
 import shutil
 import socket
 import time
+import zlib
 
 import torch
 from safetensors import safe_open
@@ -110,10 +111,23 @@ def atomic_write(path, write, durable=True):
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise OSError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged") from e
+        raise NamedError(f"could not write {path} ({e.strerror or e}); the previous file, if any, is unchanged",
+                         e) from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+class NamedError(OSError):
+    """An OSError whose message names the file, keeping the errno and strerror of the error it reports (`cause`), so a
+    full disk (ENOSPC) is still told apart by whoever catches it."""
+
+    def __init__(self, message, cause):
+        super().__init__(cause.errno, cause.strerror)
+        self.message = message
+
+    def __str__(self):
+        return self.message
 
 
 def write_json(path, obj, indent=None):
@@ -185,17 +199,15 @@ def weights_digest(tensors):
 
 
 def bytes_checksum(tensors):
-    """A cheap checksum of a state dict (in name order): each tensor's name, shape, dtype and the wrapping int64 sum of
-    its bytes read as 8-byte words (its last bytes alone): any changed word, a zeroed tail, a truncation changes it.
-    It costs a fraction of reading the bytes (sha256 cost more than the read itself); it guards against damage, not
-    against someone forging a file."""
+    """A cheap checksum of a state dict (in name order): each tensor's name, shape, dtype and the CRC-32 of its bytes
+    (zlib's, several GB/s): any changed, swapped or reordered bytes, a zeroed tail, a truncation change it. It costs
+    a fraction of reading the bytes (sha256 cost more than the read itself); it guards against damage, not against
+    someone forging a file."""
     parts = []
     for name in sorted(tensors):
         t = tensors[name].contiguous()
-        raw = t.reshape(-1).view(torch.uint8)
-        whole = raw.numel() // 8 * 8
-        total = int(raw[:whole].view(torch.int64).sum()) + int(raw[whole:].sum()) if raw.numel() else 0
-        parts.append(f"{name}{tuple(t.shape)}{t.dtype}:{total % 2 ** 64:x}")
+        crc = zlib.crc32(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else 0
+        parts.append(f"{name}{tuple(t.shape)}{t.dtype}:crc32:{crc:08x}")
     return ";".join(parts)
 
 

@@ -34,6 +34,8 @@ class Run:
     progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
     steps_per_epoch: int
     bar: tqdm = None          # the progress bar (the first process's)
+    stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
+    updating: bool = False    # inside an optimiser update (update): its parameters are between two steps
 
     @property
     def anchor_scale(self):
@@ -123,32 +125,81 @@ def checked(run, parts):
     return parts
 
 
+def update(run):
+    """The optimiser step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule; marked as
+    under way (run.updating) until stepped counts it, so no error saves half of it."""
+    run.updating = True
+    torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.cfg.clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
 def stepped(run, parts):
-    """After an optimiser step: count it, show it with its loss parts and learning rate, and checkpoint every
-    --save-every steps."""
+    """After an optimiser step: count it, show it with its loss parts and learning rate, checkpoint every
+    --save-every steps, and stop here if a signal asked for it (at_boundary)."""
     run.progress["step"] += 1
+    run.updating = False
     run.bar.update()
     run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
     if run.progress["step"] % run.cfg.save_every == 0:
         checkpoints.save_run(run)
+    at_boundary(run)
+
+
+class Stopped(Exception):
+    """A signal asked the run to stop (raised at the next step boundary: at_boundary)."""
 
 
 @contextlib.contextmanager
 def saved_on_interrupt(run):
-    """Ctrl-C or SIGTERM (a scheduler's kill warning): save the run (a 2nd SIGTERM ignored), exit naming --resume."""
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    """Ctrl-C or SIGTERM (a scheduler's kill warning) only sets a flag, which the loop reads between steps
+    (at_boundary), so the run is saved at a step boundary wherever the signal lands, and exits naming --resume; a
+    second one stops within the step (its last completed step saved). A run that dies of an error saves its last completed step too."""
+    def on_signal(signum, frame):
+        if run.stop:  # the second: at once (the last completed step saved)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        run.stop = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
-    except KeyboardInterrupt as e:
+    except (Stopped, KeyboardInterrupt) as e:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        checkpoints.save_run(run)
         run.bar.close()
-        sys.exit(f"interrupted: saved step {run.progress['step']} to {run.cfg.out}/last.pt ({str(e) or 'Ctrl-C'}); "
-                 "continue with --resume")
+        if run.updating:  # a second signal inside an optimiser update: half of it is not saved
+            sys.exit(f"interrupted inside step {run.progress['step'] + 1}'s update: not saved; {run.cfg.out}/last.pt "
+                     "holds the last save; continue with --resume")
+        checkpoints.save_run(run)
+        sys.exit(f"interrupted: saved step {run.progress['step']} to {run.cfg.out}/last.pt "
+                 f"({run.stop or str(e) or 'Ctrl-C'}); continue with --resume")
+    except Exception as e:  # the state is the last completed step's (the step under way changed no parameter)
+        if not run.updating:
+            saved_after_error(run, e)
+        raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def saved_after_error(run, error):
+    """Save the run's last completed step after `error` stopped it, saying so; a save that fails too (the same full
+    disk) is reported beside the error, which stays the one raised."""
+    try:
+        checkpoints.save_run(run)
+    except OSError as e:
+        tqdm.write(f"could not save the run after the error below: {e}")
+    else:
+        tqdm.write(f"saved step {run.progress['step']} to {run.cfg.out}/last.pt before stopping ({type(error).__name__}"
+                   "); continue with --resume once the cause is fixed")
+
+
+def at_boundary(run, agreed=True):
+    """Between two steps: stop (Stopped) if a signal asked for it (saved_on_interrupt); under torchrun all processes
+    stop at the same boundary (agreed: any process's signal stops them all)."""
+    if agreed and torchrun.rank_and_world()[1] > 1 and torchrun.any_of(bool(run.stop)):
+        run.stop = run.stop or "a signal to another process"
+    if run.stop:
+        raise Stopped(run.stop)
 
 
 def end_of_epoch(run, epoch):
@@ -164,6 +215,7 @@ def end_of_epoch(run, epoch):
     if first:
         tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
     checkpoints.save_run(run)
+    at_boundary(run)
 
 
 @torch.no_grad()
@@ -180,6 +232,8 @@ def heldout_loss(run):
         with backbones.autocast(device):
             loss = M.supervised_loss(*M.target_logits(backbone.model, backbones.to_device(batch, device)))
         totals[i] = loss, len(batch["labels"])
+        if world == 1:  # scoring changes nothing: a signal stops it at any batch (torchrun's wait for the epoch end)
+            at_boundary(run, agreed=False)
     totals = {i: loss.item() * n for i, (loss, n) in totals.items()}  # read after the last forward
     totals = torchrun.gathered(totals)
     return sum(totals[i] for i in starts) / len(heldout)

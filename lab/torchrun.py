@@ -38,6 +38,15 @@ def rank_and_world():
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
+def any_of(flag):
+    """Whether `flag` is true on any process (itself without torchrun)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([float(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
 def gathered(local):
     """The union of every process's dict (`local` itself without torchrun)."""
     if not dist.is_initialized():
