@@ -12,6 +12,7 @@ load_checkpoint loads the paper's checkpoints by name (a family, a hub id or a c
 the offline tiny twins and toy backbones included, loads through lab/backbones.py:load_backbone.
 """
 import contextlib
+import glob
 import json
 import os
 from collections import namedtuple
@@ -243,8 +244,12 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
     if check:
         check(path)
     processor, images = load_processor(path, family, image_splitting)
-    model = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                       device_map={"": placed(device)})  # no copy in host memory
+    model, info = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                                             device_map={"": placed(device)}, output_loading_info=True)
+    if info["missing_keys"]:  # transformers would initialise them at random
+        missing, weights = sorted(info["missing_keys"]), glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
+        raise ValueError(f"--model: {weights[0] if len(weights) == 1 else path} lacks the tensor {missing[0]}" +
+                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; restore its weights")
     context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
     return Backbone(freeze(model), processor, family, name, images)
 

@@ -3,6 +3,7 @@ model.py:load_checkpoint after checking their files; CPU threads, the device a b
 backbone computes in."""
 import os
 
+from safetensors import SafetensorError, safe_open
 import torch
 from transformers import AutoConfig, GenerationConfig
 
@@ -32,9 +33,25 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
 
 
 def check_files(path):
-    """The checkpoint's config and eos ids, checked before its processor and weights load (check_config, check_eos)."""
+    """The checkpoint's config, eos ids and weight files, checked before its processor and weights load (check_config,
+    check_eos, check_weights)."""
     check_config(read_config(path), path)
     check_eos(path)
+    check_weights(path)
+
+
+def check_weights(path):
+    """Refuse a folder's safetensors weight file that is truncated or damaged (its header does not cover the file):
+    a ValueError naming the file, before transformers fails on it naming none. A hub id: nothing to check here."""
+    if not os.path.isdir(path):
+        return
+    for name in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+        try:
+            with safe_open(os.path.join(path, name), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"--model: {os.path.join(path, name)} is truncated or damaged ({str(e)[:120]}); restore "
+                             "the checkpoint's weights") from None
 
 
 def read_config(path):

@@ -26,7 +26,8 @@ class Setup:
     def of(cls, backbone, cfg, cache):
         """The setup of `backbone` under `cfg` (the task's kind from cfg.task)."""
         return cls(backbone.processor, backbone.family, data.TASKS[cfg.task].kind, cfg,
-                   {k: cache[k] for k in ("id", "images") if k in cache}, teacher_cache.teacher_shape(backbone.model))
+                   {k: cache[k] for k in ("id", "images", "processor") if k in cache},
+                   teacher_cache.teacher_shape(backbone.model))
 
 
 def prepared_micro_batch(setup, spec):

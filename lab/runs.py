@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 import data
 import model as M
-from lab import backbones, checkpoints, feed, files, micro_batches, plan, torchrun, train_cli
+from lab import backbones, checkpoints, feed, files, micro_batches, plan, teacher_cache, torchrun, train_cli
 
 
 @dataclass
@@ -64,7 +64,8 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
     progress = checkpoints.restore(cfg, backbone, optimizer, scheduler) if cfg.resume else \
         {"step": 0, "best": math.inf, "history": []}
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0,
-             "images": plan.image_key(backbone.processor)}
+             "images": plan.image_key(backbone.processor),
+             "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
     if cfg.anchor != "none" and not cfg.no_teacher_cache:
         plan.check_cache_room(backbone, cfg, data.TASKS[cfg.task].kind, queries, icds, cache)
     return Run(cfg, backbone, queries, heldout, icds, device, optimizer, scheduler, student_model, cache, progress,
@@ -155,7 +156,8 @@ class Stopped(Exception):
 def saved_on_interrupt(run):
     """Ctrl-C or SIGTERM (a scheduler's kill warning) only sets a flag, which the loop reads between steps
     (at_boundary), so the run is saved at a step boundary wherever the signal lands, and exits naming --resume; a
-    second one stops within the step (its last completed step saved). A run that dies of an error saves its last completed step too."""
+    second one stops within the step (its last completed step saved). A run that dies of an error saves its last
+    completed step too."""
     def on_signal(signum, frame):
         if run.stop:  # the second: at once (the last completed step saved)
             raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -9,14 +9,33 @@ import model as M
 from lab import files
 
 
-def teacher_key(backbone_id, args, query, icds, images=None):
-    """The cache key of one query's teacher states: backbone, task, query, its ICDs, the prompt format, how images
-    are encoded (`images`: Idefics2's image splitting, which changes the query's tokens) and the version of what the
-    states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never read."""
-    item = lambda it: [it.id, it.image_path, it.question, it.target]
+def teacher_key(backbone_id, args, query, icds, images=None, processor=None):
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs and each one's image file (size and
+    modification time: an image replaced at the same path is another key), the prompt format, how images are encoded
+    (`images`: Idefics2's image splitting, which changes the query's tokens; `processor`: processor_settings) and the
+    version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never
+    read."""
+    item = lambda it: [it.id, it.image_path, image_stat(it.image_path), it.question, it.target]
     spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
-            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images}
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images,
+            "processor": processor}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def image_stat(path):
+    """(size, modification time in ns) of an image file, None where there is none (as RICES's feature cache keys)."""
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def processor_settings(processor):
+    """A short hash of the processor's settings (to_dict: the image processor's size, mean, std, resizing, rescaling,
+    splitting, the image tokens...), what the teacher's states depend on besides the weights and the text."""
+    settings = processor.to_dict() if hasattr(processor, "to_dict") else None
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def read_teacher(path, key, shape, output="states"):
@@ -28,7 +47,7 @@ def read_teacher(path, key, shape, output="states"):
 
 def teacher_file(args, cache, query, icds):
     """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
-    key = teacher_key(cache["id"], args, query, icds, cache.get("images"))
+    key = teacher_key(cache["id"], args, query, icds, cache.get("images"), cache.get("processor"))
     return key, os.path.join(args.teacher_cache, key + ("-logits" if args.anchor == "kl" else "") + ".safetensors")
 
 
