@@ -155,7 +155,7 @@ def seed_item(dataset, path, folder, q, qid, names):
     if answer not in tuple(data.SEED_LETTERS):
         raise ValueError(f"answer {answer!r} is not one of A, B, C, D")
     question = readers.text_field(q, "question")
-    candidates = [os.path.join(folder, q["data_id"] + e) for e in ("", *IMAGE_EXTENSIONS)]
+    candidates = [os.path.join(folder, readers.relative(q["data_id"], "data_id") + e) for e in ("", *IMAGE_EXTENSIONS)]
     image = next((p for p in candidates if os.path.isfile(p)), None)
     if image is None:
         raise FileNotFoundError(f"{dataset}: question {q['question_id']} in {path}: its image {q['data_id']!r} is "

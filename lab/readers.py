@@ -88,6 +88,14 @@ def entry(path, dataset, n, record, question=False):
         raise ValueError(f"{dataset}: {where()} is malformed: {e}") from e
 
 
+def relative(value, field):
+    """A path from an annotation's `field`, which must stay inside the dataset's folder: an absolute one or one that
+    climbs with '..' is a ValueError naming the field (a downloaded file could point at any file on the machine)."""
+    if isinstance(value, str) and (os.path.isabs(value) or ".." in value.replace("\\", "/").split("/")):
+        raise ValueError(f"its {field} {value!r} leads out of the dataset's folder (absolute or with '..')")
+    return value
+
+
 def coco_image(root, split, image_id):
     """The path of a COCO 2014 image under data_root."""
     return os.path.join(root, "coco", f"{split}2014", f"COCO_{split}2014_{image_id:012d}.jpg")
@@ -143,8 +151,8 @@ def read_karpathy(root, split, dataset):
             unique_id(seen, image_id, id_field)
             if im["split"] not in KARPATHY_SPLITS[split]:
                 continue
-            folder = im["filepath"] if dataset == "coco" else "flickr30k-images"
-            filename = im["filename"]
+            folder = relative(im["filepath"], "filepath") if dataset == "coco" else "flickr30k-images"
+            filename = relative(im["filename"], "filename")
             if not isinstance(filename, str) or not filename or not isinstance(folder, str):
                 raise ValueError(f"its filename is {filename!r} in folder {folder!r}; both must be text")
             captions = tuple(text_field(s, "raw") for s in im["sentences"])
