@@ -164,8 +164,9 @@ def read_run(path):
         if "weights only" in str(e).lower():  # torch's message would suggest weights_only=False: not repeated
             raise ValueError(f"--resume: {path} is not a checkpoint of this project (it holds more than tensors, "
                              "numbers, strings, lists and dicts); start over with --overwrite") from None
-        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {str(e).splitlines()[0][:160]}); "
-                         "start over with --overwrite") from None
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {why}); start over with "
+                         "--overwrite") from None
     if not isinstance(state, dict) or not {"adapter", "optimizer", "scheduler", "progress", "args", "rng"} <= \
             state.keys():
         raise ValueError(f"--resume: {path} is not a checkpoint of this project (not the dict train.py saves); "
