@@ -166,7 +166,8 @@ def saved_on_interrupt(run):
     try:
         yield
     except (Stopped, KeyboardInterrupt) as e:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for s in previous:  # no signal cuts the save short
+            signal.signal(s, signal.SIG_IGN)
         run.bar.close()
         if run.updating:  # a second signal inside an optimiser update: half of it is not saved
             sys.exit(f"interrupted inside step {run.progress['step'] + 1}'s update: not saved; {run.cfg.out}/last.pt "
@@ -191,8 +192,9 @@ def saved_after_error(run, error):
     except OSError as e:
         tqdm.write(f"could not save the run after the error below: {e}")
     else:
-        tqdm.write(f"saved step {run.progress['step']} to {run.cfg.out}/last.pt before stopping ({type(error).__name__}"
-                   "); continue with --resume once the cause is fixed")
+        if torchrun.rank_and_world()[0] == 0:
+            tqdm.write(f"saved step {run.progress['step']} to {run.cfg.out}/last.pt before stopping "
+                       f"({type(error).__name__}); continue with --resume once the cause is fixed")
 
 
 def at_boundary(run, agreed=True):
