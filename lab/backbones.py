@@ -27,7 +27,10 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         M.context_limit(processor, model.config)  # the tokenizer knows the text model's context (data.collate)
         backbone = M.Backbone(M.freeze(model), processor, family, name, images)
     else:
-        backbone = M.load_checkpoint(name, device, dtype, image_splitting, check=check_files)
+        try:
+            backbone = M.load_checkpoint(name, device, dtype, image_splitting, check=check_files)
+        except SafetensorError as e:  # a hub cache's damaged file (a folder's is named by check_weights first)
+            raise ValueError(f"--model {name}: a weights file is truncated or damaged ({str(e)[:120]})") from None
     chunks.chunk_images(backbone.model, image_memory)
     return backbone
 
