@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import benchmarks
 import train
-from lab import backbones, checkpoints, files, mme_seed, readers
+from lab import backbones, files, mme_seed, readers
 
 TRAIN = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "4",
          "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "1"]
@@ -73,7 +73,9 @@ def test_the_lock_file_is_never_opened_through_a_link(tmp_path):
     os.symlink(precious, out / ".lock")
     with pytest.raises(OSError, match=rf"the lock file {out / '.lock'} is a symbolic link, which is never followed"):
         train.main([*TRAIN, "--out", str(out), "--teacher-cache", str(tmp_path / "teacher")])
-    assert precious.read_text() == "mine"
+    os.symlink(precious, out / "history.json")
+    files.write_json(out / "history.json", [])  # an atomic write replaces the link itself, never its target
+    assert precious.read_text() == "mine" and not os.path.islink(out / "history.json")
 
 
 # ---------------------------------------------------------------- 3, 4. the teacher cache: images, processor
