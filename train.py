@@ -7,9 +7,10 @@ no teacher.
 
 The teacher's states depend only on the query and its (fixed) ICDs, so they are computed once, in the first
 epoch, and read back from a cache in later ones; the cache key covers the backbone's weights, the task, the
-query, its ICDs and the prompt format, so a change of any of them recomputes. Nothing is lost on interruption:
-`<out>/last.pt` (adapter, optimiser, schedule, step) is written atomically every epoch, every --save-every steps
-and on Ctrl-C or SIGTERM, and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
+query, its ICDs, their image files, the processor's settings and the prompt format, so a change of any of them
+recomputes. Nothing is lost on interruption: `<out>/last.pt` (adapter, optimiser, schedule, step) is written
+atomically every epoch, every --save-every steps, on Ctrl-C or SIGTERM (at the next step boundary) and on an error,
+and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
 on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
 without --resume or --overwrite, and one process at a time holds a folder (`locked`).
 
