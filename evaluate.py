@@ -164,6 +164,8 @@ def evaluate(backbone, args, items, setting, vector=None):
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
+    if args.split in test_server.TEST_SPLITS:  # nor another evaluation's test-server file
+        test_server.check_replaceable(args, setting, stem)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.load_task(args.task, "train", args.data_root)
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)

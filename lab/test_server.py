@@ -70,6 +70,24 @@ def check_complete(rows, all_ids):
                          f"has {len(ids)} rows over {len(set(ids) & set(all_ids))} of them; not written")
 
 
+def check_replaceable(args, setting, stem):
+    """Before any work: refuse to replace a server file that another evaluation wrote (another checkpoint of the same
+    method in this --out): one is at results_name and this evaluation's metrics (<stem>.metrics.json) do not name it.
+    An evaluation that writes none (--n-eval below the split's size) replaces nothing."""
+    path = os.path.join(args.out, results_name(args.split, setting))
+    writes = args.n_eval is None or args.n_eval >= len(read_test(args.data_root, args.split))
+    if not (writes and os.path.lexists(path)):
+        return
+    try:
+        with open(stem + ".metrics.json", encoding="utf-8") as f:
+            named = json.load(f).get("server_file")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if named != os.path.basename(path):
+        raise ValueError(f"{path} holds another evaluation's answers ({stem}.metrics.json does not name it); it is "
+                         "kept. Give another --out, or remove the file to replace it")
+
+
 def write_server_file(args, items, predictions, setting):
     """The server file of an evaluation of --split test-dev / test, <out>/results_name, written atomically from the
     whole split; with --n-eval below the split's size none, and a line says why. Prints the file's path and returns

@@ -101,6 +101,19 @@ def test_a_file_missing_ids_is_never_written(root, tmp_path):
     assert not any(f.startswith("vqav2_") for f in os.listdir(tmp_path / "out"))
 
 
+def test_another_evaluations_server_file_is_kept(root, tmp_path):
+    run(root, tmp_path, "test-dev")
+    path = tmp_path / "vqav2_test-dev2015_0-shot_results.json"
+    first = path.read_text()
+    assert run(root, tmp_path, "test-dev")["server_file"] == path.name  # the same settings again: replaced
+    path.write_text("[]")  # as another checkpoint's would be: its metrics have another name
+    (tmp_path / "vqav2-test-dev-0-shot-seed0-n4.metrics.json").unlink()
+    with pytest.raises(ValueError, match="holds another evaluation's answers"):
+        run(root, tmp_path, "test-dev")
+    assert path.read_text() == "[]" and first != "[]"
+    run(root, tmp_path, "test-dev", "--n-eval", "2")  # writes no server file, so replaces none
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--task", "ok-vqa", "--split", "test-dev"], "--split test-dev is VQAv2's test server split (--task vqav2), not "
                                                   "ok-vqa's"),
