@@ -17,6 +17,8 @@ gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/analyses.py, Tables 
                                                          8-shot and the default train.py run's adapter
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
     python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
+    python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint ... --split test-dev
+                                                         the EvalAI file of VQAv2 test-dev (lab/test_server.py)
     python evaluate.py --model idefics2 --task seed --data-root D --shots 2 --seed-protocol likelihood
                                                          Table 2: SEED-Bench, 2-shot, official option ranking
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
@@ -39,7 +41,7 @@ import data as D
 import model as M
 import train
 from lab import (analyses, backbones, chair, checkpoints, curves, eval_cli, feed, files, plan, published, results,
-                 rices, table6, tasks, torchrun, vectors)
+                 rices, table6, tasks, test_server, torchrun, vectors)
 from lab.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
 
@@ -162,12 +164,19 @@ def evaluate(backbone, args, items, setting, vector=None):
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
+    if args.split in test_server.TEST_SPLITS:  # nor another evaluation's test-server file
+        test_server.check_replaceable(args, setting, stem)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.load_task(args.task, "train", args.data_root)
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers)
+    if args.split in test_server.TEST_SPLITS:  # no answers to score: the test server's file (lab/test_server.py)
+        if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
+            metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
+            metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
+        return metrics
     metric, value = score(kind, items, predictions)
     extra = chair.chair_metrics(items, predictions, args.chair) if args.chair else {}
     metrics |= {metric: value, **extra}
@@ -260,7 +269,7 @@ def main(argv=None):
             return table6.benchmark(backbone, args, generate)
         if args.gates or args.hyperbolicity:
             return analyses.analysis(backbone, args, items, setting)
-        if not asked and args.checkpoint in (None, default):  # the default job
+        if not asked and args.checkpoint in (None, default) and args.split in D.SPLITS:  # the default job
             return evaluate_with_baselines(backbone, args, items, setting)
         return evaluate(backbone, args, items, setting, vectors.load_vector(backbone, args) if args.vector else None)
 

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import data
-from lab import chair, curves, flags, results, table6, vectors
+from lab import chair, curves, flags, results, table6, test_server, vectors
 
 
 def parse_args(argv, doc, train_parse):
@@ -35,11 +35,14 @@ def parse_args(argv, doc, train_parse):
     p.add_argument("--n-eval", type=int, help="evaluate the first N items of the split (default: all; the paper "
                                               "uses 10,000 VQAv2 val questions, the full OK-VQA val and COCO test); "
                                               "MME and SEED-Bench: about N questions drawn by image, stratified by "
-                                              "subtask / dimension and seeded by --seed (tasks.stratified_subset)")
+                                              "subtask / dimension and seeded by --seed (tasks.stratified_subset); "
+                                              "--split test-dev / test: no server file below the split's size")
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
     p.add_argument("--data-root", help="datasets in their official layout (docs/real-models.md; toy-icl tasks need "
                                        "none)")
-    p.add_argument("--split", default="val", choices=data.SPLITS, help="split to evaluate (default: %(default)s)")
+    p.add_argument("--split", default="val", choices=[*data.SPLITS, *test_server.TEST_SPLITS],
+                   help="split to evaluate (default: %(default)s); VQAv2's test-dev and test have no answers: they "
+                        "write the test server's file, vqav2_<test-dev2015|test2015>_<setting>_results.json in --out")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
     p.add_argument("--seed-protocol", choices=["generate", "likelihood"], help="SEED-Bench: generate the option "
                    "letter (exact match; the form Table 2 appears to use, docs/real-models.md) or rank the four "
@@ -140,6 +143,11 @@ def parse_args(argv, doc, train_parse):
         except SystemExit:
             p.error(f"--train-args {args.train_args!r}: train.py says: "
                     + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
+    if args.split in test_server.TEST_SPLITS and args.task != "vqav2":
+        p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2), not {args.task}'s")
+    if args.split in test_server.TEST_SPLITS and (args.curve or args.gates or args.hyperbolicity):
+        p.error(f"--split {args.split} has no answers: it is for an evaluation (the test server's file), not "
+                "--curve, --gates or --hyperbolicity")
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task != "coco":

@@ -5,7 +5,7 @@ import os
 import random
 
 import data
-from lab import mme_seed, readers, toy_world
+from lab import mme_seed, readers, test_server, toy_world
 
 
 def load_task(task, split, data_root=None):
@@ -113,8 +113,10 @@ def split_pool(args, family):
 
 def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
-    stratified by subtask / dimension, stratified_subset; otherwise the first N)."""
-    items = load_task(args.task, args.split, args.data_root)
+    stratified by subtask / dimension, stratified_subset; otherwise the first N). VQAv2's test-dev and test have no
+    answers (lab/test_server.py)."""
+    items = test_server.read_test(args.data_root, args.split) if args.split in test_server.TEST_SPLITS else \
+        load_task(args.task, args.split, args.data_root)
     if args.n_eval and data.TASKS[args.task].kind in ("yes-no", "choice"):
         return stratified_subset(items, args.n_eval, args.seed)
     return items[:args.n_eval]
