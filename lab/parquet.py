@@ -214,7 +214,7 @@ def read_shards(task, paths):
     """The items of these shards, in their order: each row read by the task's row reader, its image cached."""
     hub = HUB[task]
     items, seen, state = [], set(), {}
-    total = sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+    total = sum(open_shard(p).metadata.num_rows for p in paths)
     with tqdm(total=total, desc=f"{task} parquet", unit="row", disable=None) as bar:
         for path in paths:
             for n, row in rows(path, hub.columns + ("image",)):
@@ -245,10 +245,7 @@ def read_shards(task, paths):
 def rows(path, columns):
     """(row number in the shard, row as a dict) of one shard, BATCH_ROWS rows read at a time (buffered reads: a row
     group is not read whole); a missing column is an error naming the shard and the columns it has."""
-    try:
-        shard = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
-    except Exception as e:  # pyarrow's ArrowInvalid and friends
-        raise ValueError(f"{path} is not a readable parquet file ({e})") from e
+    shard = open_shard(path)
     missing = [c for c in columns if c not in shard.schema_arrow.names]
     if missing:
         raise ValueError(f"{path} has no column {', '.join(missing)} (it has {', '.join(shard.schema_arrow.names)}); "
@@ -258,6 +255,14 @@ def rows(path, columns):
         for row in batch.to_pylist():
             yield n, row
             n += 1
+
+
+def open_shard(path):
+    """A shard opened for buffered reads (1 MB at a time, nothing read ahead); not parquet is a ValueError naming it."""
+    try:
+        return pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
+    except Exception as e:  # pyarrow's ArrowInvalid, OSError and friends
+        raise ValueError(f"{path} is not a readable parquet file ({type(e).__name__}: {e})") from e
 
 
 @contextlib.contextmanager

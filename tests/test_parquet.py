@@ -138,3 +138,14 @@ def test_the_plan_counts_the_hub_layouts_tokens(roots, tmp_path, capsys):
     assert "parquet shard(s) of lmms-lab/MME" in capsys.readouterr().out
     assert planned["queries"] == 4 and min(planned["rows"]["teacher"].values()) > min(
         planned["rows"]["student"].values())
+
+
+def test_a_shard_that_is_not_parquet_or_lacks_a_column_is_named(roots, tmp_path):
+    root, shard = rewrite(roots[1], tmp_path, lambda rows: None)
+    pq.write_table(pq.read_table(shard).drop_columns(["multiple_choice_answer"]), shard)
+    with pytest.raises(ValueError, match=f"{shard} has no column multiple_choice_answer"):
+        tasks.load_task("vqav2", "val", root)
+    with open(shard, "wb") as f:
+        f.write(b"PAR1 not a parquet file")
+    with pytest.raises(ValueError, match=f"{shard} is not a readable parquet file"):
+        tasks.load_task("vqav2", "val", root)
