@@ -243,8 +243,9 @@ def read_shards(task, paths):
 
 
 def rows(path, columns):
-    """(row number in the shard, row as a dict) of one shard, BATCH_ROWS rows read at a time (buffered reads: a row
-    group is not read whole); a missing column is an error naming the shard and the columns it has."""
+    """(row number in the shard, row as a dict) of one shard, BATCH_ROWS rows converted at a time (pyarrow still
+    decodes a row group's image column whole: the peak memory follows the largest row group, docs/efficiency.md); a
+    missing column is an error naming the shard and the columns it has."""
     shard = open_shard(path)
     missing = [c for c in columns if c not in shard.schema_arrow.names]
     if missing:

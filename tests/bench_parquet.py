@@ -1,10 +1,11 @@
 """The memory of reading the hub's parquet layout (lab/parquet.py): a benchmark, not a test.
 
-    python tests/bench_parquet.py --root /tmp/hyper-icl-parquet-bench [--gb 2] [--keep]
+    python tests/bench_parquet.py --root /tmp/hyper-icl-parquet-bench [--gb 2] [--row-group 100] [--keep]
 
 Writes ~--gb GB of lmms-lab/VQAv2's layout under ROOT/vqav2/data (validation-0000k-of-00008.parquet; each image a
 1024 x 1024 BMP of random pixels, 3 MB of incompressible bytes (a PNG's filters take 0.3 s an image to write), in
-row groups of 100 rows as the hub's `datasets` writes image datasets, i.e. ~300 MB a row group), then reads it
+row groups of up to 100 rows as the hub's `datasets` writes image datasets: 2 GB makes 8 shards of 80 rows, one row
+group of 250 MB each), then reads it
 through lab/tasks.py:load_task in a fresh process whose peak resident memory (VmHWM) is reset once its imports are
 done: the peak beyond that baseline is what reading costs. Every image is written to the cache (ROOT/cache). ROOT is
 deleted at the end unless --keep.
@@ -21,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 
-def write(root, gb):
+def write(root, gb, row_group=100):
     """~gb GB of VQAv2-layout shards of noise PNGs under root/vqav2/data; returns (rows, bytes on disk)."""
     import io
 
@@ -38,9 +39,9 @@ def write(root, gb):
     for k in range(shards):
         path = os.path.join(folder, f"validation-{k:05d}-of-{shards:05d}.parquet")
         with pq.ParquetWriter(path, hub_layouts.VQAV2, compression="snappy") as writer:
-            for start in range(k * per_shard, min(n, (k + 1) * per_shard), 100):
+            for start in range(k * per_shard, min(n, (k + 1) * per_shard), row_group):
                 rows = []
-                for i in range(start, min(n, (k + 1) * per_shard, start + 100)):
+                for i in range(start, min(n, (k + 1) * per_shard, start + row_group)):
                     pixels = rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
                     bmp = io.BytesIO()
                     Image.fromarray(pixels).save(bmp, format="BMP")  # PNG's filters would take 0.3 s an image
@@ -49,7 +50,7 @@ def write(root, gb):
                                              for j in range(10)], "answer_type": "other", "question_id": i,
                                  "question": "What is in the picture?",
                                  "image": {"bytes": bmp.getvalue(), "path": f"{i}.bmp"}})
-                writer.write_table(pa.Table.from_pylist(rows, schema=hub_layouts.VQAV2), row_group_size=100)
+                writer.write_table(pa.Table.from_pylist(rows, schema=hub_layouts.VQAV2), row_group_size=row_group)
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     return n, size
 
@@ -76,6 +77,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="a new folder to write the layout and the cache in")
     ap.add_argument("--gb", type=float, default=2.0)
+    ap.add_argument("--row-group", type=int, default=100, help="rows a row group (the hub's datasets: 100)")
     ap.add_argument("--keep", action="store_true", help="keep ROOT")
     ap.add_argument("--read", action="store_true", help=argparse.SUPPRESS)  # the measured child process
     args = ap.parse_args(argv)
@@ -85,7 +87,7 @@ def main(argv=None):
         raise SystemExit(f"--root {args.root} exists; name a new folder (it is deleted at the end)")
     try:
         start = time.time()
-        n, size = write(args.root, args.gb)
+        n, size = write(args.root, args.gb, args.row_group)
         print(f"wrote {n} rows, {size / 1e9:.2f} GB of parquet in {time.time() - start:.0f} s")
         subprocess.run([sys.executable, __file__, "--root", args.root, "--read"], check=True)
     finally:
