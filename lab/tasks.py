@@ -5,7 +5,7 @@ import os
 import random
 
 import data
-from lab import mme_seed, readers, test_server, toy_world
+from lab import mme_seed, parquet, readers, test_server, toy_world
 
 
 def load_task(task, split, data_root=None):
@@ -22,9 +22,11 @@ def load_task(task, split, data_root=None):
         return readers.read_vqa(toy_world.toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
     if data_root is None:
         raise ValueError(f"task {task!r} reads its files from --data-root (layout: docs/real-models.md)")
+    items = parquet.hub_items(data_root, task, split)  # None: the original layout (the hub's: lab/parquet.py)
     if data.TASKS[task].kind not in ("yes-no", "choice"):
-        return (readers.read_vqa if data.TASKS[task].kind == "vqa" else readers.read_karpathy)(data_root, split, task)
-    items = BENCHMARK_READERS[task](data_root)
+        return items if items is not None else \
+            (readers.read_vqa if data.TASKS[task].kind == "vqa" else readers.read_karpathy)(data_root, split, task)
+    items = items if items is not None else BENCHMARK_READERS[task](data_root)
     pool, rest = pool_split(items, POOL_FRACTION[task])
     count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
