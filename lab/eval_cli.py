@@ -10,7 +10,7 @@ import sys
 import torch
 
 import data
-from lab import chair, curves, flags, results, table6, vectors
+from lab import chair, curves, flags, results, table6, tasks, vectors
 
 
 def parse_args(argv, doc, train_parse):
@@ -21,8 +21,9 @@ def parse_args(argv, doc, train_parse):
                         "tiny-<family> (offline twin, random weights), toy-idefics2 (meta-trained to learn in "
                         "context: the shipped reference), a toy backbone's file (train.py --build-toy), or a local "
                         "path (default: %(default)s)")
-    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS),
-                   help="benchmark (default: %(default)s)")
+    p.add_argument("--task", default="toy-icl-colour", type=tasks.task_arg,
+                   help=f"benchmark ({', '.join(data.TASKS)}) or a task of one's own: a .jsonl file, a folder of "
+                   "train.jsonl and val.jsonl, or a LLaVA .json (README, \"Your own data\"; default: %(default)s)")
     p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors; default: "
                    f"{results.default_checkpoint('<model>', '<task>')} if it exists and --shots is not given, else "
                    "none)")
@@ -39,7 +40,8 @@ def parse_args(argv, doc, train_parse):
     p.add_argument("--batch-size", type=int, default=8, help="queries per generate call (default: %(default)s)")
     p.add_argument("--data-root", help="datasets in their official layout (docs/real-models.md; toy-icl tasks need "
                                        "none)")
-    p.add_argument("--split", default="val", choices=data.SPLITS, help="split to evaluate (default: %(default)s)")
+    p.add_argument("--split", default="val", choices=(*data.SPLITS, "test"),
+                   help="split to evaluate (test: a folder task's test.jsonl; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
     p.add_argument("--seed-protocol", choices=["generate", "likelihood"], help="SEED-Bench: generate the option "
                    "letter (exact match; the form Table 2 appears to use, docs/real-models.md) or rank the four "
@@ -114,7 +116,7 @@ def parse_args(argv, doc, train_parse):
         if argv[k] == "--train-args":
             argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
     args = p.parse_args([a for a in argv if a is not None])
-    if args.seed_protocol and data.TASKS[args.task].kind != "choice":
+    if args.seed_protocol and tasks.spec(args.task).kind != "choice":
         p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
     args.seed_protocol = args.seed_protocol or "generate"
     flags.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
@@ -160,7 +162,8 @@ def parse_args(argv, doc, train_parse):
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
-    args.out = args.out or (f"runs/curve-{name}-{args.task}" if args.curve else os.path.dirname(args.checkpoint)
-                            or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
+    task = tasks.file_name(args.task)
+    args.out = args.out or (f"runs/curve-{name}-{task}" if args.curve else os.path.dirname(args.checkpoint)
+                            or "." if args.checkpoint else f"runs/eval-{name}-{task}")
     flags.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args

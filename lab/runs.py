@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 import data
 import model as M
-from lab import backbones, checkpoints, feed, files, micro_batches, plan, torchrun, train_cli
+from lab import backbones, checkpoints, feed, files, micro_batches, plan, tasks, torchrun, train_cli
 
 
 @dataclass
@@ -64,7 +64,7 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0,
              "images": plan.image_key(backbone.processor)}
     if cfg.anchor != "none" and not cfg.no_teacher_cache:
-        plan.check_cache_room(backbone, cfg, data.TASKS[cfg.task].kind, queries, icds, cache)
+        plan.check_cache_room(backbone, cfg, tasks.spec(cfg.task).kind, queries, icds, cache)
     return Run(cfg, backbone, queries, heldout, icds, device, optimizer, scheduler, student_model, cache, progress,
                epoch_steps(cfg, len(queries)))
 
@@ -174,7 +174,7 @@ def heldout_loss(run):
     rank, world = torchrun.rank_and_world()
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
     mine = starts[rank::world]
-    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, data.TASKS[cfg.task].kind)
+    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, tasks.spec(cfg.task).kind)
     for i, batch in zip(mine, feed.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
                                             device)):
         with backbones.autocast(device):
