@@ -67,7 +67,7 @@ def _read(path, signature):
     if len(set(kinds.values())) > 1:
         held = ", ".join(f"{FOLDER_FILES[s]}: {k}" for s, k in kinds.items())
         raise ValueError(f"--task {path}: its files hold different kinds ({held}); one task is one kind")
-    return kinds["train"], {split: items for split, (_, items) in parts.items()}
+    return kinds["train"], {split: items[None] for split, (_, items) in parts.items()}
 
 
 def read_jsonl(path):

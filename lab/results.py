@@ -4,7 +4,6 @@ import hashlib
 import json
 import os
 
-import data
 from lab import files, plan, tasks, train_cli
 
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import data
 import model as M
 from lab import backbones, checkpoints, feed, files, micro_batches, plan, tasks, torchrun, train_cli
 
