@@ -25,8 +25,8 @@ def write_jsonl(path, records):
 
 
 def records(kind, images):
-    """Two records per photograph ({name: image path}) of one kind (a choice answered by letter and by text, a caption by one caption and
-    by a list), image paths relative to the file's folder but one absolute."""
+    """Two records per photograph ({name: image path}) of one kind: a choice answered by letter and by text, a
+    caption by one caption and by a list, a vqa by one answer and by a list."""
     out = []
     for k, (name, image) in enumerate(images.items()):
         for j in range(2):
@@ -148,7 +148,8 @@ def test_predict_scores_a_task_of_ones_own(own):
     predictions = evaluate.predict(backbone, own["vqa"], items, batch_size=3)
     assert len(predictions) == len(items) and all(isinstance(p, str) for p in predictions)
     metric, value = evaluate.score(tasks.spec(own["vqa"]).kind, items, [it.target for it in items])
-    assert (metric, value) == ("vqa_accuracy", 100.0)  # the targets themselves score full marks
+    # a lone answer: 1 for its own text; ["red", "red", "blue"]: VQA accuracy's leave-one-out, (1/3 + 1/3 + 2/3) / 3
+    assert metric == "vqa_accuracy" and value == pytest.approx(100 * (1 + 4 / 9) / 2)
     assert evaluate.score("vqa", items, ["nothing like it"] * len(items))[1] == 0.0
 
 
