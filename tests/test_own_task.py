@@ -133,6 +133,19 @@ def test_trains_two_steps_and_evaluates_through_the_command_line(own, kind, tmp_
     assert ids == [it.id for it in tasks.load_task(own[kind], "val")]
 
 
+def test_the_readmes_two_commands(own, tmp_path, monkeypatch):
+    """train.py, then evaluate.py with no flags but the task: 0-shot, the task's N-shot ICL and the default adapter."""
+    monkeypatch.chdir(tmp_path)
+    flags = [*TINY, "--task", own["yes-no"]]
+    train.main([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
+    metrics = evaluate.main(flags)
+    run = os.path.join("runs", "tiny-idefics2-my-yes-no-hyper-icl")
+    assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == os.path.join(run, "adapter.safetensors")
+    assert sorted(f for f in os.listdir(run) if f.endswith(".metrics.json")) == \
+        [f"my-yes-no-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
+    assert set(metrics["mme"]["subtasks"]) == {"yes-no"}
+
+
 def test_n_shot_rices_and_the_plan(own, tmp_path, capsys):
     flags = [*TINY, "--task", own["choice"], "--out", str(tmp_path)]
     metrics = evaluate.main([*flags, "--shots", "2", "--icds", "rices"])
