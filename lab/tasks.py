@@ -72,7 +72,7 @@ def own_items(task, split):
         return pooled(file_name(task), parts[None], OWN_POOL_FRACTION, split)
     if split not in parts:
         raise FileNotFoundError(f"--task {task}: no {own_task.FOLDER_FILES[split]} in the folder for --split {split}")
-    return parts[split]
+    return list(parts[split])  # a copy: own_task.read's lists are cached
 
 
 BENCHMARK_READERS = {"mme": mme_seed.read_mme, "seed": mme_seed.read_seed, "seed2": mme_seed.read_seed2}

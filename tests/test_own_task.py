@@ -197,7 +197,7 @@ def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line,
     assert f"{path} line {line + (line == 2)}, field `{field}`: " in str(e.value) and message in str(e.value)
 
 
-def test_bad_files_and_folders_are_named(photos, tmp_path):
+def test_bad_files_and_folders_are_named(own, photos, tmp_path):
     folder, _ = photos
     bad = write_jsonl(folder / "syntax.jsonl", [GOOD, "{not json"])
     with pytest.raises(ValueError, match=f"{bad} line 2: not a JSON object"):
@@ -210,6 +210,10 @@ def test_bad_files_and_folders_are_named(photos, tmp_path):
     write_jsonl(tmp_path / "half" / "val.jsonl", [{"id": 1, "image": str(folder / GOOD["image"]), "caption": "x"}])
     with pytest.raises(ValueError, match="train.jsonl: vqa, val.jsonl: caption"):
         tasks.load_task(str(tmp_path / "half"), "val")
+    with pytest.raises(FileNotFoundError, match="no test.jsonl in the folder for --split test"):
+        tasks.load_task(own["caption"], "test")
+    with pytest.raises(ValueError, match="a single file splits into train and val only"):
+        tasks.load_task(own["vqa"], "test")
     with pytest.raises(SystemExit):
         train.parse_args([*TINY, "--task", "not-a-task"])
 
