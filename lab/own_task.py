@@ -29,7 +29,7 @@ def is_own(task):
 
 def name_of(task):
     """The name a task of one's own gives its run folders and result files: the file's stem, or the folder's name."""
-    base = os.path.basename(os.path.normpath(task))
+    base = os.path.basename(os.path.abspath(task))
     return base if os.path.isdir(task) else os.path.splitext(base)[0]
 
 
@@ -104,7 +104,7 @@ def unique(seen, item, where):
 def record_kind(record, fail):
     """A record's kind: its "kind", else caption(s) -> caption, options -> choice, any other -> vqa."""
     if "kind" in record:
-        if record["kind"] not in NEAREST:
+        if not isinstance(record["kind"], str) or record["kind"] not in NEAREST:
             raise fail("kind", f"unknown kind {record['kind']!r}; choose from {', '.join(NEAREST)}")
         return record["kind"]
     return "caption" if "caption" in record or "captions" in record else "choice" if "options" in record else "vqa"
@@ -118,7 +118,7 @@ def record_item(record, folder, where):
     kind = record_kind(record, fail)
     text = lambda field: text_field(record, field, fail)
     qid = record.get("id")
-    if isinstance(qid, bool) or not isinstance(qid, (int, str)) or qid == "":
+    if isinstance(qid, bool) or not isinstance(qid, (int, str)) or not str(qid).strip():
         raise fail("id", f"{qid!r}; it must be an integer or non-empty text" if "id" in record else "missing")
     image = os.path.join(folder, text("image"))  # an absolute path stays as it is
     if not os.path.isfile(image):
@@ -133,7 +133,7 @@ def record_item(record, folder, where):
         if not isinstance(options, list) or not 2 <= len(options) <= len(data.SEED_LETTERS):
             raise fail("options", f"{options!r}; it must be a list of 2 to {len(data.SEED_LETTERS)} option texts")
         options = tuple(text_field({"options": o}, "options", fail) for o in options)
-        answer, letters = text("answer"), data.SEED_LETTERS[:len(options)]
+        answer, letters = text("answer"), tuple(data.SEED_LETTERS[:len(options)])
         if answer not in letters and answer not in options:
             raise fail("answer", f"{answer!r} is neither a letter ({', '.join(letters)}) nor one of the options")
         return kind, data.Item(qid, image, question, options,

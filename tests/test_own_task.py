@@ -184,6 +184,9 @@ GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answ
     ({"id": 1, "image": "images/chelsea.jpg", "caption": "A cat."}, 2, "kind", "a caption record, but line 1"),
     ({**GOOD, "options": ["a", "b"], "answer": "C"}, 2, "answer", "neither a letter (A, B) nor one of the options"),
     ({**GOOD, "options": "a b"}, 2, "options", "a list of 2 to 4"),
+    ({**GOOD, "options": ["a", "b", "c"], "answer": "AB"}, 2, "answer", "neither a letter (A, B, C)"),
+    ({**GOOD, "kind": ["vqa"]}, 2, "kind", "unknown kind ['vqa']"),
+    ({**GOOD, "id": " "}, 2, "id", "integer or non-empty text"),
     ({**GOOD, "kind": "yes-no", "answer": "maybe"}, 1, "answer", "yes or no"),
     ({k: v for k, v in GOOD.items() if k != "question"}, 2, "question", "missing"),
 ])
