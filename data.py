@@ -62,8 +62,9 @@ DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-one
 
 
 def default_shots(task, family):
-    """ICDs per query: the task's own number (MME, SEED: 2, as the paper runs them) or the backbone's (paper)."""
-    return TASKS[task].shots if TASKS[task].shots is not None else DEFAULT_SHOTS[family]
+    """ICDs per query of a Task (TASKS' entry): its own number (MME, SEED: 2, as the paper runs them) or the
+    backbone's (paper)."""
+    return task.shots if task.shots is not None else DEFAULT_SHOTS[family]
 
 
 # ---------------------------------------------------------------------------------------------------------- prompts

@@ -81,7 +81,7 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
     prepared by `workers` DataLoader workers while the model decodes (lab/feed.py:prepared). Under torchrun each process
     answers every N-th batch; every process returns all answers, in item order."""
-    kind, new_tokens = D.TASKS[task].kind, D.TASKS[task].max_new_tokens
+    kind, new_tokens = tasks.spec(task).kind, tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
@@ -117,6 +117,9 @@ def option_rows(processor, family, kind, spec):
     items, icds = spec
     kind, rows = "choice-likelihood", []
     for it, ds in zip(items, icds or [[] for _ in items]):
+        if len(it.answers) != len(D.SEED_LETTERS):
+            raise ValueError(f"item {it.id}: --seed-protocol likelihood ranks {len(D.SEED_LETTERS)} options, it has "
+                             f"{len(it.answers)}")
         with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
         prefix = D.encode_prefix(processor, family, kind, with_text)
         rows += [D.join(prefix, D.encode_query(processor, family, kind, dataclasses.replace(it, target=o)))
@@ -154,7 +157,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     (id, prediction, references per item) and .metrics.json (the settings, result_settings, and the scores), prints one
     summary line and returns the metrics. A metrics file of other settings under that name is refused first."""
     icds, (steering, vector_info) = None, vector or (None, {})
-    kind = D.TASKS[args.task].kind
+    kind = tasks.spec(args.task).kind
     stem = os.path.join(args.out, results.result_name(args, setting, len(items), vector_info))
     metrics = {**results.result_settings(backbone, args, setting, len(items)), **vector_info}
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
@@ -164,7 +167,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
-    if args.split in test_server.TEST_SPLITS:  # nor another evaluation's test-server file
+    if test_server.server_split(args):  # nor another evaluation's test-server file
         test_server.check_replaceable(args, setting, stem)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.load_task(args.task, "train", args.data_root)
@@ -172,7 +175,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers)
-    if args.split in test_server.TEST_SPLITS:  # no answers to score: the test server's file (lab/test_server.py)
+    if test_server.server_split(args):  # no answers to score: the test server's file (lab/test_server.py)
         if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
             metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
             metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
@@ -204,7 +207,7 @@ def evaluate_with_baselines(backbone, args, items, setting):
     one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter). Where N-shot
     ICL is at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the
     line says so: the backbone does not learn in context and no score beside it shows anything."""
-    shots = D.default_shots(args.task, backbone.family)
+    shots = D.default_shots(tasks.spec(args.task), backbone.family)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
                 for n in (0, shots)]

@@ -39,7 +39,7 @@ class Config:
     """Every setting of a run, the defaults of train.py's flags (lab/train_cli.py makes one flag of each field)."""
     # what is trained, on what
     model: str = "toy-idefics2"       # backbone: a name (lab/published.py, tiny-*, toy-idefics2), a file or a folder
-    task: str = "toy-icl-colour"      # data.TASKS
+    task: str = "toy-icl-colour"      # data.TASKS, or a task of one's own (lab/own_task.py)
     method: str = "hyper-icl"         # model.METHODS
     # the paper's settings (Section 4.1)
     n_train: int = 1000               # training queries
@@ -151,7 +151,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
 def teacher_of(backbone, cfg, device):
     """run_teacher as the teacher cache calls it for the queries it lacks (lab/micro_batches.py): (queries, icds,
     pieces, batch) -> their states, or their answer logits for --anchor kl (LIVE's teacher)."""
-    output, kind = "logits" if cfg.anchor == "kl" else "states", data.TASKS[cfg.task].kind
+    output, kind = "logits" if cfg.anchor == "kl" else "states", tasks.spec(cfg.task).kind
     return lambda queries, icds, pieces, batch: run_teacher(backbone, kind, queries, icds, pieces, device, output,
                                                             batch)
 

@@ -17,9 +17,9 @@ from lab import feed, files, results, tasks, torchrun
 def analysis_batches(backbone, args, items):
     """(teacher, student) prompt batches per --batch-size items: [ICDs; query] and [query], as model inputs, with
     each row's number of query tokens (the last positions of both rows, since both are left-padded)."""
-    shots = args.shots or data.default_shots(args.task, backbone.family)
+    shots = args.shots or data.default_shots(tasks.spec(args.task), backbone.family)
     support = tasks.load_task(args.task, "train", args.data_root)
-    kind, device = data.TASKS[args.task].kind, backbone.model.device
+    kind, device = tasks.spec(args.task).kind, backbone.model.device
     groups = [items[i:i + args.batch_size] for i in range(0, len(items), args.batch_size)]
     specs = [(qs, data.demonstrations([q.id for q in qs], support, shots, args.seed)) for qs in groups]
     build = functools.partial(paired_prompts, backbone.processor, backbone.family, kind)
@@ -119,7 +119,8 @@ def analysis(backbone, args, items, setting):
     """--gates (Table 10) or --hyperbolicity (Table 9) on `items`: writes <out>/<gates | hyperbolicity>-<task>-<split>
     .json (the result_settings and the result; a file of other settings is refused first, before any work), prints the
     result but its per-layer means, and returns it. Under torchrun the first process writes."""
-    path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
+    name = f"{'gates' if args.gates else 'hyperbolicity'}-{tasks.file_name(args.task)}-{args.split}.json"
+    path = os.path.join(args.out, name)
     settings = results.result_settings(backbone, args, setting, len(items))
     results.check_replaceable(path, settings)
     result = (gate_analysis if args.gates else hyperbolicity_analysis)(backbone, args, items)

@@ -10,7 +10,7 @@ import sys
 import torch
 
 import data
-from lab import chair, curves, flags, results, table6, test_server, vectors
+from lab import chair, curves, flags, results, table6, tasks, test_server, vectors
 
 
 def parse_args(argv, doc, train_parse):
@@ -21,8 +21,9 @@ def parse_args(argv, doc, train_parse):
                         "tiny-<family> (offline twin, random weights), toy-idefics2 (meta-trained to learn in "
                         "context: the shipped reference), a toy backbone's file (train.py --build-toy), or a local "
                         "path (default: %(default)s)")
-    p.add_argument("--task", default="toy-icl-colour", choices=list(data.TASKS),
-                   help="benchmark (default: %(default)s)")
+    p.add_argument("--task", default="toy-icl-colour", type=tasks.task_arg,
+                   help=f"benchmark ({', '.join(data.TASKS)}) or a task of one's own: a .jsonl file, a folder of "
+                   "train.jsonl and val.jsonl, or a LLaVA .json (README, \"Your own data\"; default: %(default)s)")
     p.add_argument("--checkpoint", help="adapter checkpoint (train.py's <out>/adapter.safetensors; default: "
                    f"{results.default_checkpoint('<model>', '<task>')} if it exists and --shots is not given, else "
                    "none)")
@@ -42,7 +43,8 @@ def parse_args(argv, doc, train_parse):
                                        "none)")
     p.add_argument("--split", default="val", choices=[*data.SPLITS, *test_server.TEST_SPLITS],
                    help="split to evaluate (default: %(default)s); VQAv2's test-dev and test have no answers: they "
-                        "write the test server's file, vqav2_<test-dev2015|test2015>_<setting>_results.json in --out")
+                        "write the test server's file, vqav2_<test-dev2015|test2015>_<setting>_results.json in --out; "
+                        "a folder task's test: its test.jsonl")
     p.add_argument("--seed", type=int, default=0, help="seed of the demonstration draw (default: %(default)s)")
     p.add_argument("--seed-protocol", choices=["generate", "likelihood"], help="SEED-Bench: generate the option "
                    "letter (exact match; the form Table 2 appears to use, docs/real-models.md) or rank the four "
@@ -117,7 +119,7 @@ def parse_args(argv, doc, train_parse):
         if argv[k] == "--train-args":
             argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
     args = p.parse_args([a for a in argv if a is not None])
-    if args.seed_protocol and data.TASKS[args.task].kind != "choice":
+    if args.seed_protocol and tasks.spec(args.task).kind != "choice":
         p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
     args.seed_protocol = args.seed_protocol or "generate"
     flags.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
@@ -143,9 +145,11 @@ def parse_args(argv, doc, train_parse):
         except SystemExit:
             p.error(f"--train-args {args.train_args!r}: train.py says: "
                     + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
-    if args.split in test_server.TEST_SPLITS and args.task != "vqav2":
-        p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2), not {args.task}'s")
-    if args.split in test_server.TEST_SPLITS and (args.curve or args.gates or args.hyperbolicity):
+    if args.split in test_server.TEST_SPLITS and args.task != "vqav2" and \
+            not (args.split == "test" and tasks.own_task.is_own(args.task)):
+        p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2) or a folder task's test.jsonl, "
+                f"not {args.task}'s")
+    if test_server.server_split(args) and (args.curve or args.gates or args.hyperbolicity):
         p.error(f"--split {args.split} has no answers: it is for an evaluation (the test server's file), not "
                 "--curve, --gates or --hyperbolicity")
     if args.icds == "rices" and not args.shots:
@@ -168,7 +172,8 @@ def parse_args(argv, doc, train_parse):
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
-    args.out = args.out or (f"runs/curve-{name}-{args.task}" if args.curve else os.path.dirname(args.checkpoint)
-                            or "." if args.checkpoint else f"runs/eval-{name}-{args.task}")
+    task = tasks.file_name(args.task)
+    args.out = args.out or (f"runs/curve-{name}-{task}" if args.curve else os.path.dirname(args.checkpoint)
+                            or "." if args.checkpoint else f"runs/eval-{name}-{task}")
     flags.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     return args

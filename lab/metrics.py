@@ -79,7 +79,11 @@ def normalize_vqa_answer(ans):
 def vqa_accuracy(prediction, answers):
     """VQA accuracy in [0, 1] of one prediction against the ten human answers, as vqaEval.py computes it: for each human
     answer, min(1, #matches among the other nine / 3), averaged over the ten. Quirk kept: the punctuation/digit/article
-    normalisation applies (to answers and prediction) only when the whitespace-cleaned answers are not all identical."""
+    normalisation applies (to answers and prediction) only when the whitespace-cleaned answers are not all identical.
+    A lone answer (a task of one's own with one `answer`, which leave-one-out would always score 0): 1 if it and the
+    prediction are equal once both are normalised, else 0."""
+    if len(answers) == 1:
+        return float(normalize_vqa_answer(prediction) == normalize_vqa_answer(answers[0]))
     prediction = _clean_whitespace(prediction)
     answers = [_clean_whitespace(a) for a in answers]
     if len(set(answers)) > 1:

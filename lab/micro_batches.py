@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 import data
-from lab import backbones, feed, files, plan, teacher_cache
+from lab import backbones, feed, files, plan, tasks, teacher_cache
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Setup:
     @classmethod
     def of(cls, backbone, cfg, cache):
         """The setup of `backbone` under `cfg` (the task's kind from cfg.task)."""
-        return cls(backbone.processor, backbone.family, data.TASKS[cfg.task].kind, cfg,
+        return cls(backbone.processor, backbone.family, tasks.spec(cfg.task).kind, cfg,
                    {k: cache[k] for k in ("id", "images", "processor") if k in cache},
                    teacher_cache.teacher_shape(backbone.model))
 

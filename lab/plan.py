@@ -193,11 +193,11 @@ def plan(args, queries=None):
     cache on disk (every query's tokens) and the peak memory of training and evaluation (MEMORY_ASSUMPTIONS) in the
     run's own dtype and device (--plan cuda | cpu). Returns the figures as a dict.
     queries: evaluate.py's items (ICDs then come from the training split); None: train.py's training queries."""
-    family, kind, training = M.family_of(args.model), data.TASKS[args.task].kind, queries is None
+    family, kind, training = M.family_of(args.model), tasks.spec(args.task).kind, queries is None
     if training:
         queries, _, pool, shots = tasks.split_pool(args, family)
     else:
-        shots = args.shots if args.shots else data.default_shots(args.task, family)
+        shots = args.shots if args.shots else data.default_shots(tasks.spec(args.task), family)
         pool = tasks.load_task(args.task, "train", args.data_root)
     processor, model, images, source, file_dtype = plan_backbone(args, family)
     config = model.config
@@ -209,7 +209,7 @@ def plan(args, queries=None):
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **train_cli.method_sizes(args)).parameters()) \
         if training else 0
-    mem = memory(config, params, adapter, rows, batch, shots, dtype, data.TASKS[args.task].max_new_tokens, on_cpu,
+    mem = memory(config, params, adapter, rows, batch, shots, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
                  file_dtype, args.image_memory * 1e9)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"

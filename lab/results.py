@@ -4,8 +4,7 @@ import hashlib
 import json
 import os
 
-import data
-from lab import files, plan, train_cli
+from lab import files, plan, tasks, train_cli
 
 
 def result_name(args, setting, n, vector_info):
@@ -15,8 +14,8 @@ def result_name(args, setting, n, vector_info):
     adapter.safetensors>]-seed<seed>-n<items>. What else changes a result (the backbone, --data-root, --n-eval) is in
     the metrics, and check_replaceable keeps a file of other settings from being replaced."""
     short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
-    parts = [args.task, args.split, setting]
-    if data.TASKS[args.task].kind == "choice":
+    parts = [tasks.file_name(args.task), args.split, setting]
+    if tasks.spec(args.task).kind == "choice":
         parts.append(args.seed_protocol)
     if args.image_splitting != "checkpoint":
         parts.append("splitting-" + args.image_splitting)

@@ -32,10 +32,11 @@ def rices_demonstrations(query_ids, query_features, support, support_features, m
         raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1}; "
                          "--shots sets the ICDs)")
     sim = F.normalize(query_features.double(), dim=-1) @ F.normalize(support_features.double(), dim=-1).T
-    ids = torch.tensor([it.id for it in support])
+    number = {i: k for k, i in enumerate(dict.fromkeys([it.id for it in support] + list(query_ids)))}  # text ids too
+    ids = torch.tensor([number[it.id] for it in support])
     if sim.isnan().any():
         raise ValueError("RICES: the image features contain NaN")
-    sim[ids[None, :] == torch.tensor(query_ids)[:, None]] = -math.inf  # the query is never its own ICD
+    sim[ids[None, :] == torch.tensor([number[q] for q in query_ids])[:, None]] = -math.inf  # never its own ICD
     order = torch.argsort(-sim, dim=-1, stable=True)[:, :m]  # most similar first
     return [[support[j] for j in reversed(row.tolist())] for row in order]
 

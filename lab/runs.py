@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-import data
 import model as M
-from lab import backbones, checkpoints, feed, files, micro_batches, plan, teacher_cache, torchrun, train_cli
+from lab import backbones, checkpoints, feed, files, micro_batches, plan, tasks, teacher_cache, torchrun, train_cli
 
 
 @dataclass
@@ -67,7 +66,7 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
              "images": plan.image_key(backbone.processor),
              "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
     if cfg.anchor != "none" and not cfg.no_teacher_cache:
-        plan.check_cache_room(backbone, cfg, data.TASKS[cfg.task].kind, queries, icds, cache)
+        plan.check_cache_room(backbone, cfg, tasks.spec(cfg.task).kind, queries, icds, cache)
     return Run(cfg, backbone, queries, heldout, icds, device, optimizer, scheduler, student_model, cache, progress,
                epoch_steps(cfg, len(queries)))
 
@@ -230,7 +229,7 @@ def heldout_loss(run):
     rank, world = torchrun.rank_and_world()
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
     mine = starts[rank::world]
-    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, data.TASKS[cfg.task].kind)
+    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, tasks.spec(cfg.task).kind)
     for i, batch in zip(mine, feed.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
                                             device)):
         with backbones.autocast(device):

@@ -77,7 +77,7 @@ def benchmark_prompt(backbone, args, shots):
         query = tasks.load_task(args.task, args.split, args.data_root)[:1]
         support = tasks.load_task(args.task, "train", args.data_root) if shots else None
         icds = data.demonstrations([query[0].id], support, shots, args.seed) if shots else None
-        batch = data.prompt_batch(backbone.processor, backbone.family, data.TASKS[args.task].kind, query, icds)
+        batch = data.prompt_batch(backbone.processor, backbone.family, tasks.spec(args.task).kind, query, icds)
     return data.model_inputs(batch, backbone.model.device)
 
 
@@ -157,7 +157,7 @@ def benchmark(backbone, args, generate):
     model.METHODS) and --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each adapter also
     the peak memory of one decoder attention layer at --attention-tokens tokens (attention_call). Writes
     benchmark.json. generate: evaluate.generate (greedy decoding), handed in."""
-    new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else data.TASKS[args.task].max_new_tokens)
+    new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else tasks.spec(args.task).max_new_tokens)
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
     methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \

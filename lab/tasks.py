@@ -1,19 +1,45 @@
 """Tasks by name: which reader reads them, the benchmarks' pool splits, stratified subsets, a training run's
 queries, held-out queries and ICD pool, an evaluation's items."""
+import argparse
 import math
 import os
 import random
 
 import data
-from lab import mme_seed, parquet, readers, test_server, toy_world
+from lab import mme_seed, own_task, parquet, readers, test_server, toy_world
+
+
+def spec(task):
+    """The data.Task of a task: a benchmark's, or a task of one's own (a path: own_task.task_of)."""
+    if own_task.is_own(task):
+        return own_task.task_of(task)
+    if task not in data.TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(data.TASKS)}, or give a .jsonl file, a "
+                         "folder of train.jsonl and val.jsonl, or a LLaVA .json (README, \"Your own data\")")
+    return data.TASKS[task]
+
+
+def file_name(task):
+    """The task as run folders and result files name it: its name, or a task of one's own's (own_task.name_of)."""
+    return own_task.name_of(task) if own_task.is_own(task) else task
+
+
+def task_arg(value):
+    """argparse's type of --task: a benchmark's name or a task of one's own (checked when it is read)."""
+    if value not in data.TASKS and not own_task.is_own(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a task ({', '.join(data.TASKS)}) nor a .jsonl / "
+                                         ".json file or a folder")
+    return value
 
 
 def load_task(task, split, data_root=None):
     """The items of one split ("train" or "val") of a task; the toy-icl tasks are generated on first use. MME and
     SEED-Bench have no training split: "train" is their training pool, "val" the evaluation part (pool_split), and
-    the sizes of both are printed."""
-    if task not in data.TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {', '.join(data.TASKS)}")
+    the sizes of both are printed; so has a task of one's own in one file (a folder's: its train.jsonl, val.jsonl and
+    test.jsonl)."""
+    if own_task.is_own(task):
+        return own_items(task, split)
+    spec(task)
     if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
         raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
     if split not in data.SPLITS:
@@ -23,14 +49,33 @@ def load_task(task, split, data_root=None):
     if data_root is None:
         raise ValueError(f"task {task!r} reads its files from --data-root (layout: docs/real-models.md)")
     items = parquet.hub_items(data_root, task, split)  # None: the original layout (the hub's: lab/parquet.py)
-    if data.TASKS[task].kind not in ("yes-no", "choice"):
+    if spec(task).kind not in ("yes-no", "choice"):
         return items if items is not None else \
-            (readers.read_vqa if data.TASKS[task].kind == "vqa" else readers.read_karpathy)(data_root, split, task)
+            (readers.read_vqa if spec(task).kind == "vqa" else readers.read_karpathy)(data_root, split, task)
     items = items if items is not None else BENCHMARK_READERS[task](data_root)
-    pool, rest = pool_split(items, POOL_FRACTION[task])
+    return pooled(task, items, POOL_FRACTION[task], split)
+
+
+def pooled(task, items, fraction, split):
+    """The training pool ("train") or evaluation part ("val") of items (pool_split), both sizes printed."""
+    pool, rest = pool_split(items, fraction)
     count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
     return pool if split == "train" else rest
+
+
+def own_items(task, split):
+    """A split of a task of one's own: a folder's file of that split, or of a single file its training pool or
+    evaluation part (pool_split, OWN_POOL_FRACTION)."""
+    _, parts = own_task.read(task)
+    if None in parts:
+        if split not in data.SPLITS:
+            raise ValueError(f"--task {task}: a single file splits into train and val only (a folder may hold "
+                             "test.jsonl)")
+        return pooled(file_name(task), parts[None], OWN_POOL_FRACTION, split)
+    if split not in parts:
+        raise FileNotFoundError(f"--task {task}: no {own_task.FOLDER_FILES[split]} in the folder for --split {split}")
+    return list(parts[split])  # a copy: own_task.read's lists are cached
 
 
 BENCHMARK_READERS = {"mme": mme_seed.read_mme, "seed": mme_seed.read_seed, "seed2": mme_seed.read_seed2}
@@ -40,6 +85,7 @@ BENCHMARK_READERS = {"mme": mme_seed.read_mme, "seed": mme_seed.read_seed, "seed
 # the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
 # stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
 POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2}
+OWN_POOL_FRACTION = 0.5  # a task of one's own in one file: half its images train, half evaluate
 
 
 SPLIT_SEED = 0
@@ -108,7 +154,7 @@ def split_pool(args, family):
     if len(train) < args.n_train:
         print(f"note: {args.task} has {len(pool)} training items; using {len(train)} queries "
               f"(+{len(heldout)} held out)")
-    shots = args.shots if args.shots is not None else data.default_shots(args.task, family)
+    shots = args.shots if args.shots is not None else data.default_shots(spec(args.task), family)
     held = {it.id for it in heldout}
     return train, heldout, [it for it in pool if it.id not in held], shots
 
@@ -117,8 +163,8 @@ def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
     stratified by subtask / dimension, stratified_subset; otherwise the first N). VQAv2's test-dev and test have no
     answers (lab/test_server.py)."""
-    items = test_server.read_test(args.data_root, args.split) if args.split in test_server.TEST_SPLITS else \
+    items = test_server.read_test(args.data_root, args.split) if test_server.server_split(args) else \
         load_task(args.task, args.split, args.data_root)
-    if args.n_eval and data.TASKS[args.task].kind in ("yes-no", "choice"):
+    if args.n_eval and spec(args.task).kind in ("yes-no", "choice"):
         return stratified_subset(items, args.n_eval, args.seed)
     return items[:args.n_eval]

@@ -32,6 +32,11 @@ def read_questions(root, subtype):
     return items
 
 
+def server_split(args):
+    """Whether this evaluation is VQAv2's test-dev or test: no answers, the server's file instead of a score."""
+    return args.task == "vqav2" and args.split in TEST_SPLITS
+
+
 def read_test(root, split):
     """The items of --split test-dev or test of VQAv2 (read_questions)."""
     if root is None:

@@ -8,7 +8,7 @@ import time
 
 import data
 import model as M
-from lab import files, flags, toy_backbone
+from lab import files, flags, tasks, toy_backbone
 
 
 def method_sizes(args):
@@ -26,8 +26,9 @@ def parse_args(argv, doc, defaults):
     p.add_argument("--model", help="backbone: idefics2, idefics, llava-interleave, llava-onevision, tiny-<one of "
                    "those> (offline twin, random weights), toy-idefics2 (meta-trained to learn in context: the shipped "
                    "reference copy), a toy backbone's file (--build-toy), or a local checkpoint path")
-    p.add_argument("--task", choices=list(data.TASKS), help="task (toy-icl-* need no download and can only be "
-                   "solved from demonstrations)")
+    p.add_argument("--task", type=tasks.task_arg, help=f"task: {', '.join(data.TASKS)} (toy-icl-* need no download "
+                   "and can only be solved from demonstrations), or a task of one's own: a .jsonl file, a folder of "
+                   "train.jsonl and val.jsonl, or a LLaVA .json (README, \"Your own data\")")
     p.add_argument("--method", choices=list(M.METHODS), help="what is learned: hyper-icl (gated logit bias), "
                    "static-layer / static-layer-head (its gate a learned constant per layer / per layer and head, "
                    "Fig 3a), output-level (the same module on the attention output, Table 11), hificl (virtual "
@@ -123,7 +124,7 @@ def diverging(args):
 
 def default_out(model, task, method):
     """The default output folder of a run: runs/<model>-<task>-<method>."""
-    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{task}-{method}")
+    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{tasks.file_name(task)}-{method}")
 
 
 def benchmark(args, train):

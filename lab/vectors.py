@@ -137,7 +137,8 @@ def vector_path(backbone, args, shots):
                 images=plan.image_key(backbone.processor),  # Idefics2's image splitting changes the prompts
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-    name = f"{os.path.basename(args.model.rstrip('/'))}-{args.task}-{args.vector}-{key[:12]}.safetensors"
+    name = f"{os.path.basename(args.model.rstrip('/'))}-{tasks.file_name(args.task)}-{args.vector}-{key[:12]}" \
+        ".safetensors"
     return os.path.join(args.out, "vectors", name), key
 
 
@@ -145,7 +146,7 @@ def compute_vector(backbone, args, shots):
     """Extract a TV or FV from the training split and score every layer on the held-out queries. Returns tensors:
     "vectors" [L, d] (TV: the mean state of each layer; FV: the same FV for every layer), "losses" [L]; FV also
     "mean_heads" [L, H, d_h], "aie" [L, H], "heads" [k, 2]."""
-    kind, pool = data.TASKS[args.task].kind, tasks.load_task(args.task, "train", args.data_root)
+    kind, pool = tasks.spec(args.task).kind, tasks.load_task(args.task, "train", args.data_root)
     queries, icds, heldout = vector_sets(pool, args, shots)
     states, mean_heads = icl_means(backbone, kind, queries, icds, args.batch_size, args.workers)
     out = {"vectors": states}
@@ -162,7 +163,7 @@ def compute_vector(backbone, args, shots):
 def load_vector(backbone, args):
     """The TV or FV for --vector, computed once (compute_vector) and saved, else read back. Returns the steering
     (layer, vector, add) evaluate() applies and the facts the metrics file records."""
-    shots, fv = args.shots or data.default_shots(args.task, backbone.family), args.vector == "fv"
+    shots, fv = args.shots or data.default_shots(tasks.spec(args.task), backbone.family), args.vector == "fv"
     layers, heads, _ = M.attention_shape(backbone.model)
     if args.vector_layer is not None and not 0 <= args.vector_layer < layers:
         raise ValueError(f"--vector-layer {args.vector_layer} is out of range: {backbone.name} has decoder layers "

@@ -183,7 +183,7 @@ def test_pool_split_properties(questions, fraction, seed):
 
 
 def test_default_shots():
-    assert [D.default_shots(t, "idefics") for t in ("mme", "seed", "seed2", "vqav2")] == [2, 2, 2, 32]
+    assert [D.default_shots(D.TASKS[t], "idefics") for t in ("mme", "seed", "seed2", "vqav2")] == [2, 2, 2, 32]
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "mme", "--data-root", benchmarks.ROOT])
     assert tasks.split_pool(args, "idefics2")[3] == 2
 

@@ -191,7 +191,7 @@ def test_seed2_is_selectable_like_seed():
     assert len(val) + len(train) == benchmarks.SEED_IMAGES  # the skipped multi-image / video / L3 ones are not read
     assert {it.category for it in val + train} >= {"Visual Mathematics", "Scene Understanding"}
     assert not {it.image_path for it in val} & {it.image_path for it in train}
-    assert data.default_shots("seed2", "idefics2") == 2 and data.TASKS["seed2"].kind == "choice"
+    assert data.default_shots(data.TASKS["seed2"], "idefics2") == 2 and data.TASKS["seed2"].kind == "choice"
 
 
 def test_likelihood_prompt_is_the_official_one():

@@ -1,0 +1,239 @@
+"""A task of one's own (--task PATH, lab/own_task.py): JSONL tasks of each kind and a LLaVA .json on skimage's
+photographs, read, trained and evaluated through train.py and evaluate.py on the tiny Idefics2 twin; every bad record
+refused naming its file, line and field."""
+import json
+import os
+
+import pytest
+from PIL import Image
+
+import data
+import evaluate
+import train
+from lab import backbones, own_task, tasks
+
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field")
+TINY = ["--model", "tiny-idefics2"]
+
+
+def write_jsonl(path, records):
+    """One JSON object a line (dicts) or a line as it is (text)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+    return str(path)
+
+
+def records(kind, images):
+    """Two records per photograph ({name: image path}) of one kind: a choice answered by letter and by text, a
+    caption by one caption and by a list, a vqa by one answer and by a list."""
+    out = []
+    for k, (name, image) in enumerate(images.items()):
+        for j in range(2):
+            r = {"id": f"{name}-{j}", "image": image}
+            if kind == "vqa":
+                r |= {"question": "What is shown?", "answer": PHOTOS[k]} if j else \
+                    {"question": "What colour is it?", "answers": ["red", "red", "blue"]}
+            elif kind == "caption":
+                r |= {"caption": f"A photograph of a {PHOTOS[k]}."} if j else {"captions": ["A photo.", "An image."]}
+            elif kind == "yes-no":
+                r |= {"kind": "yes-no", "question": f"Is this a {PHOTOS[k]}?", "answer": "Yes" if j else "no"}
+            else:
+                r |= {"question": "Which is it?", "options": list(PHOTOS[:4]), "answer": "B" if j else PHOTOS[2]}
+            out.append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """skimage's photographs as JPEG files in one folder, every other one resized; {name: file name}."""
+    import skimage.data
+    folder = tmp_path_factory.mktemp("own")
+    (folder / "images").mkdir()
+    for k, name in enumerate(PHOTOS):
+        im = Image.fromarray(getattr(skimage.data, name)()).convert("RGB")
+        (im.resize((im.width // 3, im.height // 4)) if k % 2 else im).save(folder / "images" / f"{name}.jpg")
+    return folder, {n: f"images/{n}.jpg" for n in PHOTOS}
+
+
+@pytest.fixture(scope="module")
+def own(photos):
+    """{kind: --task}: vqa, yes-no and choice as one .jsonl each, caption as a folder of train.jsonl and val.jsonl,
+    and "llava" a LLaVA .json; the vqa file names one image by its absolute path."""
+    folder, images = photos
+    files = {}
+    for kind in ("vqa", "yes-no", "choice"):
+        rs = records(kind, images)
+        rs[0]["image"] = str(folder / rs[0]["image"]) if kind == "vqa" else rs[0]["image"]
+        files[kind] = write_jsonl(folder / f"my-{kind}.jsonl", rs)
+    captions = records("caption", {n: "../" + p for n, p in images.items()})
+    write_jsonl(folder / "captions" / "train.jsonl", captions[:8])
+    write_jsonl(folder / "captions" / "val.jsonl", captions[8:])
+    files["caption"] = str(folder / "captions")
+    llava = [{"id": f"q{k}", "image": p, "conversations": [{"from": "human", "value": "<image>\nWhat is this?"},
+                                                           {"from": "gpt", "value": name}]}
+             for k, (name, p) in enumerate(images.items())]
+    files["llava"] = str(folder / "chat.json")
+    with open(files["llava"], "w") as f:
+        json.dump(llava, f)
+    return files
+
+
+def test_each_kind_reads_to_its_items_with_the_nearest_tasks_defaults(own, photos, capsys):
+    folder, _ = photos
+    expect = {"vqa": "vqav2", "caption": "coco", "yes-no": "mme", "choice": "seed", "llava": "vqav2"}
+    for kind, path in own.items():
+        assert tasks.spec(path) == data.TASKS[expect[kind]]
+    vqa = tasks.load_task(own["vqa"], "train") + tasks.load_task(own["vqa"], "val")
+    assert "seeded split by image: training pool 6 questions on 3 images, evaluation 6 questions on 3 images" in \
+        capsys.readouterr().out
+    assert sorted(it.id for it in vqa) == sorted(f"{n}-{j}" for n in PHOTOS for j in range(2))
+    assert len({it.image_path for it in tasks.load_task(own["vqa"], "train")} &
+               {it.image_path for it in tasks.load_task(own["vqa"], "val")}) == 0  # split by image
+    by_id = {it.id: it for it in vqa}
+    assert by_id["astronaut-0"].image_path == str(folder / "images" / "astronaut.jpg")  # absolute, as given
+    assert by_id["chelsea-0"].image_path == os.path.join(str(folder), "images/chelsea.jpg")  # the file's folder
+    assert by_id["chelsea-0"].answers == ("red", "red", "blue") and by_id["chelsea-0"].target == "red"
+    assert by_id["chelsea-1"].answers == ("chelsea",) and by_id["chelsea-1"].target == "chelsea"
+    choice = {it.id: it for s in data.SPLITS for it in tasks.load_task(own["choice"], s)}
+    assert choice["coffee-0"].target == "C" and choice["coffee-1"].target == "B"  # the option's text -> its letter
+    assert choice["coffee-0"].answers == PHOTOS[:4]
+    yes_no = [it.target for s in data.SPLITS for it in tasks.load_task(own["yes-no"], s)]
+    assert sorted(set(yes_no)) == ["No", "Yes"]
+    train_caps, val_caps = (tasks.load_task(own["caption"], s) for s in data.SPLITS)
+    assert (len(train_caps), len(val_caps)) == (8, 4) and val_caps[0].question is None
+    assert val_caps[0].answers == ("A photo.", "An image.") and os.path.isfile(val_caps[0].image_path)
+    llava = tasks.load_task(own["llava"], "train") + tasks.load_task(own["llava"], "val")
+    assert sorted((it.id, it.question, it.target) for it in llava) == \
+        [(f"q{k}", "What is this?", name) for k, name in enumerate(PHOTOS)]
+
+
+def test_names_of_run_folders_and_result_files(own):
+    assert tasks.file_name(own["vqa"]) == "my-vqa" and tasks.file_name(own["caption"]) == "captions"
+    args = train.parse_args([*TINY, "--task", own["vqa"]])
+    assert args.out == os.path.join("runs", "tiny-idefics2-my-vqa-hyper-icl")
+    assert evaluate.parse_args([*TINY, "--task", own["caption"], "--shots", "0"]).out == \
+        "runs/eval-tiny-idefics2-captions"
+
+
+@pytest.mark.parametrize("kind", ["vqa", "caption", "yes-no", "choice", "llava"])
+def test_trains_two_steps_and_evaluates_through_the_command_line(own, kind, tmp_path):
+    out = str(tmp_path / "run")
+    flags = [*TINY, "--task", own[kind], "--batch-size", "1"]
+    train.main([*flags, "--out", out, "--n-train", "2", "--n-heldout", "1", "--shots", "1", "--epochs", "1"])
+    with open(os.path.join(out, "history.json")) as f:
+        assert [h["step"] for h in json.load(f)][-1] == 2
+    n_eval = len(tasks.load_task(own[kind], "val"))
+    metrics = evaluate.main([*flags, "--checkpoint", os.path.join(out, "adapter.safetensors")])
+    metric = {"caption": "cider", "vqa": "vqa_accuracy", "llava": "vqa_accuracy"}.get(kind, "accuracy")
+    assert metrics["setting"] == "hyper-icl" and metrics["n"] == n_eval and 0 <= metrics[metric] <= 100
+    stem = f"{tasks.file_name(own[kind])}-val-hyper-icl" + ("-generate" if kind == "choice" else "")
+    with open(os.path.join(out, f"{stem}-seed0-n{n_eval}.predictions.jsonl")) as f:
+        ids = [json.loads(line)["id"] for line in f]
+    assert ids == [it.id for it in tasks.load_task(own[kind], "val")]
+
+
+def test_the_readmes_two_commands(own, tmp_path, monkeypatch):
+    """train.py, then evaluate.py with no flags but the task: 0-shot, the task's N-shot ICL and the default adapter."""
+    monkeypatch.chdir(tmp_path)
+    flags = [*TINY, "--task", own["yes-no"]]
+    train.main([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
+    metrics = evaluate.main(flags)
+    run = os.path.join("runs", "tiny-idefics2-my-yes-no-hyper-icl")
+    assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == os.path.join(run, "adapter.safetensors")
+    assert sorted(f for f in os.listdir(run) if f.endswith(".metrics.json")) == \
+        [f"my-yes-no-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
+    assert set(metrics["mme"]["subtasks"]) == {"yes-no"}
+
+
+def test_n_shot_rices_and_the_plan(own, tmp_path, capsys):
+    flags = [*TINY, "--task", own["choice"], "--out", str(tmp_path)]
+    metrics = evaluate.main([*flags, "--shots", "2", "--icds", "rices"])
+    assert metrics["setting"] == "2-shot-rices" and metrics["n"] == 6 and metrics["protocol"] == "generate"
+    assert set(metrics["seed_bench"]["dimensions"]) == {"choice"}
+    evaluate.main([*flags, "--plan", "cpu"])
+    assert "plan: tiny-idefics2 on " + own["choice"] in capsys.readouterr().out
+
+
+def test_predict_scores_a_task_of_ones_own(own):
+    backbone = backbones.load_backbone("tiny-idefics2")
+    items = tasks.load_task(own["vqa"], "val")
+    predictions = evaluate.predict(backbone, own["vqa"], items, batch_size=3)
+    assert len(predictions) == len(items) and all(isinstance(p, str) for p in predictions)
+    metric, value = evaluate.score(tasks.spec(own["vqa"]).kind, items, [it.target for it in items])
+    # a lone answer: 1 for its own text; ["red", "red", "blue"]: VQA accuracy's leave-one-out, (1/3 + 1/3 + 2/3) / 3
+    assert metric == "vqa_accuracy" and value == pytest.approx(100 * (1 + 4 / 9) / 2)
+    assert evaluate.score("vqa", items, ["nothing like it"] * len(items))[1] == 0.0
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answer": "a cat"}
+
+
+@pytest.mark.parametrize("bad, line, field, message", [
+    ({**GOOD, "image": "images/dog.jpg"}, 2, "image", "no image file"),
+    ({**GOOD, "question": 7}, 2, "question", "it must be text"),
+    ({**GOOD, "answer": "  "}, 2, "answer", "empty"),
+    ({**GOOD, "answers": []}, 2, "answer", "one of the two"),
+    ({k: v for k, v in GOOD.items() if k != "answer"} | {"answers": ["a", ""]}, 2, "answers", "empty"),
+    ({**GOOD, "id": 0}, 2, "id", "duplicate id 0 (also at"),
+    ({**GOOD, "id": True}, 2, "id", "integer or non-empty text"),
+    ({**GOOD, "kind": "ranking"}, 2, "kind", "unknown kind 'ranking'"),
+    ({**GOOD, "kind": "yes-no", "answer": "yes"}, 2, "kind", "a yes-no record, but line 1 is a vqa"),
+    ({"id": 1, "image": "images/chelsea.jpg", "caption": "A cat."}, 2, "kind", "a caption record, but line 1"),
+    ({**GOOD, "options": ["a", "b"], "answer": "C"}, 2, "answer", "neither a letter (A, B) nor one of the options"),
+    ({**GOOD, "options": "a b"}, 2, "options", "a list of 2 to 4"),
+    ({**GOOD, "options": ["a", "b", "c"], "answer": "AB"}, 2, "answer", "neither a letter (A, B, C)"),
+    ({**GOOD, "kind": ["vqa"]}, 2, "kind", "unknown kind ['vqa']"),
+    ({**GOOD, "id": " "}, 2, "id", "integer or non-empty text"),
+    ({**GOOD, "kind": "yes-no", "answer": "maybe"}, 1, "answer", "yes or no"),
+    ({k: v for k, v in GOOD.items() if k != "question"}, 2, "question", "missing"),
+])
+def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line, field, message):
+    folder, _ = photos
+    placed = lambda r: {**r, "image": str(folder / r["image"])} if "image" in r else r  # absolute: in tmp_path
+    first = {**GOOD, "id": 0} if line == 2 else bad
+    path = write_jsonl(tmp_path / "bad.jsonl", [placed(first), "", placed(bad)] if line == 2 else [placed(bad)])
+    with pytest.raises(ValueError) as e:
+        tasks.load_task(path, "train")
+    assert f"{path} line {line + (line == 2)}, field `{field}`: " in str(e.value) and message in str(e.value)
+
+
+def test_bad_files_and_folders_are_named(own, photos, tmp_path):
+    folder, _ = photos
+    bad = write_jsonl(folder / "syntax.jsonl", [GOOD, "{not json"])
+    with pytest.raises(ValueError, match=f"{bad} line 2: not a JSON object"):
+        tasks.load_task(bad, "train")
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        tasks.load_task(str(tmp_path / "missing.jsonl"), "train")
+    write_jsonl(tmp_path / "half" / "train.jsonl", [{**GOOD, "image": str(folder / GOOD["image"])}])
+    with pytest.raises(FileNotFoundError, match="needs .*val.jsonl"):
+        tasks.load_task(str(tmp_path / "half"), "train")
+    write_jsonl(tmp_path / "half" / "val.jsonl", [{"id": 1, "image": str(folder / GOOD["image"]), "caption": "x"}])
+    with pytest.raises(ValueError, match="train.jsonl: vqa, val.jsonl: caption"):
+        tasks.load_task(str(tmp_path / "half"), "val")
+    with pytest.raises(FileNotFoundError, match="no test.jsonl in the folder for --split test"):
+        tasks.load_task(own["caption"], "test")
+    with pytest.raises(ValueError, match="a single file splits into train and val only"):
+        tasks.load_task(own["vqa"], "test")
+    with pytest.raises(SystemExit):
+        train.parse_args([*TINY, "--task", "not-a-task"])
+
+
+def test_a_llava_record_of_more_turns_is_refused_naming_its_id(photos):
+    folder, _ = photos
+    turn = lambda who, text: {"from": who, "value": text}
+    chat = [{"id": "one", "image": "images/coffee.jpg", "conversations": [turn("human", "<image>\nWhat?"),
+                                                                          turn("gpt", "coffee")]},
+            {"id": "two", "image": "images/coffee.jpg", "conversations": [turn("human", "<image>\nWhat?"),
+                                                                          turn("gpt", "coffee"),
+                                                                          turn("human", "Sure?"), turn("gpt", "yes")]}]
+    path = folder / "multi.json"
+    path.write_text(json.dumps(chat))
+    with pytest.raises(ValueError, match=r"multi.json record 1 \(id 'two'\), field `conversations`: 4 turns"):
+        own_task.read(str(path))
+    chat[1]["conversations"] = chat[0]["conversations"][:1] + [turn("gpt", "")]
+    path.write_text(json.dumps(chat))
+    with pytest.raises(ValueError, match=r"record 1 \(id 'two'\), field `answer`: empty"):
+        own_task.read(str(path))
