@@ -115,8 +115,8 @@ def test_another_evaluations_server_file_is_kept(root, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--task", "ok-vqa", "--split", "test-dev"], "--split test-dev is VQAv2's test server split (--task vqav2), not "
-                                                  "ok-vqa's"),
+    (["--task", "ok-vqa", "--split", "test-dev"], "--split test-dev is VQAv2's test server split (--task vqav2) or a "
+                                                  "folder task's test.jsonl, not ok-vqa's"),
     (["--task", "vqav2", "--split", "test", "--hyperbolicity"], "--split test has no answers"),
 ])
 def test_the_test_splits_are_vqav2_evaluations(flags, message, capsys):
