@@ -34,7 +34,8 @@ def hugging_face_evaluate():
     paths = [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
     spec = importlib.machinery.PathFinder.find_spec("evaluate", paths)
     if spec is None:
-        raise ImportError("lmms-eval needs Hugging Face's `evaluate` package: pip install -r requirements-lmms-eval.txt")
+        raise ImportError("lmms-eval needs Hugging Face's `evaluate` package: "
+                          "pip install -r requirements-lmms-eval.txt")
     module = importlib.util.module_from_spec(spec)
     sys.modules["evaluate"] = module
     spec.loader.exec_module(module)

@@ -14,8 +14,9 @@ import sys
 import pytest
 
 E = pytest.importorskip("evaluate")  # this project's evaluate.py, taken before lmms-eval swaps the name (see below)
-pytest.importorskip("lmms_eval", reason="lmms-eval is not installed: pip install -r requirements-lmms-eval.txt && "
-                    "pip install --no-deps lmms-eval==0.7.3 ./lab/lmms-eval-entry (.ci/run runs these tests)")
+pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (README, 'In lmms-eval': pip install -r "
+                    "requirements-lmms-eval.txt && pip install --no-deps --no-build-isolation lmms-eval==0.7.3 "
+                    "./lab/lmms-eval-entry; .ci/run runs these tests)")
 import datasets  # noqa: E402 (lmms-eval's dependency)
 from lmms_eval import evaluator  # noqa: E402
 from lmms_eval.tasks import TaskManager, get_task_dict  # noqa: E402
@@ -104,7 +105,8 @@ def task_dir(tmp_path_factory, items):
                                   "question_id": datasets.Value("int64"), "question": datasets.Value("string"),
                                   "image": datasets.Image()})
     rows = [{"question_type": "what is", "multiple_choice_answer": it.target,
-             "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": k + 1} for k, a in enumerate(it.answers)],
+             "answers": [{"answer": a, "answer_confidence": "yes", "answer_id": k + 1}
+                         for k, a in enumerate(it.answers)],
              "image_id": it.id, "answer_type": "other", "question_id": it.id, "question": it.question,
              "image": {"bytes": open(it.image_path, "rb").read(), "path": None}} for it in items]
     parquet = folder / "validation-00000-of-00001.parquet"
@@ -118,7 +120,9 @@ def task_dir(tmp_path_factory, items):
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
-    for k, v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}.items():
+    """No hub, no download, and datasets' cache in the test's folder (the subprocess inherits them)."""
+    cache = str(tmp_path / "cache")
+    for k, v in {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": cache}.items():
         monkeypatch.setenv(k, v)
 
 
@@ -155,7 +159,7 @@ def test_the_command_line_from_the_project_root(adapter, task_dir, items, expect
     evaluate.py with Hugging Face's `evaluate` is undone, and the results file (lmms-eval exits 0 even when a run
     fails) holds 100 and the answers of evaluate.predict."""
     assert any(ep.name == "hyper_icl" for ep in importlib.metadata.entry_points(group="lmms_eval.models")), \
-        "hyper_icl is not registered: pip install --no-deps ./lab/lmms-eval-entry"
+        "hyper_icl is not registered: pip install --no-deps --no-build-isolation ./lab/lmms-eval-entry"
     run = subprocess.run([sys.executable, "-m", "lmms_eval", "--model", "hyper_icl", "--model_args",
                           f"backbone=toy-idefics2,checkpoint={adapter}", "--tasks", "toy_vqav2", "--include_path",
                           task_dir, "--batch_size", "8", "--device", "cpu", "--log_samples", "--output_path",
