@@ -27,9 +27,10 @@ def hugging_face_evaluate():
     """Undo the name clash of this project's evaluate.py with Hugging Face's `evaluate` (an lmms-eval dependency):
     run from the project's root, lmms-eval's `import evaluate` (lmms_eval/api/registry.py) finds evaluate.py first.
     Here the module of that name, and lmms-eval's handle on it, become Hugging Face's, found on sys.path without the
-    project's root. Nothing is done where `evaluate` is already Hugging Face's (or not imported)."""
+    project's root; where `evaluate` is not imported yet, Hugging Face's is imported now, so that a later `import
+    evaluate` finds it. Nothing is done where `evaluate` is already Hugging Face's."""
     held = sys.modules.get("evaluate")
-    if held is None or os.path.dirname(os.path.abspath(getattr(held, "__file__", "") or "")) != ROOT:
+    if held is not None and os.path.dirname(os.path.abspath(getattr(held, "__file__", "") or "")) != ROOT:
         return
     paths = [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
     spec = importlib.machinery.PathFinder.find_spec("evaluate", paths)

@@ -215,3 +215,16 @@ def test_multi_round_is_refused_in_one_line(adapter):
         model.generate_until_multi_round([])
     with pytest.raises(ValueError, match="unknown model args colour"):
         lmms_eval_model.HyperICL("tiny-idefics2", colour="red")
+
+
+def test_lmms_eval_gets_hugging_face_evaluate_from_the_project_root():
+    """Run from the root, where evaluate.py comes first on sys.path, lmms-eval's registry holds Hugging Face's
+    `evaluate` once the model registry (and so lab/lmms_eval_model.py) has loaded, in either import order."""
+    import lmms_eval.api.registry as registry
+    assert registry.hf_evaluate is sys.modules["evaluate"] and hasattr(registry.hf_evaluate, "load")
+    for first, then in [("lmms_eval.evaluator", "lmms_eval.models"), ("lmms_eval.models", "lmms_eval.api.registry")]:
+        code = f"import {first}, {then}, lmms_eval.api.registry as r, evaluate; print(r.hf_evaluate.__file__, " \
+               "evaluate.__file__)"
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        held = out.stdout.split()
+        assert len(held) == 2 and not any(p.startswith(ROOT + os.sep) for p in held), out.stdout + out.stderr[-2000:]
