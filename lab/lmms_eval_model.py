@@ -56,7 +56,9 @@ def manifest():
 class HyperICL(lmms):
     """lmms-eval's simple model over a project backbone, with an adapter (checkpoint=) or without."""
 
-    def __init__(self, backbone="toy-idefics2", checkpoint=None, device=None, batch_size=1, **unused):
+    def __init__(self, backbone="toy-idefics2", checkpoint=None, device=None, batch_size=1, max_batch_size=None,
+                 **unused):
+        """max_batch_size: lmms-eval's, for batch_size=auto, which hyper_icl does not take (batch_size N)."""
         super().__init__()
         if unused:
             raise ValueError(f"hyper_icl: unknown model args {', '.join(sorted(unused))} (it takes backbone, "
@@ -66,9 +68,9 @@ class HyperICL(lmms):
         self.method = None
         if checkpoint not in (None, "", "none", "None"):
             self.method = checkpoints.load_adapter(checkpoint, self.backbone)["method"]
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise ValueError(f"hyper_icl: batch_size={batch_size}: give a number of requests a batch, at least 1")
         self.batch_size = int(batch_size)
-        if self.batch_size < 1:
-            raise ValueError(f"hyper_icl: batch_size={batch_size} must be at least 1")
 
     # ---------------------------------------------------------------------------------------- rows from requests
 

@@ -209,12 +209,14 @@ def test_lmms_eval_073_multiple_choice_breaks_on_every_model(adapter, task_dir):
         task.process_results.__wrapped__(task, task.dataset["validation"][0], stored)
 
 
-def test_multi_round_is_refused_in_one_line(adapter):
+def test_multi_round_and_bad_model_args_are_refused_in_one_line():
     model = lmms_eval_model.HyperICL("tiny-idefics2")
     with pytest.raises(NotImplementedError, match="single-round"):
         model.generate_until_multi_round([])
     with pytest.raises(ValueError, match="unknown model args colour"):
         lmms_eval_model.HyperICL("tiny-idefics2", colour="red")
+    with pytest.raises(ValueError, match="batch_size=auto: give a number"):
+        lmms_eval_model.HyperICL("tiny-idefics2", batch_size="auto")
 
 
 def test_lmms_eval_gets_hugging_face_evaluate_from_the_project_root():
