@@ -154,7 +154,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     icds, (steering, vector_info) = None, vector or (None, {})
     kind = D.TASKS[args.task].kind
     stem = os.path.join(args.out, results.result_name(args, setting, len(items), vector_info))
-    metrics = {**results.result_settings(backbone, args, setting, len(items)), **vector_info}
+    metrics = {**results.result_settings(backbone, args, setting, items), **vector_info}
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
         with open(args.checkpoint, "rb") as f:
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()

@@ -120,7 +120,7 @@ def analysis(backbone, args, items, setting):
     .json (the result_settings and the result; a file of other settings is refused first, before any work), prints the
     result but its per-layer means, and returns it. Under torchrun the first process writes."""
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
-    settings = results.result_settings(backbone, args, setting, len(items))
+    settings = results.result_settings(backbone, args, setting, items)
     results.check_replaceable(path, settings)
     result = (gate_analysis if args.gates else hyperbolicity_analysis)(backbone, args, items)
     if torchrun.rank_and_world()[0] != 0:
