@@ -121,7 +121,7 @@ def analysis(backbone, args, items, setting):
     result but its per-layer means, and returns it. Under torchrun the first process writes."""
     path = os.path.join(args.out, f"{'gates' if args.gates else 'hyperbolicity'}-{args.task}-{args.split}.json")
     settings = results.result_settings(backbone, args, setting, items)
-    results.check_replaceable(path, settings)
+    results.check_replaceable(path, {k: settings[k] for k in results.RESULT_SETTINGS if k in settings})
     result = (gate_analysis if args.gates else hyperbolicity_analysis)(backbone, args, items)
     if torchrun.rank_and_world()[0] != 0:
         return result
