@@ -274,7 +274,17 @@ def test_a_folder_with_auto_map_loads_without_asking_or_running_its_code(tmp_pat
     (folder / "custom.py").write_text("raise SystemExit('custom code ran')\n")
     monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("asked whether to run the folder's code"))
     monkeypatch.setattr("transformers.dynamic_module_utils.TIME_OUT_REMOTE_CODE", 0)  # no prompt: an error instead
+    import importlib
+    asked = []  # what each transformers loader was told: None is "ask the user if the folder has code"
+    for name in ("configuration_auto", "processing_auto", "image_processing_auto", "tokenization_auto",
+                 "auto_factory"):
+        module = importlib.import_module(f"transformers.models.auto.{name}")
+        real = getattr(module, "resolve_trust_remote_code", None)
+        if real is not None:
+            monkeypatch.setattr(module, "resolve_trust_remote_code",
+                                lambda trust, *a, real=real, **k: asked.append(trust) or real(trust, *a, **k))
     assert backbones.load_backbone(str(folder)).family == "idefics2"
+    assert asked and all(trust is False for trust in asked), asked
 
 
 def test_a_refused_adapter_file_leaves_the_attached_adapter_in_place(tmp_path, backbone):
