@@ -56,7 +56,7 @@ def kill_workers_once(real):
             state["done"] = True
             for pid in children():
                 os.kill(pid, signal.SIGKILL)
-            time.sleep(3)
+            time.sleep(2)
         return real(*args, **kwargs)
     return wrapped
 
@@ -68,7 +68,7 @@ def test_a_killed_worker_in_evaluate_is_one_named_error(tmp_path, monkeypatch):
     with pytest.raises(feed.WorkerFailed, match=r"a DataLoader worker failed \(DataLoader worker \(pid.*\) (is killed "
                                                 r"by signal: Killed|exited unexpectedly).*--workers 0") as e:
         evaluate.main([*EVAL, "--n-eval", "6", "--batch-size", "1", "--workers", "1", "--out", str(tmp_path)])
-    assert isinstance(e.value, OSError) and "\n" not in str(e.value)  # evaluate.py and train.py print OSErrors in a line
+    assert isinstance(e.value, OSError) and "\n" not in str(e.value)  # what evaluate.py and train.py print in a line
 
 
 def test_a_killed_worker_in_train_is_one_named_error(tmp_path, monkeypatch):
@@ -101,8 +101,8 @@ def test_a_stopped_worker_times_out_with_a_message(tmp_path, monkeypatch):
     monkeypatch.setattr(feed, "WORKER_TIMEOUT", 2)
     pid_file = tmp_path / "pid"
     try:
-        with pytest.raises(feed.WorkerFailed, match=r"batch [12] of 3: a DataLoader worker failed \(DataLoader timed out "
-                                                    r"after 2 seconds\)"):
+        with pytest.raises(feed.WorkerFailed, match=r"batch [12] of 3: a DataLoader worker failed \(DataLoader "
+                                                    r"timed out after 2 seconds\)"):
             list(feed.prepared(stop_self, [(k, str(pid_file)) for k in range(3)], 1))
     finally:
         if pid_file.exists():
