@@ -66,6 +66,8 @@ def prepared(build, specs, workers, device="cpu"):
             except (RuntimeError, EOFError) as e:  # Failed carries build's own errors: these are the loader's
                 if not workers:
                     raise
+                for worker in getattr(batches, "_workers", []):  # a stopped worker ignores the loader's SIGTERM
+                    worker.kill()
                 raise failed(e, f"batch {k + 1} of {len(specs)}") from None
             if isinstance(item, Failed):
                 raise item.error
