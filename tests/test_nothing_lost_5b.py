@@ -221,7 +221,8 @@ def test_ctrl_c_in_evaluate_is_one_line_and_exit_130(tmp_path, monkeypatch, caps
     with pytest.raises(BaseException) as e:  # evaluate.py's own __main__ block, on the patched module
         exec(source[source.index("if __name__"):], {**vars(evaluate), "__name__": "__main__"})
     err = capsys.readouterr().err
-    assert isinstance(e.value, SystemExit) and e.value.code == 130 and err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
+    assert isinstance(e.value, SystemExit) and e.value.code == 130
+    assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")
     assert not [f for f in os.listdir(tmp_path) if "metrics" in f or "predictions" in f]
 
 
