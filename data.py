@@ -21,6 +21,7 @@ The readers of the official formats (lab/readers.py, lab/mme_seed.py: the layout
 are in docs/real-models.md, "Data layout") and the generated toy-icl datasets (lab/toy_world.py) make the Items.
 """
 import hashlib
+import os
 import random
 from dataclasses import dataclass
 
@@ -93,6 +94,8 @@ def end_token(processor, family):
 def prompt_text(kind, item):
     """The query text of an item, its image placeholder first (for "choice", the options after the question, one line
     each: "\nA. {choice_a}\nB. {choice_b}...")."""
+    if "{question}" in PROMPTS[kind]["query"] and (not isinstance(item.question, str) or not item.question.strip()):
+        raise ValueError(f"item {item.id}: its question is {item.question!r}; a {kind} task asks one (text)")
     options = "".join(f"\n{letter}. {option}" for letter, option in zip(SEED_LETTERS, item.answers))
     return PROMPTS[kind]["query"].format(question=item.question, options=options if kind == "choice" else "")
 
@@ -196,7 +199,12 @@ def onevision_piece(process, image):
 
 
 def load_image(item):
-    """The item's image as an RGB PIL image; an unreadable file is an OSError naming the item and the path."""
+    """The item's image as an RGB PIL image; none, an unreadable file or one that is not a regular file (a FIFO
+    would be waited on forever) is an error naming the item and the path."""
+    if not isinstance(item.image_path, (str, os.PathLike)):
+        raise ValueError(f"item {item.id}: its image_path is {item.image_path!r}; every item needs an image file")
+    if os.path.exists(item.image_path) and not os.path.isfile(item.image_path):
+        raise OSError(f"item {item.id}: its image {item.image_path} is not a regular file (a folder, FIFO or device)")
     try:
         with Image.open(item.image_path) as im:
             return im.convert("RGB")

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import os
 import re
+import sys
 from collections import Counter
 
 import torch
@@ -40,8 +41,8 @@ from tqdm import tqdm
 import data as D
 import model as M
 import train
-from lab import (analyses, backbones, chair, checkpoints, curves, eval_cli, feed, files, plan, published, results,
-                 rices, table6, tasks, test_server, torchrun, vectors)
+from lab import (analyses, api_checks, backbones, chair, checkpoints, curves, eval_cli, feed, files, plan, published,
+                 results, rices, table6, tasks, test_server, torchrun, vectors)
 from lab.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
 
@@ -80,7 +81,9 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
     `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
     prepared by `workers` DataLoader workers while the model decodes (lab/feed.py:prepared). Under torchrun each process
-    answers every N-th batch; every process returns all answers, in item order."""
+    answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
+    answers and items are refused first (lab/api_checks.py)."""
+    api_checks.check_predict(task, items, icds, batch_size, likelihood)
     kind, new_tokens = tasks.spec(task).kind, tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
@@ -159,7 +162,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     icds, (steering, vector_info) = None, vector or (None, {})
     kind = tasks.spec(args.task).kind
     stem = os.path.join(args.out, results.result_name(args, setting, len(items), vector_info))
-    metrics = {**results.result_settings(backbone, args, setting, len(items)), **vector_info}
+    metrics = {**results.result_settings(backbone, args, setting, items), **vector_info}
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
         with open(args.checkpoint, "rb") as f:
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
@@ -282,3 +285,6 @@ if __name__ == "__main__":
         main()
     except (ValueError, OSError) as e:  # bad input (unknown backbone, missing data, mismatched checkpoint)
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: every result file is written whole or not at all (files.atomic_write)
+        print("interrupted (Ctrl-C): no result of the setting being evaluated was written", file=sys.stderr)
+        raise SystemExit(130) from None

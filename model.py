@@ -244,8 +244,9 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
     if check:
         check(path)
     processor, images = load_processor(path, family, image_splitting)
-    model, info = FAMILIES[family].model_cls.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
-                                                             device_map={"": placed(device)}, output_loading_info=True)
+    model, info = FAMILIES[family].model_cls.from_pretrained(  # never a model folder's own code
+        path, dtype=dtype, attn_implementation="sdpa", device_map={"": placed(device)}, output_loading_info=True,
+        trust_remote_code=False)
     if info["missing_keys"]:  # transformers would initialise them at random
         missing, weights = sorted(info["missing_keys"]), glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
         raise ValueError(f"--model: {weights[0] if len(weights) == 1 else path} lacks the tensor {missing[0]}" +
@@ -267,7 +268,7 @@ def family_of(name):
         try:
             with open(config_file, encoding="utf-8") as f:
                 config = json.load(f)
-        except ValueError as e:  # UnicodeDecodeError too
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError too; nested too deeply
             raise ValueError(f"--model: {config_file} is not valid JSON ({e}); restore the model folder's "
                              "config.json") from e
         if not isinstance(config, dict):
@@ -334,7 +335,7 @@ def load_processor(path, family, image_splitting="checkpoint"):
         raise ValueError(f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
                          "tokenizer files into it")
     if family != "llava-onevision":
-        processor = AutoProcessor.from_pretrained(path, backend="pil")
+        processor = AutoProcessor.from_pretrained(path, backend="pil", trust_remote_code=False)
         return processor, image_setting(processor, family, image_splitting)
     config_file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else \
         cached_file(path, "processor_config.json")
@@ -348,8 +349,9 @@ def load_processor(path, family, image_splitting="checkpoint"):
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)} (LLaVA-OneVision's processor settings); restore "
                          "the checkpoint's processor_config.json")
-    processor = ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil"),
-                                            AutoTokenizer.from_pretrained(path), None,
+    code = {"trust_remote_code": False}  # never a model folder's own code
+    processor = ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil", **code),
+                                            AutoTokenizer.from_pretrained(path, **code), None,
                                             **{k: settings[k] for k in keys if k in settings})
     return processor, image_setting(processor, family, image_splitting)
 
@@ -361,7 +363,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
 def image_setting(processor, family, splitting="checkpoint", source="the checkpoint's processor config"):
     """Apply --image-splitting to Idefics2's processor (4 crops + the whole image, 5 x 64 tokens an image, instead of
     the whole image's 64) and return the line that says how images are encoded and where that comes from.
-    Another family's processor does not split: any setting but "checkpoint" is then a ValueError."""
+    Another family's processor does not split: any setting but "checkpoint" is then a ValueError, as is any other."""
+    if splitting not in IMAGE_SPLITTING:  # "yes", True: never silently off
+        raise ValueError(f"image splitting {splitting!r} is none of {', '.join(IMAGE_SPLITTING)}")
     if family != "idefics2":
         if splitting != "checkpoint":
             raise ValueError(f"--image-splitting {splitting}: only Idefics2 splits images, not {family}; drop the flag")

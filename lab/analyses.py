@@ -121,8 +121,8 @@ def analysis(backbone, args, items, setting):
     result but its per-layer means, and returns it. Under torchrun the first process writes."""
     name = f"{'gates' if args.gates else 'hyperbolicity'}-{tasks.file_name(args.task)}-{args.split}.json"
     path = os.path.join(args.out, name)
-    settings = results.result_settings(backbone, args, setting, len(items))
-    results.check_replaceable(path, settings)
+    settings = results.result_settings(backbone, args, setting, items)
+    results.check_replaceable(path, {k: settings[k] for k in results.RESULT_SETTINGS if k in settings})
     result = (gate_analysis if args.gates else hyperbolicity_analysis)(backbone, args, items)
     if torchrun.rank_and_world()[0] != 0:
         return result

@@ -61,7 +61,7 @@ def read_config(path):
     """The transformers config of a checkpoint (a folder or hub id); one transformers refuses (a field of the wrong
     type, say) is a ValueError naming <path>/config.json."""
     try:
-        return AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)  # never run a folder's code
     except OSError:  # no such checkpoint: transformers' message names it
         raise
     except Exception as e:  # TypeError, ValueError, huggingface_hub's StrictDataclassError

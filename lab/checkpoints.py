@@ -92,25 +92,54 @@ def load_adapter(path, backbone, method=None, force=False):
     if differ:
         print(f"warning: --force: loading adapter {path} onto {backbone.name!r} although its " + ", ".join(differ))
     sizes = {k: v for k, v in saved.items() if k not in (*shape, *here, "method", "backbone")}
+    tensors, previous = read_tensors(path), attached(backbone.model)  # read before any adapter is detached
     try:
-        M.attach(backbone.model, saved["method"], **sizes)
-    except (ValueError, TypeError, RuntimeError) as e:  # an unknown method, sizes it does not take or cannot make
-        raise ValueError(f"{path}: its settings (method {saved['method']!r}, sizes {sizes}) do not make an adapter "
-                         f"({e})") from e
-    load_tensors(path, backbone.model)
+        try:
+            M.attach(backbone.model, saved["method"], **sizes)
+        except (ValueError, TypeError, RuntimeError) as e:  # an unknown method, sizes it does not take or cannot make
+            raise ValueError(f"{path}: its settings (method {saved['method']!r}, sizes {sizes}) do not make an "
+                             f"adapter ({e})") from e
+        load_tensors(path, tensors, backbone.model)
+    except ValueError:
+        reattach(backbone.model, previous)  # a refused file leaves the adapter attached before it in place
+        raise
     return saved
 
 
-def load_tensors(path, model):
+def read_tensors(path):
+    """An adapter file's tensors; a damaged tensor section is a ValueError naming the file."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: its tensors cannot be read (a truncated or damaged file: {e})") from e
+
+
+def attached(model):
+    """The attached adapter as (its settings, a copy of its tensors), or None: what reattach puts back."""
+    if not hasattr(model, "icl_settings"):
+        return None
+    return dict(model.icl_settings), {k: v.detach().clone() for k, v in M.adapter_modules(model).state_dict().items()}
+
+
+def reattach(model, previous):
+    """Put back the adapter `attached` recorded (None: leave the backbone without one)."""
+    if hasattr(model, "icl_settings"):
+        M.detach(model)
+    if previous is not None:
+        settings, tensors = previous
+        M.attach(model, settings["method"], **{k: v for k, v in settings.items() if k != "method"})
+        M.adapter_modules(model).load_state_dict(tensors)
+
+
+def load_tensors(path, tensors, model):
     """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor
-    is a ValueError naming the file and the tensor (the adapter is detached again)."""
-    tensors, expected = load_file(path), M.adapter_modules(model).state_dict()
+    is a ValueError naming the file and the tensor."""
+    expected = M.adapter_modules(model).state_dict()
     wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
         [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
         [f"{name} is {tuple(tensors[name].shape)}, not {tuple(t.shape)}" for name, t in sorted(expected.items())
          if name in tensors and tensors[name].shape != t.shape]
     if wrong:
-        M.detach(model)
         raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
                          (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
     M.adapter_modules(model).load_state_dict(tensors)

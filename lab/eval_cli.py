@@ -2,7 +2,6 @@
 import argparse
 import contextlib
 import io
-import math
 import os
 import shlex
 import sys
@@ -127,8 +126,7 @@ def parse_args(argv, doc, train_parse):
                                    "new_tokens": 1, "attention_tokens": 1, "threads": (1, flags.MAX_THREADS),
                                    "bench_shots": 0, "curve_queries": 1, "seed": (0, flags.MAX_SEED),
                                    "workers": (0, flags.MAX_WORKERS)})
-    if not 0 < args.image_memory < math.inf:
-        p.error(f"--image-memory must be a finite number > 0 (in GB; got {args.image_memory})")
+    flags.check_image_memory(p, args)
     if args.curve:
         args.train_args = args.train_args or curves.CURVE_TRAIN_ARGS
         unknown = set(args.curve_methods or []) - {name for name, _ in curves.curve_runs()}

@@ -1,7 +1,10 @@
 """Batches built by torch DataLoader workers while the model runs: the builders of prompts and student rows, a
 worker's error raised as the worker raised it, the default number of workers."""
+import contextlib
 from dataclasses import dataclass
 import os
+import signal
+import threading
 
 import torch
 
@@ -37,18 +40,66 @@ def on_host(obj):
     return data.normalised({k: on_host(v) for k, v in obj.items()}) if isinstance(obj, dict) else obj
 
 
+WORKER_TIMEOUT = 300  # seconds a DataLoader worker's batch may be waited for (a stopped worker: never, else)
+
+
+class WorkerFailed(OSError):
+    """A DataLoader worker died (killed, out of memory) or stopped answering: named in one line, no traceback."""
+
+
 def prepared(build, specs, workers, device="cpu"):
     """build(spec) for each spec, in order, made by `workers` DataLoader worker processes ahead of their use (two
     each in flight) while this process computes (0: here, when asked for; the same items); pinned for a CUDA
     `device`, so model_inputs copies them without waiting. build must need no model (a worker has none). An error
-    in a worker is raised here as it was raised there (an unreadable image names its item and file, one line)."""
+    in a worker is raised here as it was raised there (an unreadable image names its item and file, one line); a
+    worker that dies, or whose batch takes over WORKER_TIMEOUT seconds, is a WorkerFailed saying so."""
     cuda = str(device).startswith("cuda")
-    for item in torch.utils.data.DataLoader(Prepared(build, specs, not cuda), batch_size=None, num_workers=workers,
-                                            pin_memory=cuda, prefetch_factor=2 if workers else None,
-                                            generator=torch.Generator()):  # its seed draw leaves the global RNG alone
-        if isinstance(item, Failed):
-            raise item.error
-        yield item
+    loader = torch.utils.data.DataLoader(Prepared(build, specs, not cuda), batch_size=None, num_workers=workers,
+                                         pin_memory=cuda, prefetch_factor=2 if workers else None,
+                                         timeout=WORKER_TIMEOUT if workers else 0,
+                                         generator=torch.Generator())  # its seed draw leaves the global RNG alone
+    batches = iter(loader)  # with workers, torch's SIGCHLD handler is set: a dead worker raises wherever we are
+    with worker_deaths_named(workers):
+        for k in range(len(specs)):
+            try:
+                item = next(batches)
+            except (RuntimeError, EOFError) as e:  # Failed carries build's own errors: these are the loader's
+                if not workers:
+                    raise
+                for worker in getattr(batches, "_workers", []):  # a stopped worker ignores the loader's SIGTERM
+                    worker.kill()
+                raise failed(e, f"batch {k + 1} of {len(specs)}") from None
+            if isinstance(item, Failed):
+                raise item.error
+            yield item
+
+
+def failed(error, where):
+    """The WorkerFailed that names a DataLoader's error (torch's message: the worker's pid and signal, a timeout)."""
+    why = " ".join(str(error).split())[:200] or type(error).__name__
+    return WorkerFailed(f"{where}: a DataLoader worker failed ({why}); rerun (train.py: --resume), or with "
+                        "--workers 0 to prepare the batches in this process")
+
+
+@contextlib.contextmanager
+def worker_deaths_named(workers):
+    """While the batches are used: torch's SIGCHLD handler, which raises a RuntimeError in this process wherever it
+    is (in the model's forward, say) when a worker dies, raises WorkerFailed instead. Only in the main thread."""
+    previous = signal.getsignal(signal.SIGCHLD)
+    if not workers or not callable(previous) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_child(signum, frame):
+        try:
+            previous(signum, frame)
+        except RuntimeError as e:
+            raise failed(e, "while the batches were used") from None
+    signal.signal(signal.SIGCHLD, on_child)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 def default_workers():

@@ -45,6 +45,17 @@ def check_floats(p, args):
                     f" float32's smallest normal number{why} (got {value})")
 
 
+MAX_IMAGE_MEMORY = MAX_INT / 1e9  # --image-memory, GB: its bytes must be a 64-bit count (1e300 GB is inf bytes)
+
+
+def check_image_memory(p, args):
+    """A parser error naming --image-memory unless it is a finite number of GB > 0 whose bytes a 64-bit integer
+    holds (the chunks of chunks.chunk_images are counted in bytes: 1e300 GB made them NaN after the model loaded)."""
+    if not 0 < args.image_memory <= MAX_IMAGE_MEMORY:
+        p.error(f"--image-memory must be a finite number of GB > 0, at most {MAX_IMAGE_MEMORY:.4g} (got "
+                f"{args.image_memory})")
+
+
 def check_at_least(p, args, bounds):
     """A parser error for each flag of {name: least or (least, most)} given outside [least, most] (most: MAX_INT
     unless given; a list flag: any of its values), naming the flag."""

@@ -102,10 +102,11 @@ def read_seed(root):
     items, seen = [], set()
     for n, q in enumerate(questions):
         with readers.entry(path, "seed", n, q, question=True):
-            if int(q["question_type_id"]) in names.keys() - set(SEED_IMAGE_DIMENSIONS):
+            if readers.plain_integer(q, "question_type_id") in names.keys() - set(SEED_IMAGE_DIMENSIONS):
                 continue  # a video question
-            readers.unique_id(seen, int(q["question_id"]), "question_id")
-            items.append(seed_item("seed", path, folder, q, int(q["question_id"]), names))
+            qid = readers.plain_integer(q, "question_id")
+            readers.unique_id(seen, qid, "question_id")
+            items.append(seed_item("seed", path, folder, q, qid, names))
     return items
 
 
@@ -149,7 +150,8 @@ def seed_questions(path, dataset):
 def seed_item(dataset, path, folder, q, qid, names):
     """A SEED-Bench(-2) question as an Item, after the checks of both: a known dimension, four options, an answer
     letter, a question, and its image in `folder` (data_id, else data_id with an image extension)."""
-    if int(q["question_type_id"]) not in names:
+    dimension = readers.plain_integer(q, "question_type_id")  # 3.7 is no dimension (int() would make it 3)
+    if dimension not in names:
         raise ValueError(f"question_type_id {q['question_type_id']!r} is not in its question_type mapping")
     answer, options = q["answer"].strip(), tuple(readers.text_field(q, f"choice_{x}") for x in "abcd")
     if answer not in tuple(data.SEED_LETTERS):
@@ -160,7 +162,7 @@ def seed_item(dataset, path, folder, q, qid, names):
     if image is None:
         raise FileNotFoundError(f"{dataset}: question {q['question_id']} in {path}: its image {q['data_id']!r} is "
                                 f"not under {folder}")
-    return data.Item(qid, image, question, options, answer, names[int(q["question_type_id"])])
+    return data.Item(qid, image, question, options, answer, names[dimension])
 
 
 def seed2_id(question_id):

@@ -3,6 +3,7 @@ COCO instances; every field checked, naming the file and entry."""
 import contextlib
 import json
 import os
+import sys
 from collections import Counter
 
 import data
@@ -28,6 +29,9 @@ def read_json(path, dataset):
         return json.loads(read_text(path, dataset))
     except json.JSONDecodeError as e:
         raise ValueError(f"{dataset}: {path} is not valid JSON ({e})") from e
+    except RecursionError as e:  # Python's parser recurses per level: [[[...]]] 200,000 deep
+        raise ValueError(f"{dataset}: {path} is nested too deeply to be an official file (JSON arrays or objects "
+                         f"more than {sys.getrecursionlimit()} levels deep)") from None
 
 
 def read_text(path, dataset):
@@ -54,6 +58,17 @@ def integer_field(record, name):
     value = record[name]
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"its {name} is {value!r}; it must be an integer")
+    return value
+
+
+def plain_integer(record, name):
+    """record[name] as an int: an integer, or a string of plain decimal digits (SEED-Bench's question_id is "101669"
+    in its official file); a float (3.7, 3.0, NaN), a boolean or any other text is a ValueError naming the field."""
+    value = record[name]
+    if isinstance(value, str) and value.isascii() and value.isdigit() and str(int(value)) == value:
+        return int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"its {name} is {value!r}; it must be an integer (or its plain decimal digits)")
     return value
 
 
@@ -126,18 +141,19 @@ def read_vqa(root, split, dataset):
         with entry(apath, dataset, n, a):
             answers = vqa_answers(a["answers"])
             target = text_field(a, "multiple_choice_answer") if dataset == "vqav2" else most_frequent(answers)
-            if a["question_id"] in annotations:  # a second annotation would silently replace the first
-                raise ValueError(f"duplicate question_id {a['question_id']!r} (another annotation has it)")
-            annotations[a["question_id"]] = answers, target
+            qid = integer_field(a, "question_id")  # the official files' ids are integers: no 1.0, "1", NaN or true
+            if qid in annotations:  # a second annotation would silently replace the first
+                raise ValueError(f"duplicate question_id {qid!r} (another annotation has it)")
+            annotations[qid] = answers, target
     items, seen = [], set()
     for n, q in enumerate(questions):
         with entry(qpath, dataset, n, q):
-            if q["question_id"] not in annotations:
-                raise ValueError(f"question {q['question_id']} in {qpath} has no annotation in {apath}")
-            unique_id(seen, q["question_id"], "question_id")
-            items.append(data.Item(q["question_id"], coco_image(root, split, integer_field(q, "image_id")),
-                                   text_field(q, "question"),
-                                   *annotations[q["question_id"]]))
+            qid = integer_field(q, "question_id")
+            if qid not in annotations:
+                raise ValueError(f"question {qid} in {qpath} has no annotation in {apath}")
+            unique_id(seen, qid, "question_id")
+            items.append(data.Item(qid, coco_image(root, split, integer_field(q, "image_id")),
+                                   text_field(q, "question"), *annotations[qid]))
     return items
 
 

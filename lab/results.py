@@ -78,31 +78,34 @@ def headline_metric(metrics):
 
 # Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
 RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
-                   "rices_encoder", "protocol", "chair", "seed", "n_eval", "n", "vector_file", "vector_layer")
+                   "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer")
 
 
-def result_settings(backbone, args, setting, n):
+def result_settings(backbone, args, setting, items):
     """An evaluation's RESULT_SETTINGS (the SEED protocol and a vector's file and layer are added by evaluate): the
     backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
-    choice (where there are demonstrations), the seed, --n-eval and the items scored."""
+    choice (where there are demonstrations), the seed, --n-eval (recorded, not compared) and the items scored (their
+    count and a hash of their ids: what was scored, however --n-eval chose it)."""
     splitting, rices = plan.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
     return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
             "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
             "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
             "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
-            "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": n}
+            "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
+            "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16]}
 
 
 def check_replaceable(path, settings):
     """Refuse to replace the result file at `path` (metrics, an analysis, a benchmark, a curve) if it records other
     values of `settings` ({name: value}, as far as the old file records them): a ValueError naming the file and each
-    difference. Paths compare as absolute paths. An unreadable file holds no result and is replaced."""
+    difference. Paths compare as real paths (a data root through a symlink is the same). An unreadable file holds no
+    result and is replaced."""
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return
-    path_of = lambda v: os.path.abspath(v) if isinstance(v, str) else v
+    path_of = lambda v: os.path.realpath(v) if isinstance(v, str) else v
     same = lambda k: old[k] == settings[k] or k in ("checkpoint", "data_root") and \
         path_of(old[k]) == path_of(settings[k])
     differ = [f"{k} {old[k]!r} (now {settings[k]!r})" for k in settings if isinstance(old, dict) and k in old and

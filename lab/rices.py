@@ -105,12 +105,18 @@ def vision_tower_features(backbone, images):
 def clip_encoder(hub_id, device="cpu"):
     """A CLIP checkpoint's image encoder (hub id or local path), loaded with transformers: images -> its projected
     image embedding [n, d] float32. A checkpoint that cannot be loaded is a ValueError naming it."""
-    from transformers import AutoImageProcessor, AutoModel
-    try:
-        clip, process = AutoModel.from_pretrained(hub_id).to(device).eval(), AutoImageProcessor.from_pretrained(hub_id)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load the RICES image encoder {hub_id!r} ({e}); leave out --rices-encoder to use the "
-                         "backbone's own vision tower, which works offline") from e
+    from transformers import AutoConfig, AutoImageProcessor, AutoModel
+    instead = "leave out --rices-encoder to use the backbone's own vision tower, which works offline"
+    try:  # the config first: a checkpoint of another kind is refused before its weights load
+        kind = AutoConfig.from_pretrained(hub_id, trust_remote_code=False).model_type
+        if kind != "clip":
+            raise ValueError(f"its config's model_type is {kind!r}, not 'clip'")
+        clip = AutoModel.from_pretrained(hub_id, trust_remote_code=False).to(device).eval()
+        process = AutoImageProcessor.from_pretrained(hub_id, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        why = " ".join(str(e).split())[:200]  # one line: transformers' messages may hold several
+        raise ValueError(f"cannot load the RICES image encoder {hub_id!r} as a CLIP checkpoint ({why}); {instead}") \
+            from e
 
     @torch.no_grad()
     def encode(images):

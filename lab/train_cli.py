@@ -1,7 +1,6 @@
 """train.py's command line: every flag (its default a field of train.py's Config), its checks, and --benchmark."""
 import argparse
 import dataclasses
-import math
 import os
 import tempfile
 import time
@@ -105,8 +104,7 @@ def parse_args(argv, doc, defaults):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
-    if not 0 < args.image_memory < math.inf:
-        p.error(f"--image-memory must be a finite number > 0 (in GB; got {args.image_memory})")
+    flags.check_image_memory(p, args)
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else
                             default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
