@@ -5,8 +5,8 @@ from lab import tasks
 
 
 def check_predict(task, items, icds, batch_size, likelihood):
-    """Refuse a batch_size that is not an integer >= 1, ICD lists not one per
-    item, an unknown task (listing the tasks), likelihood on a task that is not multiple choice or on an item without one option per letter."""
+    """Refuse a batch_size that is not an integer >= 1, ICD lists not one per item, an unknown task (listing the
+    tasks), likelihood on a task that is not multiple choice or on an item without one option per letter."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer of at least 1 (got {batch_size!r})")
     if icds is not None and len(icds) != len(items):
