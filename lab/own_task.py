@@ -67,6 +67,10 @@ def _read(path, signature):
     if len(set(kinds.values())) > 1:
         held = ", ".join(f"{FOLDER_FILES[s]}: {k}" for s, k in kinds.items())
         raise ValueError(f"--task {path}: its files hold different kinds ({held}); one task is one kind")
+    seen = {}
+    for split, (_, items) in parts.items():  # an id in two splits: a query evaluated on what it trained on
+        for it in items[None]:
+            unique(seen, it, os.path.join(path, FOLDER_FILES[split]))
     return kinds["train"], {split: items[None] for split, (_, items) in parts.items()}
 
 
@@ -80,6 +84,8 @@ def read_jsonl(path):
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {n}: not a JSON object ({e.msg}, column {e.colno})") from e
+        except RecursionError as e:
+            raise ValueError(f"{path} line {n}: not a record (nested too deep for JSON's reader)") from e
         where = f"{path} line {n}"
         kind, item = record_item(record, os.path.dirname(path), where)
         if first is None:
@@ -129,15 +135,8 @@ def record_item(record, folder, where):
         return kind, data.Item(qid, image, None, answers, answers[0], category)
     question = text("question")
     if kind == "choice":
-        options = record.get("options")
-        if not isinstance(options, list) or not 2 <= len(options) <= len(data.SEED_LETTERS):
-            raise fail("options", f"{options!r}; it must be a list of 2 to {len(data.SEED_LETTERS)} option texts")
-        options = tuple(text_field({"options": o}, "options", fail) for o in options)
-        answer, letters = text("answer"), tuple(data.SEED_LETTERS[:len(options)])
-        if answer not in letters and answer not in options:
-            raise fail("answer", f"{answer!r} is neither a letter ({', '.join(letters)}) nor one of the options")
-        return kind, data.Item(qid, image, question, options,
-                               answer if answer in letters else letters[options.index(answer)], category)
+        options, target = choice_fields(record, text("answer"), fail)
+        return kind, data.Item(qid, image, question, options, target, category)
     if kind == "yes-no":
         answer = text("answer")
         if answer.lower() not in ("yes", "no"):
@@ -145,6 +144,24 @@ def record_item(record, folder, where):
         return kind, data.Item(qid, image, question, (answer.capitalize(),), answer.capitalize(), category)
     answers = texts(record, "answer", fail)
     return kind, data.Item(qid, image, question, answers, readers.most_frequent(answers), category)
+
+
+def choice_fields(record, answer, fail):
+    """(options, target letter) of a choice record: 2-4 distinct option texts; the answer a letter or an option's
+    text, never both a letter and another option's text (ambiguous)."""
+    options = record.get("options")
+    if not isinstance(options, list) or not 2 <= len(options) <= len(data.SEED_LETTERS):
+        raise fail("options", f"{options!r}; it must be a list of 2 to {len(data.SEED_LETTERS)} option texts")
+    options = tuple(text_field({"options": o}, "options", fail) for o in options)
+    if len(set(options)) < len(options):
+        raise fail("options", f"{list(options)!r} repeats an option; each letter needs its own text")
+    letters = tuple(data.SEED_LETTERS[:len(options)])
+    if answer not in letters and answer not in options:
+        raise fail("answer", f"{answer!r} is neither a letter ({', '.join(letters)}) nor one of the options")
+    if answer in letters and answer in options and options.index(answer) != letters.index(answer):
+        raise fail("answer", f"{answer!r} is both a letter and the text of option "
+                             f"{letters[options.index(answer)]}; reorder or reword the options")
+    return options, answer if answer in letters else letters[options.index(answer)]
 
 
 def text_field(record, field, fail):
@@ -180,6 +197,8 @@ def read_llava(path):
         records = json.loads(readers.read_text(path, "--task"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from e
+    except RecursionError as e:
+        raise ValueError(f"{path}: not a list of records (nested too deep for JSON's reader)") from e
     if not isinstance(records, list) or not records:
         raise ValueError(f"{path}: a LLaVA .json is a non-empty list of records with `conversations`")
     items, seen = [], {}

@@ -280,7 +280,7 @@ def at_row(task, path, n, row):
 
 def cached_image(image, key=None):
     """The cache path of an embedded image ({bytes, path}): CACHE/<sha256>.<format>, written once (atomically; a
-    file already there of the same size is kept). key: the image's name in the benchmark (MME's question_id,
+    file already there with the same bytes is kept). key: the image's name in the benchmark (MME's question_id,
     SEED-Bench's data_id), where two images of the same bytes must stay two (questions are split by image):
     CACHE/<sha256>-<sha256 of key>.<format>. Bytes that are no image PIL reads are a ValueError."""
     raw = image.get("bytes") if isinstance(image, dict) else None
@@ -295,6 +295,17 @@ def cached_image(image, key=None):
     digest = hashlib.sha256(raw).hexdigest()
     name = digest if key is None else f"{digest}-{hashlib.sha256(str(key).encode()).hexdigest()[:16]}"
     path = os.path.join(CACHE, digest[:2], f"{name}.{kind.lower()}")
-    if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) != len(raw):
+    if os.path.islink(path) or not same_bytes(path, raw):
         files.atomic_write(path, lambda f: f.write(raw), durable=False)  # replaces a link, never writes through it
     return path
+
+
+def same_bytes(path, raw):
+    """Whether the file at path holds exactly raw (a cached file of the right size but damaged bytes does not)."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) != len(raw):
+            return False
+        with open(path, "rb") as f:
+            return f.read() == raw
+    except OSError:
+        return False
