@@ -1,7 +1,7 @@
 """Hostile cases, round 6 (issue 45): what the 30 cases of docs/hostile-round-6.md found on this round's surface
 (tasks of one's own, the parquet readers' image cache, evaluate.predict's argument checks, a dying DataLoader worker
-in train.py). Each test failed before its fix, but the
-last, which checks what held (a killed worker's run keeps its last completed step). Small: toy images, direct calls, the tiny twin for the one run."""
+in train.py). Each test failed before its fix, but the last, which checks what held (a killed worker's run keeps its
+last completed step). Small: toy images, direct calls, the tiny twin for the one run."""
 import io
 import json
 import os
