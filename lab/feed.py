@@ -59,19 +59,28 @@ def prepared(build, specs, workers, device="cpu"):
                                          timeout=WORKER_TIMEOUT if workers else 0,
                                          generator=torch.Generator())  # its seed draw leaves the global RNG alone
     batches = iter(loader)  # with workers, torch's SIGCHLD handler is set: a dead worker raises wherever we are
-    with worker_deaths_named(workers):
+    with worker_deaths_named(workers, batches):
         for k in range(len(specs)):
             try:
                 item = next(batches)
             except (RuntimeError, EOFError) as e:  # Failed carries build's own errors: these are the loader's
                 if not workers:
                     raise
-                for worker in getattr(batches, "_workers", []):  # a stopped worker ignores the loader's SIGTERM
-                    worker.kill()
+                stop_workers(batches)
                 raise failed(e, f"batch {k + 1} of {len(specs)}") from None
             if isinstance(item, Failed):
                 raise item.error
             yield item
+
+
+def stop_workers(batches):
+    """Kill a failed loader's workers (a stopped worker ignores the loader's SIGTERM) and take their pids from torch's
+    SIGCHLD handler, which would otherwise raise for the dead one at every later SIGCHLD."""
+    for worker in getattr(batches, "_workers", []):
+        worker.kill()
+    if getattr(batches, "_worker_pids_set", False):
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
 
 
 def failed(error, where):
@@ -82,7 +91,7 @@ def failed(error, where):
 
 
 @contextlib.contextmanager
-def worker_deaths_named(workers):
+def worker_deaths_named(workers, batches):
     """While the batches are used: torch's SIGCHLD handler, which raises a RuntimeError in this process wherever it
     is (in the model's forward, say) when a worker dies, raises WorkerFailed instead. Only in the main thread."""
     previous = signal.getsignal(signal.SIGCHLD)
@@ -93,7 +102,9 @@ def worker_deaths_named(workers):
     def on_child(signum, frame):
         try:
             previous(signum, frame)
-        except RuntimeError as e:
+        except RuntimeError as e:  # named once: the loader is done, torch's handler would raise again at its next
+            signal.signal(signal.SIGCHLD, previous)  # SIGCHLD, anywhere, long after the batches were given up
+            stop_workers(batches)
             raise failed(e, "while the batches were used") from None
     signal.signal(signal.SIGCHLD, on_child)
     try:
