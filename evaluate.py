@@ -60,21 +60,12 @@ def postprocess(text):
 
 @torch.no_grad()
 def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
-    """Greedy decoding; stops at stop_ids. Returns the new tokens only: [B, <= max_new_tokens]."""
+    """Greedy decoding; stops at backbones.stop_ids. Returns the new tokens only: [B, <= max_new_tokens]."""
     stop = {} if backbone.processor is None else dict(  # None: synthetic prompts (--random-weights), the config's eos
-        pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=stop_ids(backbone))
+        pad_token_id=backbone.processor.tokenizer.pad_token_id, eos_token_id=backbones.stop_ids(backbone))
     out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=min_new_tokens, **stop)
     return out[:, inputs["input_ids"].shape[1]:]
-
-
-def stop_ids(backbone):
-    """The ids that end an answer: the checkpoint's generation_config eos ids (one or a list), the tokenizer's eos
-    and the family's end token (data.end_token), sorted."""
-    tok, listed = backbone.processor.tokenizer, backbone.model.generation_config.eos_token_id
-    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
-    end = tok.convert_tokens_to_ids(D.end_token(backbone.processor, backbone.family))
-    return sorted({*listed, tok.eos_token_id, end} - {None})
 
 
 def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0):

