@@ -1,7 +1,8 @@
 """Shared test settings: the repository root and tests/ on sys.path (so `python -m pytest tests/paper`, the whole
 suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
-deadlines (CI machines are slow), the `plain` fixture (a module's backbone without an adapter), and the benchmarks in
-their official layouts (benchmarks.py) written once, before any test reads them from benchmarks.ROOT."""
+deadlines (CI machines are slow), the `plain` fixture (a module's backbone without an adapter), `twin_folder` (the
+tiny twin as a checkpoint folder), and the benchmarks in their official layouts (benchmarks.py) written once, before
+any test reads them from benchmarks.ROOT."""
 import os
 import sys
 
@@ -24,6 +25,18 @@ def plain(backbone):
     yield backbone
     if hasattr(backbone.model, "icl_settings"):
         M.detach(backbone.model)
+
+
+@pytest.fixture(scope="module")
+def twin_folder(tmp_path_factory):
+    """The tiny Idefics2 twin saved as a checkpoint folder (config.json, model.safetensors, generation_config.json,
+    the processor's files)."""
+    from lab import backbones
+    folder = tmp_path_factory.mktemp("twin") / "idefics2"
+    backbone = backbones.load_backbone("tiny-idefics2")
+    backbone.model.save_pretrained(folder)
+    backbone.processor.save_pretrained(folder)
+    return folder
 
 
 def pytest_configure(config):

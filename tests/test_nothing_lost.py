@@ -239,16 +239,6 @@ def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp
         checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))
 
 
-@pytest.fixture(scope="module")
-def twin_folder(tmp_path_factory):
-    """The tiny Idefics2 twin saved as a checkpoint folder (config.json, generation_config.json, processor)."""
-    folder = tmp_path_factory.mktemp("twin") / "idefics2"
-    backbone = backbones.load_backbone("tiny-idefics2")
-    backbone.model.save_pretrained(folder)
-    backbone.processor.save_pretrained(folder)
-    return folder
-
-
 def edited(twin_folder, tmp_path, name, change):
     folder = tmp_path / "model"
     shutil.copytree(twin_folder, folder)

@@ -30,16 +30,6 @@ def with_flag(argv, flag, value):
     return argv
 
 
-@pytest.fixture(scope="module")
-def twin_folder(tmp_path_factory):
-    """The tiny Idefics2 twin saved as a checkpoint folder (config.json, model.safetensors, processor files)."""
-    folder = tmp_path_factory.mktemp("twin") / "idefics2"
-    backbone = backbones.load_backbone("tiny-idefics2")
-    backbone.model.save_pretrained(folder)
-    backbone.processor.save_pretrained(folder)
-    return folder
-
-
 # ------------------------------------------------------------------------------------- 1. no code from last.pt
 
 class Planted:
