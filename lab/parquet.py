@@ -269,13 +269,9 @@ def open_shard(path):
 @contextlib.contextmanager
 def at_row(task, path, n, row):
     """A bad field of a row becomes a ValueError naming the task, the shard and the row (and its question_id)."""
-    where = f"{task}: {path} row {n}" + (f" (question_id {row['question_id']!r})" if "question_id" in row else "")
-    try:
+    with readers.named(task, lambda: f"{path} row {n}" +
+                       (f" (question_id {row['question_id']!r})" if "question_id" in row else "")):
         yield
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{where} has a missing or malformed field ({type(e).__name__}: {e})") from e
-    except ValueError as e:
-        raise ValueError(f"{where} is malformed: {e}") from e
 
 
 def cached_image(image, key=None):

@@ -95,6 +95,13 @@ def entry(path, dataset, n, record, question=False):
         qid = record.get("question_id") if isinstance(record, dict) else "?"
         return f"question #{n} (question_id {qid}) in {path}" if question else \
             f"entry {n} of {path} ({str(record)[:80]})"
+    with named(dataset, where):
+        yield
+
+
+@contextlib.contextmanager
+def named(dataset, where):
+    """A missing, mistyped or bad field becomes a ValueError "<dataset>: <where()> ..." (where: called on an error)."""
     try:
         yield
     except (KeyError, TypeError, AttributeError) as e:
