@@ -17,8 +17,9 @@ concatenations of those ids, so the query's ids are identical in teacher and stu
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
-The readers of the official formats (lab/readers.py, lab/mme_seed.py: the layout of --data-root and what each checks
-are in docs/real-models.md, "Data layout") and the generated toy-icl datasets (lab/toy_world.py) make the Items.
+The readers of the official formats (lab/datasets/readers.py, lab/datasets/mme_seed.py: the layout of --data-root and
+what each checks are in docs/real-models.md, "Data layout") and the generated toy-icl datasets
+(lab/datasets/toy_world.py) make the Items.
 """
 import hashlib
 import os

@@ -1,24 +1,24 @@
 """Evaluation: generate, score, the paper's evaluation (Table 1, Table 2), and the entry to the other modes.
 
-How a score is made (Section 4.1): the items of --task's evaluation split (lab/tasks.py:eval_items) are batched as
-left-padded prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the
+How a score is made (Section 4.1): the items of --task's evaluation split (lab/datasets/tasks.py:eval_items) are batched
+as left-padded prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the
 backbone decodes greedily (generate), each answer is cut at its first line (postprocess) and score() applies the
-official metric (lab/metrics.py): VQA accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the accuracy
-of MME's yes/no and SEED-Bench's option letters, which SEED-Bench's likelihood protocol ranks by log p(option)
+official metric (lab/scores/metrics.py): VQA accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the
+accuracy of MME's yes/no and SEED-Bench's option letters, which SEED-Bench's likelihood protocol ranks by log p(option)
 instead (option_logliks). evaluate() writes the predictions and the metrics; the default job
 (evaluate_with_baselines) prints 0-shot, the paper's N-shot ICL and the adapter side by side.
 
-The other modes are lab's, entered from main: CHAIR (--chair, lab/chair.py, Table 5), task and function vectors
-(--vector, lab/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/table6.py, Table 6), the
-gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/analyses.py, Tables 10 and 9), learning curves
-(--curve, lab/curves.py). The flags are lab/eval_cli.py's.
+The other modes are lab's, entered from main: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors
+(--vector, lab/studies/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/studies/table6.py,
+Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/studies/analyses.py, Tables 10 and 9),
+learning curves (--curve, lab/studies/curves.py). The flags are lab/cli/eval_cli.py's.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
     python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint ... --split test-dev
-                                                         the EvalAI file of VQAv2 test-dev (lab/test_server.py)
+                                                         the EvalAI file of VQAv2 test-dev (lab/scores/test_server.py)
     python evaluate.py --model idefics2 --task seed --data-root D --shots 2 --seed-protocol likelihood
                                                          Table 2: SEED-Bench, 2-shot, official option ranking
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
@@ -41,9 +41,14 @@ from tqdm import tqdm
 import data as D
 import model as M
 import train
-from lab import (analyses, api_checks, backbones, chair, checkpoints, curves, eval_cli, feed, files, plan, published,
-                 results, rices, table6, tasks, test_server, torchrun, vectors)
-from lab.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
+from lab.disk import files
+from lab.datasets import api_checks, readers, rices, tasks
+from lab.models import backbones, published
+from lab.run import checkpoints, feed, torchrun
+from lab.scores import chair, results, test_server
+from lab.studies import analyses, curves, plan, table6, vectors
+from lab.cli import eval_cli
+from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
 
 # --------------------------------- generate and score (Section 4.1: greedy decoding, left-padded prompts of data.py)
@@ -71,9 +76,9 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
 def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0):
     """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
     `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
-    prepared by `workers` DataLoader workers while the model decodes (lab/feed.py:prepared). Under torchrun each process
-    answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
-    answers and items are refused first (lab/api_checks.py)."""
+    prepared by `workers` DataLoader workers while the model decodes (lab/run/feed.py:prepared). Under torchrun each
+    process answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
+    answers and items are refused first (lab/datasets/api_checks.py)."""
     api_checks.check_predict(task, items, icds, batch_size, likelihood)
     kind, new_tokens = tasks.spec(task).kind, tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
@@ -161,7 +166,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
-    if test_server.server_split(args):  # nor another evaluation's test-server file
+    if readers.server_split(args):  # nor another evaluation's test-server file
         test_server.check_replaceable(args, setting, stem)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.load_task(args.task, "train", args.data_root)
@@ -169,7 +174,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers)
-    if test_server.server_split(args):  # no answers to score: the test server's file (lab/test_server.py)
+    if readers.server_split(args):  # no answers to score: the test server's file (lab/scores/test_server.py)
         if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
             metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
             metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
@@ -222,7 +227,7 @@ def evaluate_with_baselines(backbone, args, items, setting):
 
 
 def parse_args(argv=None):
-    """evaluate.py's flags (lab/eval_cli.py); --train-args is checked by train.py's parser."""
+    """evaluate.py's flags (lab/cli/eval_cli.py); --train-args is checked by train.py's parser."""
     return eval_cli.parse_args(argv, __doc__, train.parse_args)
 
 

@@ -9,7 +9,7 @@ module. The function hands the module's (rotary-embedded) queries, keys and valu
 other module falls through to the stock SDPA forward. No transformers forward is copied.
 
 load_checkpoint loads the paper's checkpoints by name (a family, a hub id or a checkpoint folder); every name,
-the offline tiny twins and toy backbones included, loads through lab/backbones.py:load_backbone.
+the offline tiny twins and toy backbones included, loads through lab/models/backbones.py:load_backbone.
 """
 import contextlib
 import glob
@@ -235,8 +235,8 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
     """One of the paper's backbones by name: a family's short name (its hub id, FAMILIES), a hub id or a checkpoint
     folder; bf16 on CUDA (the default device when there is one), float32 on CPU, frozen, the weights read straight
     to the device. image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"
-    (image_setting). check(path): run on the checkpoint's folder or hub id before anything loads (lab/backbones.py
-    checks its config and eos ids there)."""
+    (image_setting). check(path): run on the checkpoint's folder or hub id before anything loads
+    (lab/models/backbones.py checks its config and eos ids there)."""
     family = family_of(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)

@@ -30,16 +30,19 @@ from transformers import get_cosine_schedule_with_warmup
 import data
 import model as M
 from lorentz import hyperbolic_anchor_loss
-from lab import (anchors, backbones, checkpoints, chunks, feed, micro_batches, plan, rices, runs, tasks, torchrun,
-                 toy_backbone, train_cli)
+from lab.datasets import rices, tasks
+from lab.models import backbones, chunks, toy_backbone
+from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
+from lab.studies import plan
+from lab.cli import train_cli
 
 
 @dataclass
 class Config:
-    """Every setting of a run, the defaults of train.py's flags (lab/train_cli.py makes one flag of each field)."""
+    """Every setting of a run, the defaults of train.py's flags (lab/cli/train_cli.py makes one flag of each field)."""
     # what is trained, on what
-    model: str = "toy-idefics2"       # backbone: a name (lab/published.py, tiny-*, toy-idefics2), a file or a folder
-    task: str = "toy-icl-colour"      # data.TASKS, or a task of one's own (lab/own_task.py)
+    model: str = "toy-idefics2"       # backbone: a name (lab/models/published.py, tiny-*, toy-idefics2), file, folder
+    task: str = "toy-icl-colour"      # data.TASKS, or a task of one's own (lab/datasets/own_task.py)
     method: str = "hyper-icl"         # model.METHODS
     # the paper's settings (Section 4.1)
     n_train: int = 1000               # training queries
@@ -50,7 +53,7 @@ class Config:
     rank: Optional[int] = None        # r of U_q, U_k (Eq 6): 4; None: the method's own (RANKS, filled())
     anchor: Optional[str] = None      # the distillation loss: Eq 16's hyperbolic; None: the method's own (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
-    icds: str = "random"              # how ICDs are chosen: random, or rices (lab/rices.py)
+    icds: str = "random"              # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
     # not stated in the paper
     n_heldout: int = 32               # queries held out of the training pool to pick the best epoch
     epochs: int = 3
@@ -59,7 +62,7 @@ class Config:
     weight_decay: float = 0.0
     clip: float = 1.0                 # gradient norm clipping
     virtual_tokens: int = 8           # HiFICL's n virtual key-value pairs
-    anchor_norm: str = "none"         # none: Eq 17; first: the anchor divided by its first-step value (lab/anchors.py)
+    anchor_norm: str = "none"         # none: Eq 17; first: the anchor over its first-step value (lab/run/anchors.py)
     temperature: float = 1.0          # T of LIVE's KL
     seed: int = 0                     # the query split, ICD draw, order and adapter init
     image_splitting: str = "checkpoint"              # Idefics2's image crops: as the checkpoint says, on, off
@@ -68,7 +71,7 @@ class Config:
     rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))
     # files: the data, the run's folder, the teacher cache, checkpoints
     data_root: Optional[str] = None
-    out: Optional[str] = None          # None: runs/<model>-<task>-<method> (lab/train_cli.py)
+    out: Optional[str] = None          # None: runs/<model>-<task>-<method> (lab/cli/train_cli.py)
     teacher_cache: Optional[str] = None  # None: <out>/teacher
     no_teacher_cache: bool = False     # recompute the teacher at every step
     save_every: int = 50               # checkpoint every this many steps (and every epoch)
@@ -78,10 +81,10 @@ class Config:
     # the machine, and the other modes
     threads: Optional[int] = None      # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
     workers: int = field(default_factory=feed.default_workers)  # DataLoader workers that prepare batches
-    plan: Optional[str] = None         # print the run's plan on cuda or cpu and exit (lab/plan.py)
+    plan: Optional[str] = None         # print the run's plan on cuda or cpu and exit (lab/studies/plan.py)
     processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
     benchmark: bool = False            # time the run with and without teacher reuse
-    build_toy: bool = False            # meta-train a toy-idefics2 instead (lab/toy_backbone.py)
+    build_toy: bool = False            # meta-train a toy-idefics2 instead (lab/models/toy_backbone.py)
     build_tries: int = 3               # its seeds to try
     # the method's own rank and anchor, filled in where none is given (filled)
     RANKS: ClassVar[dict] = {"hificl": 8, "lora": 16}  # else 4; LoRA: rank 16, MimIC's public setting
@@ -115,7 +118,7 @@ def eq17(cfg, h, h_teacher, span, logits, labels, anchor_scale=1.0):
 
 def losses(backbone, cfg, student, teacher, model=None, anchor_scale=1.0):
     """The training loss of one micro-batch (student batch, teacher tensor: micro_batch): Eq 17, or for another
-    --anchor the baseline's own (lab/anchors.py). model: what runs the student (the DistributedDataParallel wrapper
+    --anchor the baseline's own (lab/run/anchors.py). model: what runs the student (the DistributedDataParallel wrapper
     under torchrun; default backbone.model). anchor_scale: what the anchor is divided by (the paper: 1)."""
     run = lambda: M.target_logits(model or backbone.model, student)     # the LM head at the answer window only
     with backbones.autocast(student["input_ids"].device):
@@ -149,7 +152,7 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
 
 
 def teacher_of(backbone, cfg, device):
-    """run_teacher as the teacher cache calls it for the queries it lacks (lab/micro_batches.py): (queries, icds,
+    """run_teacher as the teacher cache calls it for the queries it lacks (lab/run/micro_batches.py): (queries, icds,
     pieces, batch) -> their states, or their answer logits for --anchor kl (LIVE's teacher)."""
     output, kind = "logits" if cfg.anchor == "kl" else "states", tasks.spec(cfg.task).kind
     return lambda queries, icds, pieces, batch: run_teacher(backbone, kind, queries, icds, pieces, device, output,
@@ -158,8 +161,8 @@ def teacher_of(backbone, cfg, device):
 
 def micro_batch(run, queries):
     """The student batch (query + target) of `queries` and, for the anchor, the teacher's states laid at its aligned
-    positions: from the cache where it holds them, from the teacher where not (lab/micro_batches.py). run: what the
-    run shares (lab/runs.py: its backbone, cfg, icds, device and teacher cache)."""
+    positions: from the cache where it holds them, from the teacher where not (lab/run/micro_batches.py). run: what the
+    run shares (lab/run/runs.py: its backbone, cfg, icds, device and teacher cache)."""
     spec = queries, [run.icds[q.id] for q in queries]
     prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(run.backbone, run.cfg, run.cache), spec)
     teacher = teacher_of(run.backbone, run.cfg, run.device)
@@ -171,7 +174,7 @@ def micro_batch(run, queries):
 def train(cfg):
     """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
     cosine decay, --epochs passes over the training queries, the best epoch (held-out loss) kept. Ctrl-C or SIGTERM
-    saves the run, and --resume continues it exactly (lab/runs.py). Returns the final adapter's parameters."""
+    saves the run, and --resume continues it exactly (lab/run/runs.py). Returns the final adapter's parameters."""
     # the data (first: it fails fast), the backbone, each training query's demonstrations (fixed for the run)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
@@ -185,10 +188,10 @@ def train(cfg):
     optimizer = torch.optim.AdamW(runs.attached(backbone, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = runs.epoch_steps(cfg, len(queries)) * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)
-    # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room (lab/runs.py)
+    # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room (lab/run/runs.py)
     run = runs.start(cfg, backbone, device, (queries, heldout, icds), optimizer, scheduler)
     teacher = teacher_of(backbone, cfg, device)
-    # not the paper: --anchor-norm first's divisor, the anchor's scale on this backbone (lab/anchors.py)
+    # not the paper: --anchor-norm first's divisor, the anchor's scale on this backbone (lab/run/anchors.py)
     anchors.before_training(run, functools.partial(micro_batch, run), functools.partial(losses, backbone, cfg))
     runs.show_progress(run)
     with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved, continued with --resume
@@ -214,7 +217,7 @@ def train(cfg):
 
 
 def parse_args(argv=None):
-    """train.py's flags (lab/train_cli.py), their defaults a Config's; the method's own rank and anchor filled in."""
+    """train.py's flags (lab/cli/train_cli.py), their defaults a Config's; each method's own rank and anchor filled."""
     return train_cli.parse_args(argv, __doc__, Config()).filled()
 
 

@@ -8,7 +8,7 @@ On real-processor twins (tests/twins.py: the real tokenizers and processor setti
 layout whose images are photographs of skimage.data at COCO sizes (640 x 480, every fourth 480 x 640), it times
 preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation prompts (batches of 4), of Idefics2
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,
-each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (lab/feed.py:prepared);
+each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (lab/run/feed.py:prepared);
 then one query's cached teacher states read back, against reading the file's bytes. --end-to-end times instead
 `train.py` (8 shots, 64 queries, 2 epochs; Idefics2) and `evaluate.py --shots 8` (64 items; Idefics2 and
 LLaVA-OneVision) at their defaults, old and new alternately. Medians over --rounds; ratios new / old. The worker
@@ -61,7 +61,9 @@ def child(args):
     sys.path[:0] = [args.code]
     import torch
     import data as D
-    from lab import backbones, feed, tasks
+    from lab.datasets import tasks
+    from lab.models import backbones
+    from lab.run import feed
     torch.set_num_threads(1)
     family, splitting = BACKBONES[args.backbone]
     b = backbones.load_backbone(args.twin, image_splitting=splitting)
@@ -121,11 +123,12 @@ def eval_rows(processor, family, spec):
 
 def cache_child(args):
     """One query's cached LLaVA-OneVision-size teacher states (28 layers x 745 tokens x 3584, bf16: 150 MB), read
-    back by lab/teacher_cache.py:read_teacher against reading the file's bytes (both from the page cache), with the
+    back by lab/run/teacher_cache.py:read_teacher against reading the file's bytes (both from the page cache), with the
     code under args.code."""
     sys.path[:0] = [args.code]
     import torch
-    from lab import files, teacher_cache
+    from lab.disk import files
+    from lab.run import teacher_cache
     path, key = os.path.join(args.data, "states.safetensors"), "key"
     states = torch.randn(28, 745, 3584).to(torch.bfloat16)
     files.write_cache(path, {"states": states}, key + "states")

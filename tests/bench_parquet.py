@@ -1,4 +1,4 @@
-"""The memory of reading the hub's parquet layout (lab/parquet.py): a benchmark, not a test.
+"""The memory of reading the hub's parquet layout (lab/datasets/parquet.py): a benchmark, not a test.
 
     python tests/bench_parquet.py --root /tmp/hyper-icl-parquet-bench [--gb 2] [--row-group 100] [--keep]
 
@@ -6,8 +6,8 @@ Writes ~--gb GB of lmms-lab/VQAv2's layout under ROOT/vqav2/data (validation-000
 1024 x 1024 BMP of random pixels, 3 MB of incompressible bytes (a PNG's filters take 0.3 s an image to write), in
 row groups of up to 100 rows as the hub's `datasets` writes image datasets: 2 GB makes 8 shards of 80 rows, one row
 group of 250 MB each), then reads it
-through lab/tasks.py:load_task in a fresh process whose peak resident memory (VmHWM) is reset once its imports are
-done: the peak beyond that baseline is what reading costs. Every image is written to the cache (ROOT/cache). ROOT is
+through lab/datasets/tasks.py:load_task in a fresh process whose peak resident memory (VmHWM) is reset once its imports
+are done: the peak beyond that baseline is what reading costs. Every image is written to the cache (ROOT/cache). ROOT is
 deleted at the end unless --keep.
 """
 import argparse
@@ -63,7 +63,7 @@ def status(field):
 
 def read(root):
     """Read the layout through load_task in this process; print the baseline, the peak beyond it, rows and time."""
-    from lab import parquet, tasks
+    from lab.datasets import parquet, tasks
     parquet.CACHE = os.path.join(root, "cache")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident memory

@@ -1,8 +1,8 @@
 """Small benchmarks in the official layouts, for the tests: VQAv2 and COCO (images, Karpathy captions, instance
 annotations), MME (all fourteen subtasks), SEED-Bench-1 and SEED-Bench-2, drawn with Pillow from fixed seeds.
 
-They are read by the project's own readers (lab/readers.py, lab/mme_seed.py) under the real task names: `--task
-vqav2 --data-root benchmarks.ROOT` (also coco, mme, seed, seed2). ROOT is written once (conftest.py calls
+They are read by the project's own readers (lab/datasets/readers.py, lab/datasets/mme_seed.py) under the real task
+names: `--task vqav2 --data-root benchmarks.ROOT` (also coco, mme, seed, seed2). ROOT is written once (conftest.py calls
 `generate`) to a folder whose name holds a hash of this file and of the lab files it writes with, so a changed fixture
 is never read from a stale folder; files.generated makes the write atomic.
 """
@@ -17,7 +17,8 @@ from collections import Counter
 from PIL import Image, ImageDraw
 
 import data as D
-from lab import files, mme_seed, readers, toy_world
+from lab.disk import files
+from lab.datasets import mme_seed, readers, toy_world
 
 WRITERS = (__file__, D.__file__, files.__file__, mme_seed.__file__, readers.__file__, toy_world.__file__)
 SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in WRITERS)  # this file and the code it writes with

@@ -31,7 +31,7 @@ def plain(backbone):
 def twin_folder(tmp_path_factory):
     """The tiny Idefics2 twin saved as a checkpoint folder (config.json, model.safetensors, generation_config.json,
     the processor's files)."""
-    from lab import backbones
+    from lab.models import backbones
     folder = tmp_path_factory.mktemp("twin") / "idefics2"
     backbone = backbones.load_backbone("tiny-idefics2")
     backbone.model.save_pretrained(folder)

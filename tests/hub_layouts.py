@@ -11,7 +11,8 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from lab import files, mme_seed, readers
+from lab.disk import files
+from lab.datasets import mme_seed, readers
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 

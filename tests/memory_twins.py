@@ -30,7 +30,10 @@ import model as M  # noqa: E402
 import train  # noqa: E402
 import evaluate  # noqa: E402
 import twins  # noqa: E402
-from lab import backbones, files, chunks, plan, published, readers, table6, toy_world
+from lab.disk import files
+from lab.datasets import readers, toy_world
+from lab.models import backbones, chunks, published
+from lab.studies import table6
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
           "stereo_motorcycle")  # the colour photographs skimage ships (stereo_motorcycle: its left view)
@@ -179,7 +182,7 @@ def vision_peaks():
         with torch.no_grad():
             peak = table6.peak_memory_mb(lambda: inner.get_image_features(pixels, mask)) * 2 ** 20
         chunk = max(1, min(9, int(budget // one)))
-        print(f"| {'all' if budget > 1e12 else plan.size(budget)} | {chunk} | {peak / 1e9:.2f} GB | "
+        print(f"| {'all' if budget > 1e12 else files.size(budget)} | {chunk} | {peak / 1e9:.2f} GB | "
               f"{chunk * one / 1e9:.2f} GB |", flush=True)
 
 

@@ -14,7 +14,9 @@ import train
 from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
 from test_train import micro_batch
-from lab import anchors, backbones, checkpoints, published, tasks, train_cli
+from lab.datasets import tasks
+from lab.models import backbones, published
+from lab.run import anchors, checkpoints, runs
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
@@ -258,7 +260,7 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     pool = tasks.load_task(args.task, "train", args.data_root)
     queries = pool[:3]
     icds = data.demonstrations([q.id for q in queries], pool, 1, args.seed)
-    M.attach(plain.model, method, **train_cli.method_sizes(args))
+    M.attach(plain.model, method, **runs.method_sizes(args))
     cache = {"id": checkpoints.fingerprint(plain), "hits": 0, "misses": 0}
     student, teacher = micro_batch(plain, args, queries, icds, cache)
     parts = train.losses(plain, args, student, teacher)

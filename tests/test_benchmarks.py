@@ -14,7 +14,9 @@ import benchmarks
 import data as D
 import evaluate as E
 import train
-from lab import backbones, metrics, mme_seed, results, tasks
+from lab.datasets import mme_seed, tasks
+from lab.models import backbones
+from lab.scores import metrics, results
 
 
 def write(path, text):

@@ -12,7 +12,9 @@ from PIL import Image
 import benchmarks
 import data
 from data import Item
-from lab import backbones, files, mme_seed, readers, tasks, toy_world
+from lab.disk import files
+from lab.datasets import mme_seed, readers, tasks, toy_world
+from lab.models import backbones
 
 FAMILIES = ["idefics2", "idefics", "llava-interleave", "llava-onevision"]
 

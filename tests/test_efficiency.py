@@ -8,7 +8,8 @@ import adapters
 import evaluate as E
 import model as M
 from adapters import HiFICL
-from lab import backbones, published, table6
+from lab.models import backbones, published
+from lab.studies import table6
 
 
 @pytest.mark.parametrize("T, S", [(6, 6), (1, 6), (1, 1)])

@@ -15,7 +15,10 @@ import data as D
 import evaluate as E
 import model as M
 import train
-from lab import analyses, backbones, checkpoints, curves, mme_seed, published, table6, tasks
+from lab.datasets import mme_seed, tasks
+from lab.models import backbones, published
+from lab.run import checkpoints
+from lab.studies import analyses, curves, table6
 
 N_EVAL = 6
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py

@@ -19,7 +19,9 @@ import model as M
 import train
 from memory_twins import write_photos
 from twins import write_twin
-from lab import backbones, chunks, files, plan, published, runs
+from lab.disk import files
+from lab.models import backbones, chunks, published
+from lab.run import runs
 
 
 def peak(device, run):
@@ -88,7 +90,7 @@ def print_table(rows, table6):
     """One table: measured against planned, then Table 6's rows."""
     print("\n| what | measured | planned |\n|---|---:|---:|")
     for what, (measured, planned) in rows.items():
-        show = lambda v: "-" if v is None else plan.size(v) if "peak" in what or "bytes" in what else f"{v:.3g}"
+        show = lambda v: "-" if v is None else files.size(v) if "peak" in what or "bytes" in what else f"{v:.3g}"
         print(f"| {what} | {show(measured)} | {show(planned)} |")
     print("\n| Table 6 setting | tokens | TFLOPs | x zero-shot | ms | x zero-shot |\n|---|---:|---:|---:|---:|---:|")
     for r in table6:

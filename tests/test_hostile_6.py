@@ -13,7 +13,7 @@ from PIL import Image
 
 import data as D
 import train
-from lab import api_checks, own_task, parquet
+from lab.datasets import api_checks, own_task, parquet
 from test_nothing_lost_5b import TRAIN, kill_workers_once
 
 

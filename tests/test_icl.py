@@ -10,9 +10,11 @@ from PIL import Image
 import data as D
 import evaluate as E
 import train
-from lab import backbones, files, tasks, toy_backbone, toy_world
+from lab.disk import files
+from lab.datasets import tasks, toy_world
+from lab.models import backbones, toy_backbone
 
-SHIPPED = os.path.join(os.path.dirname(__file__), "data", "toy-idefics2.safetensors")
+SHIPPED = toy_backbone.TOY_REFERENCE  # lab/models/toy-idefics2.safetensors
 SMALL_RECIPE = {**toy_backbone.TOY_RECIPE, "named_steps": 2, "episode_steps": 2, "named_batch": 4, "episode_batch": 2,
                 "scenes": 64, "probe_every": 10**6}
 

@@ -1,4 +1,4 @@
-"""The hyper_icl model (lab/lmms_eval_model.py) in the real lmms-eval, offline: local tasks over a parquet file in
+"""The hyper_icl model (lab/cli/lmms_eval_model.py) in the real lmms-eval, offline: local tasks over a parquet file in
 lmms-lab's VQAv2 layout and a multiple-choice twin, scored by lmms-eval's own VQAv2 functions. The adapter (the default
 job's recipe, a short run) answers item by item as evaluate.predict does, 100 with it and 0 zero-shot, through
 simple_evaluate and through `python -m lmms_eval` run from the project's root; the gold option has the best
@@ -16,14 +16,15 @@ import pytest
 E = pytest.importorskip("evaluate")  # this project's evaluate.py, taken before lmms-eval swaps the name (see below)
 pytest.importorskip("lmms_eval", reason="lmms-eval is not installed (README, 'In lmms-eval': pip install -r "
                     "requirements-lmms-eval.txt && pip install --no-deps --no-build-isolation lmms-eval==0.7.3 "
-                    "./lab/lmms-eval-entry; .ci/run runs these tests)")
+                    "./lab/cli/lmms-eval-entry; .ci/run runs these tests)")
 import datasets  # noqa: E402 (lmms-eval's dependency)
 from lmms_eval import evaluator  # noqa: E402
 from lmms_eval.tasks import TaskManager, get_task_dict  # noqa: E402
 
 import data as D  # noqa: E402
 import train  # noqa: E402
-from lab import lmms_eval_model, tasks, toy_world  # noqa: E402
+from lab.datasets import tasks, toy_world  # noqa: E402
+from lab.cli import lmms_eval_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK, N = "toy-icl-colour", 16
@@ -129,7 +130,8 @@ def offline(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def expected(items, adapter):
     """evaluate.predict's answers zero-shot and with the adapter."""
-    from lab import backbones, checkpoints
+    from lab.models import backbones
+    from lab.run import checkpoints
     backbone = backbones.load_backbone("toy-idefics2")
     zero = E.predict(backbone, TASK, items, batch_size=8)
     checkpoints.load_adapter(adapter, backbone)
@@ -159,7 +161,7 @@ def test_the_command_line_from_the_project_root(adapter, task_dir, items, expect
     evaluate.py with Hugging Face's `evaluate` is undone, and the results file (lmms-eval exits 0 even when a run
     fails) holds 100 and the answers of evaluate.predict."""
     assert any(ep.name == "hyper_icl" for ep in importlib.metadata.entry_points(group="lmms_eval.models")), \
-        "hyper_icl is not registered: pip install --no-deps --no-build-isolation ./lab/lmms-eval-entry"
+        "hyper_icl is not registered: pip install --no-deps --no-build-isolation ./lab/cli/lmms-eval-entry"
     run = subprocess.run([sys.executable, "-m", "lmms_eval", "--model", "hyper_icl", "--model_args",
                           f"backbone=toy-idefics2,checkpoint={adapter}", "--tasks", "toy_vqav2", "--include_path",
                           task_dir, "--batch_size", "8", "--device", "cpu", "--log_samples", "--output_path",
@@ -221,7 +223,7 @@ def test_multi_round_and_bad_model_args_are_refused_in_one_line():
 
 def test_lmms_eval_gets_hugging_face_evaluate_from_the_project_root():
     """Run from the root, where evaluate.py comes first on sys.path, lmms-eval's registry holds Hugging Face's
-    `evaluate` once the model registry (and so lab/lmms_eval_model.py) has loaded, in either import order."""
+    `evaluate` once the model registry (and so lab/cli/lmms_eval_model.py) has loaded, in either import order."""
     import lmms_eval.api.registry as registry
     assert registry.hf_evaluate is sys.modules["evaluate"] and hasattr(registry.hf_evaluate, "load")
     for first, then in [("lmms_eval.evaluator", "lmms_eval.models"), ("lmms_eval.models", "lmms_eval.api.registry")]:

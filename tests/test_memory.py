@@ -8,7 +8,8 @@ import benchmarks
 import data
 import model as M
 import train
-from lab import backbones, chunks, tasks
+from lab.datasets import tasks
+from lab.models import backbones, chunks
 
 
 def teacher_rows(backbone, n=3, shots=2):

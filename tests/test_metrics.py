@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 import benchmarks
 import evaluate as E
-from lab import chair, metrics, results, tasks
+from lab.datasets import tasks
+from lab.scores import chair, metrics, results
 
 # -----------------------------------------------------------------------------
 # VQA normalisation (vqaEval.py processPunctuation / processDigitArticle)

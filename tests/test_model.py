@@ -8,7 +8,9 @@ import torch
 import model as M
 
 from helpers import TEXTS, prompts, randomise
-from lab import backbones, checkpoints, files, published
+from lab.disk import files
+from lab.models import backbones, published
+from lab.run import checkpoints
 
 FAMILIES = sorted(M.FAMILIES)
 

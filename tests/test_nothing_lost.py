@@ -19,7 +19,12 @@ import benchmarks
 import evaluate
 import model as M
 import train
-from lab import analyses, anchors, backbones, checkpoints, feed, flags, mme_seed, readers, results, tasks
+from lab.datasets import mme_seed, readers, tasks
+from lab.models import backbones
+from lab.run import anchors, checkpoints, feed
+from lab.scores import results
+from lab.studies import analyses
+from lab.cli import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0"]
@@ -65,7 +70,8 @@ def test_a_kill_while_the_mme_folder_is_written_leaves_the_old_folder_whole(tmp_
     items = mme_seed.read_mme(benchmarks.ROOT)
     results.write_mme_results(str(folder), items, ["old"] * len(items))
     before = {f: (folder / f).read_bytes() for f in os.listdir(folder)}
-    kill_at_third = ("import os, signal, sys; from lab import files, mme_seed, results; "
+    kill_at_third = ("import os, signal, sys; from lab.disk import files; from lab.datasets import mme_seed; "
+                     "from lab.scores import results; "
                      "write, calls = files.atomic_write, []; "
                      "files.atomic_write = lambda p, w: (calls.append(p), os.kill(os.getpid(), signal.SIGKILL) if "
                      "len(calls) == 3 else write(p, w)); items = mme_seed.read_mme(sys.argv[2]); "

@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import benchmarks
 import train
-from lab import backbones, files, mme_seed, readers
+from lab.disk import files
+from lab.datasets import mme_seed, readers
+from lab.models import backbones
 
 TRAIN = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "4",
          "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "1"]

@@ -18,7 +18,9 @@ import data as D
 import evaluate
 import model as M
 import train
-from lab import backbones, checkpoints, feed, mme_seed, readers, rices, tasks
+from lab.datasets import mme_seed, readers, rices, tasks
+from lab.models import backbones
+from lab.run import checkpoints, feed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0"]
@@ -251,7 +253,7 @@ def test_the_same_items_without_n_eval_or_through_a_symlink_replace_their_result
 
 
 def test_other_items_of_the_same_count_are_other_settings(backbone, items, tmp_path):
-    from lab import results
+    from lab.scores import results
     args = evaluate.parse_args(EVAL)
     settings = [results.result_settings(backbone, args, "0-shot", its) for its in (items[:2], items[1:])]
     assert settings[0]["n"] == settings[1]["n"] and settings[0]["items"] != settings[1]["items"]

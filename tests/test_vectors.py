@@ -12,7 +12,10 @@ import benchmarks
 import data as D
 import evaluate as E
 import model as M
-from lab import backbones, chair, readers, rices, tasks, vectors
+from lab.datasets import readers, rices, tasks
+from lab.models import backbones
+from lab.scores import chair
+from lab.studies import vectors
 
 # -----------------------------------------------------------------------------
 # CHAIR

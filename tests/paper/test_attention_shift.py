@@ -2,7 +2,7 @@
 import torch
 from hypothesis import given, settings, strategies as st
 
-from lab import analyses
+from lab.studies import analyses
 
 
 def rows(shape, seed):

@@ -7,7 +7,10 @@ import data
 import model as M
 import train
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
-from lab import backbones, metrics, micro_batches, tasks, teacher_cache
+from lab.datasets import tasks
+from lab.models import backbones
+from lab.run import micro_batches, teacher_cache
+from lab.scores import metrics
 
 
 # ------------------------------------------------------------------------- h^(L): the last layer's own output

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import model as M
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts, randomise
-from lab import backbones, published
+from lab.models import backbones, published
 from test_adapters import explicit_hyper_icl
 
 FAMILIES = sorted(M.FAMILIES)

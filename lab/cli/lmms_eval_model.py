@@ -1,0 +1,177 @@
+"""This project's backbones and adapters as an lmms-eval model, `hyper_icl` (README, "In lmms-eval"): model args
+backbone= (any name --model takes), checkpoint= (an adapter file of any method, its settings read from it; none: the
+backbone alone), device, batch_size. Needs lmms-eval (requirements-lmms-eval.txt), which this file alone imports.
+
+A request's context is the row's text: BOS, then the context, each `<image>` in it taking the next of the request's
+images (doc_to_visual); images the context does not place go before it. Rows are tokenised piece by piece and
+left-padded by data.collate, as the project's own prompts are (data.py), so a task whose context is the project's
+prompt gets the project's answers token for token (tests/test_lmms_eval.py)."""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+import torch
+from lmms_eval.api.model import lmms
+from lmms_eval.models.registry_v2 import ModelManifest
+from tqdm import tqdm
+
+import data as D
+import model as M
+from lab.models import backbones
+from lab.run import checkpoints
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def hugging_face_evaluate():
+    """Undo the name clash of this project's evaluate.py with Hugging Face's `evaluate` (an lmms-eval dependency):
+    run from the project's root, lmms-eval's `import evaluate` (lmms_eval/api/registry.py) finds evaluate.py first.
+    Here the module of that name, and lmms-eval's handle on it, become Hugging Face's, found on sys.path without the
+    project's root; where `evaluate` is not imported yet, Hugging Face's is imported now, so that a later `import
+    evaluate` finds it. Nothing is done where `evaluate` is already Hugging Face's."""
+    held = sys.modules.get("evaluate")
+    if held is not None and os.path.dirname(os.path.abspath(getattr(held, "__file__", "") or "")) != ROOT:
+        return
+    paths = [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
+    spec = importlib.machinery.PathFinder.find_spec("evaluate", paths)
+    if spec is None:
+        raise ImportError("lmms-eval needs Hugging Face's `evaluate` package: "
+                          "pip install -r requirements-lmms-eval.txt")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["evaluate"] = module
+    spec.loader.exec_module(module)
+    registry = sys.modules.get("lmms_eval.api.registry")
+    if registry is not None:
+        registry.hf_evaluate = module
+
+
+hugging_face_evaluate()
+
+
+def manifest():
+    """The entry point of group `lmms_eval.models` (lab/lmms_eval_entry/pyproject.toml): `hyper_icl`, this class."""
+    return ModelManifest(model_id="hyper_icl", simple_class_path="lab.lmms_eval_model.HyperICL")
+
+
+class HyperICL(lmms):
+    """lmms-eval's simple model over a project backbone, with an adapter (checkpoint=) or without."""
+
+    def __init__(self, backbone="toy-idefics2", checkpoint=None, device=None, batch_size=1, max_batch_size=None,
+                 **unused):
+        """max_batch_size: lmms-eval's, for batch_size=auto, which hyper_icl does not take (batch_size N)."""
+        super().__init__()
+        if unused:
+            raise ValueError(f"hyper_icl: unknown model args {', '.join(sorted(unused))} (it takes backbone, "
+                             "checkpoint, device, batch_size)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.backbone = backbones.load_backbone(backbone, device=device)
+        self.method = None
+        if checkpoint not in (None, "", "none", "None"):
+            self.method = checkpoints.load_adapter(checkpoint, self.backbone)["method"]
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise ValueError(f"hyper_icl: batch_size={batch_size}: give a number of requests a batch, at least 1")
+        self.batch_size = int(batch_size)
+
+    # ---------------------------------------------------------------------------------------- rows from requests
+
+    def row(self, context, visuals, doc_id, continuation=None):
+        """The row of one request: BOS, the context's text before its first image, then one piece an image
+        (`<image>` and the text up to the next), as data.encode_prefix and encode_query make them; with a
+        continuation, its tokens labelled (read off the tokenisation of the last piece + continuation)."""
+        b, tok = self.backbone, self.backbone.processor.tokenizer
+        visuals = [v.convert("RGB") for v in (visuals or [])]
+        placed = context.count("<image>")
+        if placed > len(visuals):
+            raise ValueError(f"doc {doc_id}: its context has {placed} <image> but the request {len(visuals)} images")
+        text = "<image>" * (len(visuals) - placed) + context
+        head, *chunks = text.split("<image>")
+        ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + \
+            (tok(head, add_special_tokens=False)["input_ids"] if head else [])
+        labels, images = [-100] * len(ids), []
+        if continuation is not None and not chunks:
+            raise ValueError(f"doc {doc_id}: a likelihood request without an image is not supported by hyper_icl")
+        for k, (chunk, image) in enumerate(zip(chunks, visuals)):
+            piece = D.encode_piece(b.processor, b.family, "<image>" + chunk, image)
+            part, labelled = piece["input_ids"], [-100] * len(piece["input_ids"])
+            if continuation is not None and k == len(chunks) - 1:
+                whole = D.encode_piece(b.processor, b.family, "<image>" + chunk + continuation, image,
+                                       None if b.family == "idefics" else piece["images"])
+                if whole["input_ids"][:len(part)] != part:
+                    raise ValueError(f"doc {doc_id}: the context's tokens are not a prefix of context + continuation's")
+                labelled += whole["input_ids"][len(part):]
+                part, piece = whole["input_ids"], whole
+            ids, labels, images = ids + part, labels + labelled, images + [piece["images"]]
+        return {"input_ids": ids, "labels": labels, "images": images, "query_len": len(ids), "id": doc_id}
+
+    def visuals(self, request):
+        """The request's images: its doc_to_visual of its doc (lmms-eval's task_dict)."""
+        _, _, doc_to_visual, doc_id, task, split = request.args
+        return doc_to_visual(self.task_dict[task][split][doc_id])
+
+    # --------------------------------------------------------------------------------------------- the model API
+
+    def generate_until(self, requests):
+        """Each request's continuation: greedy (temperature 0, the default) or sampled, at most max_new_tokens (16
+        by default), stopped at the backbone's end tokens and cut at the first of `until`; whitespace stripped.
+        Requests of the same generation kwargs go in batches of batch_size, in order."""
+        answers, groups = [None] * len(requests), {}
+        for i, r in enumerate(requests):
+            groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
+        bar = tqdm(total=len(requests), desc=f"{self.backbone.name} generate_until", disable=self.rank != 0)
+        for indices in groups.values():
+            for s in range(0, len(indices), self.batch_size):
+                chunk = indices[s:s + self.batch_size]
+                for i, text in zip(chunk, self.generate([requests[i] for i in chunk])):
+                    answers[i] = text
+                bar.update(len(chunk))
+        bar.close()
+        return answers
+
+    @torch.no_grad()
+    def generate(self, requests):
+        """The continuations of requests sharing their generation kwargs (generate_until)."""
+        b, tok, kwargs = self.backbone, self.backbone.processor.tokenizer, dict(requests[0].args[1])
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        temperature = float(kwargs.get("temperature", 0) or 0)
+        sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+        rows = [self.row(r.args[0], self.visuals(r), r.args[3]) for r in requests]
+        inputs = D.model_inputs(D.collate(rows, b.processor, b.family), b.model.device)
+        out = b.model.generate(**inputs, max_new_tokens=int(kwargs.get("max_new_tokens", 16)), **sampling,
+                               pad_token_id=tok.pad_token_id, eos_token_id=backbones.stop_ids(b))
+        texts = tok.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        return [cut(t.lstrip(), until).rstrip() for t in texts]
+
+    @torch.no_grad()
+    def loglikelihood(self, requests):
+        """(nll, is_greedy) for each (context, continuation) request: nll is minus the continuation's summed
+        log-probability (SEED-Bench's official rule, not length-normalised), the form lmms-eval's multiple-choice
+        scoring takes (its api/task.py picks np.argmin, as for the loss its own models return); is_greedy: greedy
+        decoding would produce the continuation's tokens. In batches of batch_size, in order."""
+        b, out = self.backbone, []
+        for s in tqdm(range(0, len(requests), self.batch_size), desc=f"{b.name} loglikelihood",
+                      disable=self.rank != 0):
+            chunk = requests[s:s + self.batch_size]
+            rows = [self.row(r.args[0], self.visuals(r), r.args[3], continuation=r.args[1]) for r in chunk]
+            batch = backbones.to_device(D.collate(rows, b.processor, b.family), b.model.device)
+            logits, labels = M.target_logits(b.model, batch)
+            logits, labels = logits[:, :-1].float(), labels[:, 1:]   # position t predicts token t + 1
+            logp = torch.log_softmax(logits, -1)
+            for k in range(len(chunk)):
+                on = labels[k] != -100
+                target = labels[k][on]
+                picked = logp[k][on].gather(-1, target[:, None])[:, 0]
+                out.append((-float(picked.sum()), bool((logp[k][on].argmax(-1) == target).all())))
+        return out
+
+    def generate_until_multi_round(self, requests):
+        """Not supported: one line says so."""
+        raise NotImplementedError("hyper_icl answers single-round requests only (generate_until, loglikelihood); "
+                                  "multi-round tasks are not supported")
+
+
+def cut(text, until):
+    """text up to the first occurrence of any of `until` (all of it where none occurs)."""
+    ends = [text.find(u) for u in until if u and u in text]
+    return text[:min(ends)] if ends else text

@@ -1,0 +1,170 @@
+"""Tasks by name: which reader reads them, the benchmarks' pool splits, stratified subsets, a training run's
+queries, held-out queries and ICD pool, an evaluation's items."""
+import argparse
+import math
+import os
+import random
+
+import data
+from lab.datasets import mme_seed, own_task, parquet, readers, toy_world
+
+
+def spec(task):
+    """The data.Task of a task: a benchmark's, or a task of one's own (a path: own_task.task_of)."""
+    if own_task.is_own(task):
+        return own_task.task_of(task)
+    if task not in data.TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {', '.join(data.TASKS)}, or give a .jsonl file, a "
+                         "folder of train.jsonl and val.jsonl, or a LLaVA .json (README, \"Your own data\")")
+    return data.TASKS[task]
+
+
+def file_name(task):
+    """The task as run folders and result files name it: its name, or a task of one's own's (own_task.name_of)."""
+    return own_task.name_of(task) if own_task.is_own(task) else task
+
+
+def task_arg(value):
+    """argparse's type of --task: a benchmark's name or a task of one's own (checked when it is read)."""
+    if value not in data.TASKS and not own_task.is_own(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a task ({', '.join(data.TASKS)}) nor a .jsonl / "
+                                         ".json file or a folder")
+    return value
+
+
+def load_task(task, split, data_root=None):
+    """The items of one split ("train" or "val") of a task; the toy-icl tasks are generated on first use. MME and
+    SEED-Bench have no training split: "train" is their training pool, "val" the evaluation part (pool_split), and
+    the sizes of both are printed; so has a task of one's own in one file (a folder's: its train.jsonl, val.jsonl and
+    test.jsonl)."""
+    if own_task.is_own(task):
+        return own_items(task, split)
+    spec(task)
+    if data_root is not None and os.path.exists(data_root) and not os.path.isdir(data_root):
+        raise NotADirectoryError(f"--data-root {data_root} is a file; it must be the folder of the datasets")
+    if split not in data.SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose from {', '.join(data.SPLITS)}")
+    if task.startswith("toy-icl-"):
+        return readers.read_vqa(toy_world.toy_icl_root(task.removeprefix("toy-icl-"), data_root), split, "vqav2")
+    if data_root is None:
+        raise ValueError(f"task {task!r} reads its files from --data-root (layout: docs/real-models.md)")
+    items = parquet.hub_items(data_root, task, split)  # None: the original layout (the hub's: lab/datasets/parquet.py)
+    if spec(task).kind not in ("yes-no", "choice"):
+        return items if items is not None else \
+            (readers.read_vqa if spec(task).kind == "vqa" else readers.read_karpathy)(data_root, split, task)
+    items = items if items is not None else BENCHMARK_READERS[task](data_root)
+    return pooled(task, items, POOL_FRACTION[task], split)
+
+
+def pooled(task, items, fraction, split):
+    """The training pool ("train") or evaluation part ("val") of items (pool_split), both sizes printed."""
+    pool, rest = pool_split(items, fraction)
+    count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
+    print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
+    return pool if split == "train" else rest
+
+
+def own_items(task, split):
+    """A split of a task of one's own: a folder's file of that split, or of a single file its training pool or
+    evaluation part (pool_split, OWN_POOL_FRACTION)."""
+    _, parts = own_task.read(task)
+    if None in parts:
+        if split not in data.SPLITS:
+            raise ValueError(f"--task {task}: a single file splits into train and val only (a folder may hold "
+                             "test.jsonl)")
+        return pooled(file_name(task), parts[None], OWN_POOL_FRACTION, split)
+    if split not in parts:
+        raise FileNotFoundError(f"--task {task}: no {own_task.FOLDER_FILES[split]} in the folder for --split {split}")
+    return list(parts[split])  # a copy: own_task.read's lists are cached
+
+
+BENCHMARK_READERS = {"mme": mme_seed.read_mme, "seed": mme_seed.read_seed, "seed2": mme_seed.read_seed2}
+
+
+# The share of each subtask's (dimension's) images in the training pool: MME's half (about 1,187 questions) holds
+# the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
+# stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
+POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2}
+OWN_POOL_FRACTION = 0.5  # a task of one's own in one file: half its images train, half evaluate
+
+
+SPLIT_SEED = 0
+
+
+def pool_split(items, fraction, seed=SPLIT_SEED):
+    """(training pool, evaluation part) of a benchmark without a training split: a seeded split by image. The images
+    of each category (an image's first question's) are shuffled with (seed, category) and the first
+    round(fraction x count) go to the pool, so every question of an image lands on the same side and each
+    subtask / dimension is split in the same proportion. Item order is kept on both sides."""
+    pool = set()
+    for c, images in images_by_category(items).items():
+        pool.update(random.Random(f"{seed}:{c}").sample(images, round(fraction * len(images))))
+    return [it for it in items if it.image_path in pool], [it for it in items if it.image_path not in pool]
+
+
+def images_by_category(items):
+    """{category: its images}, in order of first appearance; an image's category is its first question's."""
+    category, by_category = {}, {}
+    for it in items:
+        category.setdefault(it.image_path, it.category)
+    for image, c in category.items():
+        by_category.setdefault(c, []).append(image)
+    return by_category
+
+
+def largest_remainder(total, sizes):
+    """Whole shares of `total` in proportion to sizes (Hamilton's method; ties go to the earlier size)."""
+    exact = [total * k / sum(sizes) for k in sizes]
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: shares[i] - exact[i])
+    for i in by_remainder[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def stratified_subset(items, n, seed=0):
+    """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval). The
+    m = round(n x images / questions) images (MME: n / 2) are shared among the categories (an image's first
+    question's) in proportion to their images (largest remainders), and each category's images are drawn with
+    (seed, category); every question of a drawn image is kept, so both questions of an MME image are, and its
+    results file is one official calculation.py accepts. Item order is kept."""
+    if n <= 0:
+        raise ValueError(f"--n-eval must be at least 1, got {n}")
+    if not items:
+        return items
+    by_category = {c: sorted(images) for c, images in sorted(images_by_category(items).items())}
+    n_images = sum(len(images) for images in by_category.values())
+    m = min(n_images, max(1, round(n * n_images / len(items))))
+    shares = largest_remainder(m, [len(images) for images in by_category.values()])
+    chosen = {image for (c, images), k in zip(by_category.items(), shares)
+              for image in random.Random(f"n-eval:{seed}:{c}").sample(images, k)}
+    return [it for it in items if it.image_path in chosen]
+
+
+def split_pool(args, family):
+    """Training queries, held-out queries (best epoch), the ICDs' support set (the training split less the held-out
+    queries, which would reach the adapter through the teacher and bias the best epoch) and the shots."""
+    pool = load_task(args.task, "train", args.data_root)
+    if len(pool) <= args.n_heldout:
+        raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
+                         f"--n-heldout {args.n_heldout}")
+    order = random.Random(args.seed).sample(range(len(pool)), len(pool))
+    heldout = [pool[i] for i in order[:args.n_heldout]]
+    train = [pool[i] for i in order[args.n_heldout:args.n_heldout + args.n_train]]
+    if len(train) < args.n_train:
+        print(f"note: {args.task} has {len(pool)} training items; using {len(train)} queries "
+              f"(+{len(heldout)} held out)")
+    shots = args.shots if args.shots is not None else data.default_shots(spec(args.task), family)
+    held = {it.id for it in heldout}
+    return train, heldout, [it for it in pool if it.id not in held], shots
+
+
+def eval_items(args):
+    """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
+    stratified by subtask / dimension, stratified_subset; otherwise the first N). VQAv2's test-dev and test have no
+    answers (lab/scores/test_server.py)."""
+    items = readers.read_test(args.data_root, args.split) if readers.server_split(args) else \
+        load_task(args.task, args.split, args.data_root)
+    if args.n_eval and spec(args.task).kind in ("yes-no", "choice"):
+        return stratified_subset(items, args.n_eval, args.seed)
+    return items[:args.n_eval]

@@ -1,0 +1,277 @@
+"""Checkpoints: adapter files (safetensors holding only the adapter and its settings), the run's last.pt
+(resume), run folders claimed and locked by one process at a time."""
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import pickle
+
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save
+import torch
+
+import model as M
+from lab.disk import files
+from lab.datasets import tasks
+from lab.run import torchrun
+
+
+def fingerprint(backbone):
+    """A short hash of the backbone's identity: its family and some of its weights (the first four parameters, the first
+    and last decoder self-attention's: the layers the adapters act in) rounded to bf16, so the same checkpoint loaded in
+    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ."""
+    own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
+    attns = M.decoder_self_attentions(backbone.model)
+    params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
+    h = hashlib.sha256(backbone.family.encode())
+    for p in params:
+        h.update(str(tuple(p.shape)).encode())
+        h.update(p.detach().flatten()[:4096].to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def adapter_shape(backbone):
+    """The attention shape an adapter checkpoint records, which load_adapter requires to match."""
+    return dict(zip(("layers", "heads", "head_dim"), M.attention_shape(backbone.model)))
+
+
+def backbone_identity(backbone):
+    """What ties an adapter checkpoint to its backbone, which load_adapter requires to match unless --force."""
+    return {"family": backbone.family, "fingerprint": fingerprint(backbone)}
+
+
+def save_adapter(path, backbone):
+    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)."""
+    settings = {**backbone.model.icl_settings, "backbone": backbone.name, **adapter_shape(backbone),
+                **backbone_identity(backbone)}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
+    files.atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
+
+
+ADAPTER_FIELDS = ("method", "backbone", "layers", "heads", "head_dim")  # what every adapter's settings hold
+
+
+def read_settings(path):
+    """An adapter checkpoint's settings; anything else (a folder, a truncated file, train.py's last.pt): ValueError."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder; pass the adapter file in it (train.py writes <out>/adapter.safetensors)")
+    try:
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+    except SafetensorError as e:
+        raise ValueError(f"{path} is not a readable adapter checkpoint (a truncated or other kind of file: {e})") from e
+    if "settings" not in metadata:
+        raise ValueError(f"{path} is not an adapter checkpoint of this project (no settings in its metadata)")
+    try:
+        settings = json.loads(metadata["settings"])
+    except ValueError as e:
+        raise ValueError(f"{path}: its settings (metadata) are not JSON ({e}); the file is damaged or not this "
+                         "project's") from e
+    missing = [k for k in ADAPTER_FIELDS if not isinstance(settings, dict) or k not in settings]
+    if missing:
+        raise ValueError(f"{path}: its settings lack {', '.join(missing)}; the file is damaged or not this project's")
+    return settings
+
+
+def load_adapter(path, backbone, method=None, force=False):
+    """Attach the adapter saved at `path` to `backbone`. A checkpoint of another method (than `method`, when given) or
+    attention shape fails; one of another family or weights fails unless force=True (then with a warning)."""
+    saved = read_settings(path)
+    if method is not None and saved["method"] != method:
+        raise ValueError(f"{path} holds a {saved['method']!r} adapter, not a {method!r} one")
+    shape = adapter_shape(backbone)
+    differ = [f"{k} (saved {saved[k]}, here {v})" for k, v in shape.items() if saved[k] != v]
+    if differ:
+        raise ValueError(f"adapter {path} was trained on {saved['backbone']!r}, which differs from "
+                         f"{backbone.name!r} in " + ", ".join(differ))
+    here = backbone_identity(backbone)
+    differ = [f"{k} (saved {saved.get(k)}, here {v})" for k, v in here.items() if saved.get(k) != v]
+    if differ and not force:
+        raise ValueError(f"adapter {path} was trained on another backbone than {backbone.name!r}: "
+                         + ", ".join(differ) + "; pass --force to load it anyway")
+    if differ:
+        print(f"warning: --force: loading adapter {path} onto {backbone.name!r} although its " + ", ".join(differ))
+    sizes = {k: v for k, v in saved.items() if k not in (*shape, *here, "method", "backbone")}
+    tensors, previous = read_tensors(path), attached(backbone.model)  # read before any adapter is detached
+    try:
+        try:
+            M.attach(backbone.model, saved["method"], **sizes)
+        except (ValueError, TypeError, RuntimeError) as e:  # an unknown method, sizes it does not take or cannot make
+            raise ValueError(f"{path}: its settings (method {saved['method']!r}, sizes {sizes}) do not make an "
+                             f"adapter ({e})") from e
+        load_tensors(path, tensors, backbone.model)
+    except ValueError:
+        reattach(backbone.model, previous)  # a refused file leaves the adapter attached before it in place
+        raise
+    return saved
+
+
+def read_tensors(path):
+    """An adapter file's tensors; a damaged tensor section is a ValueError naming the file."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: its tensors cannot be read (a truncated or damaged file: {e})") from e
+
+
+def attached(model):
+    """The attached adapter as (its settings, a copy of its tensors), or None: what reattach puts back."""
+    if not hasattr(model, "icl_settings"):
+        return None
+    return dict(model.icl_settings), {k: v.detach().clone() for k, v in M.adapter_modules(model).state_dict().items()}
+
+
+def reattach(model, previous):
+    """Put back the adapter `attached` recorded (None: leave the backbone without one)."""
+    if hasattr(model, "icl_settings"):
+        M.detach(model)
+    if previous is not None:
+        settings, tensors = previous
+        M.attach(model, settings["method"], **{k: v for k, v in settings.items() if k != "method"})
+        M.adapter_modules(model).load_state_dict(tensors)
+
+
+def load_tensors(path, tensors, model):
+    """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor
+    is a ValueError naming the file and the tensor."""
+    expected = M.adapter_modules(model).state_dict()
+    wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
+        [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
+        [f"{name} is {tuple(tensors[name].shape)}, not {tuple(t.shape)}" for name, t in sorted(expected.items())
+         if name in tensors and tensors[name].shape != t.shape]
+    if wrong:
+        raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
+                         (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+    M.adapter_modules(model).load_state_dict(tensors)
+
+
+def save_run(run):
+    """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
+    if torchrun.rank_and_world()[0] != 0:
+        return
+    state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.cfg),
+             "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1],
+             "fingerprint": run.cache["id"]}  # the backbone's weights (fingerprint): a resume needs the same
+    files.atomic_write(os.path.join(run.cfg.out, "last.pt"), lambda f: torch.save(state, f))
+
+
+RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
+                     "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
+                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed")
+
+
+def restore(args, backbone, optimizer, scheduler):
+    """Load <out>/last.pt into the run; refuse if it was made with other settings."""
+    path = os.path.join(args.out, "last.pt")
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    state = read_run(path)
+    differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
+              if state["args"].get(k) != getattr(args, k)]
+    if state.get("processes", 1) != torchrun.rank_and_world()[1]:
+        differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
+                      "only with as many as before)")
+    here = fingerprint(backbone)
+    if state.get("fingerprint", here) != here:
+        differ.append(f"other weights of --model {args.model} (fingerprint {state['fingerprint']}, now {here})")
+    if differ:
+        raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
+    M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return state["progress"]
+
+
+def read_run(path):
+    """The state a last.pt holds, unpickled with weights_only=True (tensors, numbers, strings, lists, dicts: no code
+    of the file runs); anything else (a truncated, corrupt or crafted file) is a ValueError naming it."""
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")  # not rank 0's GPU on every process
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        if "weights only" in str(e).lower():  # torch's message would suggest weights_only=False: not repeated
+            raise ValueError(f"--resume: {path} is not a checkpoint of this project (it holds more than tensors, "
+                             "numbers, strings, lists and dicts); start over with --overwrite") from None
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {why}); start over with "
+                         "--overwrite") from None
+    if not isinstance(state, dict) or not {"adapter", "optimizer", "scheduler", "progress", "args", "rng"} <= \
+            state.keys():
+        raise ValueError(f"--resume: {path} is not a checkpoint of this project (not the dict train.py saves); "
+                         "start over with --overwrite")
+    return state
+
+
+def claim(args):
+    """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
+    --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
+    interrupted writes are cleaned up here and in the teacher cache."""
+    found = [f for f in ("last.pt", "adapter.safetensors", "history.json") if os.path.exists(os.path.join(args.out, f))]
+    if found and not (args.resume or args.overwrite):
+        raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
+                         "with --overwrite")
+    if torchrun.rank_and_world()[0] != 0:
+        return
+    for f in found if args.overwrite else []:
+        os.remove(os.path.join(args.out, f))
+    files.remove_stale_tmp(args.out)
+    files.remove_stale_tmp(args.teacher_cache)
+
+
+@contextlib.contextmanager
+def locked(folder):
+    """Hold `folder` (made if need be) for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our
+    pid. A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
+    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
+    torchrun the first process holds it for all of them."""
+    if torchrun.rank_and_world()[0] != 0:
+        yield
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--out {folder}: cannot make the folder ({e.strerror or e})") from e
+    path = os.path.join(folder, ".lock")
+    fd, made = open_lock(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ValueError(f"{folder} is in use by another run (pid {holder}); wait for it to finish or choose "
+                         "another --out") from None
+    try:
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as e:
+            if made:
+                os.remove(path)  # ours, empty: not left behind
+            raise OSError(f"could not write the lock file {path} ({e.strerror or e})") from e
+        yield
+    finally:
+        os.close(fd)
+
+
+def open_lock(path):
+    """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be.
+    Made exclusively (O_EXCL), so only the process that made the file may remove it; never through a symbolic link
+    (O_NOFOLLOW: a link there is refused, and what it points to untouched)."""
+    for made, verb, exclusive in ((True, "make", os.O_EXCL), (False, "open", 0)):
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | exclusive, 0o666), made
+        except FileExistsError:  # only with O_EXCL: someone made it first, open it
+            continue
+        except OSError as e:
+            if e.errno == errno.ELOOP or os.path.islink(path):
+                raise OSError(f"the lock file {path} is a symbolic link, which is never followed; remove it") \
+                    from None
+            raise OSError(f"could not {verb} the lock file {path} ({e.strerror or e})") from e
+
+
+def default_out(model, task, method):
+    """The default output folder of a run: runs/<model>-<task>-<method>."""
+    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{tasks.file_name(task)}-{method}")

@@ -1,0 +1,272 @@
+"""A training run's plumbing around train.py's loop: what its wrappers share (Run), the state before the first step
+(a resumed checkpoint, the teacher cache and its room, the progress bar), each epoch's steps (resumed, torchrun's
+share, prepared by DataLoader workers), the NaN stop, the progress shown and checkpointed, the save on Ctrl-C or
+SIGTERM, the held-out score that keeps the best epoch, and the end of the run."""
+import contextlib
+import functools
+import math
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import model as M
+from lab.disk import files
+from lab.datasets import tasks
+from lab.models import backbones
+from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
+
+
+@dataclass
+class Run:
+    """What the training loop's wrappers share; `progress` is what last.pt saves beside the adapter and AdamW."""
+    cfg: object               # train.py's Config
+    backbone: M.Backbone
+    queries: list             # training queries
+    heldout: list             # held-out queries, which pick the best epoch
+    icds: dict                # query id -> its demonstrations (fixed for the run)
+    device: str
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    student_model: object     # what runs the student: the DistributedDataParallel wrapper under torchrun, else None
+    cache: dict               # the teacher cache: backbone id, image setting, hits and misses
+    progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
+    steps_per_epoch: int
+    bar: tqdm = None          # the progress bar (the first process's)
+    stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
+    updating: bool = False    # inside an optimiser update (update): its parameters are between two steps
+
+    @property
+    def anchor_scale(self):
+        """What the anchor is divided by: --anchor-norm first's first-step value, else 1 (the paper)."""
+        return self.progress.get("anchor_scale", 1)
+
+
+def attached(backbone, cfg):
+    """The parameters of a fresh cfg.method adapter attached to the backbone; one too large for memory is a
+    ValueError naming --rank and --virtual-tokens."""
+    try:
+        return M.attach(backbone.model, cfg.method, **method_sizes(cfg)).parameters()
+    except RuntimeError as e:  # torch.OutOfMemoryError too: a --rank or --virtual-tokens too large for memory
+        raise ValueError(f"the {cfg.method} adapter of {method_sizes(cfg)} does not fit in memory "
+                         f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
+
+
+def start(cfg, backbone, device, data_, optimizer, scheduler):
+    """The run before its first step: torchrun's DistributedDataParallel over the adapter, a resumed run's checkpoint
+    (--resume), the teacher cache (a stop if it would not fit its folder: check_cache_room). data_: (training
+    queries, held-out queries, their ICDs)."""
+    queries, heldout, icds = data_
+    student_model = torchrun.data_parallel(backbone.model, cfg, len(queries)) if torchrun.rank_and_world()[1] > 1 \
+        else None
+    os.makedirs(cfg.teacher_cache, exist_ok=True)
+    progress = checkpoints.restore(cfg, backbone, optimizer, scheduler) if cfg.resume else \
+        {"step": 0, "best": math.inf, "history": []}
+    cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0,
+             "images": teacher_cache.image_key(backbone.processor),
+             "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
+    if cfg.anchor != "none" and not cfg.no_teacher_cache:
+        teacher_cache.check_cache_room(backbone, cfg, tasks.spec(cfg.task).kind, queries, icds, cache)
+    return Run(cfg, backbone, queries, heldout, icds, device, optimizer, scheduler, student_model, cache, progress,
+               epoch_steps(cfg, len(queries)))
+
+
+def epoch_steps(cfg, n_train):
+    """Optimiser steps in one pass over n_train queries: --batch-size queries a micro-batch, --grad-accum a step."""
+    return math.ceil(math.ceil(n_train / cfg.batch_size) / cfg.grad_accum)
+
+
+def show_progress(run):
+    """The progress bar over every step of the run (from a resumed run's step), the first process's."""
+    run.bar = tqdm(total=run.steps_per_epoch * run.cfg.epochs, initial=run.progress["step"], desc="train",
+                   dynamic_ncols=True, disable=torchrun.rank_and_world()[0] > 0)
+
+
+def epoch_order(n, batch_size, seed, epoch):
+    """The batches of one epoch: a permutation that depends only on (seed, epoch), so a resumed run sees the same."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+    return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+
+
+def first_queries(run, share=False):
+    """The queries of the run's first micro-batch (share: this process's share of it under torchrun)."""
+    rank, world = torchrun.rank_and_world() if share else (0, 1)
+    return [run.queries[i] for i in epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, 0)[0][rank::world]]
+
+
+def remaining_steps(run, epoch):
+    """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as its
+    prepared micro-batches (lab/run/micro_batches.py): this process's share of each under torchrun."""
+    order = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, epoch)
+    (rank, world), accum = torchrun.rank_and_world(), run.cfg.grad_accum
+    steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
+             for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
+    setup = micro_batches.Setup.of(run.backbone, run.cfg, run.cache)
+    specs = [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]
+    prepared = iter(micro_batches.micro_batches(setup, specs, run.device))
+    for step in steps:
+        yield [next(prepared) for _ in step]
+
+
+def at_max_steps(run):
+    """Whether --max-steps steps are taken (the schedule still spans every epoch; --resume continues)."""
+    return run.cfg.max_steps is not None and run.progress["step"] >= run.cfg.max_steps
+
+
+def checked(run, parts):
+    """The step's loss parts (summed on the device) read once, the one host sync of a step; a NaN or inf stops the
+    run before its optimiser step, naming the step, the part and the settings that can cause it."""
+    parts = dict(zip(parts, torch.stack(list(parts.values())).tolist()))
+    for name, value in parts.items():
+        if not math.isfinite(value):
+            raise FloatingPointError(f"step {run.progress['step'] + 1}: loss part {name!r} is {value}; stopping. The "
+                                     "last good checkpoint is untouched. Settings that can cause it: "
+                                     f"{diverging(run.cfg)}; try a lower value of one of them (--lr first)")
+    return parts
+
+
+def update(run):
+    """The optimiser step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule; marked as
+    under way (run.updating) until stepped counts it, so no error saves half of it."""
+    run.updating = True
+    torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.cfg.clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def stepped(run, parts):
+    """After an optimiser step: count it, show it with its loss parts and learning rate, checkpoint every
+    --save-every steps, and stop here if a signal asked for it (at_boundary)."""
+    run.progress["step"] += 1
+    run.updating = False
+    run.bar.update()
+    run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
+    if run.progress["step"] % run.cfg.save_every == 0:
+        checkpoints.save_run(run)
+    at_boundary(run)
+
+
+class Stopped(Exception):
+    """A signal asked the run to stop (raised at the next step boundary: at_boundary)."""
+
+
+@contextlib.contextmanager
+def saved_on_interrupt(run):
+    """Ctrl-C or SIGTERM (a scheduler's kill warning) only sets a flag, which the loop reads between steps
+    (at_boundary), so the run is saved at a step boundary wherever the signal lands, and exits naming --resume; a
+    second one stops within the step (its last completed step saved). A run that dies of an error saves its last
+    completed step too."""
+    def on_signal(signum, frame):
+        if run.stop:  # the second: at once (the last completed step saved)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        run.stop = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except (Stopped, KeyboardInterrupt) as e:
+        for s in previous:  # no signal cuts the save short
+            signal.signal(s, signal.SIG_IGN)
+        run.bar.close()
+        if run.updating:  # a second signal inside an optimiser update: half of it is not saved
+            sys.exit(f"interrupted inside step {run.progress['step'] + 1}'s update: not saved; {run.cfg.out}/last.pt "
+                     "holds the last save; continue with --resume")
+        checkpoints.save_run(run)
+        sys.exit(f"interrupted: saved step {run.progress['step']} to {run.cfg.out}/last.pt "
+                 f"({run.stop or str(e) or 'Ctrl-C'}); continue with --resume")
+    except Exception as e:  # the state is the last completed step's (the step under way changed no parameter)
+        if not run.updating:
+            saved_after_error(run, e)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def saved_after_error(run, error):
+    """Save the run's last completed step after `error` stopped it, saying so; a save that fails too (the same full
+    disk) is reported beside the error, which stays the one raised."""
+    try:
+        checkpoints.save_run(run)
+    except OSError as e:
+        tqdm.write(f"could not save the run after the error below: {e}")
+    else:
+        if torchrun.rank_and_world()[0] == 0:
+            tqdm.write(f"saved step {run.progress['step']} to {run.cfg.out}/last.pt before stopping "
+                       f"({type(error).__name__}); continue with --resume once the cause is fixed")
+
+
+def at_boundary(run, agreed=True):
+    """Between two steps: stop (Stopped) if a signal asked for it (saved_on_interrupt); under torchrun all processes
+    stop at the same boundary (agreed: any process's signal stops them all)."""
+    if agreed and torchrun.rank_and_world()[1] > 1 and torchrun.any_of(bool(run.stop)):
+        run.stop = run.stop or "a signal to another process"
+    if run.stop:
+        raise Stopped(run.stop)
+
+
+def end_of_epoch(run, epoch):
+    """Score the held-out queries; keep the best epoch's adapter as <out>/adapter.safetensors; checkpoint the run. The
+    epoch enters the history only once its adapter is saved, so a run stopped in between scores it again."""
+    progress, first = run.progress, torchrun.rank_and_world()[0] == 0
+    loss = heldout_loss(run)
+    if loss < progress["best"]:
+        if first:
+            checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone)
+        progress["best"] = loss
+    progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
+    if first:
+        tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
+    checkpoints.save_run(run)
+    at_boundary(run)
+
+
+@torch.no_grad()
+def heldout_loss(run):
+    """The supervised loss of the held-out queries, which picks the best epoch. Under torchrun each process scores
+    every N-th batch; the batches' values are gathered and summed in order."""
+    backbone, cfg, heldout, device = run.backbone, run.cfg, run.heldout, run.device
+    rank, world = torchrun.rank_and_world()
+    starts, totals = range(0, len(heldout), cfg.batch_size), {}
+    mine = starts[rank::world]
+    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, tasks.spec(cfg.task).kind)
+    for i, batch in zip(mine, feed.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
+                                            device)):
+        with backbones.autocast(device):
+            loss = M.supervised_loss(*M.target_logits(backbone.model, backbones.to_device(batch, device)))
+        totals[i] = loss, len(batch["labels"])
+        if world == 1:  # scoring changes nothing: a signal stops it at any batch (torchrun's wait for the epoch end)
+            at_boundary(run, agreed=False)
+    totals = {i: loss.item() * n for i, (loss, n) in totals.items()}  # read after the last forward
+    totals = torchrun.gathered(totals)
+    return sum(totals[i] for i in starts) / len(heldout)
+
+
+def finish(run):
+    """Final checkpoint, history.json and the summary line (the first process's); returns the adapter's parameters."""
+    checkpoints.save_run(run)
+    run.bar.close()
+    if torchrun.rank_and_world()[0] == 0:
+        progress, cache = run.progress, run.cache
+        files.write_json(os.path.join(run.cfg.out, "history.json"), progress["history"], indent=1)
+        best = os.path.join(run.cfg.out, "adapter.safetensors")
+        print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
+              + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
+                 "(continue with --resume)"))
+    return {k: v.detach().clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()}
+
+
+def method_sizes(args):
+    """The sizes of args.method for model.attach: none for MimIC and LIVE; the rank, and HiFICL's n pairs."""
+    sizes = {} if args.method in ("mimic", "live") else {"rank": args.rank}
+    return sizes | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
+
+
+def diverging(args):
+    """The settings of this run that can make its loss NaN or inf, with their values, as the stop names them."""
+    names = ["lr", "weight_decay", "clip", "lam"] + (["kappa"] if args.anchor == "hyperbolic" else []) + \
+        (["temperature"] if args.anchor == "kl" else []) + (["anchor_norm"] if args.anchor_norm != "none" else [])
+    return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)

@@ -1,0 +1,141 @@
+"""The teacher cache: one file per query of the teacher's states (or answer logits), keyed by everything they
+depend on, read by DataLoader workers, refused and recomputed when truncated, foreign or damaged."""
+import hashlib
+import json
+import os
+import shutil
+
+import torch
+
+import data
+import model as M
+from lab.disk import files
+from lab.disk.files import size
+from lab.models import backbones
+
+
+def teacher_key(backbone_id, args, query, icds, images=None, processor=None):
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs and each one's image file (size and
+    modification time: an image replaced at the same path is another key), the prompt format, how images are encoded
+    (`images`: Idefics2's image splitting, which changes the query's tokens; `processor`: processor_settings) and the
+    version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never
+    read."""
+    item = lambda it: [it.id, it.image_path, image_stat(it.image_path), it.question, it.target]
+    spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
+            "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images,
+            "processor": processor}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def image_stat(path):
+    """(size, modification time in ns) of an image file, None where there is none (as RICES's feature cache keys)."""
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError, ValueError):
+        return None
+    return [st.st_size, st.st_mtime_ns]
+
+
+def processor_settings(processor):
+    """A short hash of the processor's settings (to_dict: the image processor's size, mean, std, resizing, rescaling,
+    splitting, the image tokens...), what the teacher's states depend on besides the weights and the text."""
+    settings = processor.to_dict() if hasattr(processor, "to_dict") else None
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_teacher(path, key, shape, output="states"):
+    """One query's cached teacher tensor `output` ("states" or "logits") of `shape` (None: any size), or None if there
+    is no file or it is unusable (truncated, another shape, key or checksum: reported), so it is computed again."""
+    cached = files.read_cache(path, key + output, {output: (shape, None)})
+    return None if cached is None else cached[output]
+
+
+def teacher_file(args, cache, query, icds):
+    """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
+    key = teacher_key(cache["id"], args, query, icds, cache.get("images"), cache.get("processor"))
+    return key, os.path.join(args.teacher_cache, key + ("-logits" if args.anchor == "kl" else "") + ".safetensors")
+
+
+def query_sizes(pieces):
+    """(T_q, answer tokens) of each query piece (data.query_pieces): the sizes of its teacher tensor."""
+    return [(len(p["input_ids"]), sum(x != -100 for x in p["labels"])) for p in pieces]
+
+
+def query_tokens(processor, family, kind, queries):
+    """query_sizes of every query without loading its image: one query encoded in full (data.query_pieces) gives the
+    tokens its image stands for, a count fixed per family and setting (Idefics2 66 or 326, LLaVA-Interleave 729,
+    LLaVA-OneVision 730), and each query adds the tokens of its own text (text_tokens)."""
+    (reference, _), = query_sizes(data.query_pieces(processor, family, kind, queries[:1]))
+    image = reference - text_tokens(processor, family, kind, queries[0])[1]
+    return [(image + whole, whole - prompt) for prompt, whole in (text_tokens(processor, family, kind, q)
+                                                                  for q in queries)]
+
+
+def text_tokens(processor, family, kind, query):
+    """Tokens of the query's prompt and of its prompt + answer by the tokenizer alone, the image placeholder one
+    special token (each family's image tokens end in a special token too, so the text after it reads the same)."""
+    count = lambda text: len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = data.prompt_text(kind, query)
+    return count(prompt), count(prompt + data.answer_text(processor, family, kind, query.target))
+
+
+def teacher_shape(model):
+    """(layers, width) of the teacher's states: what a cached tensor must have besides its tokens."""
+    return M.attention_shape(model)[0], model.config.get_text_config().hidden_size
+
+
+def cached_states(args, cache, shape, queries, icds, pieces):
+    """What the cache holds for these queries, read without the model (in a DataLoader worker): {"states": each
+    query's cached tensor, None where there is none or it is unusable (all None with --no-teacher-cache), "keys",
+    "paths"}. shape: teacher_shape."""
+    output = "logits" if args.anchor == "kl" else "states"
+    keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
+    shapes = [(answers, None) if output == "logits" else (shape[0], tokens, shape[1])
+              for tokens, answers in query_sizes(pieces)]
+    states = [None] * len(queries) if args.no_teacher_cache else \
+        [read_teacher(p, k, s, output) for p, k, s in zip(paths, keys, shapes)]
+    return {"states": states, "keys": list(keys), "paths": list(paths)}
+
+
+CACHE_HEADER = 300  # bytes of a cache file besides its tensor: safetensors' header with the key and checksum
+
+
+def image_key(processor):
+    """What of the processor's image settings changes the query's tokens: Idefics2's image splitting (None else)."""
+    return getattr(getattr(processor, "image_processor", None), "do_image_splitting", None)
+
+
+def cache_file_bytes(args, config, sizes, dtype):
+    """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
+    [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
+    text = config.get_text_config()
+    if args.anchor == "kl":
+        elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
+    else:
+        elements = sum(tokens for tokens, _ in sizes) * text.num_hidden_layers * text.hidden_size
+    return elements * dtype.itemsize / len(sizes) + CACHE_HEADER
+
+
+def check_cache_room(backbone, args, kind, queries, icds, cache):
+    """Stop before the first step if the teacher tensors not yet cached do not fit the free space of --teacher-cache:
+    a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs)."""
+    todo = [q for q in queries if not os.path.exists(teacher_file(args, cache, q, icds[q.id])[1])]
+    if not todo:
+        return 0
+    sizes = query_tokens(backbone.processor, backbone.family, kind, todo)  # no image loaded
+    per_query = cache_file_bytes(args, backbone.model.config, sizes,
+                                 backbones.autocast_dtype(next(backbone.model.parameters()).device))
+    need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
+    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (completed_states)
+    if need > free:
+        raise ValueError(no_room(args, need, len(todo), len(queries), free))
+    return need
+
+
+def no_room(args, need, todo, n_queries, free=None):
+    """The sentence that names the cache's size, its folder (and its free space), --teacher-cache and
+    --no-teacher-cache (and what that costs)."""
+    return (f"the teacher cache needs {size(need)} for {todo} queries ({size(need / todo)} each) in "
+            f"{args.teacher_cache}" + ("" if free is None else f", which has {size(free)} free") + "; give "
+            f"--teacher-cache DIR on a disk with room, or --no-teacher-cache to recompute the teacher at every step "
+            f"({args.epochs * n_queries} teacher forwards instead of {todo})")

@@ -1,0 +1,122 @@
+"""Result files: their names, the settings a result depends on, refusing to replace another setting's result, an
+evaluation's predictions and metrics, MME's results folder."""
+import hashlib
+import json
+import os
+
+from lab.disk import files
+from lab.datasets import tasks
+from lab.run import checkpoints, teacher_cache
+
+
+def result_name(args, setting, n, vector_info):
+    """The file name (no extension) of an evaluation's results, naming what besides the folder a user varies:
+    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-splitting-on|off][-<RICES encoder>]
+    [-<vector layer and file key>][-chair[-corrected]][-<checkpoint key: a hash of its path, if it is not the folder's
+    adapter.safetensors>]-seed<seed>-n<items>. What else changes a result (the backbone, --data-root, --n-eval) is in
+    the metrics, and check_replaceable keeps a file of other settings from being replaced."""
+    short = lambda text: hashlib.sha256(str(text).encode()).hexdigest()[:8]
+    parts = [tasks.file_name(args.task), args.split, setting]
+    if tasks.spec(args.task).kind == "choice":
+        parts.append(args.seed_protocol)
+    if args.image_splitting != "checkpoint":
+        parts.append("splitting-" + args.image_splitting)
+    if args.icds == "rices" and args.shots and args.rices_encoder:
+        parts.append("encoder-" + short(args.rices_encoder))
+    if vector_info:
+        key = os.path.basename(vector_info["vector_file"]).rsplit("-", 1)[-1].split(".")[0]
+        parts.append(f"layer{vector_info['vector_layer']}-{key}")
+    if args.chair:
+        parts.append("chair" if args.chair == "chair.py" else "chair-" + args.chair)
+    own = os.path.join(args.out, "adapter.safetensors")  # the folder's own adapter needs no key
+    if args.checkpoint and os.path.abspath(args.checkpoint) != os.path.abspath(own):
+        parts.append("checkpoint-" + short(os.path.abspath(args.checkpoint)))
+    return "-".join(parts + [f"seed{args.seed}", f"n{n}"])
+
+
+def write_evaluation(stem, kind, items, predictions, metrics):
+    """An evaluation's files: <stem>.predictions.jsonl (id, prediction, references per item), for MME its results
+    folder <stem>.mme (write_mme_results), and last <stem>.metrics.json: `metrics` and the name and sha256 of the
+    predictions it scores, so that a kill in between leaves old metrics whose hash does not match (the old metrics
+    and MME folder are removed first). Returns the metrics as written."""
+    lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
+                    for it, p in zip(items, predictions)).encode()
+    try:  # never the old metrics (or MME folder) beside the new predictions, even if killed next
+        os.remove(stem + ".metrics.json")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(f"could not remove the old {stem}.metrics.json ({e.strerror or e})") from e
+    if kind == "yes-no":
+        files.discard(stem + ".mme")
+    files.atomic_write(stem + ".predictions.jsonl", lambda f: f.write(lines))
+    if kind == "yes-no":
+        write_mme_results(stem + ".mme", items, predictions)
+    metrics = {**metrics, "predictions": os.path.basename(stem) + ".predictions.jsonl",
+               "predictions_sha256": hashlib.sha256(lines).hexdigest()}
+    files.write_json(stem + ".metrics.json", metrics, indent=2)
+    return metrics
+
+
+def write_mme_results(folder, items, predictions):
+    """One <subtask>.txt per subtask in the official eval_tool's results format (`image<TAB>question<TAB>answer
+    <TAB>prediction`, an image's two questions on consecutive lines), so its calculation.py can check mme_scores. The
+    folder is written whole or not at all (files.replaced): calculation.py never reads two runs' files mixed."""
+    lines = {}
+    for it, p in zip(items, predictions):  # " ".join(p.split()): no tab or newline may break the four columns
+        row = f"{os.path.basename(it.image_path)}\t{it.question}\t{it.target}\t{' '.join(p.split())}\n"
+        lines.setdefault(it.category, []).append(row)
+
+    def write(tmp):
+        for subtask, rows in lines.items():
+            files.atomic_write(os.path.join(tmp, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
+    files.replaced(folder, write)
+
+
+def headline_metric(metrics):
+    """The name of the metric an evaluation reports first: VQA accuracy, CIDEr, or (MME, SEED-Bench) accuracy."""
+    return next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in metrics)
+
+
+# Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
+RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
+                   "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer")
+
+
+def result_settings(backbone, args, setting, items):
+    """An evaluation's RESULT_SETTINGS (the SEED protocol and a vector's file and layer are added by evaluate): the
+    backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
+    choice (where there are demonstrations), the seed, --n-eval (recorded, not compared) and the items scored (their
+    count and a hash of their ids: what was scored, however --n-eval chose it)."""
+    splitting, rices = teacher_cache.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
+    return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
+            "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
+            "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
+            "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
+            "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
+            "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16]}
+
+
+def check_replaceable(path, settings):
+    """Refuse to replace the result file at `path` (metrics, an analysis, a benchmark, a curve) if it records other
+    values of `settings` ({name: value}, as far as the old file records them): a ValueError naming the file and each
+    difference. Paths compare as real paths (a data root through a symlink is the same). An unreadable file holds no
+    result and is replaced."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return
+    path_of = lambda v: os.path.realpath(v) if isinstance(v, str) else v
+    same = lambda k: old[k] == settings[k] or k in ("checkpoint", "data_root") and \
+        path_of(old[k]) == path_of(settings[k])
+    differ = [f"{k} {old[k]!r} (now {settings[k]!r})" for k in settings if isinstance(old, dict) and k in old and
+              not same(k)]
+    if differ:
+        raise ValueError(f"{path} holds the result of other settings: {', '.join(differ)}; it is kept. Give another "
+                         "--out, or remove the file to replace it")
+
+
+def default_checkpoint(model, task):
+    """Where a train.py run with the default --out and --method writes its best adapter."""
+    return os.path.join(checkpoints.default_out(model, task, "hyper-icl"), "adapter.safetensors")

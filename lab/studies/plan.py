@@ -1,0 +1,250 @@
+"""The plan of a run (--plan): tokens per row, the images a batch holds, the teacher cache on disk and its room, the
+peak memory of training and evaluation, and whether reading the cache or recomputing the teacher is cheaper."""
+import os
+import shutil
+import time
+
+import torch
+
+import data
+import model as M
+from lab.disk import files
+from lab.disk.files import size
+from lab.datasets import tasks
+from lab.models import backbones, chunks, published
+from lab.run import runs, teacher_cache
+
+
+#
+# train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
+# a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
+# tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read.
+
+PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
+
+
+RUNTIME = 0.45e9     # bytes: a CPU run's resident Python, torch, transformers and tokenizer before any weight
+
+
+MEMORY_ASSUMPTIONS = (
+    "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a parameter); "
+    "loading: on a CPU the weights plus the {file} file's copy (mapped while the weights are converted), on a GPU the "
+    "weights; images: the batch's pixel tensors as the batch builder returns them for the sampled rows, the real "
+    "images' copy in {dtype}, each image's vision-tower output, and one chunk of images (--image-memory {budget}) at "
+    "chunks.image_work; decoder: one layer's work B T (3 i + 5 d) and a B x T x T bool mask (SDPA without T x T "
+    "scores), in evaluation the KV cache 2 L B (T + new) kv (training forwards keep none), the teacher's kept states "
+    "L B T_q d (no [L, B, T, d] stack), the student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is "
+    "its pixels + the larger of its image and decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the "
+    "sample's longest, random ICDs (plan.memory)")
+
+
+def plan_backbone(args, family):
+    """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
+    dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
+    folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
+    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
+    if backbones.is_built(args.model):
+        backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting)
+        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
+    if args.processor and not os.path.isdir(args.processor):
+        raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
+                         "and preprocessor files")
+    folder = args.processor or (args.model if os.path.isdir(args.model) else None)
+    if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
+        from huggingface_hub import snapshot_download
+        hub_id = M.FAMILIES[family].hub_id
+        try:
+            folder = snapshot_download(hub_id, local_files_only=True)
+        except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
+            raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
+                             f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
+                             f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
+    config = backbones.read_config(args.model) if os.path.isdir(args.model) else None
+    if config is not None:
+        backbones.check_config(config, args.model)
+    try:
+        processor, images = M.load_processor(folder, family, args.image_splitting)
+    except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
+        raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
+                         f"({e})") from None
+    model = published.published_model(family, config=config)  # on the meta device: no weights
+    source = f'published.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
+    M.context_limit(processor, model.config)
+    file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
+    return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
+
+
+def plan_rows(processor, family, kind, queries, icds, batch):
+    """The sampled queries' rows collated as a run collates them, `batch` at a time: {"student": {id: tokens},
+    "teacher": {id: tokens}, "query": {id: T_q}, "answers": {id: target tokens}, "images": {"student": [...],
+    "teacher": [...]}, each batch's image_sizes}."""
+    rows = {"student": {}, "teacher": {}, "query": {}, "answers": {}, "images": {"student": [], "teacher": []}}
+    for start in range(0, len(queries), batch):
+        qs = queries[start:start + batch]
+        pieces = data.query_pieces(processor, family, kind, qs)
+        for name, collated in (("student", data.student_batch(processor, family, kind, pieces)),
+                               ("teacher", data.teacher_batch(processor, family, kind, pieces,
+                                                              icds[start:start + batch]))):
+            rows[name].update(zip((q.id for q in qs), collated["attention_mask"].sum(1).tolist()))
+            rows["images"][name].append(image_sizes(collated))
+        for q, (tokens, answers) in zip(qs, teacher_cache.query_sizes(pieces)):
+            rows["query"][q.id], rows["answers"][q.id] = tokens, answers
+    return rows
+
+
+def image_sizes(batch):
+    """What the image modules of a collated batch run over, read off its pixel tensors as the builder made them:
+    {"images": real images (all-zero padding images are dropped by the model), "pixels": [H, W] of each (its canvas),
+    "bytes": the pixel tensors' bytes}."""
+    pixels = batch["pixel_values"]
+    flat = pixels.reshape(-1, *pixels.shape[-3:])
+    real = flat.flatten(1).ne(0).any(1)
+    return {"images": int(real.sum()), "pixels": tuple(pixels.shape[-2:]),
+            "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
+
+
+def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens, on_cpu, file_dtype, image_memory):
+    """Estimated peak bytes of each part, of training and of evaluation (MEMORY_ASSUMPTIONS, every term here)."""
+    text = config.get_text_config()
+    b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
+        text.num_attention_heads
+    kv = (getattr(text, "num_key_value_heads", None) or heads) * (getattr(text, "head_dim", None) or d // heads)
+    t_s, t_t = max(rows["student"].values()), max(rows["teacher"].values())
+    kept = L * batch * max(rows["query"].values()) * d * b   # the teacher's states at the query + target tokens
+
+    def vision(sizes):  # the batch's pixels, a chunk's working set, every image's tower output and features
+        patch = config.vision_config.patch_size
+        patches = (sizes["pixels"][0] // patch) * (sizes["pixels"][1] // patch)
+        one = chunks.image_work(config, patches, b)
+        d_v = getattr(config.vision_config, "hidden_size", None) or config.vision_config.embed_dim
+        chunk = min(sizes["images"], max(1, int(image_memory // one)))
+        return sizes["bytes"] + sizes["images"] * (3 * sizes["pixels"][0] * sizes["pixels"][1] + patches * d_v) * b \
+            + chunk * one
+
+    def layer(tokens, cached=False):  # one decoder layer's working set and inputs, the bool mask (+ KV cache)
+        return batch * tokens * (3 * i + 5 * d) * b + batch * tokens ** 2 + cached * 2 * L * batch * tokens * kv * b
+
+    pixels = lambda name: max(s["bytes"] for s in rows["images"][name])
+    worst = lambda name: max(vision(s) for s in rows["images"][name])
+    out = {"weights": params * b, "adapter": adapter_params * 16, "runtime": RUNTIME if on_cpu else 0,
+           "load": params * (b + file_dtype.itemsize) if on_cpu else params * b,
+           "vision": worst("teacher"), "teacher": max(worst("teacher"), pixels("teacher") + layer(t_t) + kept),
+           "student": max(worst("student"), pixels("student") + layer(t_s) + batch * t_s * L * (10 * d + 3 * i) * b)}
+    out["train_loaded"] = out["runtime"] + out["weights"] + out["adapter"] + kept + max(out["teacher"], out["student"])
+    evaluation = lambda tokens, name: out["runtime"] + out["weights"] + max(
+        worst(name), pixels(name) + layer(tokens + new_tokens, cached=True))
+    out["eval_adapter_loaded"], out["eval_icl_loaded"] = evaluation(t_s, "student"), evaluation(t_t, "teacher")
+    for run in ("train", "eval_adapter", "eval_icl"):  # the peak: loading, or the run once loaded
+        out[run] = max(out["runtime"] + out["load"], out[run + "_loaded"])
+    return out
+
+
+def plan(args, queries=None):
+    """Print what a run of these flags costs, without loading weights: tokens per student and teacher row at the
+    configured shots (the collated rows of a sample of the queries), the images the vision tower runs over, the teacher
+    cache on disk (every query's tokens) and the peak memory of training and evaluation (MEMORY_ASSUMPTIONS) in the
+    run's own dtype and device (--plan cuda | cpu). Returns the figures as a dict.
+    queries: evaluate.py's items (ICDs then come from the training split); None: train.py's training queries."""
+    family, kind, training = M.family_of(args.model), tasks.spec(args.task).kind, queries is None
+    if training:
+        queries, _, pool, shots = tasks.split_pool(args, family)
+    else:
+        shots = args.shots if args.shots else data.default_shots(tasks.spec(args.task), family)
+        pool = tasks.load_task(args.task, "train", args.data_root)
+    processor, model, images, source, file_dtype = plan_backbone(args, family)
+    config = model.config
+    sample = queries[:PLAN_SAMPLE]
+    icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
+    batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
+    rows = plan_rows(processor, family, kind, sample, icds, batch)
+    dtype, on_cpu = backbones.autocast_dtype(args.plan), args.plan == "cpu"  # cuda: bf16; cpu: float32
+    params = sum(p.numel() for p in model.parameters())
+    adapter = sum(p.numel() for p in M.attach(model, args.method, **runs.method_sizes(args)).parameters()) \
+        if training else 0
+    mem = memory(config, params, adapter, rows, batch, shots, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
+                 file_dtype, args.image_memory * 1e9)
+    mean = lambda values: sum(values) / len(values)
+    count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
+    print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
+          f"{str(dtype).split('.')[-1]} ({'a CPU' if on_cpu else 'a CUDA'} run); {source}")
+    if images:
+        print(images)
+    seen = max(rows["images"]["teacher"], key=lambda s: s["images"])
+    print(f"tokens a row ({len(sample)} queries encoded): student {mean(rows['student'].values()):.0f} mean, "
+          f"{max(rows['student'].values())} max; teacher ({shots} ICDs) {mean(rows['teacher'].values()):.0f} mean, "
+          f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; a "
+          f"teacher batch's images: {seen['images']} of {seen['pixels'][0]} x {seen['pixels'][1]} pixels (as collated)")
+    figures = {"rows": rows, "memory": mem, "shots": shots, "dtype": dtype, "queries": len(queries)}
+    print(f"weights: {count(params)} parameters = {size(mem['weights'])} (loading: {size(mem['load'])})"
+          + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
+    if training:
+        sizes = teacher_cache.query_tokens(processor, family, kind, queries)  # every query's tokens, no image loaded
+        figures["cache"] = plan_cache(args, config, sizes, dtype, 2 * params * mean(rows["teacher"].values()))
+        print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
+              f"{size(mem['teacher'])}, student {size(mem['student'])}; vision in them {size(mem['vision'])}) + "
+              f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")
+    print(f"peak memory, evaluation at batch {batch}: ~{size(mem['eval_adapter'])} with the adapter or "
+          f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
+    print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
+                                    budget=size(args.image_memory * 1e9)))
+    return figures
+
+
+def plan_cache(args, config, sizes, dtype, teacher_flops=None):
+    """Print and return the planned teacher cache of the run's queries (sizes: their query_sizes), against the free
+    space of --teacher-cache (or of the nearest folder above it that exists); and, given the FLOPs of one query's
+    teacher forward, whether reading a query's file back costs less than recomputing its teacher (read_or_recompute)."""
+    n_queries = len(sizes)
+    if args.anchor == "none":
+        print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
+        return 0
+    per_query = teacher_cache.cache_file_bytes(args, config, sizes, dtype)
+    total = per_query * n_queries
+    folder = args.teacher_cache
+    while not os.path.isdir(folder):
+        folder = os.path.dirname(os.path.abspath(folder))
+    writable = os.access(folder, os.W_OK | os.X_OK)
+    versus = read_or_recompute(folder, per_query, teacher_flops) if teacher_flops and writable else None
+    if args.no_teacher_cache:
+        print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
+              f"{n_queries}; it would take {size(total)})")
+        print(versus or "", end="\n" if versus else "")
+        return total
+    free, text = shutil.disk_usage(folder).free, config.get_text_config()
+    tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
+        f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
+    print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
+          f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
+          "free there"
+          + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
+          + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
+    print(versus or "", end="\n" if versus else "")
+    return total
+
+
+ACCELERATOR_TFLOPS = 400  # what an H200 sustains in bf16 on these forwards (an estimate; its dense peak is ~990)
+
+
+def read_or_recompute(folder, per_query, teacher_flops, probe=64 << 20):
+    """The plan's line on which costs less a query in later epochs: reading its cached teacher tensor back
+    (per_query bytes at the speed this folder's disk reads a file that is not in memory: a probe file written,
+    flushed, dropped from the page cache and read once) or recomputing its teacher forward (teacher_flops, about 2 x
+    parameters x teacher-row tokens, at ACCELERATOR_TFLOPS)."""
+    path = files.tmp_name(os.path.join(folder, "read-probe"))
+    try:
+        files.atomic_write(path, lambda f: f.write(os.urandom(probe)))
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # Linux: the clean pages leave the page cache
+            start = time.perf_counter()
+            while f.read(8 << 20):
+                pass
+            speed = probe / (time.perf_counter() - start)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+    read, compute = per_query / speed, teacher_flops / (ACCELERATOR_TFLOPS * 1e12)
+    return (f"teacher cache or recomputing, a query: reading its file back ~{read * 1e3:.3g} ms ({folder} reads "
+            f"{speed / 1e6:.0f} MB/s, measured), recomputing its teacher ~{compute * 1e3:.3g} ms "
+            f"({teacher_flops / 1e12:.3g} TFLOP at ~{ACCELERATOR_TFLOPS} TFLOP/s, an H200's estimate): "
+            + ("reading is cheaper" if read <= compute else "recomputing is cheaper here (--no-teacher-cache), unless "
+               "the accelerator is slower than that"))
