@@ -51,7 +51,7 @@ hugging_face_evaluate()
 
 def manifest():
     """The entry point of group `lmms_eval.models` (lab/lmms_eval_entry/pyproject.toml): `hyper_icl`, this class."""
-    return ModelManifest(model_id="hyper_icl", simple_class_path="lab.lmms_eval_model.HyperICL")
+    return ModelManifest(model_id="hyper_icl", simple_class_path="lab.cli.lmms_eval_model.HyperICL")
 
 
 class HyperICL(lmms):
