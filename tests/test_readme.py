@@ -1,7 +1,8 @@
-"""The README and the shape of the code: every function and test that the README and docs/*.md name exists; the six
-files of the paper and each file of lab/ stay within their sizes; imports run one way (the paper's four bottom files,
-then lab/, then train.py and evaluate.py) with no circle inside lab/; no line over 120 characters; the README is a
-front door (short, the equation map, the two commands) whose Python example runs."""
+"""The README and the shape of the code: every name, test, path and link that the README and docs/*.md write exists;
+the six files of the paper and each file of lab/ stay within their sizes; imports run one way (the paper's four bottom
+files, then lab/'s wings bottom first, then train.py and evaluate.py: the README's Files table) with no circle inside
+lab/; no line over 120 characters; the README is a front door (short, the equation map, the two commands) whose Python
+example runs."""
 import ast
 import functools
 import glob
