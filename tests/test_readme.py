@@ -1,8 +1,10 @@
-"""The README and the shape of the code: every function and test that the README and docs/*.md name exists; the six
-files of the paper and each file of lab/ stay within their sizes; imports run one way (the paper's four bottom files,
-then lab/, then train.py and evaluate.py) with no circle inside lab/; no line over 120 characters; the README is a
-front door (short, the equation map, the two commands) whose Python example runs."""
+"""The README and the shape of the code: every name, test, path and link that the README and docs/*.md write exists;
+the six files of the paper and each file of lab/ stay within their sizes; imports run one way (the paper's four bottom
+files, then lab/'s wings bottom first, then train.py and evaluate.py: the README's Files table) with no circle inside
+lab/; no line over 120 characters; the README is a front door (short, the equation map, the two commands) whose Python
+example runs."""
 import ast
+import functools
 import glob
 import os
 import re
@@ -30,25 +32,89 @@ def read(path):
     return open(os.path.join(ROOT, path), encoding="utf-8").read()
 
 
+@functools.lru_cache(maxsize=None)
 def top_level_names(path):
-    """Classes, functions, methods (Class.method) and assigned names at the top of a Python file."""
-    names = set()
-    for node in ast.parse(read(path)).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.add(node.name)
-            names |= {f"{node.name}.{m.name}" for m in getattr(node, "body", []) if isinstance(m, ast.FunctionDef)}
-        elif isinstance(node, ast.Assign):
-            names |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    return names
+    """Classes, functions, assigned names at the top of a Python file, and Class.method, Class.field inside a class."""
+    def named(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                yield node.name
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = getattr(node, "targets", None) or [node.target]  # x = ... or x: int = ...
+                yield from (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    tree = ast.parse(read(path)).body
+    return set(named(tree)) | {f"{c.name}.{n}" for c in tree if isinstance(c, ast.ClassDef) for n in named(c.body)}
 
 
-def test_every_function_and_test_the_readme_and_docs_name_exists():
-    assert DOCS  # the studies and the operational detail live in docs/*.md
-    named = set(re.findall(r"`([a-z_/]+\.py):([A-Za-z_][\w.]*)`", MAP))
-    tests = set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)", MAP))
-    assert len(named) > 100 and len(tests) > 100  # the map is there
-    assert sorted((f, n) for f, n in named if n not in top_level_names(f)) == []
-    assert sorted((f, t) for f, t in tests if t not in top_level_names(f)) == []
+def prose(text):
+    """A markdown text without its fenced blocks (shell commands, examples, file records)."""
+    return re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
+
+
+# A reference in the docs, anywhere in README.md or docs/*.md (prose, tables, code spans and fenced blocks), is
+# either `path.py:name` or `path.py::test` (path from the project's root) or a dotted `module.name`
+# (`module.Class.method`) whose first part is one of the six files or a module of lab/ by its bare name (`runs.start`;
+# unique across the wings) or a dotted path from `lab` (`lab.run`, `lab.run.runs.start`). A dotted name whose last part
+# is a file ending (`data.py`, `history.json`, `adapter.safetensors`) names a file; one that starts with anything else
+# (`torch.cuda`, `0.7.3`, `backbone.model`) or follows a letter, a dot, a slash or a dash (`lab/run/runs.py`) is no
+# reference. The name must be a top-level name of that file, Class.method or Class.field, or nothing (`lab.run`).
+MODULES = {**{f: f + ".py" for f in PAPER}, **{m.split(".")[1]: lab_path(m) for m in LAB},
+           **{f"lab.{m}": lab_path(m) for m in LAB}, **{f"lab.{w}": f"lab/{w}/__init__.py" for w in WINGS}}
+FILE_ENDINGS = {"py", "json", "jsonl", "pt", "safetensors", "txt", "md", "png", "tmp", "lock", "csv", "parquet"}
+
+
+def broken_references(doc):
+    """The references of one doc that name nothing, each once, as "doc: reference"."""
+    text, broken = read(doc), []
+    for path, name in re.findall(r"(?<![\w./<-])((?:[\w-]+/)*\w+\.py)::?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", text):
+        if not os.path.isfile(os.path.join(ROOT, path)) or name not in top_level_names(path):
+            broken.append(f"{doc}: {path}:{name}")
+    for dotted in re.findall(r"(?<![\w./-])([a-z_]\w*(?:\.[A-Za-z_]\w*)+)", text):
+        parts = dotted.split(".")
+        if parts[0] not in {*MODULES, "lab"} or parts[-1] in FILE_ENDINGS:
+            continue  # no reference
+        module = max((k for k in MODULES if f"{dotted}.".startswith(k + ".")), key=len, default="")
+        if not module or dotted != module and dotted[len(module) + 1:] not in top_level_names(MODULES[module]):
+            broken.append(f"{doc}: {dotted}")
+    return list(dict.fromkeys(broken))
+
+
+def test_every_name_and_test_the_readme_and_docs_name_exists():
+    """Every reference (the rule above MODULES) in README.md and docs/*.md names a function, class, method,
+    constant, module or test that is there; the failure lists all that are not, at once."""
+    assert DOCS and len(MODULES) == len(PAPER) + 2 * len(LAB) + len(WINGS)  # a lab module's bare name is unique
+    assert len(set(re.findall(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`", MAP))) > 100  # the map is there
+    assert len(set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)", MAP))) > 100
+    docs = ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]
+    broken = [b for doc in docs for b in broken_references(doc)]
+    assert broken == [], "names that are not there:\n" + "\n".join(broken)
+
+
+def headings(path):
+    """The anchors of a markdown file's headings, as GitHub makes them."""
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", prose(read(path)), flags=re.M)}
+
+
+def test_every_path_and_link_in_the_readme_and_docs_exists():
+    """Every lab/, tests/, tools/ or docs/ path written in README.md or docs/*.md (fenced blocks included; from the
+    project's root; a * a glob that must match) is there, and so is every local markdown link's file and #anchor."""
+    missing = []
+    for doc in ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]:
+        text = read(doc)
+        for path in re.findall(r"(?<![\w./~-])(?:\./)?((?:lab|tests|tools|docs)/[\w./*<>-]*)", text):
+            if "<" in path:
+                continue  # a placeholder: tests/test_<file>.py
+            missing += [] if glob.glob(os.path.join(ROOT, path.rstrip("."))) else [f"{doc}: {path}"]
+        for link in re.findall(r"\]\(([^)\s]+)\)", prose(text)):
+            target, _, anchor = link.partition("#")
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            target = os.path.normpath(os.path.join(os.path.dirname(doc), target)) if target else doc
+            found = os.path.exists(os.path.join(ROOT, target)) and (not anchor or anchor in headings(target))
+            missing += [] if found else [f"{doc}: ({link})"]
+    missing = list(dict.fromkeys(missing))
+    assert missing == [], "paths and links that are not there:\n" + "\n".join(missing)
 
 
 def lines(path):
@@ -146,14 +212,19 @@ def test_no_line_is_longer_than_120_characters():
 
 def test_the_readme_is_a_front_door():
     """At most 165 lines: what it is, the two commands, the map from every equation to its code, the real-model
-    commands, your own data, lmms-eval, results, the files, a Python example."""
+    commands, your own data, lmms-eval, results, the files (a table in import order, each wing a row), a Python
+    example."""
     assert len(README.rstrip("\n").split("\n")) <= 165
     for command in ("python train.py && python evaluate.py", "python -m pytest tests/paper", "python -m pytest -q"):
         assert command in README, command
     mapped = {n for a, b in re.findall(r"^\| Eq (\d+)(?:-(\d+))? \|", README, flags=re.M)
               for n in range(int(a), int(b or a) + 1)}
     assert mapped == set(range(1, 20))  # Eq 1-19, each in a row of the equation map
-    assert {f for f in PAPER if f"| `{f}.py` |" in README} == set(PAPER) and "| `lab/` |" in README  # Files
+    rows = re.findall(r"^\| `(\w+\.py|lab/\w+/)` \|", README, flags=re.M)  # Files, in import order
+    assert {f"{f}.py" for f in PAPER} | {f"lab/{w}/" for w in WINGS} <= set(rows)
+    row = {m: rows.index(f"lab/{m.split('.')[1]}/" if m.startswith("lab.") else m + ".py") for m in LEVEL}
+    assert {(m, i) for m in LEVEL for i in project_imports(lab_path(m[4:]) if m.startswith("lab.") else m + ".py")
+            if row[i] > row[m]} == set()  # each file imports only files above it in the table
 
 
 def readme_example():
