@@ -26,13 +26,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-import model as M  # noqa: E402
 import train  # noqa: E402
 import evaluate  # noqa: E402
 import twins  # noqa: E402
 from lab.disk import files
 from lab.datasets import readers, toy_world
-from lab.models import backbones, chunks, published
+from lab.models import backbones, chunks, families, published
 from lab.studies import table6
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
@@ -101,7 +100,7 @@ def write_twin(family, layers, folder):
     else:
         twins.onevision_processor_files(folder)
     torch.manual_seed(0)
-    model = M.FAMILIES[family].model_cls._from_config(twin_config(family, layers), dtype=torch.bfloat16)
+    model = families.FAMILIES[family].model_cls._from_config(twin_config(family, layers), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     return folder
 

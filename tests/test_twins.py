@@ -15,10 +15,10 @@ from PIL import Image
 import benchmarks
 import data as D
 import evaluate as E
-import model as M
 import train
 from twins import TWINS, write_twin
 from lab.datasets import tasks
+from lab.models import families
 from lab.models.backbones import load_backbone, stop_ids
 
 pytest.importorskip("mistral_common")
@@ -161,7 +161,7 @@ def test_a_malformed_processor_config_names_its_file(folders, tmp_path):
     folder = shutil.copytree(folders["llava-onevision"], tmp_path / "ov")
     (folder / "processor_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="processor_config.json cannot be read"):
-        M.load_processor(str(folder), "llava-onevision")
+        families.load_processor(str(folder), "llava-onevision")
 
 
 # -------------------------------------------------------------------------------- memory: logits where they are read
