@@ -1,4 +1,4 @@
-"""evaluate.py end to end on the tiny twins and the benchmarks of tests/benchmarks.py (CPU): evaluation files,
+"""evaluate.py end to end on the tiny twins and the benchmarks of tools/benchmarks.py (CPU): evaluation files,
 post-processing, the efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
 import hashlib
 import json
@@ -21,7 +21,7 @@ from lab.run import checkpoints
 from lab.studies import analyses, curves, table6
 
 N_EVAL = 6
-# the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
+# the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 
 

@@ -1,6 +1,6 @@
 """The real size on a GPU (issue 37), for the day one is lent: `python -m pytest -m gpu -s` trains the full-size
 Idefics2-8B (model.published_model: random weights, bf16, on CUDA) with a real-processor twin's processor on COCO-size
-photographs (tests/memory_twins.py): --plan, 20 steps at batch 4 with 8 shots and the teacher cache, then 64
+photographs (tools/memory_twins.py): --plan, 20 steps at batch 4 with 8 shots and the teacher cache, then 64
 evaluation items at 0 and 8 shots and with the adapter, then Table 6 (evaluate.py --benchmark). It prints one table:
 peak torch.cuda.max_memory_allocated against the plan, step time, the share of a step spent waiting for its batches,
 cache bytes per query against the plan, Table 6. About 12 minutes on one H200 (estimated; not run yet).

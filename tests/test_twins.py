@@ -1,4 +1,4 @@
-"""The real-processor twins (tests/tiny.py): real tokenizers, the published processor settings, tiny random weights
+"""The real-processor twins (tools/twins.py): real tokenizers, the published processor settings, tiny random weights
 at the real vocabularies, loaded from a checkpoint folder as a real checkpoint is. On them: the rows' token ids,
 the memory of the forwards (no vocabulary-wide logits), LLaVA-OneVision's multi-image encoding, the stop ids, and
 train.py and evaluate.py end to end on every task kind."""

@@ -4,13 +4,13 @@ alone, one heavy run at a time.
 
 The twins are the published configs (published.PUBLISHED) with 1-2 decoder layers, one vision layer and the perceiver at
 depth 1, random weights saved in bf16 as the real checkpoints are, the real tokenizers and processor settings
-(tests/tiny.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
+(tools/twins.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
 JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
 
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory --published    # the README's real-model table
-    python tests/memory_twins.py --vision                                     # Idefics2's images in chunks
+    python tools/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
+    python tools/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
+    python tools/memory_twins.py --root /tmp/hyper-icl-memory --published    # the README's real-model table
+    python tools/memory_twins.py --vision                                     # Idefics2's images in chunks
 """
 import argparse
 import contextlib
@@ -193,7 +193,7 @@ PUBLISHED_ROWS = (("Idefics2-8B, splitting off", "idefics2", "idefics2", "off"),
 
 def published_table(root):
     """The README's real-model table: --plan cuda at the published sizes (bf16, batch 4, 8 shots) with each
-    real-processor twin's processor (tests/tiny.py) on the photographs."""
+    real-processor twin's processor (tools/twins.py) on the photographs."""
     print("| backbone | student row / 8-shot teacher row, tokens | teacher cache, 1,000 queries | training memory | "
           "evaluation memory: adapter / 8-shot ICL |\n|---|---:|---:|---:|---:|")
     for name, family, twin, splitting in PUBLISHED_ROWS:
