@@ -1,6 +1,6 @@
 """The paper's four backbone families and their checkpoints: a name's family, and a checkpoint loaded by name (a
 family's short name, a hub id or a folder), frozen, with its processor and the line that says how it encodes images.
-lab/models/backbones.py:load_backbone loads every name through it, the tiny twins and toy backbones included."""
+Every name, the tiny twins and toy backbones included, loads through lab/models/backbones.py:load_backbone."""
 import glob
 import json
 import os
