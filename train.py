@@ -31,7 +31,7 @@ import data
 import model as M
 from lorentz import hyperbolic_anchor_loss
 from lab.datasets import rices, tasks
-from lab.models import backbones, chunks, toy_backbone
+from lab.models import backbones, chunks, families, toy_backbone
 from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
 from lab.studies import plan
 from lab.cli import train_cli
@@ -178,7 +178,7 @@ def train(cfg):
     # the data (first: it fails fast), the backbone, each training query's demonstrations (fixed for the run)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
-    queries, heldout, pool, shots = tasks.split_pool(cfg, M.family_of(cfg.model))
+    queries, heldout, pool, shots = tasks.split_pool(cfg, families.family_of(cfg.model))
     backbone = backbones.load_backbone(cfg.model, device=device, image_splitting=cfg.image_splitting,
                                        image_memory=cfg.image_memory * 1e9)
     if backbone.images:

@@ -1,8 +1,8 @@
-"""Shared test settings: the repository root and tests/ on sys.path (so `python -m pytest tests/paper`, the whole
-suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
+"""Shared test settings: the repository root, tests/ and tools/ on sys.path (so `python -m pytest tests/paper`, the
+whole suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
 deadlines (CI machines are slow), the `plain` fixture (a module's backbone without an adapter), `twin_folder` (the
-tiny twin as a checkpoint folder), and the benchmarks in their official layouts (benchmarks.py) written once, before
-any test reads them from benchmarks.ROOT."""
+tiny twin as a checkpoint folder), and the benchmarks in their official layouts (tools/benchmarks.py) written once,
+before any test reads them from benchmarks.ROOT."""
 import os
 import sys
 
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import settings
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS) if p not in sys.path]
+TOOLS = os.path.join(os.path.dirname(TESTS), "tools")
+sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS, TOOLS) if p not in sys.path]
 
 import benchmarks  # noqa: E402 (after the paths above)
 import model as M  # noqa: E402

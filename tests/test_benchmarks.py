@@ -1,6 +1,6 @@
 """MME and SEED-Bench (Table 2): the readers on hand-written files in the official formats, the seeded split,
 MME's acc / acc+ / score on a hand-computed example, option-letter extraction, SEED's likelihood ranking against
-a plain per-option forward pass, and evaluate.py on the benchmarks of tests/benchmarks.py."""
+a plain per-option forward pass, and evaluate.py on the benchmarks of tools/benchmarks.py."""
 import dataclasses
 import json
 import os

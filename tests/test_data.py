@@ -1,4 +1,4 @@
-"""data.py: readers on files in the official formats (hand-written, and the benchmarks of tests/benchmarks.py),
+"""data.py: readers on files in the official formats (hand-written, and the benchmarks of tools/benchmarks.py),
 demonstrations, teacher/student batches."""
 import os
 import random
@@ -238,7 +238,7 @@ def test_stratified_subset_of_single_question_images_is_exact():
     assert len(subset) == 10 and sum(it.category == "dim2" for it in subset) == 1   # 9 : 1 as 90 : 10
 
 
-# ---------------------------------------------------------------------------- the benchmarks of tests/benchmarks.py
+# ---------------------------------------------------------------------------- the benchmarks of tools/benchmarks.py
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""evaluate.py end to end on the tiny twins and the benchmarks of tests/benchmarks.py (CPU): evaluation files,
+"""evaluate.py end to end on the tiny twins and the benchmarks of tools/benchmarks.py (CPU): evaluation files,
 post-processing, the efficiency table (Table 6), and the gate (Table 10) and delta-hyperbolicity (Table 9) analyses."""
 import hashlib
 import json
@@ -16,12 +16,12 @@ import evaluate as E
 import model as M
 import train
 from lab.datasets import mme_seed, tasks
-from lab.models import backbones, published
+from lab.models import backbones, families, published
 from lab.run import checkpoints
 from lab.studies import analyses, curves, table6
 
 N_EVAL = 6
-# the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
+# the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 
 
@@ -118,7 +118,7 @@ def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch
     assert os.path.isfile(os.path.join(os.path.dirname(default), "vqav2-val-hyper-icl-seed0-n2.metrics.json"))
 
 
-@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
 def test_batched_generation_matches_one_at_a_time(family):
     """Left padding changes nothing: the same answers batched (rows of different lengths) and one by one."""
     backbone = backbones.load_backbone("tiny-" + family)
@@ -149,7 +149,7 @@ def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, caps
         assert json.load(f)["rows"] == rows
 
 
-@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
 def test_synthetic_prompts_are_in_the_family_format(family):
     """--random-weights inputs, built from the tiny twin's config, run through the real model class, with as many
     tokens per image as the family's own processor gives an image of that size."""
@@ -322,7 +322,7 @@ def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_tra
     args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour"])
     tuning_run = train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
                                    *curves.tune_flags(1e-3)])  # the flags E.tune gives train.main, whose split this is
-    trained, scored = tasks.split_pool(tuning_run, M.family_of(args.model))[:2]
+    trained, scored = tasks.split_pool(tuning_run, families.family_of(args.model))[:2]
     evaluated = tasks.eval_items(args)
     assert len(scored) == curves.TUNE["n_heldout"] and len(trained) == curves.TUNE["n_train"] and len(evaluated) == 300
     images = lambda items: {hashlib.sha256(open(it.image_path, "rb").read()).hexdigest() for it in items}

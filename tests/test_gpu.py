@@ -1,6 +1,6 @@
 """The real size on a GPU (issue 37), for the day one is lent: `python -m pytest -m gpu -s` trains the full-size
 Idefics2-8B (published.published_model: random weights, bf16, on CUDA) with a real-processor twin's processor on
-COCO-size photographs (tests/memory_twins.py): --plan, 20 steps at batch 4 with 8 shots and the teacher cache, then 64
+COCO-size photographs (tools/memory_twins.py): --plan, 20 steps at batch 4 with 8 shots and the teacher cache, then 64
 evaluation items at 0 and 8 shots and with the adapter, then Table 6 (evaluate.py --benchmark). It prints one table:
 peak torch.cuda.max_memory_allocated against the plan, step time, the share of a step spent waiting for its batches,
 cache bytes per query against the plan, Table 6. About 12 minutes on one H200 (estimated; not run yet).
@@ -20,7 +20,7 @@ import train
 from memory_twins import write_photos
 from twins import write_twin
 from lab.disk import files
-from lab.models import backbones, chunks, published
+from lab.models import backbones, chunks, families, published
 from lab.run import runs
 
 
@@ -101,10 +101,10 @@ def print_table(rows, table6):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_real_size_on_a_gpu(tmp_path, monkeypatch):
-    processor, images = M.load_processor(write_twin("idefics2", tmp_path / "twin"), "idefics2")
+    processor, images = families.load_processor(write_twin("idefics2", tmp_path / "twin"), "idefics2")
     model = chunks.chunk_images(published.published_model("idefics2", device="cuda"))
-    M.context_limit(processor, model.config)
-    backbone = M.Backbone(model, processor, "idefics2", "idefics2", images)
+    families.context_limit(processor, model.config)
+    backbone = families.Backbone(model, processor, "idefics2", "idefics2", images)
     rows, table6 = rehearse(backbone, ["--model", "idefics2", "--processor", str(tmp_path / "twin")], str(tmp_path),
                             monkeypatch, steps=20, batch=4, shots=8, n_eval=64, bench=[])
     for what, (measured, planned) in rows.items():

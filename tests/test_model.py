@@ -9,10 +9,10 @@ import model as M
 
 from helpers import TEXTS, prompts, randomise
 from lab.disk import files
-from lab.models import backbones, published
+from lab.models import backbones, families, published
 from lab.run import checkpoints
 
-FAMILIES = sorted(M.FAMILIES)
+FAMILIES = sorted(families.FAMILIES)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -75,7 +75,7 @@ def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(plain.model(**batch).logits, want)
     M.detach(plain.model)
-    other = M.Backbone(published.published_model("idefics2"), None, "idefics2", "idefics2")
+    other = families.Backbone(published.published_model("idefics2"), None, "idefics2", "idefics2")
     with pytest.raises(ValueError, match="layers .saved 2, here 32."):
         checkpoints.load_adapter(path, other)
     from safetensors.torch import save_file
@@ -103,7 +103,7 @@ def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
 
 def test_a_model_folder_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(ValueError, match=f"there is no folder {tmp_path / 'missing'}"):
-        M.family_of(str(tmp_path / "missing"))
+        families.family_of(str(tmp_path / "missing"))
 
 
 @pytest.mark.parametrize("name", ["toy-idefics", "toy-llava-interleave", "toy-llava-onevision"])
@@ -112,5 +112,5 @@ def test_only_toy_idefics2_is_a_toy_name(name):
     hub checkpoint before)."""
     assert not backbones.is_built(name)
     with pytest.raises(ValueError, match=f"unknown backbone {name!r}"):
-        M.family_of(name)
+        families.family_of(name)
 

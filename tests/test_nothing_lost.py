@@ -2,7 +2,7 @@
 checkpoints and configs are named, numeric flags are checked before anything loads.
 
 One test per case of a hostile run (issue 39): each failed before its fix. Small: the tiny twin, a few items, files
-written by hand in the official layouts or copied from tests/benchmarks.py's."""
+written by hand in the official layouts or copied from tools/benchmarks.py's."""
 import json
 import os
 import shutil

@@ -2,7 +2,7 @@
 wherever a signal lands, a full disk named with its way out, missing weights and paths out of a dataset refused.
 
 One test per case of a hostile run (issue 45, items 1-9 and 13): each failed before its fix. Small: the tiny twin,
-4 to 12 training queries, files written by hand in the official layouts or copied from tests/benchmarks.py's."""
+4 to 12 training queries, files written by hand in the official layouts or copied from tools/benchmarks.py's."""
 import errno
 import json
 import os

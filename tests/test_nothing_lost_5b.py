@@ -2,7 +2,7 @@
 workers, the Python API's arguments, reader ids, tracebacks, float flags, result files compared by what they scored,
 no model folder's code, a refused adapter keeping the one attached before it.
 
-Each test failed before its fix. Small: the tiny twin, a few items, files copied from tests/benchmarks.py's."""
+Each test failed before its fix. Small: the tiny twin, a few items, files copied from tools/benchmarks.py's."""
 import dataclasses
 import json
 import os

@@ -1,5 +1,5 @@
 """The benchmarks as the hub ships them for lmms-eval (issue 43, parts 2-3; lab/datasets/parquet.py): the same questions
-in the six lmms-lab parquet layouts (tests/hub_layouts.py) read to the same Items as the original layouts' readers, in
+in the six lmms-lab parquet layouts (tools/hub_layouts.py) read to the same Items as the original layouts' readers, in
 the same order, and score identically; the original files win when both are there; a split the hub lacks, duplicate
 ids, empty answers and bad image bytes are refused naming the shard and the row; --plan reads them."""
 import dataclasses

@@ -1,4 +1,4 @@
-"""--plan and the teacher cache that fits (issue 30), on real-processor twins (tests/twins.py), CPU: the plan's token
+"""--plan and the teacher cache that fits (issue 30), on real-processor twins (tools/twins.py), CPU: the plan's token
 counts are the collated rows', its cache size the bytes a run writes, it loads no weights; a cache that does not fit
 stops the run before its first step; Idefics2's image splitting is explicit (flag, printed source, cache key)."""
 import os

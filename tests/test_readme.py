@@ -201,11 +201,22 @@ def test_no_import_circle_inside_lab():
         visit(f)
 
 
+def test_no_file_of_the_paper_or_of_lab_imports_a_tool():
+    """tools/ (the data and twin writers, the benchmarks) serves the tests and runs by hand; the project never imports
+    it."""
+    tools = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tools", "*.py"))}
+    imported = {(f, name.split(".")[0]) for f in [f"{m}.py" for m in PAPER] + [lab_path(m) for m in LAB]
+                for node in ast.walk(ast.parse(read(f))) if isinstance(node, (ast.Import, ast.ImportFrom))
+                for name in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])}
+    assert "twins" in tools and {(f, m) for f, m in imported if m in tools} == set()
+
+
 def test_no_line_is_longer_than_120_characters():
     """The project's line length, checked here rather than by a formatter: a formatter would also rewrap the
     hand-aligned equation comments and tables that make the code read like the paper."""
     files = [f"{m}.py" for m in PAPER] + [lab_path(f) for f in LAB] + ["README.md"] + sorted(
-        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True))
+        os.path.relpath(p, ROOT) for folder in ("tests", "tools")
+        for p in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True))
     long = [(f, n + 1) for f in files for n, line in enumerate(read(f).split("\n")) if len(line) > 120]
     assert long == []
 

@@ -24,7 +24,7 @@ import model as M
 import train
 from lab.disk import files
 from lab.datasets import mme_seed, readers, rices, tasks
-from lab.models import backbones, toy_backbone
+from lab.models import backbones, families, toy_backbone
 from lab.run import checkpoints, micro_batches, runs, teacher_cache
 from lab.scores import results
 from lab.studies import vectors
@@ -743,7 +743,7 @@ def test_a_cache_file_passed_as_model_is_refused_by_content_naming_it(tmp_path):
 def test_a_model_folder_whose_config_is_not_json_names_the_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=rf"--model: {tmp_path / 'config.json'} is not valid JSON"):
-        M.family_of(str(tmp_path))
+        families.family_of(str(tmp_path))
 
 
 @pytest.mark.parametrize("out, overwrite, message", [

@@ -1,4 +1,4 @@
-"""The distillation loop on the tiny Idefics2 twin and the VQAv2 of tests/benchmarks.py (CPU): losses, teacher reuse,
+"""The distillation loop on the tiny Idefics2 twin and the VQAv2 of tools/benchmarks.py (CPU): losses, teacher reuse,
 resume, failures."""
 import contextlib
 import os
@@ -17,7 +17,7 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints, feed, micro_batches, teacher_cache
 
-# the random twin (the defaults build toy-idefics2) on the VQAv2 of tests/benchmarks.py
+# the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
 SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
          "--save-every", "1"]

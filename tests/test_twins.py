@@ -1,4 +1,4 @@
-"""The real-processor twins (tests/twins.py): real tokenizers, the published processor settings, tiny random weights
+"""The real-processor twins (tools/twins.py): real tokenizers, the published processor settings, tiny random weights
 at the real vocabularies, loaded from a checkpoint folder as a real checkpoint is. On them: the rows' token ids,
 the memory of the forwards (no vocabulary-wide logits), LLaVA-OneVision's multi-image encoding, the stop ids, and
 train.py and evaluate.py end to end on every task kind."""
@@ -15,10 +15,10 @@ from PIL import Image
 import benchmarks
 import data as D
 import evaluate as E
-import model as M
 import train
 from twins import TWINS, write_twin
 from lab.datasets import tasks
+from lab.models import families
 from lab.models.backbones import load_backbone, stop_ids
 
 pytest.importorskip("mistral_common")
@@ -161,7 +161,7 @@ def test_a_malformed_processor_config_names_its_file(folders, tmp_path):
     folder = shutil.copytree(folders["llava-onevision"], tmp_path / "ov")
     (folder / "processor_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="processor_config.json cannot be read"):
-        M.load_processor(str(folder), "llava-onevision")
+        families.load_processor(str(folder), "llava-onevision")
 
 
 # -------------------------------------------------------------------------------- memory: logits where they are read

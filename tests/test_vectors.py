@@ -1,5 +1,5 @@
 """Non-learnable baselines and the hallucination metric: CHAIR (Table 5), RICES demonstration retrieval, task vectors
-and function vectors (Table 1), on hand-made data, the COCO of tests/benchmarks.py and the tiny Idefics2 twin (CPU,
+and function vectors (Table 1), on hand-made data, the COCO of tools/benchmarks.py and the tiny Idefics2 twin (CPU,
 offline)."""
 import argparse
 import time

@@ -4,8 +4,7 @@ import os
 
 import torch
 
-import model as M
-from lab.models import chunks
+from lab.models import chunks, families
 from lab.run import feed
 
 
@@ -110,7 +109,8 @@ def add_plan_flags(p):
                    "(chunks.image_work; at least one), the same numbers as one call; the plan counts one chunk")
     p.add_argument("--processor", help="--plan: a local folder with the checkpoint's tokenizer and preprocessor "
                    "files, for a short --model name whose processor is not in the local Hugging Face cache")
-    p.add_argument("--image-splitting", default="checkpoint", choices=M.IMAGE_SPLITTING, help="Idefics2: split each "
+    p.add_argument("--image-splitting", default="checkpoint", choices=families.IMAGE_SPLITTING,
+                   help="Idefics2: split each "
                    "image into 4 crops + the whole image (5 x 64 tokens instead of 64: 4x the teacher cache) as the "
                    "checkpoint's preprocessor_config.json says (idefics2-8b-base most likely off, idefics2-8b on), "
                    "or on / off")

@@ -9,7 +9,7 @@ import data
 import model as M
 from lab.disk import files
 from lab.datasets import tasks
-from lab.models import toy_backbone
+from lab.models import families, toy_backbone
 from lab.run import checkpoints
 from lab.cli import flags
 
@@ -130,7 +130,7 @@ def check_build_out(path, overwrite):
     """Refuse, before the minutes-long build, an --out that the build could not be written to or used from: not a
     .safetensors name (--model takes no other), a folder, an existing file without --overwrite, a path under a
     file, or a folder that cannot be written (tried with a temporary file)."""
-    if not M.is_toy_file(path):
+    if not families.is_toy_file(path):
         raise ValueError(f"--out {path}: a toy backbone must be a .safetensors file (--model takes no other); "
                          f"name it e.g. {path}.safetensors")
     if os.path.isdir(path):

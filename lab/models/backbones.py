@@ -1,5 +1,5 @@
 """Backbones by name: the tiny twins and toy backbones built here, the paper's checkpoints through
-model.py:load_checkpoint after checking their files; CPU threads, the device a batch goes to and the autocast the
+families.load_checkpoint after checking their files; CPU threads, the device a batch goes to and the autocast the
 backbone computes in."""
 import os
 
@@ -8,8 +8,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 import data
-import model as M
-from lab.models import chunks, tiny, toy_backbone
+from lab.models import chunks, families, tiny, toy_backbone
 
 
 def stop_ids(backbone):
@@ -25,20 +24,20 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
                   image_memory=chunks.IMAGE_MEMORY):
     """Load a backbone by name: a tiny offline twin (random weights), `toy-idefics2` (the shipped reference,
     meta-trained to learn in context), a toy backbone's file (train.py --build-toy), or one of the paper's checkpoints
-    (model.load_checkpoint: bf16 on CUDA, float32 on CPU), whose config and eos ids are checked first (it fails faster
-    than the weights load). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off".
+    (families.load_checkpoint: bf16 on CUDA, float32 on CPU), whose config and eos ids are checked first (it fails
+    faster than the weights load). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off".
     image_memory: the bytes a call of the vision tower or connector may hold (chunk_images)."""
-    family = M.family_of(name)  # an unknown name is refused before anything loads
+    family = families.family_of(name)  # an unknown name is refused before anything loads
     if is_built(name):
         model, processor = tiny.TINY_BUILDERS[family](seed) if name.startswith("tiny-") else \
-            toy_backbone.toy_idefics2(name if M.is_toy_file(name) else None)
-        images = M.image_setting(processor, family, image_splitting, "built-in processor")
+            toy_backbone.toy_idefics2(name if families.is_toy_file(name) else None)
+        images = families.image_setting(processor, family, image_splitting, "built-in processor")
         model = model.to(device or "cpu", dtype or torch.float32)
-        M.context_limit(processor, model.config)  # the tokenizer knows the text model's context (data.collate)
-        backbone = M.Backbone(M.freeze(model), processor, family, name, images)
+        families.context_limit(processor, model.config)  # the tokenizer knows the text model's context (data.collate)
+        backbone = families.Backbone(families.freeze(model), processor, family, name, images)
     else:
         try:
-            backbone = M.load_checkpoint(name, device, dtype, image_splitting, check=check_files)
+            backbone = families.load_checkpoint(name, device, dtype, image_splitting, check=check_files)
         except SafetensorError as e:  # a hub cache's damaged file (a folder's is named by check_weights first)
             raise ValueError(f"--model {name}: a weights file is truncated or damaged ({str(e)[:120]})") from None
     chunks.chunk_images(backbone.model, image_memory)
@@ -119,7 +118,7 @@ def choose_threads(name, threads=None):
 
 def is_built(name):
     """Whether a backbone is built here rather than loaded: a tiny twin, toy-idefics2 or a toy backbone's file."""
-    return name.startswith("tiny-") or name == "toy-idefics2" or M.is_toy_file(name)
+    return name.startswith("tiny-") or name == "toy-idefics2" or families.is_toy_file(name)
 
 
 def to_device(batch, device):

@@ -3,8 +3,7 @@ weights and no download (published_model), and twins grown to a chosen width."""
 import torch
 from transformers import Idefics2Config, IdeficsConfig, LlavaConfig, LlavaOnevisionConfig
 
-import model as M
-from lab.models import tiny
+from lab.models import families, tiny
 
 
 LLAVA_384 = dict(  # both LLaVA models: the SigLIP-384 tower, its full features, the image token
@@ -43,8 +42,8 @@ def published_model(family, device="meta", dtype=torch.bfloat16, config=None):
     """A real-size backbone of `family` built from its published config (or `config`) with random weights (no
     download). On the meta device it holds no memory (parameter counts); on a GPU it runs at the real model's speed."""
     with torch.device(device):  # built in `dtype` directly: no float32 copy of 8B parameters on the way
-        model = M.FAMILIES[family].model_cls._from_config(config or PUBLISHED[family](), dtype=dtype)
-    return M.freeze(model)
+        model = families.FAMILIES[family].model_cls._from_config(config or PUBLISHED[family](), dtype=dtype)
+    return families.freeze(model)
 
 
 def grown_twin(family, seed=0, **text):
@@ -59,7 +58,7 @@ def grown_twin(family, seed=0, **text):
         decoder.layer_types = decoder.layer_types[:1] * decoder.num_hidden_layers
     if hasattr(getattr(config, "perceiver_config", None), "hidden_size"):  # Idefics2's perceiver feeds the decoder
         config.perceiver_config.hidden_size = decoder.hidden_size
-    return M.freeze(tiny._seeded(type(twin), config, seed)), processor
+    return families.freeze(tiny._seeded(type(twin), config, seed)), processor
 
 
 def mid_model(family, seed=0):
@@ -73,7 +72,7 @@ def random_backbone(name, size="published"):
     """--random-weights: a backbone of the family of `name` with random weights and no processor (synthetic prompts,
     lab/studies/table6.py:synthetic_prompt): the published size in bf16 on CUDA (published_model), or size "mid"
     (mid_model), float32, on the GPU if there is one."""
-    family, mid = M.family_of(name), size == "mid"
+    family, mid = families.family_of(name), size == "mid"
     model = mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \
         published_model(family, device="cuda")
-    return M.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")
+    return families.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")

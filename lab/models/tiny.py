@@ -7,7 +7,7 @@ from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idef
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil, LlavaProcessor,
                           PreTrainedTokenizerFast, SiglipImageProcessorPil)
 
-import model as M
+from lab.models import families
 
 
 TINY_CORPUS = ("Answer the question about the image in a few words. Describe the image in one sentence. "
@@ -108,7 +108,7 @@ def tiny_llava_onevision(seed=0):
     """LLaVA-OneVision (Qwen2 text model, SigLIP vision tower, any-resolution tiling) at toy size."""
     tok = _qwen_tokenizer()
     pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
-    processor = M.ImageOnlyOnevisionProcessor(
+    processor = families.ImageOnlyOnevisionProcessor(
         LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints), tok, None,
         num_image_tokens=4, vision_feature_select_strategy="full")
     config = LlavaOnevisionConfig(**_qwen_config(tok), image_grid_pinpoints=pinpoints)

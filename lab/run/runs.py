@@ -16,7 +16,7 @@ from tqdm import tqdm
 import model as M
 from lab.disk import files
 from lab.datasets import tasks
-from lab.models import backbones
+from lab.models import backbones, families
 from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
 
 
@@ -24,7 +24,7 @@ from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
 class Run:
     """What the training loop's wrappers share; `progress` is what last.pt saves beside the adapter and AdamW."""
     cfg: object               # train.py's Config
-    backbone: M.Backbone
+    backbone: families.Backbone
     queries: list             # training queries
     heldout: list             # held-out queries, which pick the best epoch
     icds: dict                # query id -> its demonstrations (fixed for the run)

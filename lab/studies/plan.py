@@ -11,7 +11,7 @@ import model as M
 from lab.disk import files
 from lab.disk.files import size
 from lab.datasets import tasks
-from lab.models import backbones, chunks, published
+from lab.models import backbones, chunks, families, published
 from lab.run import runs, teacher_cache
 
 
@@ -52,7 +52,7 @@ def plan_backbone(args, family):
     folder = args.processor or (args.model if os.path.isdir(args.model) else None)
     if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
         from huggingface_hub import snapshot_download
-        hub_id = M.FAMILIES[family].hub_id
+        hub_id = families.FAMILIES[family].hub_id
         try:
             folder = snapshot_download(hub_id, local_files_only=True)
         except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
@@ -63,13 +63,13 @@ def plan_backbone(args, family):
     if config is not None:
         backbones.check_config(config, args.model)
     try:
-        processor, images = M.load_processor(folder, family, args.image_splitting)
+        processor, images = families.load_processor(folder, family, args.image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
     model = published.published_model(family, config=config)  # on the meta device: no weights
     source = f'published.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
-    M.context_limit(processor, model.config)
+    families.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
 
@@ -145,7 +145,7 @@ def plan(args, queries=None):
     cache on disk (every query's tokens) and the peak memory of training and evaluation (MEMORY_ASSUMPTIONS) in the
     run's own dtype and device (--plan cuda | cpu). Returns the figures as a dict.
     queries: evaluate.py's items (ICDs then come from the training split); None: train.py's training queries."""
-    family, kind, training = M.family_of(args.model), tasks.spec(args.task).kind, queries is None
+    family, kind, training = families.family_of(args.model), tasks.spec(args.task).kind, queries is None
     if training:
         queries, _, pool, shots = tasks.split_pool(args, family)
     else:

@@ -14,7 +14,7 @@ import data
 import model as M
 from lab.disk import files
 from lab.datasets import tasks
-from lab.models import backbones, published
+from lab.models import backbones, families, published
 from lab.scores import results
 
 
@@ -268,7 +268,7 @@ def attention_benchmark(model, T=2048, rounds=ROUNDS):
 def attention_model(args):
     """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
     mid-size model or a one-layer model with the published attention sizes (published.grown_twin)."""
-    family = M.family_of(args.model)
+    family = families.family_of(args.model)
     if args.random_weights == "mid":
         return published.mid_model(family)[0]
     if args.random_weights == "published":

@@ -8,7 +8,7 @@ import model as M
 import train
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
 from lab.datasets import tasks
-from lab.models import backbones
+from lab.models import backbones, families
 from lab.run import micro_batches, teacher_cache
 from lab.scores import metrics
 
@@ -30,7 +30,7 @@ def prompts(backbone):
     return data.model_inputs(data.prompt_batch(backbone.processor, backbone.family, "vqa", items, None), "cpu")
 
 
-@pytest.mark.parametrize("family", sorted(M.FAMILIES))
+@pytest.mark.parametrize("family", sorted(families.FAMILIES))
 def test_layer_outputs_are_every_layers_own_output(family):
     backbone, norm = with_final_norm_not_one(family)
     inputs = prompts(backbone)

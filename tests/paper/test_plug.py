@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import model as M
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts, randomise
-from lab.models import backbones, published
+from lab.models import backbones, families, published
 from test_adapters import explicit_hyper_icl
 
-FAMILIES = sorted(M.FAMILIES)
+FAMILIES = sorted(families.FAMILIES)
 WORDS = "question what colour is the shape how many cats are on a table short answer".split()
 
 

@@ -1,6 +1,6 @@
 """The memory of reading the hub's parquet layout (lab/datasets/parquet.py): a benchmark, not a test.
 
-    python tests/bench_parquet.py --root /tmp/hyper-icl-parquet-bench [--gb 2] [--row-group 100] [--keep]
+    python tools/bench_parquet.py --root /tmp/hyper-icl-parquet-bench [--gb 2] [--row-group 100] [--keep]
 
 Writes ~--gb GB of lmms-lab/VQAv2's layout under ROOT/vqav2/data (validation-0000k-of-00008.parquet; each image a
 1024 x 1024 BMP of random pixels, 3 MB of incompressible bytes (a PNG's filters take 0.3 s an image to write), in

@@ -1,10 +1,10 @@
 """How fast batches are prepared (no model forward), and what that does end to end: a benchmark, not a test.
 
     git worktree add --detach /tmp/before b7b8401      # the code to compare with (read-only; lab/ layout)
-    flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before [--rounds 3]
-    flock /tmp/heavy.lock python tests/bench_feed.py --before /tmp/before --rounds 2 --end-to-end
+    flock /tmp/heavy.lock python tools/bench_feed.py --before /tmp/before [--rounds 3]
+    flock /tmp/heavy.lock python tools/bench_feed.py --before /tmp/before --rounds 2 --end-to-end
 
-On real-processor twins (tests/twins.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
+On real-processor twins (tools/twins.py: the real tokenizers and processor settings, tiny weights) and a VQAv2
 layout whose images are photographs of skimage.data at COCO sizes (640 x 480, every fourth 480 x 640), it times
 preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation prompts (batches of 4), of Idefics2
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,
@@ -35,7 +35,7 @@ PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "h
 
 
 def photo_layout(root):
-    """The VQAv2 of tests/benchmarks.py with every image replaced by a photograph at a COCO size."""
+    """The VQAv2 of tools/benchmarks.py with every image replaced by a photograph at a COCO size."""
     import numpy as np
     import skimage.data
     from PIL import Image, ImageOps

@@ -1,5 +1,5 @@
 """Real-processor twins: a checkpoint folder per backbone with the real tokenizer, the published processor settings
-and tiny random weights at the real vocabulary, loaded by lab.backbones.load_backbone (model.load_checkpoint) exactly
+and tiny random weights at the real vocabulary, loaded by backbones.load_backbone (families.load_checkpoint) exactly
 as a real checkpoint is.
 
 The tokenizers come from two packages on the index (tests only; no tokenizer file is in the repository):

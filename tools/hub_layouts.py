@@ -2,7 +2,7 @@
 SEED-Bench), written from the original layouts' files of the same questions: their columns as the datasets' cards
 and lmms-eval's task files (lmms_eval/tasks/vqav2, ok_vqa, coco_cap, flickr30k, mme, seedbench) read them, the images'
 bytes embedded as the hub's `image` struct {bytes, path} (SEED-Bench: a list of them). Also OK-VQA and Flickr30k in
-their original layouts (tests/benchmarks.py writes neither), from the VQAv2 and COCO files. Read straight from the
+their original layouts (tools/benchmarks.py writes neither), from the VQAv2 and COCO files. Read straight from the
 JSON, not through the project's readers, except MME's question files (mme_seed.mme_files / read_mme_questions)."""
 import json
 import os

@@ -4,13 +4,13 @@ alone, one heavy run at a time.
 
 The twins are the published configs (published.PUBLISHED) with 1-2 decoder layers, one vision layer and the perceiver at
 depth 1, random weights saved in bf16 as the real checkpoints are, the real tokenizers and processor settings
-(tests/tiny.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
+(tools/twins.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
 JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
 
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
-    python tests/memory_twins.py --root /tmp/hyper-icl-memory --published    # the README's real-model table
-    python tests/memory_twins.py --vision                                     # Idefics2's images in chunks
+    python tools/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
+    python tools/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
+    python tools/memory_twins.py --root /tmp/hyper-icl-memory --published    # the README's real-model table
+    python tools/memory_twins.py --vision                                     # Idefics2's images in chunks
 """
 import argparse
 import contextlib
@@ -26,13 +26,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-import model as M  # noqa: E402
 import train  # noqa: E402
 import evaluate  # noqa: E402
 import twins  # noqa: E402
 from lab.disk import files
 from lab.datasets import readers, toy_world
-from lab.models import backbones, chunks, published
+from lab.models import backbones, chunks, families, published
 from lab.studies import table6
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
@@ -101,7 +100,7 @@ def write_twin(family, layers, folder):
     else:
         twins.onevision_processor_files(folder)
     torch.manual_seed(0)
-    model = M.FAMILIES[family].model_cls._from_config(twin_config(family, layers), dtype=torch.bfloat16)
+    model = families.FAMILIES[family].model_cls._from_config(twin_config(family, layers), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     return folder
 
@@ -194,7 +193,7 @@ PUBLISHED_ROWS = (("Idefics2-8B, splitting off", "idefics2", "idefics2", "off"),
 
 def published_table(root):
     """The README's real-model table: --plan cuda at the published sizes (bf16, batch 4, 8 shots) with each
-    real-processor twin's processor (tests/tiny.py) on the photographs."""
+    real-processor twin's processor (tools/twins.py) on the photographs."""
     print("| backbone | student row / 8-shot teacher row, tokens | teacher cache, 1,000 queries | training memory | "
           "evaluation memory: adapter / 8-shot ICL |\n|---|---:|---:|---:|---:|")
     for name, family, twin, splitting in PUBLISHED_ROWS:
