@@ -21,21 +21,15 @@ from lab.datasets import readers
 
 ICL_QUESTION = "What is it?"
 
-
 ICL_COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30)}
-
 
 ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
 
-
 ICL_ATTRIBUTES = {"colour": tuple(ICL_COLOURS), "background": tuple(ICL_BACKGROUNDS)}
-
 
 ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
 
-
 ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
-
 
 ICL_SIDE, ICL_CELL = 42, 14
 

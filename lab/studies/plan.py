@@ -22,9 +22,7 @@ from lab.run import runs, teacher_cache
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 
-
 RUNTIME = 0.45e9     # bytes: a CPU run's resident Python, torch, transformers and tokenizer before any weight
-
 
 MEMORY_ASSUMPTIONS = (
     "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a parameter); "
@@ -38,18 +36,19 @@ MEMORY_ASSUMPTIONS = (
     "sample's longest, random ICDs (plan.memory)")
 
 
-def plan_backbone(args, family):
-    """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
-    dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
-    folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
-    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
-    if backbones.is_built(args.model):
-        backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting)
-        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
-    if args.processor and not os.path.isdir(args.processor):
-        raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
+def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None):
+    """The processor and a meta-device model (no weights) of --model `name`, its image setting, where each came from
+    and the dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built):
+    a folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
+    --processor `processor_dir` or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy
+    backbone is built (with --image-splitting `image_splitting`)."""
+    if backbones.is_built(name):
+        backbone = backbones.load_backbone(name, image_splitting=image_splitting)
+        return backbone.processor, backbone.model, backbone.images, f"{name} (built)", torch.float32
+    if processor_dir and not os.path.isdir(processor_dir):
+        raise ValueError(f"--processor {processor_dir}: not a folder; give the folder of the checkpoint's tokenizer "
                          "and preprocessor files")
-    folder = args.processor or (args.model if os.path.isdir(args.model) else None)
+    folder = processor_dir or (name if os.path.isdir(name) else None)
     if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
         from huggingface_hub import snapshot_download
         hub_id = M.FAMILIES[family].hub_id
@@ -59,16 +58,16 @@ def plan_backbone(args, family):
             raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
                              f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
                              f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
-    config = backbones.read_config(args.model) if os.path.isdir(args.model) else None
+    config = backbones.read_config(name) if os.path.isdir(name) else None
     if config is not None:
-        backbones.check_config(config, args.model)
+        backbones.check_config(config, name)
     try:
-        processor, images = M.load_processor(folder, family, args.image_splitting)
+        processor, images = M.load_processor(folder, family, image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
-        raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
+        raise ValueError(f"{'--processor' if processor_dir else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
     model = published.published_model(family, config=config)  # on the meta device: no weights
-    source = f'published.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
+    source = f'published.PUBLISHED["{family}"]' if config is None else f"{name}/config.json"
     M.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
@@ -151,7 +150,8 @@ def plan(args, queries=None):
     else:
         shots = args.shots if args.shots else data.default_shots(tasks.spec(args.task), family)
         pool = tasks.load_task(args.task, "train", args.data_root)
-    processor, model, images, source, file_dtype = plan_backbone(args, family)
+    processor, model, images, source, file_dtype = plan_backbone(args.model, family, args.image_splitting,
+                                                                 args.processor)
     config = model.config
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)

@@ -27,9 +27,7 @@ from lab.run import checkpoints, feed, teacher_cache
 
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 
-
 FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
-
 
 FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect (Todd et al.: 25)
 
