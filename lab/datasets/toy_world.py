@@ -1,5 +1,9 @@
-"""toy-icl: a world where demonstrations are needed. Every question is the uninformative "What is it?"; which
-attribute is asked is readable only from the demonstrations. Written as VQAv2 files once, then read."""
+"""toy-icl: a world where demonstrations are needed. Every question is the same uninformative "What is it?"; which
+attribute of the image is asked (the colour of its squares or of the background) is readable only from the
+demonstrations' image-answer pairs. One VQAv2 dataset per attribute, task `toy-icl-<attribute>`, written once in
+~/.cache/hyper-icl/toy-icl/<attribute> (or data_root/toy-icl/<attribute>), then read. Images are 42 x 42, a 3 x 3
+grid of 14-px cells: one vision patch per cell of the toy backbone (lab/models/toy_backbone.py), which is
+meta-trained on scenes of its own drawing, never on these files."""
 import io
 import os
 import random
@@ -9,15 +13,6 @@ from PIL import Image, ImageDraw
 import data
 from lab.disk import files
 from lab.datasets import readers
-
-
-#
-# Every question is the same uninformative "What is it?"; which attribute of the image is asked (the colour of its
-# squares or of the background) is readable only from the demonstrations' image-answer pairs. One VQAv2
-# dataset per attribute, task `toy-icl-<attribute>`, in ~/.cache/hyper-icl/toy-icl/<attribute> (or
-# data_root/toy-icl/<attribute>). Images are 42 x 42, a 3 x 3 grid of 14-px cells: one vision patch per cell of
-# the toy backbone (lab/models/toy_backbone.py), which is meta-trained on scenes of its own drawing, never on these
-# files.
 
 ICL_QUESTION = "What is it?"
 

@@ -1,5 +1,9 @@
 """Learning curves on the toy world (Table 1, Table 4, Fig 2-3): the tuning rule, runs over seeds and query
-counts with intervals, the figure and its table (evaluate.py --curve)."""
+counts with intervals, the figure and its table (evaluate.py --curve).
+
+The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
+per point cannot say (on the toy world a run either flips the task or not), hence seeds, intervals and two graded
+measures (`curve`, `answer_measures`); rates are tuned by the rule of `tune` (below), never on evaluation items."""
 import itertools
 import json
 import math
@@ -19,12 +23,6 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints
 from lab.scores import results
-
-
-#
-# The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
-# per point cannot say (on the toy world a run either flips the task or not), hence seeds, intervals and two graded
-# measures (`curve`, `answer_measures`); rates are tuned by the rule of `tune` (below), never on evaluation items.
 
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 

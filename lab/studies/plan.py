@@ -1,5 +1,9 @@
 """The plan of a run (--plan): tokens per row, the images a batch holds, the teacher cache on disk and its room, the
-peak memory of training and evaluation, and whether reading the cache or recomputing the teacher is cheaper."""
+peak memory of training and evaluation, and whether reading the cache or recomputing the teacher is cheaper.
+
+train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
+a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
+tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read."""
 import os
 import shutil
 import time
@@ -13,12 +17,6 @@ from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import backbones, chunks, published
 from lab.run import runs, teacher_cache
-
-
-#
-# train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
-# a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
-# tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read.
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 
@@ -208,17 +206,17 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
               f"{n_queries}; it would take {size(total)})")
-        print(versus or "", end="\n" if versus else "")
-        return total
-    free, text = shutil.disk_usage(folder).free, config.get_text_config()
-    tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
-        f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
-    print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
-          f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
-          "free there"
-          + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
-          + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
-    print(versus or "", end="\n" if versus else "")
+    else:
+        free, text = shutil.disk_usage(folder).free, config.get_text_config()
+        tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
+            f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
+        print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
+              f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "
+              f"{size(free)} free there"
+              + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
+              + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
+    if versus:
+        print(versus)
     return total
 
 

@@ -1,5 +1,9 @@
 """Training-free in-context vectors (Table 1): task vectors (Hendel et al.) and function vectors (Todd et al.),
-with the hooks that record and steer layer and head outputs."""
+with the hooks that record and steer layer and head outputs.
+
+Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
+prompt at the last prompt token of one decoder layer (steer), the layer of lowest target cross-entropy on queries
+held out of the training split (layer_losses; never the evaluation split)."""
 import contextlib
 import dataclasses
 import functools
@@ -18,12 +22,6 @@ from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints, feed, teacher_cache
-
-
-#
-# Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
-# prompt at the last prompt token of one decoder layer (steer), the layer of lowest target cross-entropy on queries
-# held out of the training split (layer_losses; never the evaluation split).
 
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 
