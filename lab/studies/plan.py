@@ -100,7 +100,7 @@ def image_sizes(batch):
             "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
 
 
-def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens, on_cpu, file_dtype, image_memory):
+def memory(config, params, adapter_params, rows, batch, dtype, new_tokens, on_cpu, file_dtype, image_memory):
     """Estimated peak bytes of each part, of training and of evaluation (MEMORY_ASSUMPTIONS, every term here)."""
     text = config.get_text_config()
     b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
@@ -150,7 +150,6 @@ def plan(args, queries=None):
         pool = tasks.load_task(args.task, "train", args.data_root)
     processor, model, images, source, file_dtype = plan_backbone(args.model, family, args.image_splitting,
                                                                  args.processor)
-    config = model.config
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
     batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
@@ -159,7 +158,7 @@ def plan(args, queries=None):
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **runs.method_sizes(args)).parameters()) \
         if training else 0
-    mem = memory(config, params, adapter, rows, batch, shots, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
+    mem = memory(model.config, params, adapter, rows, batch, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
                  file_dtype, args.image_memory * 1e9)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
@@ -177,7 +176,7 @@ def plan(args, queries=None):
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
     if training:
         sizes = teacher_cache.query_tokens(processor, family, kind, queries)  # every query's tokens, no image loaded
-        figures["cache"] = plan_cache(args, config, sizes, dtype, 2 * params * mean(rows["teacher"].values()))
+        figures["cache"] = plan_cache(args, model.config, sizes, dtype, 2 * params * mean(rows["teacher"].values()))
         print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
               f"{size(mem['teacher'])}, student {size(mem['student'])}; vision in them {size(mem['vision'])}) + "
               f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")

@@ -93,14 +93,13 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
     base = [answer_probability(backbone, b, p) for b, p in batches]
     layers, heads, _ = M.attention_shape(backbone.model)
     aie = torch.zeros(layers, heads, dtype=torch.float64)
-    bar = tqdm(total=layers * heads * len(batches), desc="indirect effects", unit="head x batch")
-    for (batch, positions), p0 in zip(batches, base):
-        batch = backbones.to_device(batch, backbone.model.device)  # once, not once per head
-        for l, h in itertools.product(range(layers), range(heads)):
-            with set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
-                aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
-            bar.update()
-    bar.close()
+    with tqdm(total=layers * heads * len(batches), desc="indirect effects", unit="head x batch") as bar:
+        for (batch, positions), p0 in zip(batches, base):
+            batch = backbones.to_device(batch, backbone.model.device)  # once, not once per head
+            for l, h in itertools.product(range(layers), range(heads)):
+                with set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
+                    aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
+                bar.update()
     return aie / len(queries)
 
 
