@@ -166,7 +166,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
-    if readers.server_split(args):  # nor another evaluation's test-server file
+    if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
         test_server.check_replaceable(args, setting, stem)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.load_task(args.task, "train", args.data_root)
@@ -174,7 +174,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers)
-    if readers.server_split(args):  # no answers to score: the test server's file (lab/scores/test_server.py)
+    if readers.server_split(args.task, args.split):  # no answers to score: the test server's file (test_server)
         if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
             metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
             metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
@@ -245,7 +245,8 @@ def main(argv=None):
         if args.benchmark or args.benchmark_attention:
             table6.keep_freed_memory()
         if args.benchmark_attention:
-            return table6.attention_benchmark(table6.attention_model(args), args.attention_tokens, args.rounds)
+            return table6.attention_benchmark(table6.attention_model(args.model, args.random_weights),
+                                              args.attention_tokens, args.rounds)
         if args.curve:
             return curves.curve(args, train.main, train.run_teacher, paper_lam=train.Config.lam,
                                 scored=lambda b, flags, items, setting: evaluate(b, parse_args(flags), items, setting))

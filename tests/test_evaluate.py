@@ -304,8 +304,8 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
             json.dump([{"epoch": 1, "heldout_loss": loss + 1}, {"epoch": 2, "heldout_loss": loss}], f)
     monkeypatch.setattr(train, "main", fake_train)
     args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--out", str(tmp_path)])
-    chosen, runs = curves.tune(args, ["--model", "tiny-idefics2", "--task", "toy-icl-colour"], list(best), train.main,
-                               train.Config.lam)
+    flags = ["--model", "tiny-idefics2", "--task", "toy-icl-colour", *shlex.split(args.train_args)]
+    chosen, runs = curves.tune(args.out, flags, list(best), train.main, train.Config.lam)
     assert chosen["hificl"] == {"lr": pytest.approx(5e-5), "lam": None}
     assert chosen["mimic"] == {"lr": pytest.approx(1e-2), "lam": 0.5}      # 1e-5 x 10^3: the widest it goes
     assert chosen["live"] == {"lr": pytest.approx(1e-3), "lam": 0.5}

@@ -101,7 +101,7 @@ def test_a_short_name_without_its_processor_says_what_to_pass(tmp_path, monkeypa
     import huggingface_hub
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache; no hub call
     with pytest.raises(ValueError, match="--processor DIR"):
-        plan.plan_backbone(train.parse_args(["--model", "llava-interleave", "--plan"]), "llava-interleave")
+        plan.plan_backbone("llava-interleave", "llava-interleave")
 
 
 def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, monkeypatch):

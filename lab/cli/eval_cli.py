@@ -150,7 +150,7 @@ def parse_args(argv, doc, train_parse):
             not (args.split == "test" and tasks.own_task.is_own(args.task)):
         p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2) or a folder task's test.jsonl, "
                 f"not {args.task}'s")
-    if readers.server_split(args) and (args.curve or args.gates or args.hyperbolicity):
+    if readers.server_split(args.task, args.split) and (args.curve or args.gates or args.hyperbolicity):
         p.error(f"--split {args.split} has no answers: it is for an evaluation (the test server's file), not "
                 "--curve, --gates or --hyperbolicity")
     if args.icds == "rices" and not args.shots:

@@ -9,9 +9,7 @@ from lab.datasets import readers
 MME_PERCEPTION = ("existence", "count", "position", "color", "posters", "celebrity", "scene", "landmark", "artwork",
                   "OCR")  # subtask lists and order of the official eval_tool/calculation.py
 
-
 MME_COGNITION = ("commonsense_reasoning", "numerical_calculation", "text_translation", "code_reasoning")
-
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 
@@ -80,15 +78,11 @@ def read_mme(root, subtasks=MME_PERCEPTION + MME_COGNITION):
 
 SEED_IMAGE_DIMENSIONS = range(1, 10)  # question_type_id of the image questions; 10-12 are video
 
-
 SEED2_FILE = "SEED-Bench_v2_level1_2_3.json"  # the official eval.py's --anno_path
-
 
 SEED2_FOLDERS = {"cc3m": "cc3m-image", "SEED-Bench v2": "SEED-Bench-2-image"}  # data_source -> image folder
 
-
 SEED2_SUBPART = "Single-Image & Text Comprehension"  # dimensions 1-16: one image, a text answer
-
 
 SEED2_MAX_K = 1_000_000
 

@@ -18,7 +18,6 @@ from lab.datasets import readers
 
 NEAREST = {"vqa": "vqav2", "caption": "coco", "yes-no": "mme", "choice": "seed"}  # a kind takes this task's defaults
 
-
 FOLDER_FILES = {"train": "train.jsonl", "val": "val.jsonl", "test": "test.jsonl"}  # split -> file of a folder task
 
 

@@ -14,9 +14,7 @@ VQA_FILES = {  # dataset -> (folder, questions file, annotations file); {} is th
     "ok-vqa": ("ok-vqa", "OpenEnded_mscoco_{}2014_questions.json", "mscoco_{}2014_annotations.json"),
 }
 
-
 KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("test",)}
-
 
 KARPATHY_IDS = {"coco": "cocoid", "flickr30k": "imgid"}  # an item's id: COCO's image id, Flickr30k's Karpathy id
 
@@ -216,7 +214,6 @@ def read_instances(items):
 
 TEST_SPLITS = {"test-dev": "test-dev2015", "test": "test2015"}  # --split -> the official files' data subtype
 
-
 QUESTIONS = "v2_OpenEnded_mscoco_{}_questions.json"             # under <data_root>/vqav2/
 
 
@@ -239,9 +236,10 @@ def read_questions(root, subtype):
     return items
 
 
-def server_split(args):
-    """Whether this evaluation is VQAv2's test-dev or test: no answers, the server's file instead of a score."""
-    return args.task == "vqav2" and args.split in TEST_SPLITS
+def server_split(task, split):
+    """Whether an evaluation of `task` on `split` is VQAv2's test-dev or test: no answers, the server's file instead
+    of a score."""
+    return task == "vqav2" and split in TEST_SPLITS
 
 
 def read_test(root, split):

@@ -80,13 +80,11 @@ def own_items(task, split):
 
 BENCHMARK_READERS = {"mme": mme_seed.read_mme, "seed": mme_seed.read_seed, "seed2": mme_seed.read_seed2}
 
-
 # The share of each subtask's (dimension's) images in the training pool: MME's half (about 1,187 questions) holds
 # the 1,000 training queries + 32 held out; SEED-Bench's 14,233 image questions need a fifth for that, so most of it
 # stays for evaluation; SEED-Bench-2's single-image part as SEED-Bench-1.
 POOL_FRACTION = {"mme": 0.5, "seed": 0.2, "seed2": 0.2}
 OWN_POOL_FRACTION = 0.5  # a task of one's own in one file: half its images train, half evaluate
-
 
 SPLIT_SEED = 0
 
@@ -163,7 +161,7 @@ def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
     stratified by subtask / dimension, stratified_subset; otherwise the first N). VQAv2's test-dev and test have no
     answers (lab/scores/test_server.py)."""
-    items = readers.read_test(args.data_root, args.split) if readers.server_split(args) else \
+    items = readers.read_test(args.data_root, args.split) if readers.server_split(args.task, args.split) else \
         load_task(args.task, args.split, args.data_root)
     if args.n_eval and spec(args.task).kind in ("yes-no", "choice"):
         return stratified_subset(items, args.n_eval, args.seed)

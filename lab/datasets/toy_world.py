@@ -1,5 +1,9 @@
-"""toy-icl: a world where demonstrations are needed. Every question is the uninformative "What is it?"; which
-attribute is asked is readable only from the demonstrations. Written as VQAv2 files once, then read."""
+"""toy-icl: a world where demonstrations are needed. Every question is the same uninformative "What is it?"; which
+attribute of the image is asked (the colour of its squares or of the background) is readable only from the
+demonstrations' image-answer pairs. One VQAv2 dataset per attribute, task `toy-icl-<attribute>`, written once in
+~/.cache/hyper-icl/toy-icl/<attribute> (or data_root/toy-icl/<attribute>), then read. Images are 42 x 42, a 3 x 3
+grid of 14-px cells: one vision patch per cell of the toy backbone (lab/models/toy_backbone.py), which is
+meta-trained on scenes of its own drawing, never on these files."""
 import io
 import os
 import random
@@ -10,32 +14,17 @@ import data
 from lab.disk import files
 from lab.datasets import readers
 
-
-#
-# Every question is the same uninformative "What is it?"; which attribute of the image is asked (the colour of its
-# squares or of the background) is readable only from the demonstrations' image-answer pairs. One VQAv2
-# dataset per attribute, task `toy-icl-<attribute>`, in ~/.cache/hyper-icl/toy-icl/<attribute> (or
-# data_root/toy-icl/<attribute>). Images are 42 x 42, a 3 x 3 grid of 14-px cells: one vision patch per cell of
-# the toy backbone (lab/models/toy_backbone.py), which is meta-trained on scenes of its own drawing, never on these
-# files.
-
 ICL_QUESTION = "What is it?"
-
 
 ICL_COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (240, 210, 30)}
 
-
 ICL_BACKGROUNDS = {"white": (245, 245, 240), "grey": (128, 128, 128), "black": (20, 20, 20), "purple": (120, 40, 140)}
-
 
 ICL_ATTRIBUTES = {"colour": tuple(ICL_COLOURS), "background": tuple(ICL_BACKGROUNDS)}
 
-
 ICL_NAMED = {"colour": "What colour are the squares?", "background": "What colour is the background?"}
 
-
 ICL_SIZES = {"train": 1100, "val": 300}  # images (= questions) per split and attribute
-
 
 ICL_SIDE, ICL_CELL = 42, 14
 

@@ -137,9 +137,7 @@ def write_json(path, obj, indent=None):
 
 STALE_TMP_S = 15 * 60  # a temporary file of another machine untouched this long has no live writer
 
-
 TMP_MARK = "hyper-icl-tmp"
-
 
 # Only names of this form are ever removed: .<name>.hyper-icl-tmp-<host>-<pid>-<12 hex>.tmp, never a user's file
 TMP_NAME = re.compile(r"^\..*\." + TMP_MARK + r"-(?P<host>[A-Za-z0-9]{1,32})-(?P<pid>[0-9]{1,10})-[0-9a-f]{12}\.tmp$")

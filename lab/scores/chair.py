@@ -13,7 +13,6 @@ from lab.scores import metrics
 # form (captions are singularised first), repetitions and stray spaces included.
 CHAIR_SYNONYMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chair-synonyms.txt")
 
-
 CHAIR_SYNONYMS_SHA256 = "b685537b36fe21b791c87151b96a991ceb582edff19f3da204dcc7a7905502f2"
 
 
@@ -42,17 +41,14 @@ def read_synonyms(text):
 
 COCO_SYNONYMS = read_synonyms(published_synonyms())
 
-
 # Word pairs read as another word before matching, as chair.py's double_word_dict: an age qualifier or "passenger"
 # before an animal or a vehicle is not a person ("baby elephant" -> elephant), a toilet seat is the toilet, not a
 # chair, a bow tie a tie, and "train track" and "home plate" are no object (no train; "plate" is none anyway).
 _ANIMALS = ("bird", "cat", "dog", "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "animal", "cub")
 
-
 _READ_AS = {f"{q} {a}": a for q in ("baby", "adult") for a in _ANIMALS} | \
     {"passenger jet": "jet", "passenger train": "train", "toilet seat": "toilet", "bow tie": "tie"} | \
     {"train track": "train track", "home plate": "home plate"}  # chair.py's: no train, no object at all
-
 
 _IRREGULAR = {"taxis": "taxi", "scissors": "scissors", "tvs": "tv", "buffaloes": "buffalo", "flamingoes": "flamingo",
               "pocketknives": "pocketknife", "people": "people", "children": "child", "mice": "mouse",
@@ -88,12 +84,9 @@ def singularize(word):
 CHAIR_PY_SINGULAR = {"bus": "bu", "minibus": "minibu", "airbus": "airbu", "ties": "ty", "canoes": "cano",
                      "doggies": "doggies", "people": "person", "skis": "ski", "oxen": "ox", "tennis": "tenni"}
 
-
 CHAIR_PY_UNMATCHED = ("motor bike", "cheesecake", "iphone")
 
-
 CHAIR_PY_UNJOINED = ("dining table",)
-
 
 CHAIR_COUNTS = ("chair.py", "corrected")
 

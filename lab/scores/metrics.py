@@ -38,19 +38,14 @@ _CONTRACTIONS = {
     "youd've": "you'd've", "you'dve": "you'd've", "youll": "you'll", "youre": "you're", "youve": "you've",
 }
 
-
 _NUMBERS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
             "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
 
-
 _ARTICLES = {"a", "an", "the"}
-
 
 _PUNCT = [";", "/", "[", "]", '"', "{", "}", "(", ")", "=", "+", "\\", "_", "-", ">", "<", "@", "`", ",", "?", "!"]
 
-
 _COMMA_STRIP = re.compile(r"(\d)(,)(\d)")
-
 
 # The official pattern is "(?!<=\d)(\.)(?!\d)": its "(?!<=" is a lookahead for the literal "<=", not a
 # lookbehind, so in effect it deletes every '.' that is not followed by a digit ("5." -> "5", "2.5" kept).
@@ -108,27 +103,19 @@ def _caseless_words(words):
 
 _L, _LD = r"[^\W\d_]", r"[^\W_]"    # a letter; a letter or digit
 
-
 _APOS, _APOS_ETC = "['\u0092\u2019]", "['`\u0091\u0092\u2018\u2019\u201B]"
-
 
 _WORD = rf"{_L}{_LD}*(?:[.!?]{_L}{_LD}*)*"
 
-
 _REDAUX = rf"{_APOS}(?:[msdMSD]|(?i:re|ve|ll))"          # 's 'm 'd 're 've 'll
-
 
 _SREDAUX = rf"[nN]{_APOS_ETC}[tT]"                          # n't
 
-
 _ACRO = r"[A-Za-z](?:\.[A-Za-z])*"                        # u.s, a.m, or a single letter
-
 
 _NUM = r"\d*(?:[.:,]\d+)+|\d+"                             # 2.5, 1,000, 5:30, 2
 
-
 _THING = rf"(?:[dDoOlL]{_APOS_ETC}{_LD})?{_LD}+"
-
 
 # PTB's abbreviations, which keep their period: ABBREV1 (usually followed by lower case), ABBREV2 (titles and
 # acronyms), ABBREV3 (only before a number).
@@ -139,23 +126,19 @@ _ABBREV1 = _caseless_words(
     "Inc Cos Co Corp Ltd Plc Rt Bancorp Bhd Assn Univ Intl Sys tel est ext sq Jr Sr Bros Ed.D Ph.D Blvd Rd Esq "
     "etc al seq Bldg") + r"|(?i:pp?t)[ye](?i:s)?"
 
-
 _ABBREV2 = _caseless_words(
     "Mr Mrs Ms [M]iss Dr Drs Prof Profs Sen Sens Rep Reps Atty Attys Lt Col Gen Messrs Gov Govs Adm Rev Maj Sgt Cpl "
     "Pvt Capt St Ste Ave Pres Lieut Hon Brig Cmdr Comdr Pfc Spc Supt Supts Det Mt Ft Adj Adv Asst Assoc Ens Insp "
     "Mlle Mme Msgr Sfc vs Alex Wm Jos Cie a.k.a cf TREAS Ph Invt Elec Natl Mfg Mtg Dept").replace(".", r"\.") \
     + "|" + _ACRO
 
-
 _ABBREV3 = _caseless_words("ca fig figs prop no nos art bldg pp op")
-
 
 _APOWORD = "|".join([
     rf"{_APOS}[nN]{_APOS}?",                                     # rock 'n' roll
     rf"[lLdDjJ]{_APOS}", rf"(?i:dunkin|somethin|ol){_APOS}", rf"{_APOS}(?i:em|till?|cause)", rf"{_APOS}[2-9]0(?i:s)",
     rf"[A-HJ-XZn]{_APOS_ETC}{_L}{{2,}}", rf"{_L}+[aeiouyAEIOUY]{_APOS_ETC}[aeiouA-Z]{_L}*",
     r"(?i:cont'd\.?|'twas|nor'easter|c'mon|e'er|s'mores|ev'ry|li'l|nat'l)", rf"O{_APOS_ETC}o"])
-
 
 # (token, trailing context, output) in PTBLexer's rule order. At each position the rule whose token + context is
 # longest wins, ties going to the earlier rule; the token is emitted (as `output` when given) and lexing resumes
@@ -267,7 +250,6 @@ def _yes_no(pred):
 
 
 _OPTION = re.compile(r"^\(?([a-z])(?![a-z0-9])")
-
 
 _ANSWER_IS = re.compile(r"\banswer(?: is)?\s*:?\s*\(?([a-z])(?![a-z0-9])")
 

@@ -51,11 +51,11 @@ def aligned_shift(A_icd, A_plain, n_icd, n_plain, T):
 
 
 @torch.no_grad()
-def gate_analysis(backbone, args, items):
+def gate_analysis(backbone, batches, n):
     """Table 10: mean gate g per layer (over heads and query tokens), early-layer (first quarter) and late-layer
     (last quarter) means, average per-layer std, and Pearson Corr(g, Delta A) (Eq 19) over layers, heads, query
-    tokens and examples. g is the adapter's (Eq 9) on the query-only prompt; Delta A compares the teacher's
-    attention ([ICDs; query], no adapter) with the query-only prompt's (no adapter)."""
+    tokens and the n examples of `batches` (analysis_batches). g is the adapter's (Eq 9) on the query-only prompt;
+    Delta A compares the teacher's attention ([ICDs; query], no adapter) with the query-only prompt's (no adapter)."""
     model, gates = backbone.model, []
     if model.icl_settings["method"] != "hyper-icl":
         raise ValueError(f"the gate analysis needs a Hyper-ICL adapter, not {model.icl_settings['method']!r}")
@@ -63,7 +63,7 @@ def gate_analysis(backbone, args, items):
              for a in M.adapter_modules(model)]
     g_all, dA_all = [], []
     with M.hooked(*hooks):
-        for (teacher, student), lengths in analysis_batches(backbone, args, items):
+        for (teacher, student), lengths in batches:
             gates.clear()
             model(**student)
             g = torch.stack(gates)                                            # [L, B, H, S_student]
@@ -81,7 +81,7 @@ def gate_analysis(backbone, args, items):
     return {"per_layer_mean": per_layer.tolist(), "early_mean": per_layer[:quarter].mean().item(),
             "late_mean": per_layer[-quarter:].mean().item(), "per_layer_std": g.std(1).mean().item(),
             "corr_g_delta_attention": torch.corrcoef(torch.stack([g.flatten(), dA.flatten()]))[0, 1].item(),
-            "n": len(items)}
+            "n": n}
 
 
 def middle_layers(n_layers, k=4):
@@ -97,25 +97,26 @@ def query_states(hidden_states, b, T, layers):
 
 
 @torch.no_grad()
-def hyperbolicity_analysis(backbone, args, items, n_samples=1000):
+def hyperbolicity_analysis(backbone, batches, n, seed, n_samples=1000):
     """Table 9: relative delta-hyperbolicity (Eq 18) of the teacher's ([ICDs; query], no adapter) and the student's
     (query only, with the adapter if one is attached) query-token hidden states in the four middle decoder layers,
-    per example on n_samples quadruples drawn with the same seed for teacher and student; mean and std over examples."""
+    per example of the n of `batches` (analysis_batches) on n_samples quadruples drawn with the same seed (seed + the
+    example's number) for teacher and student; mean and std over examples."""
     model = backbone.model
     layers = middle_layers(len(M.decoder_self_attentions(model)))
     deltas, i = {"teacher": [], "student": []}, 0
-    for (teacher, student), lengths in analysis_batches(backbone, args, items):
+    for (teacher, student), lengths in batches:
         with M.without_adapter(model):
             h_teacher = model(**teacher, output_hidden_states=True).hidden_states
         h_student = model(**student, output_hidden_states=True).hidden_states
         for b, T in enumerate(lengths):
             for name, h in (("teacher", h_teacher), ("student", h_student)):
                 X = query_states(h, b, T, layers)
-                gen = torch.Generator(X.device).manual_seed(args.seed + i)
+                gen = torch.Generator(X.device).manual_seed(seed + i)
                 deltas[name].append(lorentz.delta_hyperbolicity(torch.cdist(X, X), n_samples, gen).item())
             i += 1
     return {name: {"mean": statistics.mean(d), "std": statistics.pstdev(d)} for name, d in deltas.items()} | \
-        {"layers": list(layers), "n": len(items)}
+        {"layers": list(layers), "n": n}
 
 
 def analysis(backbone, args, items, setting):
@@ -126,7 +127,9 @@ def analysis(backbone, args, items, setting):
     path = os.path.join(args.out, name)
     settings = results.result_settings(backbone, args, setting, items)
     results.check_replaceable(path, {k: settings[k] for k in results.RESULT_SETTINGS if k in settings})
-    result = (gate_analysis if args.gates else hyperbolicity_analysis)(backbone, args, items)
+    batches = analysis_batches(backbone, args, items)
+    result = gate_analysis(backbone, batches, len(items)) if args.gates else \
+        hyperbolicity_analysis(backbone, batches, len(items), args.seed)
     if torchrun.rank_and_world()[0] != 0:
         return result
     files.write_json(path, {**settings, **result}, indent=2)

@@ -1,5 +1,9 @@
 """Learning curves on the toy world (Table 1, Table 4, Fig 2-3): the tuning rule, runs over seeds and query
-counts with intervals, the figure and its table (evaluate.py --curve)."""
+counts with intervals, the figure and its table (evaluate.py --curve).
+
+The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
+per point cannot say (on the toy world a run either flips the task or not), hence seeds, intervals and two graded
+measures (`curve`, `answer_measures`); rates are tuned by the rule of `tune` (below), never on evaluation items."""
 import itertools
 import json
 import math
@@ -20,23 +24,13 @@ from lab.models import backbones
 from lab.run import checkpoints
 from lab.scores import results
 
-
-#
-# The paper's comparisons (Table 1's ordering, Table 4, Fig 2) ask which method is better at a given budget. One run
-# per point cannot say (on the toy world a run either flips the task or not), hence seeds, intervals and two graded
-# measures (`curve`, `answer_measures`); rates are tuned by the rule of `tune` (below), never on evaluation items.
-
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
-
 
 CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query draw, demonstrations, order, init
 
-
 CURVE_TRAIN_ARGS = "--epochs 16 --n-heldout 8"  # 16 passes: N queries take 4 N steps at batch size 4
 
-
 ICL_LEVELS = (0, 1, 2, 4, 8)     # n-shot ICL, the horizontal lines of the figure (Fig 2's x axis)
-
 
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -93,12 +87,9 @@ def method_of(flags):
 PUBLISHED_LR = {"hyper-icl": 5e-3, "hificl": 5e-3, "static-layer": 5e-3, "static-layer-head": 5e-3,
                 "output-level": 5e-3, "mimic": 1e-5, "live": 1e-3, "lora": 5e-4}
 
-
 TUNE_DECADES = 3
 
-
 TUNE_LAMBDAS = {"mimic": (0.5, 5.0), "live": (0.5, 5.0)}
-
 
 TUNE = dict(n_train=16, n_heldout=32, seed=100)
 
@@ -114,16 +105,17 @@ def tune_flags(lr, lam=None):
                                   "--seed", str(TUNE["seed"])]
 
 
-def tune(args, common, methods, train_main, paper_lam):
-    """Each method's {"lr", "lam"} by the rule above; also every tuning run's score (tune.json). train_main: train.py's
-    main; paper_lam: its default lambda."""
+def tune(out, flags, methods, train_main, paper_lam):
+    """Each method's {"lr", "lam"} by the rule above; also every tuning run's score (<out>/tune.json). flags: the
+    train.py flags every run shares (before tune_flags and the method); train_main: train.py's main; paper_lam: its
+    default lambda."""
     runs, chosen = [], {}
     for method in methods:
         def score(lr, lam=None):
-            out = os.path.join(args.out, "tune", method, f"lr{lr:g}" + ("" if lam is None else f"-lam{lam:g}"))
-            train_main(common + shlex.split(args.train_args) + tune_flags(lr, lam) + [
-                "--method", method, "--out", out, "--overwrite", "--teacher-cache", os.path.join(args.out, "teacher")])
-            with open(os.path.join(out, "history.json")) as f:
+            run = os.path.join(out, "tune", method, f"lr{lr:g}" + ("" if lam is None else f"-lam{lam:g}"))
+            train_main(flags + tune_flags(lr, lam) + [
+                "--method", method, "--out", run, "--overwrite", "--teacher-cache", os.path.join(out, "teacher")])
+            with open(os.path.join(run, "history.json")) as f:
                 runs.append({"method": method, "lr": lr, "lam": lam,
                              "heldout_loss": min(h["heldout_loss"] for h in json.load(f))})
             return runs[-1]["heldout_loss"]
@@ -137,7 +129,7 @@ def tune(args, common, methods, train_main, paper_lam):
             lams = {lam: scores[best()] if lam == paper_lam else score(chosen[method]["lr"], lam)
                     for lam in TUNE_LAMBDAS[method]}
             chosen[method]["lam"] = min(lams, key=lams.get)
-    files.write_json(os.path.join(args.out, "tune.json"), {"chosen": chosen, "runs": runs, "rule": TUNE}, indent=2)
+    files.write_json(os.path.join(out, "tune.json"), {"chosen": chosen, "runs": runs, "rule": TUNE}, indent=2)
     return chosen, runs
 
 
@@ -187,14 +179,14 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     levels["0-shot ICL"] |= answer_measures(backbone, kind, items, teacher, args.batch_size)
     rows = curve_runs(args.curve_methods)
     methods = list(dict.fromkeys(method_of(flags) for _, flags in rows))
-    chosen = {} if args.no_tune else tune(args, common, methods, train_main, paper_lam)[0]
+    training = common + shlex.split(args.train_args)  # every run's train.py flags, before its own
+    chosen = {} if args.no_tune else tune(args.out, training, methods, train_main, paper_lam)[0]
     runs, plan = [], list(itertools.product(rows, args.curve_queries, range(args.curve_seeds)))
     for (name, flags), n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
         row = row_flags(flags, chosen)
-        adapter = train_main(common + shlex.split(args.train_args) + row + [
-            "--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
-            "--teacher-cache", os.path.join(args.out, "teacher")])
+        adapter = train_main(training + row + ["--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
+                                               "--teacher-cache", os.path.join(args.out, "teacher")])
         checkpoint = os.path.join(out, "adapter.safetensors")
         method = checkpoints.load_adapter(checkpoint, backbone)["method"]
         m = scored(backbone, scoring + ["--checkpoint", checkpoint, "--out", out], items, method)
@@ -215,7 +207,6 @@ def curve_settings(args):
 
 
 CURVE_RANGE = {"accuracy": (0, 100), "answer_logprob": (None, 0), "teacher_kl": (0, None)}  # where each can lie
-
 
 CURVE_MEASURES = {"accuracy": "accuracy x 100", "answer_logprob": "log p(reference answer)",
                   "teacher_kl": "KL(8-shot teacher || model) per answer token"}

@@ -1,5 +1,9 @@
 """The plan of a run (--plan): tokens per row, the images a batch holds, the teacher cache on disk and its room, the
-peak memory of training and evaluation, and whether reading the cache or recomputing the teacher is cheaper."""
+peak memory of training and evaluation, and whether reading the cache or recomputing the teacher is cheaper.
+
+train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
+a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
+tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read."""
 import os
 import shutil
 import time
@@ -14,17 +18,9 @@ from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.run import runs, teacher_cache
 
-
-#
-# train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
-# a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
-# tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read.
-
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 
-
 RUNTIME = 0.45e9     # bytes: a CPU run's resident Python, torch, transformers and tokenizer before any weight
-
 
 MEMORY_ASSUMPTIONS = (
     "assumptions: weights and activations in {dtype}, the adapter's state in float32 (16 bytes a parameter); "
@@ -38,18 +34,19 @@ MEMORY_ASSUMPTIONS = (
     "sample's longest, random ICDs (plan.memory)")
 
 
-def plan_backbone(args, family):
-    """The processor and a meta-device model (no weights) of --model, its image setting, where each came from and the
-    dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built): a
-    folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
-    --processor or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy backbone is built."""
-    if backbones.is_built(args.model):
-        backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting)
-        return backbone.processor, backbone.model, backbone.images, f"{args.model} (built)", torch.float32
-    if args.processor and not os.path.isdir(args.processor):
-        raise ValueError(f"--processor {args.processor}: not a folder; give the folder of the checkpoint's tokenizer "
+def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None):
+    """The processor and a meta-device model (no weights) of --model `name`, its image setting, where each came from
+    and the dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built):
+    a folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
+    --processor `processor_dir` or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy
+    backbone is built (with --image-splitting `image_splitting`)."""
+    if backbones.is_built(name):
+        backbone = backbones.load_backbone(name, image_splitting=image_splitting)
+        return backbone.processor, backbone.model, backbone.images, f"{name} (built)", torch.float32
+    if processor_dir and not os.path.isdir(processor_dir):
+        raise ValueError(f"--processor {processor_dir}: not a folder; give the folder of the checkpoint's tokenizer "
                          "and preprocessor files")
-    folder = args.processor or (args.model if os.path.isdir(args.model) else None)
+    folder = processor_dir or (name if os.path.isdir(name) else None)
     if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
         from huggingface_hub import snapshot_download
         hub_id = families.FAMILIES[family].hub_id
@@ -59,16 +56,16 @@ def plan_backbone(args, family):
             raise ValueError(f"--plan: the processor of {hub_id} is not in the local Hugging Face cache and the plan "
                              f"reaches no hub ({type(e).__name__}); pass --processor DIR, a folder with its tokenizer "
                              f"and preprocessor files (`hf download {hub_id} --exclude '*.safetensors'`)") from None
-    config = backbones.read_config(args.model) if os.path.isdir(args.model) else None
+    config = backbones.read_config(name) if os.path.isdir(name) else None
     if config is not None:
-        backbones.check_config(config, args.model)
+        backbones.check_config(config, name)
     try:
-        processor, images = families.load_processor(folder, family, args.image_splitting)
+        processor, images = families.load_processor(folder, family, image_splitting)
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
-        raise ValueError(f"{'--processor' if args.processor else '--model'} {folder} is not a {family} processor "
+        raise ValueError(f"{'--processor' if processor_dir else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
     model = published.published_model(family, config=config)  # on the meta device: no weights
-    source = f'published.PUBLISHED["{family}"]' if config is None else f"{args.model}/config.json"
+    source = f'published.PUBLISHED["{family}"]' if config is None else f"{name}/config.json"
     families.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
@@ -103,7 +100,7 @@ def image_sizes(batch):
             "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
 
 
-def memory(config, params, adapter_params, rows, batch, shots, dtype, new_tokens, on_cpu, file_dtype, image_memory):
+def memory(config, params, adapter_params, rows, batch, dtype, new_tokens, on_cpu, file_dtype, image_memory):
     """Estimated peak bytes of each part, of training and of evaluation (MEMORY_ASSUMPTIONS, every term here)."""
     text = config.get_text_config()
     b, L, d, i, heads = dtype.itemsize, text.num_hidden_layers, text.hidden_size, text.intermediate_size, \
@@ -151,8 +148,8 @@ def plan(args, queries=None):
     else:
         shots = args.shots if args.shots else data.default_shots(tasks.spec(args.task), family)
         pool = tasks.load_task(args.task, "train", args.data_root)
-    processor, model, images, source, file_dtype = plan_backbone(args, family)
-    config = model.config
+    processor, model, images, source, file_dtype = plan_backbone(args.model, family, args.image_splitting,
+                                                                 args.processor)
     sample = queries[:PLAN_SAMPLE]
     icds = data.demonstrations([q.id for q in sample], pool, shots, args.seed)
     batch = min(args.batch_size, len(queries))  # a run's batches hold at most the queries there are
@@ -161,7 +158,7 @@ def plan(args, queries=None):
     params = sum(p.numel() for p in model.parameters())
     adapter = sum(p.numel() for p in M.attach(model, args.method, **runs.method_sizes(args)).parameters()) \
         if training else 0
-    mem = memory(config, params, adapter, rows, batch, shots, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
+    mem = memory(model.config, params, adapter, rows, batch, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
                  file_dtype, args.image_memory * 1e9)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
@@ -179,7 +176,7 @@ def plan(args, queries=None):
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))
     if training:
         sizes = teacher_cache.query_tokens(processor, family, kind, queries)  # every query's tokens, no image loaded
-        figures["cache"] = plan_cache(args, config, sizes, dtype, 2 * params * mean(rows["teacher"].values()))
+        figures["cache"] = plan_cache(args, model.config, sizes, dtype, 2 * params * mean(rows["teacher"].values()))
         print(f"peak memory, training: ~{size(mem['train'])} (weights {size(mem['weights'])} + max(teacher "
               f"{size(mem['teacher'])}, student {size(mem['student'])}; vision in them {size(mem['vision'])}) + "
               f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")
@@ -208,17 +205,17 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
               f"{n_queries}; it would take {size(total)})")
-        print(versus or "", end="\n" if versus else "")
-        return total
-    free, text = shutil.disk_usage(folder).free, config.get_text_config()
-    tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
-        f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
-    print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
-          f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; {size(free)} "
-          "free there"
-          + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
-          + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
-    print(versus or "", end="\n" if versus else "")
+    else:
+        free, text = shutil.disk_usage(folder).free, config.get_text_config()
+        tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
+            f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
+        print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
+              f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "
+              f"{size(free)} free there"
+              + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
+              + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))
+    if versus:
+        print(versus)
     return total
 
 

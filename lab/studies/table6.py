@@ -21,12 +21,10 @@ from lab.scores import results
 ROUNDS = 10  # --rounds' default: rounds of timed runs; the FLOP count (Table 6) or the peak-memory run warms up
 BENCH_SHOTS = (8, 16, 32)  # --bench-shots' default: the n-shot ICL rows
 
-
 # Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
 # LLaMA-style tokenizer splits them: BOS + the instruction line; one ICD's "Question: ... Short answer: ..." + end
 # token + newline (about 20 for a VQAv2 question); the query's question without the answer.
 PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
-
 
 MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's share of the cost shows on a CPU
 
@@ -265,15 +263,15 @@ def attention_benchmark(model, T=2048, rounds=ROUNDS):
     return {name: (latency[name][0], memory[name]) for name in latency}
 
 
-def attention_model(args):
-    """The model whose first attention layer --benchmark-attention measures: --model, or with --random-weights the
-    mid-size model or a one-layer model with the published attention sizes (published.grown_twin)."""
-    family = families.family_of(args.model)
-    if args.random_weights == "mid":
+def attention_model(name, random_weights=None):
+    """The model whose first attention layer --benchmark-attention measures: --model `name`, or with --random-weights
+    the mid-size model or a one-layer model with the published attention sizes (published.grown_twin)."""
+    family = families.family_of(name)
+    if random_weights == "mid":
         return published.mid_model(family)[0]
-    if args.random_weights == "published":
+    if random_weights == "published":
         text = published.PUBLISHED[family]().get_text_config()
         sizes = {k: getattr(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
                  if getattr(text, k, None)}
         return published.grown_twin(family, num_hidden_layers=1, intermediate_size=64, **sizes)[0]
-    return backbones.load_backbone(args.model).model
+    return backbones.load_backbone(name).model

@@ -1,5 +1,9 @@
 """Training-free in-context vectors (Table 1): task vectors (Hendel et al.) and function vectors (Todd et al.),
-with the hooks that record and steer layer and head outputs."""
+with the hooks that record and steer layer and head outputs.
+
+Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
+prompt at the last prompt token of one decoder layer (steer), the layer of lowest target cross-entropy on queries
+held out of the training split (layer_losses; never the evaluation split)."""
 import contextlib
 import dataclasses
 import functools
@@ -19,17 +23,9 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints, feed, teacher_cache
 
-
-#
-# Both are computed once from ICL prompts [ICDs; query] of the training split, saved, and applied to the zero-shot
-# prompt at the last prompt token of one decoder layer (steer), the layer of lowest target cross-entropy on queries
-# held out of the training split (layer_losses; never the evaluation split).
-
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 
-
 FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
-
 
 FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect (Todd et al.: 25)
 
@@ -97,14 +93,13 @@ def indirect_effects(backbone, kind, queries, icds, mean_heads, batch_size, seed
     base = [answer_probability(backbone, b, p) for b, p in batches]
     layers, heads, _ = M.attention_shape(backbone.model)
     aie = torch.zeros(layers, heads, dtype=torch.float64)
-    bar = tqdm(total=layers * heads * len(batches), desc="indirect effects", unit="head x batch")
-    for (batch, positions), p0 in zip(batches, base):
-        batch = backbones.to_device(batch, backbone.model.device)  # once, not once per head
-        for l, h in itertools.product(range(layers), range(heads)):
-            with set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
-                aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
-            bar.update()
-    bar.close()
+    with tqdm(total=layers * heads * len(batches), desc="indirect effects", unit="head x batch") as bar:
+        for (batch, positions), p0 in zip(batches, base):
+            batch = backbones.to_device(batch, backbone.model.device)  # once, not once per head
+            for l, h in itertools.product(range(layers), range(heads)):
+                with set_head_output(backbone.model, l, h, mean_heads[l, h], positions):
+                    aie[l, h] += (answer_probability(backbone, batch, positions) - p0).double().sum().item()
+                bar.update()
     return aie / len(queries)
 
 
