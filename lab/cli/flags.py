@@ -81,8 +81,9 @@ def check_folders(p, folders):
 
 # what a field's type does not say: a name checked by a function, a flag that may go without its value (nargs "?" and
 # the value it then takes), a list that may be empty
-SPELLING = {"task": dict(type=tasks.task_arg), "plan": dict(nargs="?", const="cuda" if torch.cuda.is_available() else
-            "cpu"), "chair": dict(nargs="?", const="chair.py"), "random_weights": dict(nargs="?", const="published"),
+HERE = "cuda" if torch.cuda.is_available() else "cpu"  # --plan without a value: the run's own device
+SPELLING = {"task": dict(type=tasks.task_arg), "plan": dict(nargs="?", const=HERE),
+            "chair": dict(nargs="?", const="chair.py"), "random_weights": dict(nargs="?", const="published"),
             "bench_shots": dict(nargs="*")}
 
 
@@ -98,13 +99,13 @@ def parser(doc, config, exclusive=()):
     p, helps = argparse.ArgumentParser(description=doc, formatter_class=Help), field_help(type(config))
     groups = {name: group for names in exclusive for group in [p.add_mutually_exclusive_group()] for name in names}
     for f in dataclasses.fields(config):
-        kind = next(t for t in typing.get_args(f.type) if t is not type(None)) if typing.get_origin(f.type) is \
-            typing.Union else f.type
-        choices, item = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None, \
-            (typing.get_args(kind) or [None])[0] if typing.get_origin(kind) is list else kind
+        kind, (origin, args) = f.type, (typing.get_origin(f.type), typing.get_args(f.type))
+        if origin is typing.Union:  # Optional[X]: X
+            kind = next(t for t in args if t is not type(None))
+            origin, args = typing.get_origin(kind), typing.get_args(kind)
+        choices, item = (list(args) if origin is typing.Literal else None), (args[0] if origin is list else kind)
         how = dict(action="store_true") if kind is bool else dict(
-            type=None if choices or item is str else item, choices=choices and list(choices),
-            nargs="+" if typing.get_origin(kind) is list else None)
+            type=None if choices or item is str else item, choices=choices, nargs="+" if origin is list else None)
         groups.get(f.name, p).add_argument("--" + f.name.replace("_", "-"), default=getattr(config, f.name),
                                            help=helps[f.name].replace("%", "%%"), **how | SPELLING.get(f.name, {}))
     return p
