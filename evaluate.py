@@ -262,8 +262,7 @@ def evaluate_with_baselines(backbone, args, items, setting):
     line says so: the backbone does not learn in context and no score beside it shows anything."""
     shots = D.default_shots(tasks.spec(args.task), backbone.family)
     with M.without_adapter(backbone.model):
-        done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot")
-                for n in (0, shots)]
+        done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
     metric, icl, verdict = results.headline_metric(done[0]), done[1], ""
