@@ -11,7 +11,7 @@ instead (option_logliks). evaluate() writes the predictions and the metrics; the
 The other modes are lab's, entered from main: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors
 (--vector, lab/studies/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/studies/table6.py,
 Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/studies/analyses.py, Tables 10 and 9),
-learning curves (--curve, lab/studies/curves.py). The flags are lab/cli/eval_cli.py's.
+learning curves (--curve, lab/studies/curves.py). The flags are Config's fields.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -25,15 +25,15 @@ learning curves (--curve, lab/studies/curves.py). The flags are lab/cli/eval_cli
     python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
     python evaluate.py --curve                           every method on the toy world, tuned: learning curves
 """
-import argparse
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import os
 import re
 import sys
 from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional
 
 import torch
 from tqdm import tqdm
@@ -43,12 +43,66 @@ import model as M
 import train
 from lab.disk import files
 from lab.datasets import api_checks, readers, rices, tasks
-from lab.models import backbones, published
+from lab.models import backbones, chunks, families, published
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
 from lab.studies import analyses, curves, plan, table6, vectors
 from lab.cli import eval_cli
 from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
+
+
+@dataclass
+class Config:
+    """Every setting of an evaluation; each field an evaluate.py flag, as in train.py's Config (lab/cli/flags.py)."""
+    # what is evaluated, on what
+    model: str = "toy-idefics2"       # backbone, as train.py's --model
+    task: str = "toy-icl-colour"      # benchmark (data.TASKS) or a task of one's own, as train.py's --task
+    checkpoint: Optional[str] = None  # adapter; None: runs/<model>-<task>-hyper-icl/'s if it exists and no --shots
+    shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
+    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    rices_encoder: Optional[str] = None  # RICES's image encoder, a CLIP hub id or path (None: the backbone's own)
+    rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
+    split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
+    n_eval: Optional[int] = None      # the first N items (None: all); MME, SEED: about N, stratified by --seed
+    seed: int = 0                     # the demonstration draw
+    seed_protocol: Optional[Literal["generate", "likelihood"]] = None  # SEED: None: generate; likelihood: official
+    force: bool = False               # load a --checkpoint of another backbone of the same shape (with a warning)
+    # the machine and the files
+    data_root: Optional[str] = None   # datasets in their official layout (docs/real-models.md; toy-icl-*: none)
+    out: Optional[str] = None         # results (None: the checkpoint's folder, else runs/eval-<model>-<task>)
+    batch_size: int = 8               # queries per generate call
+    workers: int = field(default_factory=feed.default_workers)  # DataLoader workers, as train.py's
+    threads: Optional[int] = None     # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
+    image_splitting: Literal[families.IMAGE_SPLITTING] = "checkpoint"  # Idefics2's image crops, as train.py's
+    image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once, as train.py's
+    plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
+    processor: Optional[str] = None   # --plan: a local folder of the checkpoint's processor
+    # the other modes, one at a time
+    benchmark: bool = False           # Table 6: FLOPs, latency of 0-shot, the adapter(s), --bench-shots (lab/studies)
+    benchmark_attention: bool = False  # one attention layer: latency and peak memory of SDPA and of each method
+    gates: bool = False               # Table 10: a Hyper-ICL checkpoint's gates and Corr(g, Delta A)
+    hyperbolicity: bool = False       # Table 9: delta-hyperbolicity of teacher and student (--checkpoint) states
+    curve: bool = False               # learning curves of every method, its rate tuned (lab/studies/curves.py)
+    # --curve
+    curve_queries: list[int] = field(default_factory=lambda: list(curves.CURVE_QUERIES))  # training queries per run
+    curve_seeds: int = curves.CURVE_SEEDS  # seeds per point
+    curve_methods: Optional[list[str]] = None  # only these rows (as named in curve.md; None: all)
+    no_tune: bool = False             # train each method at its published rate (PUBLISHED_LR), untuned
+    train_args: str = ""              # train.py flags of every run ("": curves.CURVE_TRAIN_ARGS)
+    # --vector (Table 1): zero-shot with a training-free in-context vector (lab/studies/vectors.py)
+    vector: Optional[Literal["tv", "fv"]] = None  # task vector (Hendel et al. 2023), function vector (Todd et al.)
+    vector_layer: Optional[int] = None  # its decoder layer (None: the lowest loss on --vector-heldout queries)
+    vector_sets: int = vectors.VECTOR_SETS  # ICL prompts of --shots ICDs averaged into it
+    vector_heldout: int = 32          # training queries held out to choose the layer
+    fv_heads: int = vectors.FV_HEADS  # k: heads summed into a function vector (Todd et al.'s |A|)
+    fv_trials: int = vectors.FV_TRIALS  # corrupted prompts for a head's average indirect effect
+    # --chair (Table 5), the benchmarks (Table 6)
+    chair: Optional[Literal["chair.py", "corrected"]] = None  # also CHAIR and Recall, chair.py's count or corrected
+    random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid
+    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; 8 with --random-weights mid)
+    bench_shots: list[int] = field(default_factory=lambda: list(table6.BENCH_SHOTS))  # the ICL rows (none: no value)
+    attention_tokens: int = 2048      # query and key tokens of the attention benchmarks
+    rounds: int = table6.ROUNDS       # rounds of timed runs, each setting once between two of the reference
 
 
 # --------------------------------- generate and score (Section 4.1: greedy decoding, left-padded prompts of data.py)
@@ -119,9 +173,9 @@ def option_rows(processor, family, kind, spec):
         if len(it.answers) != len(D.SEED_LETTERS):
             raise ValueError(f"item {it.id}: --seed-protocol likelihood ranks {len(D.SEED_LETTERS)} options, it has "
                              f"{len(it.answers)}")
-        with_text = [dataclasses.replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
+        with_text = [replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
         prefix = D.encode_prefix(processor, family, kind, with_text)
-        rows += [D.join(prefix, D.encode_query(processor, family, kind, dataclasses.replace(it, target=o)))
+        rows += [D.join(prefix, D.encode_query(processor, family, kind, replace(it, target=o)))
                  for o in it.answers]
     return D.collate(rows, processor, family)
 
@@ -208,8 +262,7 @@ def evaluate_with_baselines(backbone, args, items, setting):
     line says so: the backbone does not learn in context and no score beside it shows anything."""
     shots = D.default_shots(tasks.spec(args.task), backbone.family)
     with M.without_adapter(backbone.model):
-        done = [evaluate(backbone, argparse.Namespace(**{**vars(args), "shots": n}), items, f"{n}-shot")
-                for n in (0, shots)]
+        done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
     metric, icl, verdict = results.headline_metric(done[0]), done[1], ""
@@ -227,8 +280,8 @@ def evaluate_with_baselines(backbone, args, items, setting):
 
 
 def parse_args(argv=None):
-    """evaluate.py's flags (lab/cli/eval_cli.py); --train-args is checked by train.py's parser."""
-    return eval_cli.parse_args(argv, __doc__, train.parse_args)
+    """evaluate.py's flags, their defaults a Config's (lab/cli/eval_cli.py); --train-args checked by train.py's."""
+    return eval_cli.parse_args(argv, __doc__, Config(), train.parse_args)
 
 
 def main(argv=None):

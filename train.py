@@ -22,7 +22,7 @@ import functools
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
@@ -39,53 +39,53 @@ from lab.cli import train_cli
 
 @dataclass
 class Config:
-    """Every setting of a run, the defaults of train.py's flags (lab/cli/train_cli.py makes one flag of each field)."""
+    """Every setting of a run; each field a train.py flag, its value the default, its comment the help (lab/cli)."""
     # what is trained, on what
     model: str = "toy-idefics2"       # backbone: a name (lab/models/published.py, tiny-*, toy-idefics2), file, folder
-    task: str = "toy-icl-colour"      # data.TASKS, or a task of one's own (lab/datasets/own_task.py)
-    method: str = "hyper-icl"         # model.METHODS
+    task: str = "toy-icl-colour"      # data.TASKS, or one's own: a .jsonl, a folder, a LLaVA .json (README)
+    method: Literal[tuple(M.METHODS)] = "hyper-icl"  # what is learned (adapters.py); each trains with its own --anchor
     # the paper's settings (Section 4.1)
     n_train: int = 1000               # training queries
-    lr: float = 5e-3                  # AdamW, every method
+    lr: float = 5e-3                  # AdamW, every method (the baselines' code: MimIC 1e-5, LoRA 5e-4, LIVE 1e-3)
     warmup: float = 0.1               # fraction of the steps of linear warm-up, then cosine decay to 0
     kappa: float = 0.1                # curvature magnitude of the Lorentz model (Eq 10)
-    lam: float = 0.5                  # lambda: the weight of L_sup beside the anchor (Eq 17)
+    lam: float = 0.5                  # lambda: the weight of L_sup beside the anchor's 1 (Eq 17; MimIC, LIVE: 0.5)
     rank: Optional[int] = None        # r of U_q, U_k (Eq 6): 4; None: the method's own (RANKS, filled())
-    anchor: Optional[str] = None      # the distillation loss: Eq 16's hyperbolic; None: the method's own (ANCHORS)
+    anchor: Optional[Literal["hyperbolic", "euclidean", "mse", "kl", "none"]] = None  # None: the method's (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
-    icds: str = "random"              # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
     # not stated in the paper
     n_heldout: int = 32               # queries held out of the training pool to pick the best epoch
-    epochs: int = 3
+    epochs: int = 3                   # passes over the training queries (the best epoch is kept)
     batch_size: int = 4               # queries per micro-batch
     grad_accum: int = 1               # micro-batches per optimiser step
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0         # AdamW's
     clip: float = 1.0                 # gradient norm clipping
     virtual_tokens: int = 8           # HiFICL's n virtual key-value pairs
-    anchor_norm: str = "none"         # none: Eq 17; first: the anchor over its first-step value (lab/run/anchors.py)
+    anchor_norm: Literal["none", "first"] = "none"  # none: Eq 17; first: the anchor over its first-step value
     temperature: float = 1.0          # T of LIVE's KL
     seed: int = 0                     # the query split, ICD draw, order and adapter init
-    image_splitting: str = "checkpoint"              # Idefics2's image crops: as the checkpoint says, on, off
-    image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once
+    image_splitting: Literal[families.IMAGE_SPLITTING] = "checkpoint"  # Idefics2's image crops: as the checkpoint says
+    image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once (chunks.image_work)
     rices_encoder: Optional[str] = None              # RICES's image encoder (default: the backbone's vision tower)
-    rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))
+    rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
     # files: the data, the run's folder, the teacher cache, checkpoints
-    data_root: Optional[str] = None
+    data_root: Optional[str] = None    # the datasets' folder (data.py, README)
     out: Optional[str] = None          # None: runs/<model>-<task>-<method> (lab/cli/train_cli.py)
     teacher_cache: Optional[str] = None  # None: <out>/teacher
-    no_teacher_cache: bool = False     # recompute the teacher at every step
+    no_teacher_cache: bool = False     # recompute the teacher at every step (no disk)
     save_every: int = 50               # checkpoint every this many steps (and every epoch)
-    max_steps: Optional[int] = None    # stop after this many steps (the schedule spans every epoch)
+    max_steps: Optional[int] = None    # stop after this many steps (the schedule spans every epoch; --resume goes on)
     resume: bool = False               # continue from <out>/last.pt
-    overwrite: bool = False            # replace the run in --out
+    overwrite: bool = False            # replace the run in --out (without it a folder holding a run is refused)
     # the machine, and the other modes
     threads: Optional[int] = None      # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
     workers: int = field(default_factory=feed.default_workers)  # DataLoader workers that prepare batches
-    plan: Optional[str] = None         # print the run's plan on cuda or cpu and exit (lab/studies/plan.py)
+    plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
     processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
     benchmark: bool = False            # time the run with and without teacher reuse
-    build_toy: bool = False            # meta-train a toy-idefics2 instead (lab/models/toy_backbone.py)
-    build_tries: int = 3               # its seeds to try
+    build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
+    build_tries: int = 3               # its seeds to try (--seed, --seed + 1, ...)
     # the method's own rank and anchor, filled in where none is given (filled)
     RANKS: ClassVar[dict] = {"hificl": 8, "lora": 16}  # else 4; LoRA: rank 16, MimIC's public setting
     ANCHORS: ClassVar[dict] = {"hificl": "none", "lora": "none", "mimic": "mse", "live": "kl"}  # else hyperbolic

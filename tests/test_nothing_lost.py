@@ -3,8 +3,10 @@ checkpoints and configs are named, numeric flags are checked before anything loa
 
 One test per case of a hostile run (issue 39): each failed before its fix. Small: the tiny twin, a few items, files
 written by hand in the official layouts or copied from tools/benchmarks.py's."""
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -286,6 +288,24 @@ def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also
 
 
 # ------------------------------------------------------------------------------------------------ numeric flags
+
+@pytest.mark.parametrize("script, filled", [(train, {"rank", "anchor", "out", "teacher_cache"}),
+                                            (evaluate, {"checkpoint", "seed_protocol", "out"})])
+def test_the_flags_are_the_configs_fields_with_their_values_and_comments(script, filled, capsys, monkeypatch, tmp_path):
+    """--help lists one flag per field of the script's Config and no other; the flags' defaults are the fields' values
+    (but those parse_args fills in) and each field has its comment, the flag's help."""
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    listed = set(re.findall(r"^  (?:-h, )?(--[\w-]+)", capsys.readouterr().out, re.M)) - {"--help"}
+    fields = dataclasses.fields(script.Config)
+    assert listed == {"--" + f.name.replace("_", "-") for f in fields}
+    monkeypatch.chdir(tmp_path)  # no default checkpoint here
+    parsed, defaults = dataclasses.asdict(script.parse_args([])), dataclasses.asdict(script.Config())
+    kept = lambda settings: {k: v for k, v in settings.items() if k not in filled}
+    assert kept(parsed) == kept(defaults)
+    helps = flags.field_help(script.Config)
+    assert [f.name for f in fields if not helps.get(f.name)] == []
+
 
 @pytest.mark.parametrize("flag, value", [
     ("--lr", "1e300"), ("--lr", "inf"), ("--kappa", "inf"), ("--lam", "inf"), ("--weight-decay", "inf"),

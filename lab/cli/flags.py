@@ -1,11 +1,16 @@
-"""Flags train.py and evaluate.py share, and the checks of numeric flags and folders."""
+"""The flags of train.py and evaluate.py, made from their Config, and the checks of numeric flags and folders."""
+import argparse
+import dataclasses
+import inspect
 import math
 import os
+import textwrap
+import tokenize
+import typing
 
 import torch
 
-from lab.models import chunks, families
-from lab.run import feed
+from lab.datasets import tasks
 
 
 MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes, seeds, steps) holds
@@ -48,12 +53,11 @@ def check_floats(p, args):
 MAX_IMAGE_MEMORY = MAX_INT / 1e9  # --image-memory, GB: its bytes must be a 64-bit count (1e300 GB is inf bytes)
 
 
-def check_image_memory(p, args):
+def check_image_memory(p, gb):
     """A parser error naming --image-memory unless it is a finite number of GB > 0 whose bytes a 64-bit integer
     holds (the chunks of chunks.chunk_images are counted in bytes: 1e300 GB made them NaN after the model loaded)."""
-    if not 0 < args.image_memory <= MAX_IMAGE_MEMORY:
-        p.error(f"--image-memory must be a finite number of GB > 0, at most {MAX_IMAGE_MEMORY:.4g} (got "
-                f"{args.image_memory})")
+    if not 0 < gb <= MAX_IMAGE_MEMORY:
+        p.error(f"--image-memory must be a finite number of GB > 0, at most {MAX_IMAGE_MEMORY:.4g} (got {gb})")
 
 
 def check_at_least(p, args, bounds):
@@ -75,42 +79,52 @@ def check_folders(p, folders):
             p.error(f"{flag} {path} is a file; it must be a folder")
 
 
-def add_worker_flag(p):
-    """--workers: the processes that prepare batches (train.py, evaluate.py)."""
-    p.add_argument("--workers", type=int, default=feed.default_workers(), help="DataLoader worker processes that "
-                   "prepare batches (images, tokens, cached teacher states) while the model runs (default with a "
-                   "GPU: this machine's cores less one, shared among torchrun's processes, at most 8; without one: 0, "
-                   "the model's threads using the cores; 0: in the main process, one batch at a time; the results "
-                   "are the same)")
+# what a field's type does not say: a name checked by a function, a flag that may go without its value (nargs "?" and
+# the value it then takes), a list that may be empty
+HERE = "cuda" if torch.cuda.is_available() else "cpu"  # --plan without a value: the run's own device
+SPELLING = {"task": dict(type=tasks.task_arg), "plan": dict(nargs="?", const=HERE),
+            "chair": dict(nargs="?", const="chair.py"), "random_weights": dict(nargs="?", const="published"),
+            "bench_shots": dict(nargs="*")}
 
 
-def add_icd_flags(p):
-    """--icds, --rices-encoder, --rices-cache: how demonstrations are chosen (train.py's teacher, evaluate.py)."""
-    p.add_argument("--icds", default="random", choices=["random", "rices"], help="how a query's demonstrations are "
-                   "chosen from the training split: at random, or by RICES (the most similar images by cosine "
-                   "similarity of a frozen image encoder's pooled features, most similar right before the query)")
-    p.add_argument("--rices-encoder", help="RICES's image encoder: a CLIP checkpoint's hub id or path, loaded with "
-                   "transformers (default: the backbone's own vision tower, mean-pooled; works offline)")
-    p.add_argument("--rices-cache", default=os.path.expanduser("~/.cache/hyper-icl/rices"),
-                   help="folder of cached RICES image features, one file per encoder and item list")
+class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default."""
 
 
-def add_plan_flags(p):
-    """--plan, --processor, --image-splitting (the image setting that changes a run's cost most) and --image-memory
-    (train, evaluate)."""
-    here = "cuda" if torch.cuda.is_available() else "cpu"
-    p.add_argument("--plan", nargs="?", const=here, choices=["cuda", "cpu"], help="print the run's plan and exit, "
-                   "loading no weights: tokens per student and teacher row, the images a batch holds, the teacher "
-                   "cache on disk, estimated peak memory of training and evaluation; cuda: bf16 on a GPU "
-                   "(torch.cuda.max_memory_allocated); cpu: float32, peak resident memory; without a value the run's "
-                   f"own device (here: {here})")
-    p.add_argument("--image-memory", type=float, default=chunks.IMAGE_MEMORY / 1e9, help="GB the vision tower and "
-                   "Idefics2's connector may hold at once: they encode a batch's images in chunks of as many as fit "
-                   "(chunks.image_work; at least one), the same numbers as one call; the plan counts one chunk")
-    p.add_argument("--processor", help="--plan: a local folder with the checkpoint's tokenizer and preprocessor "
-                   "files, for a short --model name whose processor is not in the local Hugging Face cache")
-    p.add_argument("--image-splitting", default="checkpoint", choices=families.IMAGE_SPLITTING,
-                   help="Idefics2: split each "
-                   "image into 4 crops + the whole image (5 x 64 tokens instead of 64: 4x the teacher cache) as the "
-                   "checkpoint's preprocessor_config.json says (idefics2-8b-base most likely off, idefics2-8b on), "
-                   "or on / off")
+def parser(doc, config, exclusive=()):
+    """The flags of the dataclass instance `config` (train.py's or evaluate.py's Config), one a field: --field-name,
+    the field's value its default, its comment its help (field_help), its type the type (Optional unwrapped; bool: a
+    switch; list[X]: one or more X; Literal: the choices) with SPELLING's additions. Each tuple of field names in
+    `exclusive` is a group of flags that exclude each other."""
+    p, helps = argparse.ArgumentParser(description=doc, formatter_class=Help), field_help(type(config))
+    groups = {name: group for names in exclusive for group in [p.add_mutually_exclusive_group()] for name in names}
+    for f in dataclasses.fields(config):
+        kind, (origin, args) = f.type, (typing.get_origin(f.type), typing.get_args(f.type))
+        if origin is typing.Union:  # Optional[X]: X
+            kind = next(t for t in args if t is not type(None))
+            origin, args = typing.get_origin(kind), typing.get_args(kind)
+        choices, item = (list(args) if origin is typing.Literal else None), (args[0] if origin is list else kind)
+        how = dict(action="store_true") if kind is bool else dict(
+            type=None if choices or item is str else item, choices=choices, nargs="+" if origin is list else None)
+        groups.get(f.name, p).add_argument("--" + f.name.replace("_", "-"), default=getattr(config, f.name),
+                                           help=helps[f.name].replace("%", "%%"), **how | SPELLING.get(f.name, {}))
+    return p
+
+
+def field_help(cls):
+    """{field: help} of the dataclass `cls`: the comment after each field in its source, and the comment lines below
+    it indented past the fields (a comment at the fields' indent heads a group of them)."""
+    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
+    tokens = list(tokenize.generate_tokens(iter(line + "\n" for line in lines).__next__))
+    names = {a.start[0]: a.string for a, b in zip(tokens, tokens[1:])
+             if a.type == tokenize.NAME and a.start[1] == 4 and b.string == ":"}
+    comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
+    helps, name = {}, None
+    for row, line in enumerate(lines, 1):
+        if row in names:
+            name, helps[names[row]] = names[row], comments.get(row, "")
+        elif name and row in comments and line.lstrip().startswith("#") and line.index("#") > 4:
+            helps[name] += " " + comments[row]
+        else:
+            name = None
+    return helps

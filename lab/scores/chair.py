@@ -88,8 +88,6 @@ CHAIR_PY_UNMATCHED = ("motor bike", "cheesecake", "iphone")
 
 CHAIR_PY_UNJOINED = ("dining table",)
 
-CHAIR_COUNTS = ("chair.py", "corrected")
-
 
 def chair_vocabulary(categories):
     """{word or phrase: category} for the given categories (the instances file's), from COCO_SYNONYMS (a category
