@@ -21,7 +21,7 @@ from memory_twins import write_photos
 from twins import write_twin
 from lab.disk import files
 from lab.models import backbones, chunks, published
-from lab.run import runs
+from lab.run import feed, micro_batches, runs
 
 
 def peak(device, run):
@@ -47,28 +47,34 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     plan = train.main([*plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
     step_times, waiting = [], []
-    steps_of = runs.remaining_steps
+    steps_of, prepared = runs.remaining_steps, feed.prepared
 
-    def timed_steps(run, epoch):  # the seconds the loop waits for each step's batches (DataLoader workers' lag)
-        steps = steps_of(run, epoch)
-        while True:
+    def timed_steps(run, epoch):  # a step's seconds, its batches' waits (timed_batches) included
+        for step in steps_of(run, epoch):
             start = time.perf_counter()
-            batches = next(steps, None)
-            if batches is None:
-                return
-            waiting.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            yield batches  # the loop asks for the next step's batches once this step is taken
+            yield step  # the loop asks for the next step once this step is taken
             if device == "cuda":
                 torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - start)  # a step's seconds on the accelerator
+            step_times.append(time.perf_counter() - start)
+
+    def timed_batches(build, specs, *args):  # the seconds the loop waits for each micro-batch (DataLoader workers' lag)
+        batches = prepared(build, specs, *args)
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                return
+            if getattr(build, "func", None) is micro_batches.prepared_micro_batch:  # a training micro-batch
+                waiting.append(time.perf_counter() - start)
+            yield batch
     monkeypatch.setattr(runs, "remaining_steps", timed_steps)
+    monkeypatch.setattr(feed, "prepared", timed_batches)
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
     rows = {"training peak": (trained, plan["memory"]["train"]),
             "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
-            "share of a step waiting for its batches": (sum(waiting) / (sum(waiting) + sum(step_times)), None),
+            "share of a step waiting for its batches": (sum(waiting) / sum(step_times), None),
             "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(cached),
                                     plan["cache"] / plan["queries"])}
     adapter = os.path.join(root, "run", "adapter.safetensors")

@@ -5,6 +5,7 @@ two processes on one folder, evaluation files killed while written, bad caches, 
 Every run names --model and --task (never the defaults) and is tiny: 8 training queries, 2 steps per epoch."""
 import dataclasses
 import errno
+import functools
 import json
 import os
 import shutil
@@ -204,7 +205,8 @@ def teacher_states(backbone, cfg, queries, icds, cache):
     """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
     computed by the teacher and stored where not (lab/run/micro_batches.py)."""
     prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, cfg, cache), (queries, icds))
-    return micro_batches.completed_states(cfg, prepared, "cpu", cache, train.teacher_of(backbone, cfg, "cpu"))
+    teacher = functools.partial(train.run_teacher, backbone, "vqa", device="cpu")  # as micro_batches.pairs runs it
+    return micro_batches.completed_states(cfg, prepared, "cpu", cache, teacher)
 
 
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):

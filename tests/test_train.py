@@ -24,10 +24,10 @@ SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--s
 
 
 def micro_batch(backbone, cfg, queries, icds, cache):
-    """train.micro_batch of `queries` (icds: theirs, in order) on the CPU, with what a run would share."""
-    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, icds={q.id: d for q, d in zip(queries, icds)},
-                                device="cpu", cache=cache)
-    return train.micro_batch(run, queries)
+    """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop gets it
+    (micro_batches.pairs), with what a run would share."""
+    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, device="cpu", cache=cache, teacher=train.run_teacher)
+    return next(micro_batches.pairs(run, [(queries, icds)], workers=0))
 
 
 def run(tmp_path, *extra, name="run"):

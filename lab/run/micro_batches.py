@@ -49,10 +49,16 @@ def prepared_micro_batch(setup, spec):
     return out | {"found": found, "teacher": teacher}
 
 
-def micro_batches(setup, specs, device):
-    """The prepared micro-batches of `specs` ((queries, ICDs) each), in order, built by --workers DataLoader workers
-    while the accelerator runs the ones before (0: in this process, one at a time)."""
-    return feed.prepared(functools.partial(prepared_micro_batch, setup), specs, setup.cfg.workers, device)
+def pairs(run, specs, workers):
+    """(student batch, teacher tensor for --anchor) of each micro-batch spec = (queries, their ICDs), in order, on
+    run.device: prepared by `workers` DataLoader workers while the accelerator runs the ones before (0: in this
+    process, when asked for; prepared_micro_batch), then finished (finished) by the teacher run.teacher (train.py's
+    run_teacher, handed in), its closure built here once, for the states the cache lacks."""
+    cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.cfg, run.cache)
+    output = "logits" if cfg.anchor == "kl" else "states"
+    teacher = functools.partial(run.teacher, run.backbone, setup.kind, device=device, output=output)
+    for prepared in feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, device):
+        yield finished(cfg, prepared, device, run.cache, teacher)
 
 
 def finished(cfg, prepared, device, cache, teacher):
@@ -70,13 +76,13 @@ def finished(cfg, prepared, device, cache, teacher):
 
 
 def completed_states(cfg, prepared, device, cache, teacher):
-    """prepared["found"] (cached_states) with the missing states computed by teacher(queries, icds, pieces, batch)
+    """prepared["found"] (cached_states) with the missing states computed by teacher(queries, icds, pieces, batch=)
     on `device` (where they stay) from their teacher batch, prepared["teacher"], and stored. The hits and misses are
     counted in `cache`."""
     queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared["teacher"]
     output = "logits" if cfg.anchor == "kl" else "states"
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
-    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], None, batch) if missing else []
+    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], None, batch=batch) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     for i, s in zip(missing, fresh):
