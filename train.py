@@ -166,12 +166,13 @@ def train(cfg):
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
+    kind = tasks.spec(cfg.task).kind
     # the adapter (identity at its start: Eq 5-8), AdamW, linear warm-up then cosine decay to 0 (Section 4.1)
     optimizer = torch.optim.AdamW(runs.attached(backbone, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)
     # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room (lab/run/runs.py)
-    run = runs.start(cfg, backbone, device, (queries, heldout, icds), optimizer, scheduler, run_teacher)
+    run = runs.start(cfg, backbone, device, (queries, heldout, icds, kind), optimizer, scheduler, run_teacher)
     # not the paper: --anchor-norm first's divisor, the anchor's scale on this backbone (lab/run/anchors.py)
     anchors.before_training(run, functools.partial(losses, backbone, cfg))
     runs.show_progress(run)

@@ -9,7 +9,6 @@ import torch
 
 import data
 from lab.disk import files
-from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import feed, teacher_cache
 
@@ -26,9 +25,9 @@ class Setup:
     shape: tuple
 
     @classmethod
-    def of(cls, backbone, cfg, cache):
-        """The setup of `backbone` under `cfg` (the task's kind from cfg.task)."""
-        return cls(backbone.processor, backbone.family, tasks.spec(cfg.task).kind, cfg,
+    def of(cls, backbone, kind, cfg, cache):
+        """The setup of `backbone` for a task of `kind` under `cfg`."""
+        return cls(backbone.processor, backbone.family, kind, cfg,
                    {k: cache[k] for k in ("id", "images", "processor") if k in cache},
                    teacher_cache.teacher_shape(backbone.model))
 
@@ -54,9 +53,9 @@ def pairs(run, specs, workers):
     run.device: prepared by `workers` DataLoader workers while the accelerator runs the ones before (0: in this
     process, when asked for; prepared_micro_batch), then finished (finished) by the teacher run.teacher (train.py's
     run_teacher, handed in), its closure built here once, for the states the cache lacks."""
-    cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.cfg, run.cache)
+    cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.kind, run.cfg, run.cache)
     output = "logits" if cfg.anchor == "kl" else "states"
-    teacher = functools.partial(run.teacher, run.backbone, setup.kind, device=device, output=output)
+    teacher = functools.partial(run.teacher, run.backbone, run.kind, device=device, output=output)
     for prepared in feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, device):
         yield finished(cfg, prepared, device, run.cache, teacher)
 
@@ -93,8 +92,8 @@ def completed_states(cfg, prepared, device, cache, teacher):
             except OSError as e:  # a full disk mid-run: the sentence of the room check before the first step
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                room = cache.get("room") or teacher_cache.no_room(cfg, s.nbytes * len(missing), len(missing),
-                                                                  len(queries))
+                room = cache.get("room") or teacher_cache.no_room(
+                    cfg.teacher_cache, cfg.epochs, s.nbytes * len(missing), len(missing), len(queries))
                 raise OSError(e.errno, f"{e.strerror} writing {found['paths'][i]}: {room}") from None
     return [s.to(device, non_blocking=True) for s in states]
 

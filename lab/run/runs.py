@@ -16,7 +16,6 @@ from tqdm import tqdm
 
 import model as M
 from lab.disk import files
-from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
 
@@ -29,6 +28,7 @@ class Run:
     queries: list             # training queries
     heldout: list             # held-out queries, which pick the best epoch
     icds: dict                # query id -> its demonstrations (fixed for the run)
+    kind: str                 # the task's kind (tasks.spec): how its prompts and answers are written
     device: str
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -60,8 +60,8 @@ def attached(backbone, cfg):
 def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
     """The run before its first step: torchrun's DistributedDataParallel over the adapter, a resumed run's checkpoint
     (--resume), the teacher cache (a stop if it would not fit its folder: check_cache_room). data_: (training
-    queries, held-out queries, their ICDs); teacher: train.py's run_teacher."""
-    queries, heldout, icds = data_
+    queries, held-out queries, their ICDs, the task's kind); teacher: train.py's run_teacher."""
+    queries, heldout, icds, kind = data_
     student_model = (torchrun.data_parallel(backbone.model, cfg.batch_size, len(queries))
                      if torchrun.rank_and_world()[1] > 1 else None)
     os.makedirs(cfg.teacher_cache, exist_ok=True)
@@ -71,8 +71,8 @@ def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
              "images": teacher_cache.image_key(backbone.processor),
              "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
     if cfg.anchor != "none" and not cfg.no_teacher_cache:
-        teacher_cache.check_cache_room(backbone, cfg, tasks.spec(cfg.task).kind, queries, icds, cache)
-    return Run(cfg, backbone, queries, heldout, icds, device, optimizer, scheduler, student_model, cache, teacher,
+        teacher_cache.check_cache_room(backbone, cfg, kind, queries, icds, cache)
+    return Run(cfg, backbone, queries, heldout, icds, kind, device, optimizer, scheduler, student_model, cache, teacher,
                progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum))
 
 
@@ -240,7 +240,7 @@ def heldout_loss(run):
     rank, world = torchrun.rank_and_world()
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
     mine = starts[rank::world]
-    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, tasks.spec(cfg.task).kind)
+    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, run.kind)
     for i, batch in zip(mine, feed.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
                                             device)):
         with backbones.autocast(device):
