@@ -232,7 +232,7 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
              "--n-heldout", "1", "--batch-size", "8", "--shots", "1", "--epochs", "1", "--out", str(tmp_path / "run")]
     needs = []
     original = teacher_cache.check_cache_room
-    monkeypatch.setattr(plan, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
+    monkeypatch.setattr(teacher_cache, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
     train.main(flags)
     folder = tmp_path / "run" / "teacher"
     written = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
