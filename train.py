@@ -112,7 +112,7 @@ def eq17(cfg, h, h_teacher, span, logits, labels, anchor_scale=1.0):
     sup = M.supervised_loss(logits, labels)                          # L_sup: CE per target token (not in paper)
     anchor = torchrun.share_of_global_mean(anchor, span.any(1).sum())  # torchrun: this process's share of the mean
     sup = torchrun.share_of_global_mean(sup, M.answer_positions(labels).sum())
-    anchor = anchors.normed(anchor, anchor_scale)                    # / 1, unless --anchor-norm first (not in paper)
+    anchor = anchor / anchor_scale                                   # / 1, unless --anchor-norm first (not in paper)
     return {"anchor": anchor, "sup": sup, "loss": anchor + cfg.lam * sup}  # Eq 17
 
 
@@ -187,9 +187,7 @@ def train(cfg):
                     part = losses(backbone, cfg, student, h_teacher, run.student_model, run.anchor_scale)
                     (part["loss"] / cfg.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.detach() / cfg.grad_accum for k, v in part.items()}
-                parts = runs.checked(run, parts)  # read once a step; a NaN or inf stops the run before the step
-                runs.update(run)  # the step: gradients clipped (--clip, not in the paper), AdamW, the schedule
-                runs.stepped(run, parts)  # shown; checkpointed every --save-every steps; a signal stops here
+                runs.step(run, parts)  # a NaN or inf stops it; --clip (not in the paper), AdamW, the schedule; saved
             runs.end_of_epoch(run, epoch)  # the held-out loss keeps the best epoch's adapter; checkpointed
         return runs.finish(run)  # last.pt, history.json, the summary line
 

@@ -45,13 +45,8 @@ def baseline_loss(cfg, logits, labels, h, teacher, span, anchor_scale=1.0):
     else:
         anchor = LAYER_ANCHORS[cfg.anchor](h, teacher, span, cfg.kappa)
         anchor = torchrun.share_of_global_mean(anchor, span.any(1).sum())
-    anchor = normed(anchor, anchor_scale)
+    anchor = anchor / anchor_scale  # --anchor-norm first: by its first-step value (initial_anchor); none: by 1
     return {"anchor": anchor, "sup": sup, "loss": anchor + cfg.lam * sup}
-
-
-def normed(anchor, anchor_scale):
-    """--anchor-norm: the anchor divided by its first-step value (first), or by 1 (none: the paper's Eq 17)."""
-    return anchor / anchor_scale
 
 
 def before_training(run, loss):

@@ -1,6 +1,6 @@
-"""One training micro-batch: the student's rows and the teacher's states for them, read from the teacher cache by
-DataLoader workers where it holds them and computed by the teacher (handed in: train.py's run_teacher) where not,
-then laid at the student's aligned positions."""
+"""One training micro-batch as the loop and the first-step diagnostics receive it (pairs): the student's rows and
+the teacher's states for them, read from the teacher cache by DataLoader workers where it holds them and computed
+by the teacher (handed in: train.py's run_teacher) where not, then laid at the student's aligned positions."""
 import errno
 import functools
 from dataclasses import dataclass
@@ -34,7 +34,7 @@ class Setup:
 
 def prepared_micro_batch(setup, spec):
     """Everything of one micro-batch spec = (queries, their ICDs) that needs no model, as a DataLoader worker makes it
-    (micro_batches): the student batch, the queries, and for the anchor what the cache holds (cached_states) and
+    (pairs): the student batch, the queries, and for the anchor what the cache holds (cached_states) and
     the teacher batch of the queries it lacks."""
     (queries, icds), s = spec, setup
     pieces = data.query_pieces(s.processor, s.family, s.kind, queries)
@@ -49,10 +49,10 @@ def prepared_micro_batch(setup, spec):
 
 
 def pairs(run, specs, workers):
-    """(student batch, teacher tensor for --anchor) of each micro-batch spec = (queries, their ICDs), in order, on
-    run.device: prepared by `workers` DataLoader workers while the accelerator runs the ones before (0: in this
-    process, when asked for; prepared_micro_batch), then finished (finished) by the teacher run.teacher (train.py's
-    run_teacher, handed in), its closure built here once, for the states the cache lacks."""
+    """The (student batch, teacher tensor) of each micro-batch spec = (queries, their ICDs), in order, on run.device:
+    prepared by `workers` DataLoader workers while the accelerator runs the ones before (0: here, when asked for),
+    then finished (finished), what the cache lacks computed by run.teacher (train.py's run_teacher, handed in),
+    bound here once to the run's backbone, task and device."""
     cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.kind, run.cfg, run.cache)
     output = "logits" if cfg.anchor == "kl" else "states"
     teacher = functools.partial(run.teacher, run.backbone, run.kind, device=device, output=output)

@@ -39,7 +39,7 @@ class Run:
     steps_per_epoch: int
     bar: tqdm = None          # the progress bar (the first process's)
     stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
-    updating: bool = False    # inside an optimiser update (update): its parameters are between two steps
+    updating: bool = False    # inside an optimiser update (step): its parameters are between two steps
 
     @property
     def anchor_scale(self):
@@ -97,13 +97,9 @@ def first_pair(run, share=False):
     """(student batch, teacher tensor) of the run's first micro-batch, prepared in this process (share: this
     process's share of it under torchrun)."""
     rank, world = torchrun.rank_and_world() if share else (0, 1)
-    queries = [run.queries[i] for i in epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, 0)[0]]
-    return next(micro_batches.pairs(run, [spec(run, queries[rank::world])], workers=0))
-
-
-def spec(run, queries):
-    """The micro-batch spec of `queries`: (them, their ICDs)."""
-    return queries, [run.icds[q.id] for q in queries]
+    first = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, 0)[0][rank::world]
+    queries = [run.queries[i] for i in first]
+    return next(micro_batches.pairs(run, [(queries, [run.icds[q.id] for q in queries])], workers=0))
 
 
 def remaining_steps(run, epoch):
@@ -114,7 +110,8 @@ def remaining_steps(run, epoch):
     (rank, world), accum = torchrun.rank_and_world(), run.cfg.grad_accum
     steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
              for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
-    pairs = micro_batches.pairs(run, [spec(run, qs) for step in steps for qs in step], run.cfg.workers)
+    specs = [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]
+    pairs = micro_batches.pairs(run, specs, run.cfg.workers)
     for step in steps:
         yield itertools.islice(pairs, len(step))  # drawn one by one by the loop: one teacher tensor at a time
 
@@ -124,31 +121,23 @@ def at_max_steps(run):
     return run.cfg.max_steps is not None and run.progress["step"] >= run.cfg.max_steps
 
 
-def checked(run, parts):
-    """The step's loss parts (summed on the device) read once, the one host sync of a step; a NaN or inf stops the
-    run before its optimiser step, naming the step, the part and the settings that can cause it."""
+def step(run, parts):
+    """The optimiser step after a step's backward passes: its loss parts (summed on the device) read once, the one
+    host sync of a step (a NaN or inf stops the run before the step, naming the step, the part and the settings that
+    can cause it); gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule, marked as under
+    way (run.updating) until counted, so no error saves half of it; then shown with its loss parts and learning
+    rate, checkpointed every --save-every steps, and stopped here if a signal asked for it (at_boundary)."""
     parts = dict(zip(parts, torch.stack(list(parts.values())).tolist()))
     for name, value in parts.items():
         if not math.isfinite(value):
             raise FloatingPointError(f"step {run.progress['step'] + 1}: loss part {name!r} is {value}; stopping. The "
                                      "last good checkpoint is untouched. Settings that can cause it: "
                                      f"{diverging(run.cfg)}; try a lower value of one of them (--lr first)")
-    return parts
-
-
-def update(run):
-    """The optimiser step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule; marked as
-    under way (run.updating) until stepped counts it, so no error saves half of it."""
     run.updating = True
     torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.cfg.clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-
-
-def stepped(run, parts):
-    """After an optimiser step: count it, show it with its loss parts and learning rate, checkpoint every
-    --save-every steps, and stop here if a signal asked for it (at_boundary)."""
     run.progress["step"] += 1
     run.updating = False
     run.bar.update()

@@ -1,6 +1,5 @@
 """The teacher cache: one file per query of the teacher's states (or answer logits), keyed by everything they
 depend on, read by DataLoader workers, refused and recomputed when truncated, foreign or damaged."""
-import functools
 import hashlib
 import json
 import os
@@ -108,8 +107,7 @@ def image_key(processor):
 
 def cache_file_bytes(anchor, config, sizes, dtype):
     """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
-    [L, T_q, d] in the training dtype or, for --anchor kl, LIVE's logits [answers, vocabulary] in float32, and
-    CACHE_HEADER."""
+    [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
     if anchor == "kl":
         elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
@@ -128,10 +126,10 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     per_query = cache_file_bytes(args.anchor, backbone.model.config, sizes,
                                  backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
-    room = functools.partial(no_room, args.teacher_cache, args.epochs, need, len(todo), len(queries))
-    cache["room"] = room()  # what a full disk mid-run says (completed_states)
+    sizes = args.teacher_cache, args.epochs, need, len(todo), len(queries)
+    cache["room"] = no_room(*sizes)  # what a full disk mid-run says (completed_states)
     if need > free:
-        raise ValueError(room(free))
+        raise ValueError(no_room(*sizes, free))
     return need
 
 
