@@ -21,7 +21,7 @@ from memory_twins import write_photos
 from twins import write_twin
 from lab.disk import files
 from lab.models import backbones, chunks, published
-from lab.run import feed, micro_batches, runs
+from lab.run import feed, runs
 
 
 def peak(device, run):
@@ -46,25 +46,26 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
              "--out", os.path.join(root, "run")]
     plan = train.main([*plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
-    step_times, waiting = [], []
+    step_times, waiting, stepping = [], [], []
     steps_of, prepared = runs.remaining_steps, feed.prepared
 
-    def timed_steps(run, epoch):  # a step's seconds, its batches' waits (timed_batches) included
+    def timed_steps(run, epoch):  # a step's seconds, the waits for its batches (timed_batches) among them
         for step in steps_of(run, epoch):
-            start = time.perf_counter()
+            start, stepping[:] = time.perf_counter(), [True]
             yield step  # the loop asks for the next step once this step is taken
             if device == "cuda":
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - start)
+            stepping.clear()
 
-    def timed_batches(build, specs, *args):  # the seconds the loop waits for each micro-batch (DataLoader workers' lag)
-        batches = prepared(build, specs, *args)
+    def timed_batches(*args):  # the seconds a step waits for each micro-batch (DataLoader workers' lag)
+        batches = prepared(*args)
         while True:
             start = time.perf_counter()
             batch = next(batches, None)
             if batch is None:
                 return
-            if getattr(build, "func", None) is micro_batches.prepared_micro_batch:  # a training micro-batch
+            if stepping:
                 waiting.append(time.perf_counter() - start)
             yield batch
     monkeypatch.setattr(runs, "remaining_steps", timed_steps)
