@@ -205,7 +205,7 @@ def teacher_states(backbone, cfg, queries, icds, cache):
     """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
     computed by the teacher and stored where not (lab/run/micro_batches.py)."""
     prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, "vqa", cfg, cache), (queries, icds))
-    teacher = functools.partial(train.run_teacher, backbone, "vqa", device="cpu")  # as micro_batches.pairs runs it
+    teacher = functools.partial(train.run_teacher, backbone, "vqa", pieces=None, device="cpu")  # as pairs runs it
     return micro_batches.completed_states(cfg, prepared, "cpu", cache, teacher)
 
 

@@ -55,7 +55,7 @@ def pairs(run, specs, workers):
     bound here once to the run's backbone, task and device."""
     cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.kind, run.cfg, run.cache)
     output = "logits" if cfg.anchor == "kl" else "states"
-    teacher = functools.partial(run.teacher, run.backbone, run.kind, device=device, output=output)
+    teacher = functools.partial(run.teacher, run.backbone, run.kind, pieces=None, device=device, output=output)
     for prepared in feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, device):
         yield finished(cfg, prepared, device, run.cache, teacher)
 
@@ -75,13 +75,13 @@ def finished(cfg, prepared, device, cache, teacher):
 
 
 def completed_states(cfg, prepared, device, cache, teacher):
-    """prepared["found"] (cached_states) with the missing states computed by teacher(queries, icds, pieces, batch=)
-    on `device` (where they stay) from their teacher batch, prepared["teacher"], and stored. The hits and misses are
-    counted in `cache`."""
+    """prepared["found"] (cached_states) with the missing states computed on `device` (where they stay) by
+    teacher(queries, icds, batch=their teacher batch, prepared["teacher"]) and stored. The hits and misses are counted
+    in `cache`."""
     queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared["teacher"]
     output = "logits" if cfg.anchor == "kl" else "states"
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
-    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], None, batch=batch) if missing else []
+    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], batch=batch) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     for i, s in zip(missing, fresh):

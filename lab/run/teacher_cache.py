@@ -126,10 +126,10 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     per_query = cache_file_bytes(args.anchor, backbone.model.config, sizes,
                                  backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
-    sizes = args.teacher_cache, args.epochs, need, len(todo), len(queries)
-    cache["room"] = no_room(*sizes)  # what a full disk mid-run says (completed_states)
+    facts = args.teacher_cache, args.epochs, need, len(todo), len(queries)
+    cache["room"] = no_room(*facts)  # what a full disk mid-run says (completed_states)
     if need > free:
-        raise ValueError(no_room(*sizes, free))
+        raise ValueError(no_room(*facts, free))
     return need
 
 
