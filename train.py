@@ -32,7 +32,7 @@ import model as M
 from lorentz import hyperbolic_anchor_loss
 from lab.datasets import rices, tasks
 from lab.models import backbones, chunks, families, toy_backbone
-from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
+from lab.run import anchors, checkpoints, feed, runs, torchrun
 from lab.studies import plan
 from lab.cli import train_cli
 
@@ -112,18 +112,18 @@ def eq17(cfg, h, h_teacher, span, logits, labels, anchor_scale=1.0):
     sup = M.supervised_loss(logits, labels)                          # L_sup: CE per target token (not in paper)
     anchor = torchrun.share_of_global_mean(anchor, span.any(1).sum())  # torchrun: this process's share of the mean
     sup = torchrun.share_of_global_mean(sup, M.answer_positions(labels).sum())
-    anchor = anchors.normed(anchor, anchor_scale)                    # / 1, unless --anchor-norm first (not in paper)
+    anchor = anchor / anchor_scale                                   # / 1, unless --anchor-norm first (not in paper)
     return {"anchor": anchor, "sup": sup, "loss": anchor + cfg.lam * sup}  # Eq 17
 
 
 def losses(backbone, cfg, student, teacher, model=None, anchor_scale=1.0):
-    """The training loss of one micro-batch (student batch, teacher tensor: micro_batch): Eq 17, or for another
+    """The training loss of one micro-batch (student batch, teacher tensor: micro_batches.pairs): Eq 17, or for another
     --anchor the baseline's own (lab/run/anchors.py). model: what runs the student (the DistributedDataParallel wrapper
     under torchrun; default backbone.model). anchor_scale: what the anchor is divided by (the paper: 1)."""
     run = lambda: M.target_logits(model or backbone.model, student)     # the LM head at the answer window only
     with backbones.autocast(student["input_ids"].device):
-        (logits, labels), h = M.layer_outputs(backbone.model, run) if cfg.anchor in anchors.LAYER_ANCHORS \
-            else (run(), None)
+        (logits, labels), h = (M.layer_outputs(backbone.model, run) if cfg.anchor in anchors.LAYER_ANCHORS
+                               else (run(), None))
     h = None if h is None else torch.stack(h)                           # h^(l) with the adapter: [L, B, W, d]
     if cfg.anchor == "hyperbolic":
         return eq17(cfg, h, teacher, student["query_target"], logits, labels, anchor_scale)
@@ -151,24 +151,6 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
     return [torch.stack([h[end - n:end] for h in kept]) for end, n in zip(ends, batch["query_target"].sum(1).tolist())]
 
 
-def teacher_of(backbone, cfg, device):
-    """run_teacher as the teacher cache calls it for the queries it lacks (lab/run/micro_batches.py): (queries, icds,
-    pieces, batch) -> their states, or their answer logits for --anchor kl (LIVE's teacher)."""
-    output, kind = "logits" if cfg.anchor == "kl" else "states", tasks.spec(cfg.task).kind
-    return lambda queries, icds, pieces, batch: run_teacher(backbone, kind, queries, icds, pieces, device, output,
-                                                            batch)
-
-
-def micro_batch(run, queries):
-    """The student batch (query + target) of `queries` and, for the anchor, the teacher's states laid at its aligned
-    positions: from the cache where it holds them, from the teacher where not (lab/run/micro_batches.py). run: what the
-    run shares (lab/run/runs.py: its backbone, cfg, icds, device and teacher cache)."""
-    spec = queries, [run.icds[q.id] for q in queries]
-    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(run.backbone, run.cfg, run.cache), spec)
-    teacher = teacher_of(run.backbone, run.cfg, run.device)
-    return micro_batches.finished(run.cfg, prepared, run.device, run.cache, teacher)
-
-
 # --------------------------------------------------------------------------------------------------------- the loop
 
 def train(cfg):
@@ -184,15 +166,15 @@ def train(cfg):
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
+    kind = tasks.spec(cfg.task).kind
     # the adapter (identity at its start: Eq 5-8), AdamW, linear warm-up then cosine decay to 0 (Section 4.1)
     optimizer = torch.optim.AdamW(runs.attached(backbone, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    total = runs.epoch_steps(cfg, len(queries)) * cfg.epochs
+    total = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)
     # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room (lab/run/runs.py)
-    run = runs.start(cfg, backbone, device, (queries, heldout, icds), optimizer, scheduler)
-    teacher = teacher_of(backbone, cfg, device)
+    run = runs.start(cfg, backbone, device, (queries, heldout, icds, kind), optimizer, scheduler, run_teacher)
     # not the paper: --anchor-norm first's divisor, the anchor's scale on this backbone (lab/run/anchors.py)
-    anchors.before_training(run, functools.partial(micro_batch, run), functools.partial(losses, backbone, cfg))
+    anchors.before_training(run, functools.partial(losses, backbone, cfg))
     runs.show_progress(run)
     with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved, continued with --resume
         for epoch in range(len(run.progress["history"]), cfg.epochs):  # an epoch counts once it is scored
@@ -201,14 +183,11 @@ def train(cfg):
                     return runs.finish(run)
                 # Eq 17 on each micro-batch: the teacher's states (computed once, then cached), the student's forward
                 parts = {}
-                for prepared in step:
-                    student, h_teacher = micro_batches.finished(cfg, prepared, device, run.cache, teacher)
+                for student, h_teacher in step:
                     part = losses(backbone, cfg, student, h_teacher, run.student_model, run.anchor_scale)
                     (part["loss"] / cfg.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.detach() / cfg.grad_accum for k, v in part.items()}
-                parts = runs.checked(run, parts)  # read once a step; a NaN or inf stops the run before the step
-                runs.update(run)  # the step: gradients clipped (--clip, not in the paper), AdamW, the schedule
-                runs.stepped(run, parts)  # shown; checkpointed every --save-every steps; a signal stops here
+                runs.step(run, parts)  # a NaN or inf stops it; --clip (not in the paper), AdamW, the schedule; saved
             runs.end_of_epoch(run, epoch)  # the held-out loss keeps the best epoch's adapter; checkpointed
         return runs.finish(run)  # last.pt, history.json, the summary line
 

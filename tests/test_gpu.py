@@ -21,7 +21,7 @@ from memory_twins import write_photos
 from twins import write_twin
 from lab.disk import files
 from lab.models import backbones, chunks, families, published
-from lab.run import runs
+from lab.run import feed, runs
 
 
 def peak(device, run):
@@ -46,29 +46,36 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
              "--out", os.path.join(root, "run")]
     plan = train.main([*plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
-    step_times, waiting = [], []
-    steps_of = runs.remaining_steps
+    step_times, waiting, stepping = [], [], []
+    steps_of, prepared = runs.remaining_steps, feed.prepared
 
-    def timed_steps(run, epoch):  # the seconds the loop waits for each step's batches (DataLoader workers' lag)
-        steps = steps_of(run, epoch)
-        while True:
-            start = time.perf_counter()
-            batches = next(steps, None)
-            if batches is None:
-                return
-            waiting.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            yield batches  # the loop asks for the next step's batches once this step is taken
+    def timed_steps(run, epoch):  # a step's seconds, the waits for its batches (timed_batches) among them
+        for step in steps_of(run, epoch):
+            start, stepping[:] = time.perf_counter(), [True]
+            yield step  # the loop asks for the next step once this step is taken
             if device == "cuda":
                 torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - start)  # a step's seconds on the accelerator
+            step_times.append(time.perf_counter() - start)
+            stepping.clear()
+
+    def timed_batches(*args):  # the seconds a step waits for each micro-batch (DataLoader workers' lag)
+        batches = prepared(*args)
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                return
+            if stepping:
+                waiting.append(time.perf_counter() - start)
+            yield batch
     monkeypatch.setattr(runs, "remaining_steps", timed_steps)
+    monkeypatch.setattr(feed, "prepared", timed_batches)
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
     rows = {"training peak": (trained, plan["memory"]["train"]),
             "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
-            "share of a step waiting for its batches": (sum(waiting) / (sum(waiting) + sum(step_times)), None),
+            "share of a step waiting for its batches": (sum(waiting) / sum(step_times), None),
             "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(cached),
                                     plan["cache"] / plan["queries"])}
     adapter = os.path.join(root, "run", "adapter.safetensors")

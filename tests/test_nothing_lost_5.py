@@ -145,10 +145,10 @@ def test_a_disk_full_mid_run_names_the_way_out_and_saves_the_last_completed_step
     the last byte, or where none can be mounted, writes there sent to /dev/full (the kernel's own ENOSPC)."""
     teacher, out = tmp_path / "teacher", tmp_path / "run"
     real_tmpfs = mounted_tmpfs(teacher, 1 << 20)
-    stepped, real_open = train.runs.stepped, os.open
+    step, real_open = train.runs.step, os.open
 
     def then_full(run, parts):
-        stepped(run, parts)
+        step(run, parts)
         if run.progress["step"] == 1 and real_tmpfs:
             fd = os.open(teacher / "filler", os.O_WRONLY | os.O_CREAT)
             try:
@@ -161,7 +161,7 @@ def test_a_disk_full_mid_run_names_the_way_out_and_saves_the_last_completed_step
         elif run.progress["step"] == 1:
             monkeypatch.setattr(os, "open", lambda path, flags, mode=0o777: real_open(
                 "/dev/full", os.O_WRONLY) if str(path).startswith(str(teacher)) else real_open(path, flags, mode))
-    monkeypatch.setattr(train.runs, "stepped", then_full)
+    monkeypatch.setattr(train.runs, "step", then_full)
     try:
         with pytest.raises(OSError, match=r"No space left on device writing .*teacher.*: the teacher cache needs .*"
                                           r"give --teacher-cache DIR on a disk with room, or --no-teacher-cache"):

@@ -132,7 +132,7 @@ def test_image_splitting_is_explicit(twins):
     tokens = lambda b: len(data.query_pieces(b.processor, b.family, "vqa", query)[0]["input_ids"])
     assert tokens(split) - tokens(unsplit) == 4 * 65  # 4 more crops: 64 latents and a fake token each
     args = train.parse_args(["--model", twins["idefics2-split"], "--task", "vqav2", "--data-root", benchmarks.ROOT])
-    keys = {teacher_cache.teacher_key("b", args, query[0], [], teacher_cache.image_key(b.processor))
+    keys = {teacher_cache.teacher_key("b", args.task, query[0], [], teacher_cache.image_key(b.processor))
             for b in (split, unsplit)}
     assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
     with pytest.raises(ValueError, match="--image-splitting on: only Idefics2 splits images"):

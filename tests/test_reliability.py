@@ -5,6 +5,7 @@ two processes on one folder, evaluation files killed while written, bad caches, 
 Every run names --model and --task (never the defaults) and is tiny: 8 training queries, 2 steps per epoch."""
 import dataclasses
 import errno
+import functools
 import json
 import os
 import shutil
@@ -203,14 +204,15 @@ def teacher_inputs(tmp_path, n):
 def teacher_states(backbone, cfg, queries, icds, cache):
     """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
     computed by the teacher and stored where not (lab/run/micro_batches.py)."""
-    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, cfg, cache), (queries, icds))
-    return micro_batches.completed_states(cfg, prepared, "cpu", cache, train.teacher_of(backbone, cfg, "cpu"))
+    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, "vqa", cfg, cache), (queries, icds))
+    teacher = functools.partial(train.run_teacher, backbone, "vqa", pieces=None, device="cpu")  # as pairs runs it
+    return micro_batches.completed_states(cfg, prepared, "cpu", cache, teacher)
 
 
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):
     args, backbone, queries, icds, cache = teacher_inputs(tmp_path, 2)
     fresh = teacher_states(backbone, args, queries, icds, cache)
-    key = teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1])
+    key = teacher_cache.teacher_key(cache["id"], args.task, queries[1], icds[1])
     path = os.path.join(args.teacher_cache, key + ".safetensors")
     good = open(path, "rb").read()
     open(path, "wb").write(good[:len(good) // 3])                          # as a crash or a full disk leaves it
@@ -219,7 +221,7 @@ def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tm
     assert cache == {"id": cache["id"], "hits": 1, "misses": 3}
     for a, b in zip(fresh, again):                                         # batched alone now: float noise only
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    key = teacher_cache.teacher_key(cache["id"], args, queries[1], icds[1])
+    key = teacher_cache.teacher_key(cache["id"], args.task, queries[1], icds[1])
     assert torch.equal(teacher_cache.read_teacher(path, key, again[1].shape), again[1])  # and stored again
 
 
@@ -462,7 +464,7 @@ def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_
 def test_a_wrongly_shaped_teacher_cache_file_is_computed_again(tmp_path, capsys):
     args, backbone, queries, icds, cache = teacher_inputs(tmp_path, 1)
     (fresh,) = teacher_states(backbone, args, queries, icds, cache)
-    key = teacher_cache.teacher_key(cache["id"], args, queries[0], icds[0])
+    key = teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[0])
     path = os.path.join(args.teacher_cache, key + ".safetensors")
     files.write_cache(path, {"states": fresh[:, :-1]}, key + "states")      # a right key, a wrong shape
     (again,) = teacher_states(backbone, args, queries, icds, cache)

@@ -24,10 +24,11 @@ SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--s
 
 
 def micro_batch(backbone, cfg, queries, icds, cache):
-    """train.micro_batch of `queries` (icds: theirs, in order) on the CPU, with what a run would share."""
-    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, icds={q.id: d for q, d in zip(queries, icds)},
-                                device="cpu", cache=cache)
-    return train.micro_batch(run, queries)
+    """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop gets it
+    (micro_batches.pairs), with what a run would share."""
+    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, kind=tasks.spec(cfg.task).kind, device="cpu", cache=cache,
+                                teacher=train.run_teacher)
+    return next(micro_batches.pairs(run, [(queries, icds)], workers=0))
 
 
 def run(tmp_path, *extra, name="run"):
@@ -162,12 +163,11 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     fresh = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
     assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
-    key = teacher_cache.teacher_key(cache["id"], args, queries[0], icds[0])
-    assert key != teacher_cache.teacher_key(cache["id"], args, queries[0], icds[1])        # other demonstrations
-    other = backbones.load_backbone(args.model, seed=1)
-    assert key != teacher_cache.teacher_key(checkpoints.fingerprint(other), args, queries[0], icds[0])  # other backbone
-    other_task = train.parse_args(["--model", "tiny-idefics2", "--task", "coco"])
-    assert key != teacher_cache.teacher_key(cache["id"], other_task, queries[0], icds[0])
+    key = teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[0])
+    assert key != teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[1])   # other demonstrations
+    other = checkpoints.fingerprint(backbones.load_backbone(args.model, seed=1))
+    assert key != teacher_cache.teacher_key(other, args.task, queries[0], icds[0])         # other backbone
+    assert key != teacher_cache.teacher_key(cache["id"], "coco", queries[0], icds[0])       # other task
 
 
 def adapter_params(out):

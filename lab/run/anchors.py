@@ -26,10 +26,10 @@ def answer_kl(student_logits, teacher_logits, temperature):
     return temperature ** 2 * (t.exp() * (t - s)).sum(-1).mean()
 
 
-# The anchors on the layer states h^(l) (student, teacher: [L, B, W, d]; span: [B, W]); Eq 16 trains in train.py's eq17
-LAYER_ANCHORS = {"hyperbolic": lambda s, t, span, cfg: lorentz.hyperbolic_anchor_loss(s, t, span, cfg.kappa),
-                 "euclidean": lambda s, t, span, cfg: lorentz.euclidean_anchor_loss(s, t, span),        # L2, Table 4
-                 "mse": lambda s, t, span, cfg: layerwise_mse(s, t, span)}                              # MimIC
+# The anchors on the layer states h^(l): (student, teacher [L, B, W, d], span [B, W], kappa); Eq 16 trains in train.eq17
+LAYER_ANCHORS = {"hyperbolic": lorentz.hyperbolic_anchor_loss,
+                 "euclidean": lambda s, t, span, kappa: lorentz.euclidean_anchor_loss(s, t, span),      # L2, Table 4
+                 "mse": lambda s, t, span, kappa: layerwise_mse(s, t, span)}                            # MimIC
 
 
 def baseline_loss(cfg, logits, labels, h, teacher, span, anchor_scale=1.0):
@@ -43,25 +43,21 @@ def baseline_loss(cfg, logits, labels, h, teacher, span, anchor_scale=1.0):
     if cfg.anchor == "kl":
         anchor = torchrun.share_of_global_mean(answer_kl(logits[answers], teacher, cfg.temperature), answers.sum())
     else:
-        anchor = torchrun.share_of_global_mean(LAYER_ANCHORS[cfg.anchor](h, teacher, span, cfg), span.any(1).sum())
-    anchor = normed(anchor, anchor_scale)
+        anchor = LAYER_ANCHORS[cfg.anchor](h, teacher, span, cfg.kappa)
+        anchor = torchrun.share_of_global_mean(anchor, span.any(1).sum())
+    anchor = anchor / anchor_scale  # --anchor-norm first: by its first-step value (initial_anchor); none: by 1
     return {"anchor": anchor, "sup": sup, "loss": anchor + cfg.lam * sup}
 
 
-def normed(anchor, anchor_scale):
-    """--anchor-norm: the anchor divided by its first-step value (first), or by 1 (none: the paper's Eq 17)."""
-    return anchor / anchor_scale
-
-
-def before_training(run, micro_batch, loss):
+def before_training(run, loss):
     """What runs before the first step beside the paper: --anchor-norm first's divisor (initial_anchor, kept in the
-    run's progress) and, on a fresh run, the anchor's scale on this backbone (anchor_regime). micro_batch(queries):
-    their (student batch, teacher tensor); loss(student, teacher): their loss parts (train.py's losses)."""
+    run's progress) and, on a fresh run, the anchor's scale on this backbone (anchor_regime), on the run's first
+    micro-batch (runs.first_pair). loss(student, teacher): their loss parts (train.py's losses)."""
     cfg = run.cfg
     if cfg.anchor_norm == "first" and cfg.anchor != "none" and "anchor_scale" not in run.progress:
-        run.progress["anchor_scale"] = initial_anchor(micro_batch(runs.first_queries(run, share=True)), loss)
+        run.progress["anchor_scale"] = initial_anchor(runs.first_pair(run, share=True), loss)
     if cfg.anchor in ("hyperbolic", "euclidean") and not cfg.resume:
-        anchor_regime(cfg, *micro_batch(runs.first_queries(run)))
+        anchor_regime(cfg.anchor, cfg.kappa, *runs.first_pair(run))
 
 
 @torch.no_grad()
@@ -80,14 +76,14 @@ def initial_anchor(batch, loss):
     return anchor.item()
 
 
-def anchor_regime(cfg, student, teacher):
+def anchor_regime(anchor, kappa, student, teacher):
     """Print the anchor's scale on this backbone (The anchor regime, README): sqrt(kappa)|LN(h)| (|LN(h)| = sqrt(d)),
     the noise floor (the loss between the teacher states and their own rounding to the training dtype, and to bf16)
     and the loss between the teacher states of different queries."""
     span, dtype, d = student["query_target"], backbones.autocast_dtype(student["input_ids"].device), teacher.shape[-1]
-    loss = lambda states: f"{LAYER_ANCHORS[cfg.anchor](states, teacher, span, cfg).item():.4g}"  # to the teacher's
+    loss = lambda states: f"{LAYER_ANCHORS[anchor](states, teacher, span, kappa).item():.4g}"  # to the teacher's
     shuffled = teacher.roll(1, dims=1) if span.shape[0] > 1 and (span == span.roll(1, 0)).all() else None
     unrelated = "" if shuffled is None else f"; between different queries' teacher states {loss(shuffled)}"
-    print(f"anchor ({cfg.anchor}, kappa {cfg.kappa}, d {d}): sqrt(kappa)|LN(h)| = {(cfg.kappa * d) ** 0.5:.1f}; "
+    print(f"anchor ({anchor}, kappa {kappa}, d {d}): sqrt(kappa)|LN(h)| = {(kappa * d) ** 0.5:.1f}; "
           f"noise floor (teacher states vs their own rounding to {str(dtype).split('.')[-1]}, the training dtype) "
           f"{loss(teacher.to(dtype).float())}, to bfloat16 {loss(teacher.to(torch.bfloat16).float())}{unrelated}")

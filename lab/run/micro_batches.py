@@ -1,6 +1,6 @@
-"""One training micro-batch: the student's rows and the teacher's states for them, read from the teacher cache by
-DataLoader workers where it holds them and computed by the teacher (handed in: train.py's run_teacher) where not,
-then laid at the student's aligned positions."""
+"""One training micro-batch as the loop and the first-step diagnostics receive it (pairs): the student's rows and
+the teacher's states for them, read from the teacher cache by DataLoader workers where it holds them and computed
+by the teacher (handed in: train.py's run_teacher) where not, then laid at the student's aligned positions."""
 import errno
 import functools
 from dataclasses import dataclass
@@ -9,7 +9,6 @@ import torch
 
 import data
 from lab.disk import files
-from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import feed, teacher_cache
 
@@ -26,16 +25,16 @@ class Setup:
     shape: tuple
 
     @classmethod
-    def of(cls, backbone, cfg, cache):
-        """The setup of `backbone` under `cfg` (the task's kind from cfg.task)."""
-        return cls(backbone.processor, backbone.family, tasks.spec(cfg.task).kind, cfg,
+    def of(cls, backbone, kind, cfg, cache):
+        """The setup of `backbone` for a task of `kind` under `cfg`."""
+        return cls(backbone.processor, backbone.family, kind, cfg,
                    {k: cache[k] for k in ("id", "images", "processor") if k in cache},
                    teacher_cache.teacher_shape(backbone.model))
 
 
 def prepared_micro_batch(setup, spec):
     """Everything of one micro-batch spec = (queries, their ICDs) that needs no model, as a DataLoader worker makes it
-    (micro_batches): the student batch, the queries, and for the anchor what the cache holds (cached_states) and
+    (pairs): the student batch, the queries, and for the anchor what the cache holds (cached_states) and
     the teacher batch of the queries it lacks."""
     (queries, icds), s = spec, setup
     pieces = data.query_pieces(s.processor, s.family, s.kind, queries)
@@ -49,10 +48,16 @@ def prepared_micro_batch(setup, spec):
     return out | {"found": found, "teacher": teacher}
 
 
-def micro_batches(setup, specs, device):
-    """The prepared micro-batches of `specs` ((queries, ICDs) each), in order, built by --workers DataLoader workers
-    while the accelerator runs the ones before (0: in this process, one at a time)."""
-    return feed.prepared(functools.partial(prepared_micro_batch, setup), specs, setup.cfg.workers, device)
+def pairs(run, specs, workers):
+    """The (student batch, teacher tensor) of each micro-batch spec = (queries, their ICDs), in order, on run.device:
+    prepared by `workers` DataLoader workers while the accelerator runs the ones before (0: here, when asked for),
+    then finished (finished), what the cache lacks computed by run.teacher (train.py's run_teacher, handed in),
+    bound here once to the run's backbone, task and device."""
+    cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.kind, run.cfg, run.cache)
+    output = "logits" if cfg.anchor == "kl" else "states"
+    teacher = functools.partial(run.teacher, run.backbone, run.kind, pieces=None, device=device, output=output)
+    for prepared in feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, device):
+        yield finished(cfg, prepared, device, run.cache, teacher)
 
 
 def finished(cfg, prepared, device, cache, teacher):
@@ -70,13 +75,13 @@ def finished(cfg, prepared, device, cache, teacher):
 
 
 def completed_states(cfg, prepared, device, cache, teacher):
-    """prepared["found"] (cached_states) with the missing states computed by teacher(queries, icds, pieces, batch)
-    on `device` (where they stay) from their teacher batch, prepared["teacher"], and stored. The hits and misses are
-    counted in `cache`."""
+    """prepared["found"] (cached_states) with the missing states computed on `device` (where they stay) by
+    teacher(queries, icds, batch=their teacher batch, prepared["teacher"]) and stored. The hits and misses are counted
+    in `cache`."""
     queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared["teacher"]
     output = "logits" if cfg.anchor == "kl" else "states"
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
-    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], None, batch) if missing else []
+    fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], batch=batch) if missing else []
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
     for i, s in zip(missing, fresh):
@@ -87,8 +92,8 @@ def completed_states(cfg, prepared, device, cache, teacher):
             except OSError as e:  # a full disk mid-run: the sentence of the room check before the first step
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                room = cache.get("room") or teacher_cache.no_room(cfg, s.nbytes * len(missing), len(missing),
-                                                                  len(queries))
+                room = cache.get("room") or teacher_cache.no_room(
+                    cfg.teacher_cache, cfg.epochs, s.nbytes * len(missing), len(missing), len(queries))
                 raise OSError(e.errno, f"{e.strerror} writing {found['paths'][i]}: {room}") from None
     return [s.to(device, non_blocking=True) for s in states]
 

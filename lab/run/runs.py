@@ -4,6 +4,7 @@ share, prepared by DataLoader workers), the NaN stop, the progress shown and che
 SIGTERM, the held-out score that keeps the best epoch, and the end of the run."""
 import contextlib
 import functools
+import itertools
 import math
 import os
 import signal
@@ -15,7 +16,6 @@ from tqdm import tqdm
 
 import model as M
 from lab.disk import files
-from lab.datasets import tasks
 from lab.models import backbones, families
 from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
 
@@ -28,16 +28,18 @@ class Run:
     queries: list             # training queries
     heldout: list             # held-out queries, which pick the best epoch
     icds: dict                # query id -> its demonstrations (fixed for the run)
+    kind: str                 # the task's kind (tasks.spec): how its prompts and answers are written
     device: str
     optimizer: torch.optim.Optimizer
     scheduler: object
     student_model: object     # what runs the student: the DistributedDataParallel wrapper under torchrun, else None
     cache: dict               # the teacher cache: backbone id, image setting, hits and misses
+    teacher: object           # the frozen teacher, train.py's run_teacher (handed in: micro_batches.pairs runs it)
     progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
     steps_per_epoch: int
     bar: tqdm = None          # the progress bar (the first process's)
     stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
-    updating: bool = False    # inside an optimiser update (update): its parameters are between two steps
+    updating: bool = False    # inside an optimiser update (step): its parameters are between two steps
 
     @property
     def anchor_scale(self):
@@ -55,13 +57,13 @@ def attached(backbone, cfg):
                          f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
 
 
-def start(cfg, backbone, device, data_, optimizer, scheduler):
+def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
     """The run before its first step: torchrun's DistributedDataParallel over the adapter, a resumed run's checkpoint
     (--resume), the teacher cache (a stop if it would not fit its folder: check_cache_room). data_: (training
-    queries, held-out queries, their ICDs)."""
-    queries, heldout, icds = data_
-    student_model = torchrun.data_parallel(backbone.model, cfg, len(queries)) if torchrun.rank_and_world()[1] > 1 \
-        else None
+    queries, held-out queries, their ICDs, the task's kind); teacher: train.py's run_teacher."""
+    queries, heldout, icds, kind = data_
+    student_model = (torchrun.data_parallel(backbone.model, cfg.batch_size, len(queries))
+                     if torchrun.rank_and_world()[1] > 1 else None)
     os.makedirs(cfg.teacher_cache, exist_ok=True)
     progress = checkpoints.restore(cfg, backbone, optimizer, scheduler) if cfg.resume else \
         {"step": 0, "best": math.inf, "history": []}
@@ -69,14 +71,14 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
              "images": teacher_cache.image_key(backbone.processor),
              "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
     if cfg.anchor != "none" and not cfg.no_teacher_cache:
-        teacher_cache.check_cache_room(backbone, cfg, tasks.spec(cfg.task).kind, queries, icds, cache)
-    return Run(cfg, backbone, queries, heldout, icds, device, optimizer, scheduler, student_model, cache, progress,
-               epoch_steps(cfg, len(queries)))
+        teacher_cache.check_cache_room(backbone, cfg, kind, queries, icds, cache)
+    return Run(cfg, backbone, queries, heldout, icds, kind, device, optimizer, scheduler, student_model, cache, teacher,
+               progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum))
 
 
-def epoch_steps(cfg, n_train):
+def epoch_steps(n_train, batch_size, grad_accum):
     """Optimiser steps in one pass over n_train queries: --batch-size queries a micro-batch, --grad-accum a step."""
-    return math.ceil(math.ceil(n_train / cfg.batch_size) / cfg.grad_accum)
+    return math.ceil(math.ceil(n_train / batch_size) / grad_accum)
 
 
 def show_progress(run):
@@ -91,24 +93,27 @@ def epoch_order(n, batch_size, seed, epoch):
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
-def first_queries(run, share=False):
-    """The queries of the run's first micro-batch (share: this process's share of it under torchrun)."""
+def first_pair(run, share=False):
+    """(student batch, teacher tensor) of the run's first micro-batch, prepared in this process (share: this
+    process's share of it under torchrun)."""
     rank, world = torchrun.rank_and_world() if share else (0, 1)
-    return [run.queries[i] for i in epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, 0)[0][rank::world]]
+    first = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, 0)[0][rank::world]
+    queries = [run.queries[i] for i in first]
+    return next(micro_batches.pairs(run, [(queries, [run.icds[q.id] for q in queries])], workers=0))
 
 
 def remaining_steps(run, epoch):
-    """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as its
-    prepared micro-batches (lab/run/micro_batches.py): this process's share of each under torchrun."""
+    """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as the
+    (student batch, teacher tensor) of its micro-batches, one at a time (micro_batches.pairs: prepared ahead by
+    --workers DataLoader workers), this process's share of each under torchrun."""
     order = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, epoch)
     (rank, world), accum = torchrun.rank_and_world(), run.cfg.grad_accum
     steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
              for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
-    setup = micro_batches.Setup.of(run.backbone, run.cfg, run.cache)
     specs = [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]
-    prepared = iter(micro_batches.micro_batches(setup, specs, run.device))
+    pairs = micro_batches.pairs(run, specs, run.cfg.workers)
     for step in steps:
-        yield [next(prepared) for _ in step]
+        yield itertools.islice(pairs, len(step))  # drawn one by one by the loop: one teacher tensor at a time
 
 
 def at_max_steps(run):
@@ -116,31 +121,23 @@ def at_max_steps(run):
     return run.cfg.max_steps is not None and run.progress["step"] >= run.cfg.max_steps
 
 
-def checked(run, parts):
-    """The step's loss parts (summed on the device) read once, the one host sync of a step; a NaN or inf stops the
-    run before its optimiser step, naming the step, the part and the settings that can cause it."""
+def step(run, parts):
+    """The optimiser step after a step's backward passes: its loss parts (summed on the device) read once, the one
+    host sync of a step (a NaN or inf stops the run before the step, naming the step, the part and the settings that
+    can cause it); gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule, marked as under
+    way (run.updating) until counted, so no error saves half of it; then shown with its loss parts and learning
+    rate, checkpointed every --save-every steps, and stopped here if a signal asked for it (at_boundary)."""
     parts = dict(zip(parts, torch.stack(list(parts.values())).tolist()))
     for name, value in parts.items():
         if not math.isfinite(value):
             raise FloatingPointError(f"step {run.progress['step'] + 1}: loss part {name!r} is {value}; stopping. The "
                                      "last good checkpoint is untouched. Settings that can cause it: "
                                      f"{diverging(run.cfg)}; try a lower value of one of them (--lr first)")
-    return parts
-
-
-def update(run):
-    """The optimiser step: gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule; marked as
-    under way (run.updating) until stepped counts it, so no error saves half of it."""
     run.updating = True
     torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.cfg.clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-
-
-def stepped(run, parts):
-    """After an optimiser step: count it, show it with its loss parts and learning rate, checkpoint every
-    --save-every steps, and stop here if a signal asked for it (at_boundary)."""
     run.progress["step"] += 1
     run.updating = False
     run.bar.update()
@@ -232,7 +229,7 @@ def heldout_loss(run):
     rank, world = torchrun.rank_and_world()
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
     mine = starts[rank::world]
-    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, tasks.spec(cfg.task).kind)
+    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, run.kind)
     for i, batch in zip(mine, feed.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
                                             device)):
         with backbones.autocast(device):

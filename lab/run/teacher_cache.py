@@ -14,14 +14,14 @@ from lab.disk.files import size
 from lab.models import backbones
 
 
-def teacher_key(backbone_id, args, query, icds, images=None, processor=None):
+def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
     """The cache key of one query's teacher states: backbone, task, query, its ICDs and each one's image file (size and
     modification time: an image replaced at the same path is another key), the prompt format, how images are encoded
     (`images`: Idefics2's image splitting, which changes the query's tokens; `processor`: processor_settings) and the
     version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never
     read."""
     item = lambda it: [it.id, it.image_path, image_stat(it.image_path), it.question, it.target]
-    spec = {"backbone": backbone_id, "task": args.task, "query": item(query), "icds": [item(d) for d in icds],
+    spec = {"backbone": backbone_id, "task": task, "query": item(query), "icds": [item(d) for d in icds],
             "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images,
             "processor": processor}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -52,7 +52,7 @@ def read_teacher(path, key, shape, output="states"):
 
 def teacher_file(args, cache, query, icds):
     """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
-    key = teacher_key(cache["id"], args, query, icds, cache.get("images"), cache.get("processor"))
+    key = teacher_key(cache["id"], args.task, query, icds, cache.get("images"), cache.get("processor"))
     return key, os.path.join(args.teacher_cache, key + ("-logits" if args.anchor == "kl" else "") + ".safetensors")
 
 
@@ -105,11 +105,11 @@ def image_key(processor):
     return getattr(getattr(processor, "image_processor", None), "do_image_splitting", None)
 
 
-def cache_file_bytes(args, config, sizes, dtype):
+def cache_file_bytes(anchor, config, sizes, dtype):
     """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
     [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
-    if args.anchor == "kl":
+    if anchor == "kl":
         elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
     else:
         elements = sum(tokens for tokens, _ in sizes) * text.num_hidden_layers * text.hidden_size
@@ -123,19 +123,20 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
     if not todo:
         return 0
     sizes = query_tokens(backbone.processor, backbone.family, kind, todo)  # no image loaded
-    per_query = cache_file_bytes(args, backbone.model.config, sizes,
+    per_query = cache_file_bytes(args.anchor, backbone.model.config, sizes,
                                  backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
-    cache["room"] = no_room(args, need, len(todo), len(queries))  # what a full disk mid-run says (completed_states)
+    facts = args.teacher_cache, args.epochs, need, len(todo), len(queries)
+    cache["room"] = no_room(*facts)  # what a full disk mid-run says (completed_states)
     if need > free:
-        raise ValueError(no_room(args, need, len(todo), len(queries), free))
+        raise ValueError(no_room(*facts, free))
     return need
 
 
-def no_room(args, need, todo, n_queries, free=None):
-    """The sentence that names the cache's size, its folder (and its free space), --teacher-cache and
-    --no-teacher-cache (and what that costs)."""
+def no_room(folder, epochs, need, todo, n_queries, free=None):
+    """The sentence that names the cache's size, its folder (--teacher-cache; and its free space), --no-teacher-cache
+    and what that costs over --epochs."""
     return (f"the teacher cache needs {size(need)} for {todo} queries ({size(need / todo)} each) in "
-            f"{args.teacher_cache}" + ("" if free is None else f", which has {size(free)} free") + "; give "
+            f"{folder}" + ("" if free is None else f", which has {size(free)} free") + "; give "
             f"--teacher-cache DIR on a disk with room, or --no-teacher-cache to recompute the teacher at every step "
-            f"({args.epochs * n_queries} teacher forwards instead of {todo})")
+            f"({epochs * n_queries} teacher forwards instead of {todo})")

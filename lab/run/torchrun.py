@@ -56,14 +56,14 @@ def gathered(local):
     return {k: v for part in parts for k, v in part.items()}
 
 
-def data_parallel(model, args, n_train):
+def data_parallel(model, batch_size, n_train):
     """The backbone in DistributedDataParallel, synchronising the adapter's parameters only (the frozen backbone is
-    neither broadcast nor reduced). Every micro-batch must give each process at least one query."""
+    neither broadcast nor reduced). Every micro-batch of --batch-size queries must give each process at least one."""
     world = dist.get_world_size()
-    smallest = min(args.batch_size, n_train % args.batch_size or args.batch_size)
+    smallest = min(batch_size, n_train % batch_size or batch_size)
     if smallest < world:
         raise ValueError(f"{world} processes need at least {world} queries in every micro-batch; the smallest has "
-                         f"{smallest} (--batch-size {args.batch_size}, {n_train} training queries)")
+                         f"{smallest} (--batch-size {batch_size}, {n_train} training queries)")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else None

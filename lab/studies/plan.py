@@ -195,7 +195,7 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     if args.anchor == "none":
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    per_query = teacher_cache.cache_file_bytes(args, config, sizes, dtype)
+    per_query = teacher_cache.cache_file_bytes(args.anchor, config, sizes, dtype)
     total = per_query * n_queries
     folder = args.teacher_cache
     while not os.path.isdir(folder):

@@ -68,9 +68,9 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
 def test_the_teacher_cache_key_names_the_state_definition(monkeypatch):
     args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT])
     query = tasks.load_task(args.task, "train", args.data_root)[0]
-    key = teacher_cache.teacher_key("b", args, query, [])
+    key = teacher_cache.teacher_key("b", args.task, query, [])
     monkeypatch.setattr(M, "LAYER_OUTPUTS_VERSION", M.LAYER_OUTPUTS_VERSION + 1)
-    assert teacher_cache.teacher_key("b", args, query, []) != key
+    assert teacher_cache.teacher_key("b", args.task, query, []) != key
 
 
 # ---------------------------------------------------------------------------- Eq 16: per query, then the batch
