@@ -15,18 +15,13 @@ from lab.datasets import tasks
 
 MAX_INT = 2**63 - 1    # every count flag: what a 64-bit integer (torch's sizes, seeds, steps) holds
 
-
 MAX_SEED = 2**32 - 1   # --seed: torch's generators take 64 bits, and epoch_order seeds with seed x 100,003 + epoch
-
 
 MAX_THREADS = max(1024, os.cpu_count() or 1)
 
-
 MAX_WORKERS = 4 * (os.cpu_count() or 1)  # --workers: processes past this only cost memory (2**62 asked for all of it)
 
-
 FLOAT32 = torch.finfo(torch.float32)  # the rates and weights scale float32 tensors (the adapter's, AdamW's)
-
 
 # {name: (must be > 0, else >= 0; power)}: each scales float32 tensors (the adapter's, AdamW's, the losses), so
 # value^power must be finite in float32 and, if not 0, not below its smallest normal number (T^2 scales LIVE's KL)

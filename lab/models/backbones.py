@@ -32,9 +32,7 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         model, processor = tiny.TINY_BUILDERS[family](seed) if name.startswith("tiny-") else \
             toy_backbone.toy_idefics2(name if families.is_toy_file(name) else None)
         images = families.image_setting(processor, family, image_splitting, "built-in processor")
-        model = model.to(device or "cpu", dtype or torch.float32)
-        families.context_limit(processor, model.config)  # the tokenizer knows the text model's context (data.collate)
-        backbone = families.Backbone(families.freeze(model), processor, family, name, images)
+        backbone = families.ready(model.to(device or "cpu", dtype or torch.float32), processor, family, name, images)
     else:
         try:
             backbone = families.load_checkpoint(name, device, dtype, image_splitting, check=check_files)

@@ -55,8 +55,7 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
         missing, weights = sorted(info["missing_keys"]), glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
         raise ValueError(f"--model: {weights[0] if len(weights) == 1 else path} lacks the tensor {missing[0]}" +
                          (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; restore its weights")
-    context_limit(processor, model.config)  # the tokenizer knows the text model's context, which data.collate checks
-    return Backbone(freeze(model), processor, family, name, images)
+    return ready(model, processor, family, name, images)
 
 
 def family_of(name):
@@ -112,6 +111,13 @@ def placed(device):
     device = torch.device(device)
     return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None \
         else device
+
+
+def ready(model, processor, family, name, images):
+    """The Backbone of a loaded model: frozen, its tokenizer capped at the text model's context (context_limit, which
+    data.collate checks)."""
+    context_limit(processor, model.config)
+    return Backbone(freeze(model), processor, family, name, images)
 
 
 def context_limit(processor, config):

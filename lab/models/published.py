@@ -11,7 +11,6 @@ LLAVA_384 = dict(  # both LLaVA models: the SigLIP-384 tower, its full features,
                        num_attention_heads=16, image_size=384, patch_size=14, vision_use_head=False),
     vision_feature_select_strategy="full", vision_feature_layer=-1, image_token_index=151646)
 
-
 PUBLISHED = {  # the real checkpoints' configs, written out, for parameter counts and latency (weights don't matter)
     "idefics2": lambda: Idefics2Config(
         text_config=dict(model_type="mistral", vocab_size=32003, hidden_size=4096, intermediate_size=14336,

@@ -37,7 +37,6 @@ def tiny_tokenizer(special, extra, vocab_size=384, corpus=TINY_CORPUS, **named):
 TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  max_position_embeddings=4096)
 
-
 TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                    image_size=28, patch_size=14)
 

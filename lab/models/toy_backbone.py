@@ -32,9 +32,7 @@ from lab.models import tiny
 TOY_CORPUS = " ".join([data.PROMPTS["vqa"]["instruction"], toy_world.ICL_QUESTION, *toy_world.ICL_NAMED.values(),
                        "Question: Short answer:", *(a for v in toy_world.ICL_ATTRIBUTES.values() for a in v)] * 8)
 
-
 TOY_REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy-idefics2.safetensors")
-
 
 TOY_SHA256 = "94ddc506fac0b506d2c297e7d0e7c75396da7e2c8673c89586a28a74070d0463"  # weights_digest of TOY_REFERENCE
 
@@ -129,15 +127,11 @@ TOY_RECIPE = dict(seed=0, named_steps=300, episode_steps=1800, named_batch=32, e
                   named_fraction=0.3, max_shots=8, scenes=4096, probe_every=200, version=2,
                   episode_tasks={"colour": 1, "background": 2})  # colour, the target, is the rarer task in episodes
 
-
 TOY_TARGET = "colour"
-
 
 TOY_BUILD_OUT = os.path.join("runs", "toy-idefics2", "backbone.safetensors")
 
-
 ACCEPT = {"8-shot": 0.9, "0-shot": 0.3}  # the target task's accuracy on held-out episodes: at least / at most
-
 
 PROBE_EPISODES = 128  # per attribute and number of shots in the acceptance probe (32 in the learning curve)
 
