@@ -158,11 +158,9 @@ class HyperICL(lmms):
             logits, labels = M.target_logits(b.model, batch)
             logits, labels = logits[:, :-1].float(), labels[:, 1:]   # position t predicts token t + 1
             logp = torch.log_softmax(logits, -1)
-            for k in range(len(chunk)):
-                on = labels[k] != -100
-                target = labels[k][on]
-                picked = logp[k][on].gather(-1, target[:, None])[:, 0]
-                out.append((-float(picked.sum()), bool((logp[k][on].argmax(-1) == target).all())))
+            for lp, row in zip(logp, labels):
+                lp, target = lp[row != -100], row[row != -100]
+                out.append((-float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))
         return out
 
     def generate_until_multi_round(self, requests):

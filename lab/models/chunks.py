@@ -3,7 +3,6 @@ chunks of as many as fit a memory budget, giving the same numbers as one call.""
 import torch
 
 
-#
 # The vision tower and Idefics2's connector (modality projection, an MLP 1152 -> 14336 -> 4096, then the perceiver)
 # encode each image on its own, but transformers runs them over every image of a batch at once, padding included:
 # nine 640 x 640 images through the projection are three [9, 2025, 14336] tensors (1 GB each in float32). Run in

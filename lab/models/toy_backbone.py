@@ -20,7 +20,6 @@ from lab.datasets import toy_world
 from lab.models import tiny
 
 
-#
 # The real Idefics2 class and processor at a size a CPU meta-trains in minutes (about 1 M parameters): images of
 # 42 x 42 (one 14-px vision patch per grid cell), 9 perceiver latents per image, a tokenizer in which every answer is
 # one token. train.py meta-trains it on episodes of the toy-icl world (train.build_toy). Every result of the project
@@ -113,7 +112,6 @@ def toy_idefics2(path=None):
     return model.eval(), processor
 
 
-#
 # From scratch, on the toy-icl world (data.py), with a curriculum: first single images whose question names the
 # attribute (perception), then episodes of 0..8 demonstrations with the uninformative question (in-context
 # learning), some batches still naming it. Without demonstrations the model falls back on the more frequent task of

@@ -237,8 +237,7 @@ def heldout_loss(run):
         totals[i] = loss, len(batch["labels"])
         if world == 1:  # scoring changes nothing: a signal stops it at any batch (torchrun's wait for the epoch end)
             at_boundary(run, agreed=False)
-    totals = {i: loss.item() * n for i, (loss, n) in totals.items()}  # read after the last forward
-    totals = torchrun.gathered(totals)
+    totals = torchrun.gathered({i: loss.item() * n for i, (loss, n) in totals.items()})  # read after the last forward
     return sum(totals[i] for i in starts) / len(heldout)
 
 

@@ -10,7 +10,6 @@ import torch
 import data
 import model as M
 from lab.disk import files
-from lab.disk.files import size
 from lab.models import backbones
 
 
@@ -136,7 +135,7 @@ def check_cache_room(backbone, args, kind, queries, icds, cache):
 def no_room(folder, epochs, need, todo, n_queries, free=None):
     """The sentence that names the cache's size, its folder (--teacher-cache; and its free space), --no-teacher-cache
     and what that costs over --epochs."""
-    return (f"the teacher cache needs {size(need)} for {todo} queries ({size(need / todo)} each) in "
-            f"{folder}" + ("" if free is None else f", which has {size(free)} free") + "; give "
+    return (f"the teacher cache needs {files.size(need)} for {todo} queries ({files.size(need / todo)} each) in "
+            f"{folder}" + ("" if free is None else f", which has {files.size(free)} free") + "; give "
             f"--teacher-cache DIR on a disk with room, or --no-teacher-cache to recompute the teacher at every step "
             f"({epochs * n_queries} teacher forwards instead of {todo})")
