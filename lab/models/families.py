@@ -114,8 +114,7 @@ def placed(device):
 
 
 def ready(model, processor, family, name, images):
-    """The Backbone of a loaded model: frozen, its tokenizer capped at the text model's context (context_limit, which
-    data.collate checks)."""
+    """The Backbone of a loaded model: frozen, its tokenizer capped at the text model's context (context_limit)."""
     context_limit(processor, model.config)
     return Backbone(freeze(model), processor, family, name, images)
 
