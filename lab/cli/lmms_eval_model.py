@@ -66,9 +66,8 @@ class HyperICL(lmms):
                              "checkpoint, device, batch_size)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.backbone = backbones.load_backbone(backbone, device=device)
-        self.method = None
-        if checkpoint not in (None, "", "none", "None"):
-            self.method = checkpoints.load_adapter(checkpoint, self.backbone)["method"]
+        given = checkpoint not in (None, "", "none", "None")
+        self.method = checkpoints.load_adapter(checkpoint, self.backbone)["method"] if given else None
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"hyper_icl: batch_size={batch_size}: give a number of requests a batch, at least 1")
         self.batch_size = int(batch_size)
@@ -84,8 +83,7 @@ class HyperICL(lmms):
         placed = context.count("<image>")
         if placed > len(visuals):
             raise ValueError(f"doc {doc_id}: its context has {placed} <image> but the request {len(visuals)} images")
-        text = "<image>" * (len(visuals) - placed) + context
-        head, *chunks = text.split("<image>")
+        head, *chunks = ("<image>" * (len(visuals) - placed) + context).split("<image>")
         ids = ([tok.bos_token_id] if tok.bos_token_id is not None else []) + \
             (tok(head, add_special_tokens=False)["input_ids"] if head else [])
         labels, images = [-100] * len(ids), []
@@ -115,18 +113,16 @@ class HyperICL(lmms):
         """Each request's continuation: greedy (temperature 0, the default) or sampled, at most max_new_tokens (16
         by default), stopped at the backbone's end tokens and cut at the first of `until`; whitespace stripped.
         Requests of the same generation kwargs go in batches of batch_size, in order."""
-        answers, groups = [None] * len(requests), {}
+        answers, groups = {}, {}
         for i, r in enumerate(requests):
             groups.setdefault(repr(sorted(r.args[1].items())), []).append(i)
-        bar = tqdm(total=len(requests), desc=f"{self.backbone.name} generate_until", disable=self.rank != 0)
-        for indices in groups.values():
-            for s in range(0, len(indices), self.batch_size):
-                chunk = indices[s:s + self.batch_size]
-                for i, text in zip(chunk, self.generate([requests[i] for i in chunk])):
-                    answers[i] = text
-                bar.update(len(chunk))
-        bar.close()
-        return answers
+        with tqdm(total=len(requests), desc=f"{self.backbone.name} generate_until", disable=self.rank != 0) as bar:
+            for indices in groups.values():
+                for s in range(0, len(indices), self.batch_size):
+                    chunk = indices[s:s + self.batch_size]
+                    answers.update(zip(chunk, self.generate([requests[i] for i in chunk])))
+                    bar.update(len(chunk))
+        return [answers[i] for i in range(len(requests))]
 
     @torch.no_grad()
     def generate(self, requests):
@@ -156,8 +152,7 @@ class HyperICL(lmms):
             rows = [self.row(r.args[0], self.visuals(r), r.args[3], continuation=r.args[1]) for r in chunk]
             batch = backbones.to_device(D.collate(rows, b.processor, b.family), b.model.device)
             logits, labels = M.target_logits(b.model, batch)
-            logits, labels = logits[:, :-1].float(), labels[:, 1:]   # position t predicts token t + 1
-            logp = torch.log_softmax(logits, -1)
+            logp, labels = torch.log_softmax(logits[:, :-1].float(), -1), labels[:, 1:]  # position t predicts t + 1
             for lp, row in zip(logp, labels):
                 lp, target = lp[row != -100], row[row != -100]
                 out.append((-float(lp.gather(-1, target[:, None]).sum()), bool((lp.argmax(-1) == target).all())))

@@ -25,9 +25,8 @@ def image_work(config, patches, itemsize):
 def image_modules(model):
     """The modules that encode a batch's images one image at a time, each over all of them in one call: the vision
     tower, and Idefics2's connector (LLaVA's projector works on one patch at a time and holds little)."""
-    inner = model.model
-    return [m for m in (getattr(inner, name, None) for name in ("vision_model", "vision_tower", "connector"))
-            if m is not None]
+    modules = (getattr(model.model, name, None) for name in ("vision_model", "vision_tower", "connector"))
+    return [m for m in modules if m is not None]
 
 
 def chunk_images(model, budget=IMAGE_MEMORY):

@@ -101,8 +101,7 @@ def is_toy_file(name):
 
 def freeze(model):
     """No backbone parameter trains; eval mode (no dropout)."""
-    model.requires_grad_(False)
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 def placed(device):
