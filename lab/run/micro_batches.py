@@ -54,7 +54,7 @@ def pairs(run, specs, workers):
     then finished (finished), what the cache lacks computed by run.teacher (train.py's run_teacher, handed in),
     bound here once to the run's backbone, task and device."""
     cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.kind, run.cfg, run.cache)
-    output = "logits" if cfg.anchor == "kl" else "states"
+    output = teacher_cache.teacher_output(cfg.anchor)
     teacher = functools.partial(run.teacher, run.backbone, run.kind, pieces=None, device=device, output=output)
     for prepared in feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, device):
         yield finished(cfg, prepared, device, run.cache, teacher)
@@ -79,7 +79,7 @@ def completed_states(cfg, prepared, device, cache, teacher):
     teacher(queries, icds, batch=their teacher batch, prepared["teacher"]) and stored. The hits and misses are counted
     in `cache`."""
     queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared["teacher"]
-    output = "logits" if cfg.anchor == "kl" else "states"
+    output = teacher_cache.teacher_output(cfg.anchor)
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
     fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], batch=batch) if missing else []
     cache["misses"] += len(missing)

@@ -49,10 +49,16 @@ def read_teacher(path, key, shape, output="states"):
     return None if cached is None else cached[output]
 
 
+def teacher_output(anchor):
+    """What the teacher's tensor of a query is for --anchor `anchor`: LIVE's answer logits for kl, else its states."""
+    return "logits" if anchor == "kl" else "states"
+
+
 def teacher_file(args, cache, query, icds):
     """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
     key = teacher_key(cache["id"], args.task, query, icds, cache.get("images"), cache.get("processor"))
-    return key, os.path.join(args.teacher_cache, key + ("-logits" if args.anchor == "kl" else "") + ".safetensors")
+    suffix = "-logits" if teacher_output(args.anchor) == "logits" else ""  # the states' files have none
+    return key, os.path.join(args.teacher_cache, key + suffix + ".safetensors")
 
 
 def query_sizes(pieces):
@@ -87,7 +93,7 @@ def cached_states(args, cache, shape, queries, icds, pieces):
     """What the cache holds for these queries, read without the model (in a DataLoader worker): {"states": each
     query's cached tensor, None where there is none or it is unusable (all None with --no-teacher-cache), "keys",
     "paths"}. shape: teacher_shape."""
-    output = "logits" if args.anchor == "kl" else "states"
+    output = teacher_output(args.anchor)
     keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
     shapes = [(answers, None) if output == "logits" else (shape[0], tokens, shape[1])
               for tokens, answers in query_sizes(pieces)]
