@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 MAP = "\n".join([README] + [open(path, encoding="utf-8").read() for path in DOCS])  # the README and what it links
+DOC_FILES = ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]
 PAPER = ["adapters", "lorentz", "model", "data", "train", "evaluate"]  # the six files, in reading order
 WINGS = ["disk", "datasets", "models", "run", "scores", "studies", "cli"]  # lab/'s wings, bottom first
 LAB = sorted(os.path.relpath(p, os.path.join(ROOT, "lab"))[:-3].replace(os.sep, ".")
@@ -85,8 +86,7 @@ def test_every_name_and_test_the_readme_and_docs_name_exists():
     assert DOCS and len(MODULES) == len(PAPER) + 2 * len(LAB) + len(WINGS)  # a lab module's bare name is unique
     assert len(set(re.findall(r"`([\w/]+\.py):([A-Za-z_][\w.]*)`", MAP))) > 100  # the map is there
     assert len(set(re.findall(r"`(tests/[\w/]+\.py)::(\w+)", MAP))) > 100
-    docs = ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]
-    broken = [b for doc in docs for b in broken_references(doc)]
+    broken = [b for doc in DOC_FILES for b in broken_references(doc)]
     assert broken == [], "names that are not there:\n" + "\n".join(broken)
 
 
@@ -100,7 +100,7 @@ def test_every_path_and_link_in_the_readme_and_docs_exists():
     """Every lab/, tests/, tools/ or docs/ path written in README.md or docs/*.md (fenced blocks included; from the
     project's root; a * a glob that must match) is there, and so is every local markdown link's file and #anchor."""
     missing = []
-    for doc in ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]:
+    for doc in DOC_FILES:
         text = read(doc)
         for path in re.findall(r"(?<![\w./~-])(?:\./)?((?:lab|tests|tools|docs)/[\w./*<>-]*)", text):
             if "<" in path:
