@@ -1,6 +1,7 @@
 """A task of one's own (--task PATH, lab/datasets/own_task.py): JSONL tasks of each kind and a LLaVA .json on skimage's
 photographs, read, trained and evaluated through train.py and evaluate.py on the tiny Idefics2 twin; every bad record
 refused naming its file, line and field."""
+import dataclasses
 import json
 import os
 
@@ -190,6 +191,11 @@ GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answ
     ({**GOOD, "id": " "}, 2, "id", "integer or non-empty text"),
     ({**GOOD, "kind": "yes-no", "answer": "maybe"}, 1, "answer", "yes or no"),
     ({k: v for k, v in GOOD.items() if k != "question"}, 2, "question", "missing"),
+    # issue 52, item 1: a category names a yes-no task's results file <category>.txt, so it never leads elsewhere
+    ({**GOOD, "kind": "yes-no", "answer": "no", "category": "../../../victim"}, 1, "category", "no path separator"),
+    ({**GOOD, "kind": "yes-no", "answer": "no", "category": "/tmp/victim"}, 1, "category", "no path separator"),
+    ({**GOOD, "kind": "yes-no", "answer": "no", "category": ".."}, 1, "category", "cannot be a file's name"),
+    ({**GOOD, "category": "a\x00b"}, 2, "category", "cannot be a file's name"),
 ])
 def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line, field, message):
     folder, _ = photos
@@ -238,3 +244,13 @@ def test_a_llava_record_of_more_turns_is_refused_naming_its_id(photos):
     path.write_text(json.dumps(chat))
     with pytest.raises(ValueError, match=r"record 1 \(id 'two'\), field `answer`: empty"):
         own_task.read(str(path))
+
+
+def test_a_category_that_would_name_a_file_elsewhere_is_refused_where_results_are_written(own, tmp_path):
+    """Issue 52, item 1, through the Python API (items not read from a file): nothing is written, in --out or above."""
+    from lab.scores import results
+    items = [it for s in data.SPLITS for it in tasks.load_task(own["yes-no"], s)]
+    bad = [dataclasses.replace(it, category="../victim") for it in items]
+    with pytest.raises(ValueError, match="'../victim' cannot be a file's name"):
+        results.write_evaluation(str(tmp_path / "out" / "stem"), "yes-no", bad, ["yes"] * len(bad), {})
+    assert not (tmp_path / "victim.txt").exists() and not (tmp_path / "out").exists()

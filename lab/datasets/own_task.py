@@ -13,6 +13,7 @@ import json
 import os
 
 import data
+from lab.disk import files
 from lab.datasets import readers
 
 
@@ -128,7 +129,7 @@ def record_item(record, folder, where):
     image = os.path.join(folder, text("image"))  # an absolute path stays as it is
     if not os.path.isfile(image):
         raise fail("image", f"no image file {image}")
-    category = text("category") if "category" in record else kind
+    category = name_field(record, "category", fail) if "category" in record else kind
     if kind == "caption":
         answers = texts(record, "caption", fail)
         return kind, data.Item(qid, image, None, answers, answers[0], category)
@@ -173,6 +174,15 @@ def text_field(record, field, fail):
     if not value.strip():
         raise fail(field, "empty; it must be non-empty text")
     return value.strip()
+
+
+def name_field(record, field, fail):
+    """text_field, which becomes a file's name: files.plain_name's check (no path separator, NUL or '..')."""
+    value = text_field(record, field, fail)
+    try:
+        return files.plain_name(value)
+    except ValueError as e:
+        raise fail(field, str(e)) from None
 
 
 def texts(record, field, fail):

@@ -87,6 +87,16 @@ def replaced(root, write):
     return root
 
 
+def plain_name(name):
+    """`name`, a string from data that becomes a file's name (a yes-no task's category: its MME results file
+    <category>.txt): not empty, "." or "..", and no path separator or NUL, so that a downloaded task file never names
+    a file outside the folder written. Anything else is a ValueError saying why (the caller names file, line, field)."""
+    if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+        raise ValueError(f"{name!r} cannot be a file's name (it names a results file): no path separator, NUL, "
+                         "'.' or '..'")
+    return name
+
+
 # The writes every script makes (train.py, evaluate.py and lab's files), their leftovers cleaned up.
 
 def atomic_write(path, write, durable=True):

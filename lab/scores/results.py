@@ -41,6 +41,8 @@ def write_evaluation(stem, kind, items, predictions, metrics):
     and MME folder are removed first). Returns the metrics as written."""
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
+    for subtask in {it.category for it in items} if kind == "yes-no" else ():  # before any file is touched
+        files.plain_name(subtask)
     try:  # never the old metrics (or MME folder) beside the new predictions, even if killed next
         os.remove(stem + ".metrics.json")
     except FileNotFoundError:
