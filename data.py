@@ -199,16 +199,38 @@ def onevision_piece(process, image):
     return {"pixel_values": [chw(view)], "image_sizes": torch.tensor([pixels.shape[-2:]])}
 
 
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names of the formats opened (the benchmarks
+# ship JPEG and PNG; a camera's MPO opens as JPEG); never one that PIL hands to a program (EPS: Ghostscript)
+MIN_IMAGE_SIDE = 2  # pixels: Idefics2's image splitting halves each side (a 1-pixel side divides by zero there)
+
+
+def open_image(file):
+    """PIL's image of `file` (a path or a binary file object), its header read, opened as one of IMAGE_FORMATS only
+    and each side at least MIN_IMAGE_SIDE; anything else is a ValueError saying why (the caller names the file, row or
+    item). Where images are read (tasks of one's own, the hub's parquet rows) and where they are loaded (load_image)."""
+    try:
+        im = Image.open(file, formats=IMAGE_FORMATS)
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"not an image of the formats read ({', '.join(IMAGE_FORMATS)}; any other, EPS among them, "
+                         "could run a program)") from None
+    if min(im.size) < MIN_IMAGE_SIDE:
+        im.close()
+        raise ValueError(f"its image is {im.width} x {im.height} pixels; each side must be at least {MIN_IMAGE_SIDE}")
+    return im
+
+
 def load_image(item):
-    """The item's image as an RGB PIL image; none, an unreadable file or one that is not a regular file (a FIFO
-    would be waited on forever) is an error naming the item and the path."""
+    """The item's image as an RGB PIL image (open_image's formats and sizes); none, an unreadable file or one that is
+    not a regular file (a FIFO would be waited on forever) is an error naming the item and the path."""
     if not isinstance(item.image_path, (str, os.PathLike)):
         raise ValueError(f"item {item.id}: its image_path is {item.image_path!r}; every item needs an image file")
     if os.path.exists(item.image_path) and not os.path.isfile(item.image_path):
         raise OSError(f"item {item.id}: its image {item.image_path} is not a regular file (a folder, FIFO or device)")
     try:
-        with Image.open(item.image_path) as im:
+        with open_image(item.image_path) as im:
             return im.convert("RGB")
+    except ValueError as e:
+        raise ValueError(f"item {item.id}: its image {item.image_path}: {e}") from None
     except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
         raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
     except OSError as e:

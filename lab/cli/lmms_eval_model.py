@@ -79,6 +79,10 @@ class HyperICL(lmms):
         (`<image>` and the text up to the next), as data.encode_prefix and encode_query make them; with a
         continuation, its tokens labelled (read off the tokenisation of the last piece + continuation)."""
         b, tok = self.backbone, self.backbone.processor.tokenizer
+        foreign = [v.format for v in visuals or [] if v.format not in (None, *D.IMAGE_FORMATS)]
+        if foreign:  # opened by the task's loader, not loaded yet: an EPS would run Ghostscript now
+            raise ValueError(f"doc {doc_id}: an image in {foreign[0]} format; hyper_icl takes "
+                             f"{', '.join(D.IMAGE_FORMATS)} (data.IMAGE_FORMATS)")
         visuals = [v.convert("RGB") for v in (visuals or [])]
         placed = context.count("<image>")
         if placed > len(visuals):

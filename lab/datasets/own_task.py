@@ -129,6 +129,10 @@ def record_item(record, folder, where):
     image = os.path.join(folder, text("image"))  # an absolute path stays as it is
     if not os.path.isfile(image):
         raise fail("image", f"no image file {image}")
+    try:
+        data.open_image(image).close()  # its header: a format and size data.load_image opens
+    except (OSError, ValueError) as e:
+        raise fail("image", f"{image}: {e}") from None
     category = name_field(record, "category", fail) if "category" in record else kind
     if kind == "caption":
         answers = texts(record, "caption", fail)
