@@ -66,3 +66,88 @@ def test_an_eps_image_is_refused_at_read_and_at_load_time_and_runs_no_program(gh
                                          r"readable image \(not an image of the formats read"):
         tasks.load_task("vqav2", "val", str(tmp_path / "hub"))
     assert not ghostscript.exists()  # before: the own task read, and load_image ran gs (a CalledProcessError)
+
+
+# ---------------------------------------------- items 3 and 4: the run records its task and data; other ones refused
+
+def photos(folder, n):
+    """n small JPEGs of distinct colours in folder/img/, their paths relative to folder."""
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        Image.new("RGB", (32, 24), (30 * k % 256, 90, 200 - 20 * k % 200)).save(folder / "img" / f"{k}.jpg")
+    return [f"img/{k}.jpg" for k in range(n)]
+
+
+def vqa_task(folder, n=8, name="data.jsonl"):
+    records = [{"id": k, "image": p, "question": "What colour is it?", "answer": f"colour {k % 3}"}
+               for k, p in enumerate(photos(folder, n))]
+    return jsonl(folder / name, records)
+
+
+def test_two_tasks_of_one_name_get_two_run_folders_and_the_benchmarks_keep_theirs(tmp_path):
+    import evaluate
+    import train
+    a, b = vqa_task(tmp_path / "a"), vqa_task(tmp_path / "b")
+    mine = vqa_task(tmp_path / "my", name="vqav2.jsonl")
+    outs = {task: train.parse_args([*TINY, "--task", task]).out for task in (a, b, mine, "vqav2")}
+    assert len(set(outs.values())) == 4 and outs["vqav2"] == "runs/tiny-idefics2-vqav2-hyper-icl"
+    assert outs[a].startswith("runs/tiny-idefics2-data-") and outs[a].endswith("-hyper-icl")
+    assert train.parse_args([]).out == "runs/toy-idefics2-toy-icl-colour-hyper-icl"  # the default job's, as README
+    assert evaluate.parse_args([*TINY, "--task", a, "--shots", "0"]).out != \
+        evaluate.parse_args([*TINY, "--task", b, "--shots", "0"]).out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A two-step run of the tiny twin on a task of one's own in one file: (task file, run folder)."""
+    import train
+    folder = tmp_path_factory.mktemp("own")
+    task, out = vqa_task(folder), str(folder / "run")
+    train.main([*TINY, "--task", task, "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "1",
+                "--shots", "1", "--epochs", "1", "--workers", "0"])
+    return task, out
+
+
+def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_path, monkeypatch, capsys):
+    import evaluate
+    from lab.run import checkpoints
+    from lab.scores import results
+    task, out = trained
+    other = vqa_task(tmp_path / "other")
+    monkeypatch.chdir(tmp_path)
+    default = results.default_checkpoint("tiny-idefics2", other)  # where train.py --task other would write
+    os.makedirs(os.path.dirname(default))
+    os.link(os.path.join(out, "adapter.safetensors"), default)
+    with pytest.raises(SystemExit):
+        evaluate.parse_args([*TINY, "--task", other])
+    said = capsys.readouterr().err
+    assert f"adapter.safetensors is an adapter of the task {os.path.realpath(task)}, not of {other}" in said
+    assert evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default]).checkpoint == default  # named: taken
+    record = checkpoints.read_record(default)
+    assert record["task"] == os.path.realpath(task) and len(record["data"]) == 16 and record["n_train"] == 2
+
+
+def test_resume_on_other_data_is_refused_and_keeps_last_pt_and_a_moved_split_is_said(trained, tmp_path, capsys):
+    import evaluate
+    import train
+    task, out = trained
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in ("last.pt", "adapter.safetensors"):
+        (copy / f).write_bytes(open(os.path.join(out, f), "rb").read())
+    last = (copy / "last.pt").read_bytes()
+    Image.new("RGB", (32, 24), (0, 250, 0)).save(os.path.join(os.path.dirname(task), "img", "new.jpg"))
+    with open(task, "a") as f:  # one record more: the seeded split by image moves items between the halves
+        f.write(json.dumps({"id": 99, "image": "img/new.jpg", "question": "And now?", "answer": "green"}) + "\n")
+    try:
+        with pytest.raises(SystemExit, match=r"--resume: .*copy/last.pt was made with other training data \(.*"
+                                             r"fingerprint [0-9a-f]{16}, now [0-9a-f]{16}"):
+            train.main([*TINY, "--task", task, "--out", str(copy), "--n-train", "2", "--n-heldout", "1",
+                        "--batch-size", "1", "--shots", "1", "--epochs", "1", "--workers", "0", "--resume"])
+        assert (copy / "last.pt").read_bytes() == last
+        capsys.readouterr()
+        evaluate.parse_args([*TINY, "--task", task, "--checkpoint", str(copy / "adapter.safetensors")])
+        assert "warning: the training pool of" in capsys.readouterr().out
+    finally:
+        lines = open(task).read().splitlines(keepends=True)
+        open(task, "w").write("".join(lines[:-1]))

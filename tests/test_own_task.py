@@ -2,6 +2,7 @@
 photographs, read, trained and evaluated through train.py and evaluate.py on the tiny Idefics2 twin; every bad record
 refused naming its file, line and field."""
 import dataclasses
+import hashlib
 import json
 import os
 
@@ -111,11 +112,13 @@ def test_each_kind_reads_to_its_items_with_the_nearest_tasks_defaults(own, photo
 
 
 def test_names_of_run_folders_and_result_files(own):
-    assert tasks.file_name(own["vqa"]) == "my-vqa" and tasks.file_name(own["caption"]) == "captions"
+    key = lambda task: hashlib.sha256(os.path.realpath(task).encode()).hexdigest()[:8]  # two data.jsonl: two names
+    assert tasks.file_name(own["vqa"]) == f"my-vqa-{key(own['vqa'])}"
+    assert tasks.file_name(own["caption"]) == f"captions-{key(own['caption'])}"
     args = train.parse_args([*TINY, "--task", own["vqa"]])
-    assert args.out == os.path.join("runs", "tiny-idefics2-my-vqa-hyper-icl")
+    assert args.out == os.path.join("runs", f"tiny-idefics2-my-vqa-{key(own['vqa'])}-hyper-icl")
     assert evaluate.parse_args([*TINY, "--task", own["caption"], "--shots", "0"]).out == \
-        "runs/eval-tiny-idefics2-captions"
+        f"runs/eval-tiny-idefics2-captions-{key(own['caption'])}"
 
 
 @pytest.mark.parametrize("kind", ["vqa", "caption", "yes-no", "choice", "llava"])
@@ -141,10 +144,11 @@ def test_the_readmes_two_commands(own, tmp_path, monkeypatch):
     flags = [*TINY, "--task", own["yes-no"]]
     train.main([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
     metrics = evaluate.main(flags)
-    run = os.path.join("runs", "tiny-idefics2-my-yes-no-hyper-icl")
+    name = tasks.file_name(own["yes-no"])
+    run = os.path.join("runs", f"tiny-idefics2-{name}-hyper-icl")
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == os.path.join(run, "adapter.safetensors")
     assert sorted(f for f in os.listdir(run) if f.endswith(".metrics.json")) == \
-        [f"my-yes-no-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
+        [f"{name}-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
     assert set(metrics["mme"]["subtasks"]) == {"yes-no"}
 
 

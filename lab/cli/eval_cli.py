@@ -9,6 +9,7 @@ import sys
 import torch
 
 from lab.datasets import readers, tasks
+from lab.run import checkpoints
 from lab.scores import results
 from lab.studies import curves
 from lab.cli import flags
@@ -68,11 +69,16 @@ def parse_args(argv, doc, defaults, train_parse):
     default = results.default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
-    if args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
-            os.path.isfile(default):
-        args.checkpoint = default
+    chosen = args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
+        os.path.isfile(default)
+    args.checkpoint = default if chosen else args.checkpoint
     if args.checkpoint and not os.path.isfile(args.checkpoint) and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint {args.checkpoint}: no such file")
+    if args.checkpoint and os.path.isfile(args.checkpoint):
+        try:  # an adapter of another task, or trained beside another split of this one
+            checkpoints.check_task(args.checkpoint, args.task, chosen)
+        except ValueError as e:
+            p.error(str(e))
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"

@@ -1,6 +1,7 @@
 """Tasks by name: which reader reads them, the benchmarks' pool splits, stratified subsets, a training run's
 queries, held-out queries and ICD pool, an evaluation's items."""
 import argparse
+import hashlib
 import math
 import os
 import random
@@ -20,8 +21,26 @@ def spec(task):
 
 
 def file_name(task):
-    """The task as run folders and result files name it: its name, or a task of one's own's (own_task.name_of)."""
-    return own_task.name_of(task) if own_task.is_own(task) else task
+    """The task as run folders and result files name it: a benchmark's name, or a task of one's own's name
+    (own_task.name_of) and a short hash of its real path, so two tasks named data.jsonl, or my/vqav2.jsonl and the
+    benchmark vqav2, never share a run folder."""
+    if not own_task.is_own(task):
+        return task
+    return f"{own_task.name_of(task)}-{hashlib.sha256(task_id(task).encode()).hexdigest()[:8]}"
+
+
+def task_id(task):
+    """What a task is to a run's record: a benchmark's name, or the real path of a task of one's own (however it was
+    written: data.jsonl, ./data.jsonl, a link to it)."""
+    return os.path.realpath(task) if own_task.is_own(task) else task
+
+
+def pool_ids(task):
+    """The ids of a task of one's own in one file's training pool (pool_split), which its evaluation half must not
+    hold; None for every other task (their training and evaluation items are separate files)."""
+    if not own_task.is_own(task) or None not in own_task.read(task)[1]:
+        return None
+    return [it.id for it in pool_split(own_task.read(task)[1][None], OWN_POOL_FRACTION)[0]]
 
 
 def task_arg(value):
