@@ -151,3 +151,16 @@ def test_resume_on_other_data_is_refused_and_keeps_last_pt_and_a_moved_split_is_
     finally:
         lines = open(task).read().splitlines(keepends=True)
         open(task, "w").write("".join(lines[:-1]))
+
+
+# --------------------------------------------------------------- item 5: one image written two ways is one image
+
+def test_an_image_written_two_ways_lands_on_one_side_of_the_split(tmp_path):
+    paths = photos(tmp_path, 12)
+    ways = lambda k, p: [p, "./" + p, str(tmp_path / p)][k % 3]  # relative, ./relative, absolute
+    records = [{"id": f"{k}-{j}", "image": ways(k + j, p), "question": f"Question {j}?", "answer": "yes"}
+               for k, p in enumerate(paths) for j in range(2)]
+    task = jsonl(tmp_path / "ways.jsonl", records)
+    pool, rest = (tasks.load_task(task, s) for s in D.SPLITS)
+    real = lambda part: {os.path.realpath(it.image_path) for it in part}
+    assert not real(pool) & real(rest) and len(real(pool)) == len(real(rest)) == 6  # before: 6 of 12 on both sides

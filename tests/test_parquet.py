@@ -150,3 +150,13 @@ def test_a_shard_that_is_not_parquet_or_lacks_a_column_is_named(roots, tmp_path)
         f.write(b"PAR1 not a parquet file")
     with pytest.raises(ValueError, match=f"{shard} is not a readable parquet file"):
         tasks.load_task("vqav2", "val", root)
+
+
+@pytest.mark.parametrize("task", ["mme", "seed"])
+def test_n_eval_draws_the_same_questions_from_both_layouts(roots, task):
+    """Issue 52, item 13: --n-eval's stratified subset draws images by their order, not their paths (the hub's are
+    cache hashes): before, 32 of 56 MME question keys differed at --n-eval 28."""
+    original, hub, _ = roots
+    drawn = [tasks.eval_items(evaluate.parse_args(["--model", "tiny-idefics2", "--task", task, "--data-root", root,
+                                                   "--n-eval", "28", "--shots", "0"])) for root in (original, hub)]
+    assert len(drawn[0]) >= 20 and by_content(drawn[1]) == by_content(drawn[0])
