@@ -127,8 +127,19 @@ def test_bad_rows_are_refused_naming_the_shard_and_the_row(roots, tmp_path, chan
 
 def test_a_missing_shard_is_named(roots, tmp_path):
     shutil.copytree(os.path.join(roots[1], "mme"), tmp_path / "mme")
-    os.remove(tmp_path / "mme" / "data" / "test-00001-of-00003.parquet")
+    (second,) = (tmp_path / "mme" / "data").glob("test-00001-of-00003-*.parquet")  # the hub's names: a hash suffix
+    os.remove(second)
     with pytest.raises(FileNotFoundError, match="test-00001-of-00003.parquet is missing"):
+        tasks.load_task("mme", "val", str(tmp_path))
+
+
+def test_parquet_files_not_named_as_shards_are_named_not_skipped(roots, tmp_path):
+    """Issue 52, item 6: lmms-lab/MME's shards carry a hash (read: the roots fixture writes them so); parquet files
+    named otherwise were skipped without a word, and the error asked for the original layout."""
+    shutil.copytree(os.path.join(roots[1], "mme"), tmp_path / "mme")
+    for k, shard in enumerate(sorted((tmp_path / "mme" / "data").iterdir())):
+        shard.rename(shard.with_name(f"part{k}.parquet"))
+    with pytest.raises(FileNotFoundError, match=r"part0.parquet \(and 2 more parquet files\) is not named as a shard"):
         tasks.load_task("mme", "val", str(tmp_path))
 
 

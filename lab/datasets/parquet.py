@@ -1,5 +1,5 @@
 """The benchmarks as the hub ships them for lmms-eval (lmms-lab/VQAv2, OK-VQA, COCO-Caption, flickr30k, MME,
-SEED-Bench): parquet shards `<split>-NNNNN-of-NNNNN.parquet` anywhere below the benchmark's folder, the images' bytes
+SEED-Bench): parquet shards `<split>-NNNNN-of-NNNNN[-<hash>].parquet` anywhere below the benchmark's folder, the images' bytes
 inside. Read with pyarrow a batch of rows at a time, shard by shard (never a whole table in memory); each image's bytes
 are written once to a content-addressed cache (CACHE/<sha256>.<format>) so that an Item keeps an image path and the
 image is read lazily, as from the original layout. The Items are those of the original readers (lab/datasets/readers.py,
@@ -20,7 +20,9 @@ from lab.datasets import mme_seed, readers
 
 CACHE = os.path.expanduser("~/.cache/hyper-icl/hub-images")  # content-addressed: a second read writes nothing
 
-SHARD = re.compile(r"(?P<split>[A-Za-z0-9_.]+)-(?P<index>\d{5})-of-(?P<total>\d{5})\.parquet")
+SHARD = re.compile(r"(?P<split>[A-Za-z0-9_.]+)-(?P<index>\d{5})-of-(?P<total>\d{5})(-[0-9a-f]{16})?\.parquet")
+# <split>-NNNNN-of-NNNNN.parquet, or with the hash of the hub's older uploads (lmms-lab/MME: test-00000-of-00004-
+# a25dbe3b44c4fda6.parquet)
 
 BATCH_ROWS = 16  # rows a batch: with images of a few MB, a batch holds some tens of MB
 
@@ -159,15 +161,21 @@ def original_present(root, task, split):
 
 def find_shards(folder):
     """{split: its shard paths in index order} of the parquet shards anywhere below folder (symbolic links to
-    folders not followed); a split missing one of its NNNNN-of-NNNNN shards is an error naming it."""
-    found = {}
+    folders not followed); a split missing one of its NNNNN-of-NNNNN shards is an error naming it, and so are parquet
+    files none of which is named as a shard (SHARD)."""
+    found, others = {}, []
     for parent, dirs, names in os.walk(folder):
         dirs.sort()
-        for name in names:
+        for name in sorted(names):
             match = SHARD.fullmatch(name)
             if match:
                 found.setdefault(match["split"], []).append((int(match["index"]), int(match["total"]),
                                                               os.path.join(parent, name)))
+            elif name.endswith(".parquet"):
+                others.append(os.path.join(parent, name))
+    if others and not found:
+        raise FileNotFoundError(f"{others[0]} (and {len(others) - 1} more parquet files) is not named as a shard of "
+                                "the hub's copy, <split>-NNNNN-of-NNNNN[-<hash>].parquet; keep the hub's names")
     shards = {}
     for split, entries in sorted(found.items()):
         entries.sort()
