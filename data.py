@@ -288,6 +288,8 @@ def image_inputs(rows, processor, family, input_ids):
     """The image tensors of a batch, in the form the family's forward takes (images in row order); the pixels of
     image_pixels stay uint8, with "pixel_norm" (pixel_norm) for model_inputs to normalise them on the device."""
     per_row = [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]
+    if not any(per_row):  # text alone (an lmms-eval request without an image)
+        return {}
     if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
         pixel_values = pad_stack([pad_stack(v) for v in per_row])
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
