@@ -84,6 +84,10 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
     "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
+IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  # the four families' (Idefics2, Idefics,
+                      "<|image_pad|>", "<|vision_start|>", "<|vision_end|>",  # LLaVA), Qwen2-VL / 2.5-VL's, Gemma 3's,
+                      "<start_of_image>", "<end_of_image>", "<image_soft_token>",  # InternVL's: text holding one
+                      "<IMG_CONTEXT>", "<img>", "</img>")  # would take image features of no image (readers.plain_text)
 SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 

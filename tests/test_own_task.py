@@ -200,6 +200,10 @@ GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answ
     ({**GOOD, "kind": "yes-no", "answer": "no", "category": "/tmp/victim"}, 1, "category", "no path separator"),
     ({**GOOD, "kind": "yes-no", "answer": "no", "category": ".."}, 1, "category", "cannot be a file's name"),
     ({**GOOD, "category": "a\x00b"}, 2, "category", "cannot be a file's name"),
+    # issue 52, item 9: an image placeholder in the text would be an image token of no image
+    ({**GOOD, "question": "What is <image> here?"}, 2, "question", "holds '<image>', an image placeholder"),
+    ({**GOOD, "answer": "a <fake_token_around_image>"}, 2, "answer", "holds '<fake_token_around_image>'"),
+    ({**GOOD, "options": ["a", "<|image_pad|>"], "answer": "A"}, 2, "options", "holds '<|image_pad|>'"),
 ])
 def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line, field, message):
     folder, _ = photos

@@ -117,6 +117,7 @@ def rewrite(hub, tmp_path, change):
     (lambda rows: rows[9].update(multiple_choice_answer=" "), "its multiple_choice_answer is ' '"),
     (lambda rows: rows[9]["image"].update(bytes=b"\xff\xd8 not a jpeg"), "image bytes are not a readable image"),
     (lambda rows: rows[9].update(question=None), "its question is None"),
+    (lambda rows: rows[9].update(question="Is <image> red?"), "its question holds '<image>', an image placeholder"),
 ])
 def test_bad_rows_are_refused_naming_the_shard_and_the_row(roots, tmp_path, change, says):
     root, shard = rewrite(roots[1], tmp_path, change)

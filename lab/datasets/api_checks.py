@@ -4,13 +4,13 @@ import numbers
 from collections.abc import Sequence
 
 import data
-from lab.datasets import tasks
+from lab.datasets import readers, tasks
 
 
 def check_predict(task, items, icds, batch_size, likelihood):
     """Refuse items or icds that are not lists, a batch_size that is not an integer >= 1, ICD lists not one per item
-    (each a list), an unknown task (listing the tasks), likelihood on a task that is not multiple choice or on an item
-    without one option per letter."""
+    (each a list), a question holding an image placeholder (readers.plain_text), an unknown task (listing the tasks),
+    likelihood on a task that is not multiple choice or on an item without one option per letter."""
     if not isinstance(items, Sequence) or (icds is not None and not isinstance(icds, Sequence)):
         raise ValueError(f"items and icds must be lists (got {type(items).__name__}, {type(icds).__name__}); a "
                          "generator is read once and its length is unknown")
@@ -22,6 +22,12 @@ def check_predict(task, items, icds, batch_size, likelihood):
     bad = next((n for n, d in enumerate(icds or ()) if isinstance(d, str) or not isinstance(d, Sequence)), None)
     if bad is not None:
         raise ValueError(f"icds[{bad}] is {type(icds[bad]).__name__}; each item's demonstrations are a list of Items")
+    for it in items:  # a question holding `<image>`: an image token without its image, after the model ran
+        if isinstance(getattr(it, "question", None), str):
+            try:
+                readers.plain_text(it.question, "question")
+            except ValueError as e:
+                raise ValueError(f"item {it.id}: {e}") from None
     kind = tasks.spec(task).kind  # an unknown task: a ValueError listing the tasks
     if likelihood and kind != "choice":
         raise ValueError(f"likelihood ranks a multiple-choice item's options; {task} is a {kind} task, not one")

@@ -169,7 +169,8 @@ def choice_fields(record, answer, fail):
 
 
 def text_field(record, field, fail):
-    """record[field], stripped: missing, not text or empty is an error naming the field."""
+    """record[field], stripped: missing, not text, empty or holding an image placeholder (readers.plain_text) is an
+    error naming the field."""
     if field not in record:
         raise fail(field, "missing")
     value = record[field]
@@ -177,7 +178,10 @@ def text_field(record, field, fail):
         raise fail(field, f"{value!r} is {type(value).__name__}; it must be text")
     if not value.strip():
         raise fail(field, "empty; it must be non-empty text")
-    return value.strip()
+    try:
+        return readers.plain_text(value.strip(), field)
+    except ValueError as e:
+        raise fail(field, str(e)) from None
 
 
 def name_field(record, field, fail):

@@ -44,11 +44,23 @@ def read_text(path, dataset):
 
 
 def text_field(record, name):
-    """record[name] as a stripped string; null, empty or not a string is a ValueError naming the field."""
+    """record[name] as a stripped string; null, empty, not a string or holding an image placeholder (plain_text) is
+    a ValueError naming the field."""
     value = record[name]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"its {name} is {value!r}; it must be non-empty text")
-    return value.strip()
+    return plain_text(value.strip(), name)
+
+
+def plain_text(text, name):
+    """text, which holds none of data.IMAGE_PLACEHOLDERS: a question or answer with `<image>` in it would reach the
+    model as an image token without an image ("Image features and image tokens do not match", after it loaded). A
+    ValueError naming the field and the placeholder otherwise."""
+    held = next((p for p in data.IMAGE_PLACEHOLDERS if p in text), None)
+    if held:
+        raise ValueError(f"its {name} holds {held!r}, an image placeholder (data.IMAGE_PLACEHOLDERS), which the model "
+                         "would take for an image; write it otherwise")
+    return text
 
 
 def integer_field(record, name):
