@@ -164,3 +164,25 @@ def test_an_image_written_two_ways_lands_on_one_side_of_the_split(tmp_path):
     pool, rest = (tasks.load_task(task, s) for s in D.SPLITS)
     real = lambda part: {os.path.realpath(it.image_path) for it in part}
     assert not real(pool) & real(rest) and len(real(pool)) == len(real(rest)) == 6  # before: 6 of 12 on both sides
+
+
+# ----------------------------------------------------------------------------- item 10: a FIFO as a parquet shard
+
+def test_a_fifo_named_as_a_shard_is_refused_without_waiting(tmp_path):
+    import threading
+    shard = tmp_path / "vqav2" / "data" / "validation-00000-of-00001.parquet"
+    shard.parent.mkdir(parents=True)
+    os.mkfifo(shard)
+    said = []
+
+    def read():
+        try:
+            tasks.load_task("vqav2", "val", str(tmp_path))
+        except ValueError as e:
+            said.append(str(e))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(20)
+    if reader.is_alive():  # before: pyarrow opened the FIFO and waited for a writer forever; let it go
+        os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+    assert said and f"{shard} is not a regular file (a FIFO" in said[0]

@@ -267,7 +267,10 @@ def rows(path, columns):
 
 
 def open_shard(path):
-    """A shard opened for buffered reads (1 MB at a time, nothing read ahead); not parquet is a ValueError naming it."""
+    """A shard opened for buffered reads (1 MB at a time, nothing read ahead); not parquet, or not a regular file (a
+    FIFO would be waited on forever), is a ValueError naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file (a FIFO, device or folder); a shard is a parquet file")
     try:
         return pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except Exception as e:  # pyarrow's ArrowInvalid, OSError and friends
