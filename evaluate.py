@@ -99,7 +99,7 @@ class Config:
     # --chair (Table 5), the benchmarks (Table 6)
     chair: Optional[Literal["chair.py", "corrected"]] = None  # also CHAIR and Recall, chair.py's count or corrected
     random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid
-    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; 8 with --random-weights mid)
+    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; 8 with --benchmark --random-weights mid)
     bench_shots: list[int] = field(default_factory=lambda: list(table6.BENCH_SHOTS))  # the ICL rows (none: no value)
     attention_tokens: int = 2048      # query and key tokens of the attention benchmarks
     rounds: int = table6.ROUNDS       # rounds of timed runs, each setting once between two of the reference
@@ -127,14 +127,15 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
     return out[:, inputs["input_ids"].shape[1]:]
 
 
-def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
-    `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
+def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0, new_tokens=None):
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter), at most
+    new_tokens each (None: the task's); with `likelihood` (SEED-Bench's official protocol) the letter of the option
+    of highest option_logliks. The batches are
     prepared by `workers` DataLoader workers while the model decodes (lab/run/feed.py:prepared). Under torchrun each
     process answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
     answers and items are refused first (lab/datasets/api_checks.py)."""
-    api_checks.check_predict(task, items, icds, batch_size, likelihood)
-    kind, new_tokens = tasks.spec(task).kind, tasks.spec(task).max_new_tokens
+    api_checks.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
+    kind, new_tokens = tasks.spec(task).kind, new_tokens or tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
@@ -227,7 +228,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
-                              args.workers)
+                              args.workers, args.new_tokens)
     if readers.server_split(args.task, args.split):  # no answers to score: the test server's file (test_server)
         if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
             metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)

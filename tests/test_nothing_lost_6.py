@@ -186,3 +186,36 @@ def test_a_fifo_named_as_a_shard_is_refused_without_waiting(tmp_path):
     if reader.is_alive():  # before: pyarrow opened the FIFO and waited for a writer forever; let it go
         os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
     assert said and f"{shard} is not a regular file (a FIFO" in said[0]
+
+
+# ------------------------------------------------------------------- item 11: --new-tokens outside --benchmark
+
+def test_new_tokens_bounds_every_evaluation(tmp_path, monkeypatch):
+    import benchmarks
+    import evaluate
+    asked = []
+    real = evaluate.generate
+    monkeypatch.setattr(evaluate, "generate", lambda b, inputs, n, *a: asked.append(n) or real(b, inputs, n, *a))
+    flags = [*TINY, "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0", "--out",
+             str(tmp_path), "--workers", "0"]
+    metrics = evaluate.main([*flags, "--new-tokens", "1"])
+    assert asked == [1] and metrics["new_tokens"] == 1  # before: the task's 5, the flag taken without effect
+    with pytest.raises(ValueError, match="holds the result of other settings: new_tokens 1 \\(now 5\\)"):
+        evaluate.main(flags)  # the result of 1 token is not replaced by one of 5 under the same name
+
+
+# ----------------------------------------------------------------------- item 12: an adapter of NaN or inf
+
+def test_an_adapter_holding_nan_or_inf_is_refused_naming_the_tensor(trained, tmp_path):
+    import evaluate
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    task, out = trained
+    with safe_open(os.path.join(out, "adapter.safetensors"), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    name = sorted(tensors)[1]
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, tmp_path / "nan.safetensors", metadata=meta)
+    with pytest.raises(ValueError, match=rf"nan.safetensors: its tensor {name} holds NaN or inf"):
+        evaluate.main([*TINY, "--task", task, "--checkpoint", str(tmp_path / "nan.safetensors"), "--workers", "0"])
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".metrics.json")]  # before: scored, 0.00 written

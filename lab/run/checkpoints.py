@@ -192,8 +192,8 @@ def reattach(model, previous):
 
 
 def load_tensors(path, tensors, model):
-    """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor
-    is a ValueError naming the file and the tensor."""
+    """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor,
+    or one holding NaN or inf, is a ValueError naming the file and the tensor."""
     expected = M.adapter_modules(model).state_dict()
     wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
         [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
@@ -202,6 +202,10 @@ def load_tensors(path, tensors, model):
     if wrong:
         raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
                          (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+    broken = [name for name, t in sorted(tensors.items()) if t.is_floating_point() and not t.isfinite().all()]
+    if broken:  # it would answer nothing, and be scored
+        raise ValueError(f"{path}: its tensor {broken[0]} holds NaN or inf" + (f" (and {len(broken) - 1} more)" if
+                         broken[1:] else "") + "; the adapter is damaged or its run diverged")
     M.adapter_modules(model).load_state_dict(tensors)
 
 
