@@ -219,3 +219,17 @@ def test_an_adapter_holding_nan_or_inf_is_refused_naming_the_tensor(trained, tmp
     with pytest.raises(ValueError, match=rf"nan.safetensors: its tensor {name} holds NaN or inf"):
         evaluate.main([*TINY, "--task", task, "--checkpoint", str(tmp_path / "nan.safetensors"), "--workers", "0"])
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".metrics.json")]  # before: scored, 0.00 written
+
+
+# --------------------------------------------------------- item 14: a 1-pixel side, which Idefics2's splitting divides
+
+def test_an_image_with_a_one_pixel_side_is_refused_naming_the_line_or_the_item(tmp_path):
+    Image.new("RGB", (1, 1)).save(tmp_path / "dot.png")
+    Image.new("RGB", (3000, 1)).save(tmp_path / "line.png")
+    task = jsonl(tmp_path / "tiny.jsonl", [{"id": 1, "image": "dot.png", "question": "What?", "answer": "a dot"}])
+    with pytest.raises(ValueError, match=rf"{task} line 1, field `image`: .*dot.png: its image is 1 x 1 pixels; each "
+                                         "side must be at least 2"):
+        tasks.load_task(task, "train")
+    with pytest.raises(ValueError, match=r"item 4: its image .*line.png: its image is 3000 x 1 pixels"):
+        D.load_image(D.Item(4, str(tmp_path / "line.png"), "What?", ("a line",), "a line"))  # before: a ZeroDivision-
+        # Error inside transformers' Idefics2 image splitting, after the model loaded, naming no item
