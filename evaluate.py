@@ -42,7 +42,7 @@ import data as D
 import model as M
 import train
 from lab.disk import files
-from lab.datasets import api_checks, readers, rices, tasks
+from lab.datasets import api_checks, mme_seed, readers, rices, tasks
 from lab.models import backbones, chunks, families, published
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
@@ -246,10 +246,10 @@ def evaluate(backbone, args, items, setting, vector=None):
     metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
           + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
-    if kind == "yes-no":
-        m = metrics["mme"]
-        print(f"MME perception {m['perception']:.2f}, cognition {m['cognition']:.2f}; " +
-              ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
+    if kind == "yes-no":  # MME's totals only where its subtasks are (a yes-no task of one's own has its own)
+        m, mme = metrics["mme"], set(mme_seed.MME_PERCEPTION + mme_seed.MME_COGNITION)
+        print(("" if mme.isdisjoint(m["subtasks"]) else f"MME perception {m['perception']:.2f}, cognition "
+               f"{m['cognition']:.2f}; ") + ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
     elif kind == "choice":
         print(f"SEED-Bench ({args.seed_protocol}): " +
               ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))

@@ -233,3 +233,25 @@ def test_an_image_with_a_one_pixel_side_is_refused_naming_the_line_or_the_item(t
     with pytest.raises(ValueError, match=r"item 4: its image .*line.png: its image is 3000 x 1 pixels"):
         D.load_image(D.Item(4, str(tmp_path / "line.png"), "What?", ("a line",), "a line"))  # before: a ZeroDivision-
         # Error inside transformers' Idefics2 image splitting, after the model loaded, naming no item
+
+
+# --------------------------------------------------------------------------------------- item 15, the smaller ones
+
+def test_a_category_per_record_names_why_the_training_pool_is_empty(tmp_path):
+    records = [{"id": k, "image": p, "question": "What?", "answer": "x", "category": f"c{k}"}
+               for k, p in enumerate(photos(tmp_path, 6))]
+    task = jsonl(tmp_path / "each.jsonl", records)
+    with pytest.raises(ValueError, match=r"the training pool is empty: the images are split category by category "
+                                         r"\(field `category`\), round\(0.5 x images\) of each, and each of its 6 "
+                                         r"categories has 1 image\(s\) at most"):
+        tasks.load_task(task, "train")  # before: "has 0 training items: none left to train on", later, no reason
+    assert len(tasks.load_task(task, "val")) == 6
+
+
+def test_attention_tokens_beyond_memory_is_one_line_naming_the_flag():
+    from lab.models import backbones
+    from lab.studies import table6
+    model = backbones.load_backbone("tiny-idefics2").model
+    with pytest.raises(ValueError, match=r"^--attention-tokens 1000000000: one attention layer at 1000000000 tokens "
+                                         r"does not fit in memory \(.*\); lower --attention-tokens$"):
+        table6.attention_benchmark(model, T=10 ** 9, rounds=1)  # before: torch's RuntimeError traceback

@@ -138,7 +138,7 @@ def test_trains_two_steps_and_evaluates_through_the_command_line(own, kind, tmp_
     assert ids == [it.id for it in tasks.load_task(own[kind], "val")]
 
 
-def test_the_readmes_two_commands(own, tmp_path, monkeypatch):
+def test_the_readmes_two_commands(own, tmp_path, monkeypatch, capsys):
     """train.py, then evaluate.py with no flags but the task: 0-shot, the task's N-shot ICL and the default adapter."""
     monkeypatch.chdir(tmp_path)
     flags = [*TINY, "--task", own["yes-no"]]
@@ -150,6 +150,7 @@ def test_the_readmes_two_commands(own, tmp_path, monkeypatch):
     assert sorted(f for f in os.listdir(run) if f.endswith(".metrics.json")) == \
         [f"{name}-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
     assert set(metrics["mme"]["subtasks"]) == {"yes-no"}
+    assert "MME perception" not in capsys.readouterr().out  # issue 52, item 15: MME's totals are not this task's
 
 
 def test_n_shot_rices_and_the_plan(own, tmp_path, capsys):
@@ -204,6 +205,9 @@ GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answ
     ({**GOOD, "question": "What is <image> here?"}, 2, "question", "holds '<image>', an image placeholder"),
     ({**GOOD, "answer": "a <fake_token_around_image>"}, 2, "answer", "holds '<fake_token_around_image>'"),
     ({**GOOD, "options": ["a", "<|image_pad|>"], "answer": "A"}, 2, "options", "holds '<|image_pad|>'"),
+    # issue 52, item 15: an answer of two lines could never match (a generated one is cut at its first line)
+    ({**GOOD, "answer": "a\ncat"}, 2, "answer", "holds a line break"),
+    ({k: v for k, v in GOOD.items() if k != "answer"} | {"answers": ["cat", "a\r\ncat"]}, 2, "answers", "line break"),
 ])
 def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line, field, message):
     folder, _ = photos

@@ -156,7 +156,7 @@ def choice_fields(record, answer, fail):
     options = record.get("options")
     if not isinstance(options, list) or not 2 <= len(options) <= len(data.SEED_LETTERS):
         raise fail("options", f"{options!r}; it must be a list of 2 to {len(data.SEED_LETTERS)} option texts")
-    options = tuple(text_field({"options": o}, "options", fail) for o in options)
+    options = tuple(line_field({"options": o}, "options", fail) for o in options)
     if len(set(options)) < len(options):
         raise fail("options", f"{list(options)!r} repeats an option; each letter needs its own text")
     letters = tuple(data.SEED_LETTERS[:len(options)])
@@ -194,16 +194,26 @@ def name_field(record, field, fail):
 
 
 def texts(record, field, fail):
-    """The references of a record: record[field] (one text) or record[field + "s"] (a non-empty list of texts)."""
+    """The references of a record: record[field] (one text) or record[field + "s"] (a non-empty list of texts), each
+    one line (line_field)."""
     many = field + "s"
     if (field in record) == (many in record):
         raise fail(field, f"give `{field}` (one) or `{many}` (a list), one of the two")
     if field in record:
-        return (text_field(record, field, fail),)
+        return (line_field(record, field, fail),)
     values = record[many]
     if not isinstance(values, list) or not values:
         raise fail(many, f"{values!r}; it must be a non-empty list of texts")
-    return tuple(text_field({many: v}, many, fail) for v in values)
+    return tuple(line_field({many: v}, many, fail) for v in values)
+
+
+def line_field(record, field, fail):
+    """text_field on one line: an answer (or caption, option) holding a line break could never be matched, as a
+    generated answer is cut at its first line (evaluate.postprocess), and an option would break its prompt's lines."""
+    value = text_field(record, field, fail)
+    if "\n" in value or "\r" in value:
+        raise fail(field, f"{value!r} holds a line break; an answer is one line (a generated one is cut at its first)")
+    return value
 
 
 def read_llava(path):

@@ -80,6 +80,12 @@ def pooled(task, items, fraction, split):
     pool, rest = pool_split(items, fraction)
     count = lambda part: f"{len(part)} questions on {len(set(real_images(part)))} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
+    by_category = images_by_category(items, real_images(items))
+    if split == "train" and not pool:  # each category's share rounds to no image
+        raise ValueError(f"{task}: the training pool is empty: the images are split category by category (field "
+                         f"`category`), round({fraction} x images) of each, and each of its {len(by_category)} "
+                         f"categories has {max(map(len, by_category.values()))} image(s) at most; give fewer "
+                         "categories (one a subtask, not one a record)")
     return pool if split == "train" else rest
 
 
