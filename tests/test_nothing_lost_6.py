@@ -255,3 +255,17 @@ def test_attention_tokens_beyond_memory_is_one_line_naming_the_flag():
     with pytest.raises(ValueError, match=r"^--attention-tokens 1000000000: one attention layer at 1000000000 tokens "
                                          r"does not fit in memory \(.*\); lower --attention-tokens$"):
         table6.attention_benchmark(model, T=10 ** 9, rounds=1)  # before: torch's RuntimeError traceback
+
+
+def test_the_teacher_cache_keys_an_image_by_its_bytes_not_its_size_and_time(tmp_path):
+    from lab.run import teacher_cache
+    first, second = tmp_path / "a.bmp", tmp_path / "b.bmp"  # uncompressed: the same size
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(first)
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(second)
+    item = D.Item(1, str(first), "What colour?", ("red",), "red")
+    before = teacher_cache.teacher_key("b", "t", item, [])
+    stat = os.stat(first)
+    assert stat.st_size == os.path.getsize(second)  # a same-size replacement, its time put back
+    os.replace(second, first)
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert teacher_cache.teacher_key("b", "t", item, []) != before  # before: the same key, the stale states read
