@@ -269,3 +269,31 @@ def test_the_teacher_cache_keys_an_image_by_its_bytes_not_its_size_and_time(tmp_
     os.replace(second, first)
     os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert teacher_cache.teacher_key("b", "t", item, []) != before  # before: the same key, the stale states read
+
+
+@pytest.mark.parametrize("script, flags, says", [
+    ("train", ["--temperature", "2"], "--temperature applies with --anchor kl"),
+    ("train", ["--virtual-tokens", "4"], "--virtual-tokens applies to --method hificl"),
+    ("train", ["--method", "hificl", "--anchor-norm", "first"], "--anchor-norm applies with an anchor"),
+    ("train", ["--no-teacher-cache", "--teacher-cache", "elsewhere"], "--teacher-cache applies without --no-teacher"),
+    ("train", ["--processor", "folder"], "--processor applies with --plan"),
+    ("train", ["--rices-encoder", "clip"], "--rices-encoder applies with --icds rices"),
+    ("evaluate", ["--shots", "0", "--force"], "--force applies to a --checkpoint"),
+    ("evaluate", ["--shots", "2", "--rices-encoder", "clip"], "--rices-encoder applies with --icds rices"),
+    ("evaluate", ["--shots", "0", "--attention-tokens", "64"], "--attention-tokens applies with --benchmark or"),
+    ("evaluate", ["--shots", "0", "--seed-protocol", "likelihood"], "--seed-protocol applies to the SEED-Bench"),
+])
+def test_a_flag_of_another_method_or_mode_is_refused_naming_it(script, flags, says, capsys):
+    import evaluate
+    import train
+    with pytest.raises(SystemExit):
+        (train if script == "train" else evaluate).parse_args([*TINY, *flags])
+    assert f"{says}" in capsys.readouterr().err  # before: taken, doing nothing, without a word
+
+
+def test_the_flags_of_the_method_or_mode_in_use_are_taken():
+    import evaluate
+    import train
+    assert train.parse_args([*TINY, "--method", "live", "--temperature", "2"]).temperature == 2
+    assert train.parse_args([*TINY, "--method", "hificl", "--virtual-tokens", "4"]).virtual_tokens == 4
+    assert evaluate.parse_args([*TINY, "--benchmark-attention", "--attention-tokens", "64"]).attention_tokens == 64

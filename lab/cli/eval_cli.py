@@ -15,6 +15,30 @@ from lab.studies import curves
 from lab.cli import flags
 
 
+BENCH, CURVE = "with --benchmark or --benchmark-attention", "with --curve"
+APPLIES = {  # flag: (where it applies, whether it does with these flags); flags.check_applies
+    "seed_protocol": ("to the SEED-Bench tasks (multiple choice)", lambda a: tasks.spec(a.task).kind == "choice"),
+    "chair": ("to COCO captions, against COCO's instance annotations (--task coco)", lambda a: a.task == "coco"),
+    "random_weights": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
+    "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
+    "processor": ("with --plan", lambda a: a.plan is not None),
+    "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
+    "rices_cache": ("with --icds rices", lambda a: a.icds == "rices"),
+    "new_tokens": ("where answers are generated (not --seed-protocol likelihood, --benchmark-attention, --gates, "
+                   "--hyperbolicity)", lambda a: not (a.seed_protocol == "likelihood" or a.benchmark_attention or
+                                                      a.gates or a.hyperbolicity)),
+    "attention_tokens": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
+    "rounds": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
+    "bench_shots": ("with --benchmark", lambda a: a.benchmark),
+    **{name: (CURVE, lambda a: a.curve) for name in ("curve_queries", "curve_seeds", "curve_methods", "no_tune",
+                                                      "train_args")},
+    **{name: ("with --vector", lambda a: a.vector is not None) for name in ("vector_layer", "vector_sets",
+                                                                             "vector_heldout")},
+    "fv_heads": ("with --vector fv", lambda a: a.vector == "fv"),
+    "fv_trials": ("with --vector fv", lambda a: a.vector == "fv"),
+}
+
+
 def parse_args(argv, doc, defaults, train_parse):
     """evaluate.py's flags, one a field of `defaults` (evaluate.py's Config: lab/cli/flags.py:parser); returns that
     Config with the parsed values, checked, and the default checkpoint and the output folder filled in. train_parse:
@@ -26,9 +50,6 @@ def parse_args(argv, doc, defaults, train_parse):
         if argv[k] == "--train-args":
             argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
     args = dataclasses.replace(defaults, **vars(p.parse_args([a for a in argv if a is not None])))
-    if args.seed_protocol and tasks.spec(args.task).kind != "choice":
-        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
-    args.seed_protocol = args.seed_protocol or "generate"
     flags.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
                                    "new_tokens": 1, "attention_tokens": 1, "threads": (1, flags.MAX_THREADS),
@@ -60,10 +81,6 @@ def parse_args(argv, doc, defaults, train_parse):
                 "--curve, --gates or --hyperbolicity")
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
-    if args.chair and args.task != "coco":
-        p.error(f"--chair scores COCO captions against COCO instance annotations (coco), not {args.task}")
-    if args.random_weights and not (args.benchmark or args.benchmark_attention):
-        p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
     default = results.default_checkpoint(args.model, args.task)
@@ -87,4 +104,6 @@ def parse_args(argv, doc, defaults, train_parse):
     args.out = args.out or (f"runs/curve-{name}-{task}" if args.curve else os.path.dirname(args.checkpoint)
                             or "." if args.checkpoint else f"runs/eval-{name}-{task}")
     flags.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
+    flags.check_applies(p, args, defaults, APPLIES)
+    args.seed_protocol = args.seed_protocol or "generate"
     return args
