@@ -233,8 +233,8 @@ def load_image(item):
     try:
         with open_image(item.image_path) as im:
             return im.convert("RGB")
-    except ValueError as e:
-        raise ValueError(f"item {item.id}: its image {item.image_path}: {e}") from None
+    except ValueError as e:  # not a format or size it opens
+        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from None
     except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
         raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
     except OSError as e:

@@ -99,7 +99,7 @@ class Config:
     # --chair (Table 5), the benchmarks (Table 6)
     chair: Optional[Literal["chair.py", "corrected"]] = None  # also CHAIR and Recall, chair.py's count or corrected
     random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid
-    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; 8 with --benchmark --random-weights mid)
+    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; --benchmark --random-weights mid: 8)
     bench_shots: list[int] = field(default_factory=lambda: list(table6.BENCH_SHOTS))  # the ICL rows (none: no value)
     attention_tokens: int = 2048      # query and key tokens of the attention benchmarks
     rounds: int = table6.ROUNDS       # rounds of timed runs, each setting once between two of the reference

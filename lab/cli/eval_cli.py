@@ -23,7 +23,6 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
     "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
-    "rices_cache": ("with --icds rices", lambda a: a.icds == "rices"),
     "new_tokens": ("where answers are generated (not --seed-protocol likelihood, --benchmark-attention, --gates, "
                    "--hyperbolicity)", lambda a: not (a.seed_protocol == "likelihood" or a.benchmark_attention or
                                                       a.gates or a.hyperbolicity)),

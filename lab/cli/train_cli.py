@@ -20,7 +20,6 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "no_teacher_cache": ("where a teacher runs (an --anchor other than none)", lambda a: a.anchor != "none"),
     "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
-    "rices_cache": ("with --icds rices", lambda a: a.icds == "rices"),
     "build_tries": ("with --build-toy", lambda a: a.build_toy),
 }
 

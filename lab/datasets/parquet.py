@@ -1,9 +1,9 @@
 """The benchmarks as the hub ships them for lmms-eval (lmms-lab/VQAv2, OK-VQA, COCO-Caption, flickr30k, MME,
-SEED-Bench): parquet shards `<split>-NNNNN-of-NNNNN[-<hash>].parquet` anywhere below the benchmark's folder, the images' bytes
-inside. Read with pyarrow a batch of rows at a time, shard by shard (never a whole table in memory); each image's bytes
-are written once to a content-addressed cache (CACHE/<sha256>.<format>) so that an Item keeps an image path and the
-image is read lazily, as from the original layout. The Items are those of the original readers (lab/datasets/readers.py,
-lab/datasets/mme_seed.py) for the same questions, in the order the shards hold them."""
+SEED-Bench): parquet shards `<split>-NNNNN-of-NNNNN[-<hash>].parquet` anywhere below the benchmark's folder, the
+images' bytes inside. Read with pyarrow a batch of rows at a time, shard by shard (never a whole table in memory);
+each image's bytes are written once to a content-addressed cache (CACHE/<sha256>.<format>) so that an Item keeps an
+image path and the image is read lazily, as from the original layout. The Items are those of the original readers
+(lab/datasets/readers.py, lab/datasets/mme_seed.py) for the same questions, in the order the shards hold them."""
 import contextlib
 import dataclasses
 import hashlib

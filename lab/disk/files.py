@@ -207,6 +207,18 @@ def file_digest(path):
     return h.hexdigest()
 
 
+def sorted_metadata(raw):
+    """safetensors bytes (safetensors.torch.save's) with their metadata in key order: safetensors writes a dict of
+    metadata in the order of a hash map, which changes from one save to the next, so an adapter of several keys would
+    not be the same bytes twice. The header is padded to 8 bytes as safetensors pads it; the tensors' bytes follow."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
+
+
 def weights_digest(tensors):
     """sha256 of a state dict's names, shapes, dtypes and bytes (in name order): a cached file's checksum."""
     h = hashlib.sha256()

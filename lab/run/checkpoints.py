@@ -50,7 +50,7 @@ def save_adapter(path, backbone, run=None):
                 **backbone_identity(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
     metadata = {"settings": json.dumps(settings)} | ({"run": json.dumps(run)} if run is not None else {})
-    files.atomic_write(path, lambda f: f.write(save(tensors, metadata=metadata)))
+    files.atomic_write(path, lambda f: f.write(files.sorted_metadata(save(tensors, metadata=metadata))))
 
 
 def run_record(cfg, queries, heldout, icds):
@@ -240,9 +240,9 @@ def restore(args, backbone, optimizer, scheduler, record):
         print(f"warning: --resume: {path} holds no fingerprint of its data (made before they were kept); its "
               "training queries and ICDs are assumed to be this run's")
     elif saved["data"] != record["data"]:
-        differ.append(f"other training data (the training or held-out queries, their answers, images or ICDs differ: "
+        differ.append(f"other training data (its training or held-out queries, their answers, images or ICDs differ: "
                       f"fingerprint {saved['data']}, now {record['data']}; --data-root {saved.get('data_root')}, now "
-                      f"{record['data_root']}): was the task changed since? it is kept")
+                      f"{record['data_root']}; was the task changed since?)")
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
         differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
                       "only with as many as before)")
@@ -250,7 +250,7 @@ def restore(args, backbone, optimizer, scheduler, record):
     if state.get("fingerprint", here) != here:
         differ.append(f"other weights of --model {args.model} (fingerprint {state['fingerprint']}, now {here})")
     if differ:
-        raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
+        raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ) + "; it is left as it is")
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -246,8 +246,9 @@ def fitting(T):
     try:
         yield
     except RuntimeError as e:
-        raise ValueError(f"--attention-tokens {T}: one attention layer at {T} tokens does not fit in memory "
-                         f"({(str(e).splitlines() or [type(e).__name__])[0][:160]}); lower --attention-tokens") from None
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"--attention-tokens {T}: one attention layer at {T} tokens does not fit in memory ({why}); "
+                         "lower --attention-tokens") from None
 
 
 def attention_benchmark(model, T=2048, rounds=ROUNDS):
