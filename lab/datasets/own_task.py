@@ -6,7 +6,9 @@ or "captions": [...] (caption), {"id", "image", "question", "answer": "yes" | "n
 "question", "options": [2-4 texts], "answer": letter or option text} (choice); optional "kind" and "category" (the
 subtask / dimension the MME and SEED scores are split by). Without a kind, a record with caption(s) is a caption,
 one with options a choice, any other a vqa (yes-no only when said); a file holds one kind. Image paths are relative
-to the file's folder (absolute allowed). Every record is checked: an error names the file, the line and the field.
+to the file's folder (absolute allowed). Every record is checked: an error names the file, the line and the field
+(an image data.open_image does not open, text holding an image placeholder, an answer of two lines, a category that
+cannot be a file's name: it names a yes-no task's MME results file).
 The defaults (shots, new tokens, metric) are those of the paper's nearest task (NEAREST)."""
 import functools
 import json
