@@ -25,6 +25,40 @@ class Backbone:
 
 
 Family = namedtuple("Family", ["hub_id", "model_cls"])  # the checkpoint the paper uses, the class that loads it
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a family's rows are made beyond what its processor does, read by data.py off the processor
+    (processor.row_format, set by `formatted`): what stands for an image in a piece and how it is expanded, the end
+    of an answer, the positions, the per-token tensor the forward takes and how a batch's images are laid out."""
+    placeholder: str = "<image>"     # a piece's image in its text; the processor's image_token in it is expanded
+    expand: str = "image"            # "image": by replace_image_token of the processed image; "text": by the
+    #                                  processor's own call on the piece's text (Idefics2, which has no replace_image_token)
+    end: str | None = None           # the token that closes an answer (None: the tokenizer's eos)
+    positions: str = "1-d"           # "1-d": cumsum - 1 over the real tokens; "model": none given, the model makes
+    #                                  its own from input_ids, token types, image grids and the attention mask (M-RoPE)
+    token_types: str | None = None   # the forward's per-token tensor, 1 on image tokens (create_mm_token_type_ids)
+    images: str = "concat"           # "concat": every image tensor along dim 0; "canvas": a row's crops on one canvas
+    #                                  [B, crops, 3, H, W] + pixel_attention_mask; "multi-image": LLaVA-OneVision's
+    #                                  (data.onevision_piece); "cross-attention": Idefics' (its processor's tensors)
+    inputs: tuple = ("pixel_values",)  # what of the image processor's output the forward takes, per image
+    raw: bool = False                # pixels stopped before rescaling and normalisation (uint8), normalised on the
+    #                                  device (data.normalised); else the image processor's own float32 pixels
+
+
+ROWS = {  # each family's Rows
+    "idefics2": Rows(expand="text", end="<end_of_utterance>", images="canvas", raw=True),
+    "idefics": Rows(images="cross-attention"),
+    "llava-interleave": Rows(raw=True),
+    "llava-onevision": Rows(images="multi-image", raw=True),
+}
+
+
+def formatted(processor, family):
+    """The processor with its family's Rows as processor.row_format (what data.py builds rows by)."""
+    processor.row_format = ROWS[family]
+    return processor
 FAMILIES = {
     "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
     "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
@@ -143,7 +177,7 @@ def load_processor(path, family, image_splitting="checkpoint"):
         raise ValueError(f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
                          "tokenizer files into it")
     if family != "llava-onevision":
-        processor = AutoProcessor.from_pretrained(path, backend="pil", trust_remote_code=False)
+        processor = formatted(AutoProcessor.from_pretrained(path, backend="pil", trust_remote_code=False), family)
         return processor, image_setting(processor, family, image_splitting)
     config_file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else \
         cached_file(path, "processor_config.json")
@@ -161,7 +195,7 @@ def load_processor(path, family, image_splitting="checkpoint"):
     processor = ImageOnlyOnevisionProcessor(AutoImageProcessor.from_pretrained(path, backend="pil", **code),
                                             AutoTokenizer.from_pretrained(path, **code), None,
                                             **{k: settings[k] for k in keys if k in settings})
-    return processor, image_setting(processor, family, image_splitting)
+    return formatted(processor, family), image_setting(processor, family, image_splitting)
 
 
 IMAGE_SPLITTING = ("checkpoint", "on", "off")  # --image-splitting
