@@ -67,7 +67,9 @@ TASKS = {
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
-DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8}  # ICDs per query (paper)
+DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8,  # ICDs per query (paper)
+                 **dict.fromkeys(["qwen2.5-vl", "qwen3-vl", "internvl3", "gemma3", "idefics3", "smolvlm",
+                                  "llava-onevision-1.5"], 8)}  # the families in use now: as the paper's 7-8B ones
 
 
 def default_shots(task, family):
