@@ -7,16 +7,11 @@ and the answer's letter, `category` the subtask / dimension.
 
 Prompts (PROMPTS): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` and a newline, then the query as `<image>Question: {q} Short answer:`.
-`<end>`, which closes every answer and is part of the training label, is the family's end token (end_token):
-Idefics2's `<end_of_utterance>`, Idefics' eos `</s>` (a base model pretrained on web documents, not dialogues), the
-LLaVA models' eos (plain interleaved text, no chat turns). `<image>` becomes the family's placeholder, which its
-processor expands (piece_ids).
-
-What a family needs beyond its processor is one small record, lab/models/families.py:Rows, which the processor
-carries as `processor.row_format`: the placeholder and how it is expanded, the end token, whether positions are 1-D or
-the model's own (M-RoPE), the per-token tensor the forward takes, and how a batch's images are laid out. Every family
-goes through the one path below; LLaVA-OneVision's multi-image mode and Idefics' cross-attention keep a few lines
-of their own (image_pixels, image_inputs).
+`<end>`, which closes every answer and is part of the training label, is the family's end token: Idefics2's
+`<end_of_utterance>`, Idefics' eos `</s>` (a base model pretrained on web documents, not dialogues), the LLaVA models'
+eos (plain interleaved text, no chat turns). `<image>` becomes the family's placeholder, which its processor expands.
+What a family needs beyond its processor is one record, lab/models/families.py:Rows, carried as
+`processor.row_format`; LLaVA-OneVision's multi-image mode and Idefics' cross-attention keep a few lines of their own.
 
 Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the teacher's has m ICDs, the
 student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
@@ -67,9 +62,8 @@ TASKS = {
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
-DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8,  # ICDs per query (paper)
-                 **dict.fromkeys(["qwen2.5-vl", "qwen3-vl", "internvl3", "gemma3", "idefics3", "smolvlm",
-                                  "llava-onevision-1.5"], 8)}  # the families in use now: as the paper's 7-8B ones
+DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8, **dict.fromkeys(  # paper
+    ["qwen2.5-vl", "qwen3-vl", "internvl3", "gemma3", "idefics3", "smolvlm", "llava-onevision-1.5"], 8)}  # as 7-8B
 
 
 def default_shots(task, family):
@@ -97,8 +91,7 @@ SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 
 def end_token(processor, family):
-    """The token that closes an answer: the family's (processor.row_format.end: Idefics2's <end_of_utterance>), else
-    the tokenizer's eos."""
+    """The token that closes an answer: the family's (row_format.end: Idefics2's <end_of_utterance>), else eos."""
     return processor.row_format.end or processor.tokenizer.eos_token
 
 
@@ -162,11 +155,9 @@ def encode_piece(processor, family, text, image, pixels=None):
 
 
 def piece_ids(processor, family, text, pixels):
-    """The ids of a piece's text, its `<image>` the family's placeholder (row_format.placeholder), expanded into the
-    tokens its processor gives the image: replace_image_token of the processed image (a token a patch of the resized
-    image for LLaVA-Interleave, the grid's merged patches for Qwen, tiles for InternVL, crops for Idefics3), the
-    multi-image base view for LLaVA-OneVision (onevision_tokens), or, with expand "text", the processor's own call on
-    the text (Idefics2: image_seq_len tokens, x 5 with splitting)."""
+    """The ids of a piece's text, its `<image>` the family's placeholder, expanded into the tokens its processor gives
+    the image: replace_image_token of the processed image (LLaVA-Interleave: a token a patch; Qwen: merged patches),
+    LLaVA-OneVision's base view (onevision_tokens), or the processor's call on the text (expand "text": Idefics2)."""
     form = processor.row_format
     text = text.replace("<image>", form.placeholder, 1)
     if form.expand == "text":
@@ -177,12 +168,10 @@ def piece_ids(processor, family, text, pixels):
 
 
 def image_pixels(processor, family, image):
-    """One image through the family's image processor with the processor's own image settings (its class's
-    images_kwargs, and --image-splitting's): the raw families' stopped before rescaling and normalisation
-    (model_inputs does those on the device), {"pixel_values": uint8 [3, h, w] crops} (Idefics2: one crop, or 4 + the
-    whole image with splitting, each its own size; LLaVA-Interleave: [1, 3, 384, 384]; LLaVA-OneVision: its base view,
-    onevision_piece); the others' whole output for that image, float32 (Qwen: flattened patches and image_grid_thw;
-    InternVL: tiles and num_patches; Idefics3: crops, rows and cols; canvas families: the image's crops)."""
+    """One image through the family's image processor with the processor's own settings (images_kwargs): a raw
+    family's stopped before rescaling and normalisation (model_inputs does those on the device), uint8 (Idefics2: its
+    crops [3, h, w], each its own size; LLaVA-Interleave [1, 3, 384, 384]; LLaVA-OneVision: onevision_piece); another's
+    whole output, float32 (Qwen: flattened patches and image_grid_thw; InternVL: tiles; Idefics3: crops, rows, cols)."""
     form, process = processor.row_format, processor.image_processor
     if form.images == "multi-image":
         return onevision_piece(process, image)
@@ -198,8 +187,7 @@ def image_pixels(processor, family, image):
 
 def chw(array):
     """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
-    numpy on one thread: copying the strided view into a canvas costs 3-6x more on a busy machine (torch splits it
-    over its threads)."""
+    numpy on one thread: copying the strided view into a canvas costs 3-6x more (torch splits it over threads)."""
     return torch.from_numpy(numpy.ascontiguousarray(array))
 
 
@@ -289,11 +277,10 @@ def pad_stack(tensors):
 
 
 def image_inputs(rows, processor, family, input_ids):
-    """The image tensors of a batch, in the form the family's forward takes (images in row order,
-    row_format.images): "concat", every image's tensors along dim 0 (LLaVA-Interleave [images, 3, H, W]; Qwen's
-    patches and image_grid_thw; InternVL's tiles); "canvas", each row's crops on one canvas (crop_canvas); LLaVA-
-    OneVision's multi-image mode; Idefics' [B, images, 3, H, W] and which image each token cross-attends to. Raw
-    pixels stay uint8, with "pixel_norm" (pixel_norm) for model_inputs to normalise them on the device."""
+    """The image tensors of a batch as the family's forward takes them (images in row order, row_format.images):
+    "concat", each image's along dim 0 (LLaVA-Interleave [images, 3, H, W]; Qwen's patches and grids); "canvas", a
+    row's crops on one canvas (crop_canvas); LLaVA-OneVision's multi-image mode; Idefics' [B, images, 3, H, W] and
+    which image each token cross-attends to. Raw pixels stay uint8, with "pixel_norm" for model_inputs."""
     form = processor.row_format
     per_row = lambda: [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]  # each row's crops
     if form.images == "cross-attention":
@@ -314,9 +301,8 @@ def image_inputs(rows, processor, family, input_ids):
 
 
 def crop_canvas(per_row):
-    """A canvas family's crops of each row, [3, h, w] of any size (uint8 raw, or the image processor's float32), laid
-    top-left on one zero canvas [B, crops, 3, H, W] (the batch's largest), with pixel_attention_mask bool
-    [B, crops, H, W] on the real pixels."""
+    """A canvas family's crops of each row, [3, h, w] of any size (uint8 raw, or float32), laid top-left on one zero
+    canvas [B, crops, 3, H, W] (the batch's largest), with pixel_attention_mask bool [B, crops, H, W] on real pixels."""
     n, (h, w) = max(map(len, per_row)), (max(x.shape[k] for v in per_row for x in v) for k in (1, 2))
     pixels = torch.zeros(len(per_row), n, 3, h, w, dtype=per_row[0][0].dtype)
     mask = torch.zeros(len(per_row), n, h, w, dtype=torch.bool)
@@ -370,11 +356,10 @@ def collate(rows, processor, family):
 
 
 def positions(processor, input_ids, attention_mask):
-    """What a batch says of its positions (row_format.positions): "1-d", position_ids = cumsum - 1 over the real tokens
-    (0 on padding); "model", none (the model makes its 3-D positions from the ids, their token types, the image grids
-    and the attention mask, from each row's first real token: left padding as the model handles it). And the
-    per-token tensor the forward takes (row_format.token_types): 1 on image tokens, by the processor's own
-    create_mm_token_type_ids (0 on padding)."""
+    """A batch's positions (row_format.positions): "1-d", position_ids = cumsum - 1 over the real tokens (0 on
+    padding); "model", none (M-RoPE: the model makes them from the ids, token types, image grids and attention mask,
+    from each row's first real token). And the forward's per-token tensor (row_format.token_types): 1 on image tokens
+    (the processor's create_mm_token_type_ids), 0 on padding."""
     form, out = processor.row_format, {}
     if form.positions == "1-d":
         out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -150,7 +150,8 @@ def test_a_folder_of_an_unlisted_model_type_names_the_supported_ones(tmp_path):
 SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
            "<|vision_end|>": 151653, "<|image_pad|>": 151655}
 MORE = {"qwen3-vl": {"<think>": 151667}, "llava-onevision-1.5": {"</think>": 151668},
-        "internvl3": {"<img>": 151665, "</img>": 151666, "<IMG_CONTEXT>": 151667}, "qwen2.5-vl": {"<|file_sep|>": 151664}}
+        "internvl3": {"<img>": 151665, "</img>": 151666, "<IMG_CONTEXT>": 151667},
+        "qwen2.5-vl": {"<|file_sep|>": 151664}}
 
 
 @pytest.mark.parametrize("name", sorted(MORE))
@@ -171,3 +172,15 @@ def test_a_qwen_vocabulary_twin_loads_from_its_folder_and_its_pieces_are_the_who
     assert teacher["input_ids"][0].tolist() == list(whole["input_ids"][0])
     with torch.no_grad():
         assert torch.isfinite(b.model(**D.model_inputs(student)).logits).all()
+
+
+def test_the_studies_written_for_the_papers_families_refuse_another_in_one_line():
+    """RICES's own-tower features and Table 6's synthetic prompts name the families they are written for."""
+    from lab.datasets import rices
+    from lab.studies import table6
+    b = backbones.load_backbone("tiny-qwen3-vl")
+    with pytest.raises(ValueError, match="not qwen3-vl; give --rices-encoder") as e:
+        rices.image_encoder(b)
+    with pytest.raises(ValueError, match="not qwen3-vl; run --benchmark on a checkpoint folder") as f:
+        table6.synthetic_prompt(b.model, "qwen3-vl", 2)
+    assert "\n" not in str(e.value) + str(f.value)

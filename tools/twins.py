@@ -237,7 +237,7 @@ QWEN_TWINS = {"qwen2.5-vl": qwen2_5_vl, "qwen3-vl": qwen3_vl, "llava-onevision-1
 
 
 def write_twin(name, folder, seed=0, eos_ids=None):
-    """Write the twin `name` (one of TWINS or QWEN_TWINS) to `folder` with save_pretrained; eos_ids: the generation_config's
+    """Write the twin `name` (TWINS, QWEN_TWINS) to `folder` with save_pretrained; eos_ids: the generation_config's
     eos_token_id (default the tokenizer's eos). Returns the folder, to pass as --model."""
     torch.manual_seed(seed)
     build = {"idefics2": lambda f: idefics2(f, False), "idefics2-split": lambda f: idefics2(f, True),

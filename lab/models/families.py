@@ -41,7 +41,7 @@ class Rows:
     of an answer, the positions, the per-token tensor the forward takes and how a batch's images are laid out."""
     placeholder: str = "<image>"     # a piece's image in its text; the processor's image_token in it is expanded
     expand: str = "image"            # "image": by replace_image_token of the processed image; "text": by the
-    #                                  processor's own call on the piece's text (Idefics2, which has no replace_image_token)
+    #                                  processor's own call on the piece's text (Idefics2: no replace_image_token)
     end: str | None = None           # the token that closes an answer (None: the tokenizer's eos)
     positions: str = "1-d"           # "1-d": cumsum - 1 over the real tokens; "model": none given, the model makes
     #                                  its own from input_ids, token types, image grids and the attention mask (M-RoPE)
@@ -262,8 +262,9 @@ def load_processor(path, family, image_splitting="checkpoint"):
                          "checkpoint's processor_config.json")
     taken = set(inspect.signature(cls.__init__).parameters) - {"self", "image_processor", "tokenizer",
                                                                 "video_processor", "chat_template", "kwargs"}
+    own = {k: settings[k] for k in taken & set(settings)}
     processor = cls(AutoImageProcessor.from_pretrained(path, backend="pil", **code),
-                    AutoTokenizer.from_pretrained(path, **code), None, **{k: settings[k] for k in taken & set(settings)})
+                    AutoTokenizer.from_pretrained(path, **code), None, **own)
     return formatted(processor, family), image_setting(processor, family, image_splitting)
 
 
@@ -322,4 +323,5 @@ def splitting_on(processor):
     setting = processor.row_format.splitting
     if setting is None:
         return None
-    return bool(getattr(processor, "images_kwargs", {}).get(setting, getattr(processor.image_processor, setting, False)))
+    called = getattr(processor, "images_kwargs", {})
+    return bool(called.get(setting, getattr(processor.image_processor, setting, False)))
