@@ -255,7 +255,7 @@ def load_processor(path, family, image_splitting="checkpoint"):
     if family not in IMAGE_ONLY:
         processor = formatted(AutoProcessor.from_pretrained(path, backend="pil", **code), family)
         return processor, image_setting(processor, family, image_splitting)
-    cls, (config_file, settings) = IMAGE_ONLY[family], processor_config(path)
+    cls, (config_file, settings) = IMAGE_ONLY[family], processor_config(path, family in REQUIRED_SETTINGS)
     missing = [k for k in REQUIRED_SETTINGS.get(family, ()) if k not in settings]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)} ({family}'s processor settings); restore the "
@@ -268,12 +268,13 @@ def load_processor(path, family, image_splitting="checkpoint"):
     return formatted(processor, family), image_setting(processor, family, image_splitting)
 
 
-def processor_config(path):
-    """(file, settings) of the checkpoint's processor_config.json; none: {} (Qwen's checkpoints ship none)."""
+def processor_config(path, needed=False):
+    """(file, settings) of the checkpoint's processor_config.json; none: {} (Qwen's checkpoints ship none), unless it
+    is `needed` (then a ValueError naming it)."""
     from transformers.utils import cached_file
     config_file = os.path.join(path, "processor_config.json") if os.path.isdir(path) else \
-        cached_file(path, "processor_config.json", _raise_exceptions_for_missing_entries=False)
-    if config_file is None or not os.path.exists(config_file):
+        cached_file(path, "processor_config.json", _raise_exceptions_for_missing_entries=not needed)
+    if (config_file is None or not os.path.exists(config_file)) and not needed:
         return config_file, {}
     try:
         with open(config_file) as f:
