@@ -7,9 +7,11 @@ and the answer's letter, `category` the subtask / dimension.
 
 Prompts (PROMPTS): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` and a newline, then the query as `<image>Question: {q} Short answer:`.
-`<end>`, which closes every answer and is part of the training label, is Idefics2's `<end_of_utterance>`, Idefics'
-eos `</s>` (a base model pretrained on web documents, not dialogues) and the LLaVA models' eos (plain interleaved
-text, no chat turns). All four processors expand the same `<image>` placeholder.
+`<end>`, which closes every answer and is part of the training label, is the family's end token: Idefics2's
+`<end_of_utterance>`, Idefics' eos `</s>` (a base model pretrained on web documents, not dialogues), the LLaVA models'
+eos (plain interleaved text, no chat turns). `<image>` becomes the family's placeholder, which its processor expands.
+What a family needs beyond its processor is one record, lab/models/families.py:Rows, carried as
+`processor.row_format`; LLaVA-OneVision's multi-image mode and Idefics' cross-attention keep a few lines of their own.
 
 Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the teacher's has m ICDs, the
 student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
@@ -60,7 +62,8 @@ TASKS = {
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
-DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8}  # ICDs per query (paper)
+DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8, **dict.fromkeys(  # paper
+    ["qwen2.5-vl", "qwen3-vl", "internvl3", "gemma3", "idefics3", "smolvlm", "llava-onevision-1.5"], 8)}  # as 7-8B
 
 
 def default_shots(task, family):
@@ -92,8 +95,8 @@ SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 
 def end_token(processor, family):
-    """The token that closes an answer: Idefics2's <end_of_utterance>, else the tokenizer's eos."""
-    return "<end_of_utterance>" if family == "idefics2" else processor.tokenizer.eos_token
+    """The token that closes an answer: the family's (row_format.end: Idefics2's <end_of_utterance>), else eos."""
+    return processor.row_format.end or processor.tokenizer.eos_token
 
 
 def prompt_text(kind, item):
@@ -146,9 +149,9 @@ def prompt_batch(processor, family, kind, queries, icds=None):
 def encode_piece(processor, family, text, image, pixels=None):
     """Token ids and images of one piece of a row (text starting with `<image>`), by the family's processor:
     {"input_ids": list[int], "images": {name: one entry an image}}. `pixels` (image_pixels of the image) are reused
-    where the caller has them, so an image shared by two pieces is processed once. Idefics: its processor's
-    pixel_values [1, 3, H, W] (float); the other families: image_pixels, uint8, which model_inputs normalises."""
-    if family == "idefics":  # list format; the processor always starts with BOS, which the row adds itself
+    where the caller has them, so an image shared by two pieces is processed once. Idefics (cross-attention): its
+    processor's pixel_values [1, 3, H, W] (float); the other families: image_pixels."""
+    if processor.row_format.images == "cross-attention":  # list format; the processor starts with BOS, the row's own
         out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
         return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
     pixels = pixels or image_pixels(processor, family, image)
@@ -156,30 +159,39 @@ def encode_piece(processor, family, text, image, pixels=None):
 
 
 def piece_ids(processor, family, text, pixels):
-    """The ids of a piece's text, each `<image>` expanded into the tokens its processor gives the image."""
-    if family == "idefics2":  # its processor expands <image> from the text alone (image_seq_len, x 5 with splitting)
+    """The ids of a piece's text, its `<image>` the family's placeholder, expanded into the tokens its processor gives
+    the image: replace_image_token of the processed image (LLaVA-Interleave: a token a patch; Qwen: merged patches),
+    LLaVA-OneVision's base view (onevision_tokens), or the processor's call on the text (expand "text": Idefics2)."""
+    form = processor.row_format
+    text = text.replace("<image>", form.placeholder, 1)
+    if form.expand == "text":
         return processor(text=text, add_special_tokens=False)["input_ids"][0]
-    one = processor.image_token * onevision_tokens(processor) if family == "llava-onevision" else \
-        processor.replace_image_token(pixels, 0)  # LLaVA-Interleave: a token a patch of the resized image
-    return processor.tokenizer(text.replace(processor.image_token, one), add_special_tokens=False)["input_ids"]
+    one = processor.image_token * onevision_tokens(processor) if form.images == "multi-image" else \
+        processor.replace_image_token(pixels, 0)
+    return processor.tokenizer(text.replace(processor.image_token, one, 1), add_special_tokens=False)["input_ids"]
 
 
 def image_pixels(processor, family, image):
-    """One image through the family's image processor, stopped before rescaling and normalisation (model_inputs does
-    those on the device): {"pixel_values": [uint8 [3, h, w] a crop]}; Idefics2: one crop, or 4 crops + the whole
-    image with image splitting, each its own size; LLaVA-Interleave: [3, 384, 384]; LLaVA-OneVision: its base view
-    (onevision_piece)."""
-    if family == "llava-onevision":
-        return onevision_piece(processor.image_processor, image)
-    split = {"do_pad": False} if family == "idefics2" else {}  # Idefics2: no padding (collate pads the batch once)
-    out = processor.image_processor([[image]] if split else [image], do_rescale=False, do_normalize=False, **split)
-    return {"pixel_values": [chw(c) for c in (out["pixel_values"][0] if split else out["pixel_values"])]}
+    """One image through the family's image processor with the processor's own settings (images_kwargs): a raw
+    family's stopped before rescaling and normalisation (model_inputs does those on the device), uint8 (Idefics2: its
+    crops [3, h, w], each its own size; LLaVA-Interleave [1, 3, 384, 384]; LLaVA-OneVision: onevision_piece); another's
+    whole output, float32 (Qwen: flattened patches and image_grid_thw; InternVL: tiles; Idefics3: crops, rows, cols)."""
+    form, process = processor.row_format, processor.image_processor
+    if form.images == "multi-image":
+        return onevision_piece(process, image)
+    canvas = form.images == "canvas"  # a row's crops go on one canvas (collate), so none is padded here
+    settings = {**getattr(processor, "images_kwargs", {}), **({"do_pad": False} if canvas else {})}
+    if form.raw:
+        out = process([[image]] if canvas else [image], do_rescale=False, do_normalize=False, **settings)
+        crops = [chw(c) for c in (out["pixel_values"][0] if canvas else out["pixel_values"])]
+        return {"pixel_values": crops if canvas else torch.stack(crops)}
+    out = dict(process([[image]] if canvas else [image], return_tensors="pt", **settings))
+    return {**out, "pixel_values": list(out["pixel_values"][0])} if canvas else out
 
 
 def chw(array):
     """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
-    numpy on one thread: copying the strided view into a canvas costs 3-6x more on a busy machine (torch splits it
-    over its threads)."""
+    numpy on one thread: copying the strided view into a canvas costs 3-6x more (torch splits it over threads)."""
     return torch.from_numpy(numpy.ascontiguousarray(array))
 
 
@@ -196,11 +208,12 @@ def onevision_piece(process, image):
     images, so its query image is in that mode; the student's lone query image must be too, or the query's tokens
     would differ between the rows (Eq 16 compares them token by token). So every image, in training and evaluation
     (`image_inputs` tells the model), is padded to a square of the mean colour and resized, as the image processor
-    does for an image among several. Returns image_pixels' dict, with the image's "image_sizes" [1, 2]."""
+    does for an image among several. Returns image_pixels' dict: pixel_values uint8 [1, 3, H, W] and the image's
+    "image_sizes" [1, 2]."""
     pixels = process.process_image(image, do_convert_rgb=True)
     square = process.pad_to_square(pixels, tuple(int(x * 255) for x in process.image_mean))
     view = process.resize(square, process.size, resample=process.resample)
-    return {"pixel_values": [chw(view)], "image_sizes": torch.tensor([pixels.shape[-2:]])}
+    return {"pixel_values": chw(view)[None], "image_sizes": torch.tensor([pixels.shape[-2:]])}
 
 
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names of the formats opened (the benchmarks
@@ -250,8 +263,9 @@ def encode_query(processor, family, kind, query, with_target=True):
     piece = encode_piece(processor, family, prompt, image)
     ids = piece["input_ids"]
     if with_target:
+        reuse = processor.row_format.images != "cross-attention"  # Idefics: its processor takes both
         piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image,
-                             None if family == "idefics" else piece["images"])
+                             piece["images"] if reuse else None)
         if piece["input_ids"][:len(ids)] != ids:
             raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
     return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):], "id": query.id}
@@ -289,32 +303,36 @@ def pad_stack(tensors):
 
 
 def image_inputs(rows, processor, family, input_ids):
-    """The image tensors of a batch, in the form the family's forward takes (images in row order); the pixels of
-    image_pixels stay uint8, with "pixel_norm" (pixel_norm) for model_inputs to normalise them on the device."""
-    per_row = [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]
-    if not any(per_row):  # text alone (an lmms-eval request without an image)
+    """The image tensors of a batch as the family's forward takes them (images in row order, row_format.images):
+    "concat", each image's along dim 0 (LLaVA-Interleave [images, 3, H, W]; Qwen's patches and grids); "canvas", a
+    row's crops on one canvas (crop_canvas); LLaVA-OneVision's multi-image mode; Idefics' [B, images, 3, H, W] and
+    which image each token cross-attends to. Raw pixels stay uint8, with "pixel_norm" for model_inputs."""
+    form = processor.row_format
+    per_row = lambda: [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]  # each row's crops
+    if not any(r["images"] for r in rows):  # text alone (an lmms-eval request without an image)
         return {}
-    if family == "idefics":  # [B, images, 3, H, W], and which image each token cross-attends to
-        pixel_values = pad_stack([pad_stack(v) for v in per_row])
+    if form.images == "cross-attention":
+        pixel_values = pad_stack([pad_stack(v) for v in per_row()])
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
         mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
         return {"pixel_values": pixel_values, "image_attention_mask": mask}
-    norm = {"pixel_norm": pixel_norm(processor.image_processor)}
-    if family == "idefics2":  # [B, crops, 3, H, W] uint8 and its mask; padding crops are all zero once normalised
-        return {**crop_canvas(per_row), **norm}
-    out = {"pixel_values": torch.stack([x for v in per_row for x in v]), **norm}  # LLaVA: [all images, 3, H, W]
-    if family == "llava-onevision":  # it tiles exactly the images of one-image samples; none here (onevision_piece),
+    norm = {"pixel_norm": pixel_norm(processor.image_processor)} if form.raw else {}
+    if form.images == "canvas":  # [B, crops, 3, H, W] and its mask; padding crops are all zero (once normalised)
+        return {**crop_canvas(per_row()), **norm}
+    images = [p for r in rows for p in r["images"]]
+    out = {k: torch.cat([p[k] for p in images]) for k in form.inputs}
+    if form.images == "multi-image":  # it tiles exactly the images of one-image samples; none here (onevision_piece),
         out["pixel_values"] = out["pixel_values"][:, None]  # [images, 1 view, 3, H, W]
-        out["image_sizes"] = torch.cat([p["image_sizes"] for r in rows for p in r["images"]])
+        out["image_sizes"] = torch.cat([p["image_sizes"] for p in images])
         out["batch_num_images"] = torch.tensor([max(len(out["image_sizes"]), 2)])  # so: one sample of several
-    return out
+    return {**out, **norm}
 
 
 def crop_canvas(per_row):
-    """Idefics2's crops of each row, uint8 [3, h, w] of any size, laid top-left on one zero uint8 canvas [B, crops,
-    3, H, W] (the batch's largest), with pixel_attention_mask bool [B, crops, H, W] on the real pixels."""
+    """A canvas family's crops of each row, [3, h, w] of any size (uint8 raw, or float32), laid top-left on one zero
+    canvas [B, crops, 3, H, W] (the batch's largest), with pixel_attention_mask bool [B, crops, H, W] on real pixels."""
     n, (h, w) = max(map(len, per_row)), (max(x.shape[k] for v in per_row for x in v) for k in (1, 2))
-    pixels = torch.zeros(len(per_row), n, 3, h, w, dtype=torch.uint8)
+    pixels = torch.zeros(len(per_row), n, 3, h, w, dtype=per_row[0][0].dtype)
     mask = torch.zeros(len(per_row), n, h, w, dtype=torch.bool)
     for b, crops in enumerate(per_row):
         for k, x in enumerate(crops):
@@ -360,10 +378,22 @@ def collate(rows, processor, family):
     input_ids = torch.tensor([left_pad(r["input_ids"], pad) for r in rows])
     attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), 0) for r in rows])
     query_target = torch.tensor([left_pad([True] * r["query_len"], False) for r in rows])
-    return {"input_ids": input_ids, "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+    return {"input_ids": input_ids, "attention_mask": attention_mask, **positions(processor, input_ids, attention_mask),
             "labels": torch.tensor([left_pad(r["labels"], -100) for r in rows]), "query_target": query_target,
             **image_inputs(rows, processor, family, input_ids)}
+
+
+def positions(processor, input_ids, attention_mask):
+    """A batch's positions (row_format.positions): "1-d", position_ids = cumsum - 1 over the real tokens (0 on
+    padding); "model", none (M-RoPE: the model makes them from the ids, token types, image grids and attention mask,
+    from each row's first real token). And the forward's per-token tensor (row_format.token_types): 1 on image tokens
+    (the processor's create_mm_token_type_ids), 0 on padding."""
+    form, out = processor.row_format, {}
+    if form.positions == "1-d":
+        out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    if form.token_types:
+        out[form.token_types] = torch.tensor(processor.create_mm_token_type_ids(input_ids)) * attention_mask
+    return out
 
 
 def answer_window(labels):

@@ -3,7 +3,10 @@ twins, randomised adapters and the cached-decoding check."""
 import torch
 from PIL import Image
 
+import data
 import model as M
+
+PAPER = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the paper's four: their processors' own calls
 
 
 def images(texts):
@@ -21,6 +24,8 @@ def randomise(model, seed=0):
 def prompts(backbone, texts, positions=True):
     """A left-padded batch, one image per prompt, through the family's own processor; positions skip padding."""
     p, imgs = backbone.processor, images(texts)
+    if backbone.family not in PAPER:
+        return rows_of(backbone, texts, imgs, positions)
     p.tokenizer.padding_side = "left"
     if backbone.family == "idefics":
         batch = p(text=[[im, t] for im, t in zip(imgs, texts)], return_tensors="pt", padding=True)
@@ -29,6 +34,20 @@ def prompts(backbone, texts, positions=True):
         batch = p(text=["<image>" + t for t in texts], images=imgs, return_tensors="pt", padding=True)
     if positions:
         batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+def rows_of(backbone, texts, imgs, positions=True):
+    """prompts' batch for the families in use now, as data.py makes rows (BOS, then one piece an image and text, left
+    padding; positions as the family takes them: 1-D, or none for M-RoPE, which the model makes itself)."""
+    p, tok = backbone.processor, backbone.processor.tokenizer
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    pieces = [data.encode_piece(p, backbone.family, "<image>" + t, im) for t, im in zip(texts, imgs)]
+    rows = [{"input_ids": bos + x["input_ids"], "labels": [-100] * (len(bos) + len(x["input_ids"])),
+             "images": [x["images"]], "query_len": len(x["input_ids"]), "id": i} for i, x in enumerate(pieces)]
+    batch = data.model_inputs(data.collate(rows, p, backbone.family))
+    if not positions:
+        batch.pop("position_ids", None)
     return batch
 
 
@@ -48,6 +67,10 @@ def assert_cached_decoding_equals_full_forward(backbone, new_tokens):
         if "image_attention_mask" in batch:                                  # Idefics: new tokens see the image
             last = batch["image_attention_mask"][:, -1:]
             full["image_attention_mask"] = torch.cat([batch["image_attention_mask"]] + [last] * new_tokens, 1)
-        full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        for types in ("mm_token_type_ids", "token_type_ids"):                # new tokens are text
+            if types in batch:
+                full[types] = torch.cat([batch[types], torch.zeros_like(out.sequences[:, -new_tokens:])], 1)
+        if backbone.processor.row_format.positions == "1-d":                 # M-RoPE: the model's own
+            full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         logits = backbone.model(**full).logits[:, -new_tokens - 1:-1]
     torch.testing.assert_close(steps, logits, rtol=1e-4, atol=1e-4)

@@ -22,12 +22,15 @@ def teacher_rows(backbone, n=3, shots=2):
 
 
 def calls_of(modules):
-    """Count the calls of each module's first child (once per chunk of images)."""
-    counts = [0] * len(modules)
+    """Count the calls of each module's first child (once per chunk of images), and record the images (the leading
+    size of its first tensor) each module is called on."""
+    counts, images = [0] * len(modules), [[] for _ in modules]
     for k, module in enumerate(modules):
         first = next(module.children())
         first.register_forward_hook(lambda *a, k=k: counts.__setitem__(k, counts[k] + 1))
-    return counts
+        module.register_forward_pre_hook(lambda m, args, kwargs, k=k: images[k].append(
+            next(v for v in [*args, *kwargs.values()] if torch.is_tensor(v)).shape[0]), with_kwargs=True)
+    return counts, images
 
 
 @pytest.mark.parametrize("family", sorted(families.FAMILIES))
@@ -40,13 +43,15 @@ def test_images_in_chunks_give_the_numbers_of_one_call(family):
         batch = data.model_inputs(teacher_rows(backbone)[3])
         batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
         modules = chunks.image_modules(backbone.model)
-        counts = calls_of(modules)
+        counts, images = calls_of(modules)
         with torch.no_grad():
             whole = backbone.model(**batch).logits
             once = list(counts)
             chunks.chunk_images(backbone.model, 1)
             chunked = backbone.model(**batch).logits
-        assert once == [1] * len(modules) and counts == [1 + 9] * len(modules)  # then 3 rows x 3 images, one a call
+        n = [seen[0] for seen in images]  # the paper's families: 3 rows x 3 images; InternVL tiles, Idefics3 crops
+        assert once == [1] * len(modules) and counts == [1 + k for k in n]  # then one image a call
+        assert family not in ("idefics2", "idefics", "llava-interleave", "llava-onevision") or n == [9] * len(n)
         scale = whole.abs().max()
         assert (whole - chunked).abs().max() <= tolerance * scale, (dtype, (whole - chunked).abs().max())
 

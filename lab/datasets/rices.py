@@ -64,12 +64,18 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
     return features
 
 
+TOWERS = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the towers vision_tower_features reads
+
+
 def image_encoder(backbone, hub_id=None):
     """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
     Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
     CLIP checkpoint (clip_encoder)."""
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
+    if backbone.family not in TOWERS:
+        raise ValueError(f"--icds rices: the backbone's own vision tower is read for {', '.join(TOWERS)}, not "
+                         f"{backbone.family}; give --rices-encoder, a CLIP checkpoint")
     h, inner = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode()), backbone.model.model
     for p in (inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters():
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())

@@ -31,7 +31,8 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
     if is_built(name):
         model, processor = tiny.TINY_BUILDERS[family](seed) if name.startswith("tiny-") else \
             toy_backbone.toy_idefics2(name if families.is_toy_file(name) else None)
-        images = families.image_setting(processor, family, image_splitting, "built-in processor")
+        images = families.image_setting(families.formatted(processor, family), family, image_splitting,
+                                        "built-in processor")
         backbone = families.ready(model.to(device or "cpu", dtype or torch.float32), processor, family, name, images)
     else:
         try:

@@ -44,7 +44,7 @@ def chunked(module, *args, **kwargs):
     argument of that leading size is sliced alike, and the outputs are concatenated (joined)."""
     forward, config = type(module).forward, module.icl_chunking["config"]
     first = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
-    n, patch = first.shape[0], config.vision_config.patch_size
+    n, patch = first.shape[0], side(config.vision_config.patch_size)
     patches = first.shape[1] if first.dim() == 3 else first.shape[-2] * first.shape[-1] // patch ** 2
     step = max(1, int(module.icl_chunking["budget"] // image_work(config, patches, first.element_size())))
     if n <= step:
@@ -52,6 +52,11 @@ def chunked(module, *args, **kwargs):
     part = lambda v, s: v[s:s + step] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v
     return joined([forward(module, *(part(a, s) for a in args), **{k: part(v, s) for k, v in kwargs.items()})
                    for s in range(0, n, step)])
+
+
+def side(size):
+    """A patch's or image's side: the number itself, or the first of [height, width] (InternVL's vision config)."""
+    return size[0] if isinstance(size, (list, tuple)) else size
 
 
 def joined(outs):

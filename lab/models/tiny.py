@@ -1,11 +1,20 @@
 """Tiny offline twins: random weights of a few million parameters with the real processors' settings, one builder
-per family (tiny-<family>), for the tests and the offline runs."""
+per family (tiny-<family>), for the tests and the offline runs. Their tokenizers are stand-ins (a small byte-level
+BPE trained here) holding each family's special tokens; the real vocabularies are in tools/twins.py's checkpoint
+folders where a package ships them (Mistral's, Qwen's)."""
 import torch
-from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
-                          Idefics2ImageProcessorPil, IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil,
-                          IdeficsProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaOnevisionConfig,
+from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor,
+                          GotOcr2ImageProcessorPil, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
+                          Idefics2ImageProcessorPil, Idefics3Config, Idefics3ForConditionalGeneration,
+                          Idefics3ImageProcessorPil, Idefics3Processor, IdeficsConfig, IdeficsForVisionText2Text,
+                          IdeficsImageProcessorPil, IdeficsProcessor, InternVLConfig, InternVLForConditionalGeneration,
+                          LlavaConfig, LlavaForConditionalGeneration, LlavaOnevision15Config,
+                          LlavaOnevision15ForConditionalGeneration, LlavaOnevisionConfig,
                           LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil, LlavaProcessor,
-                          PreTrainedTokenizerFast, SiglipImageProcessorPil)
+                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                          SiglipImageProcessorPil, SmolVLMConfig, SmolVLMForConditionalGeneration,
+                          SmolVLMImageProcessorPil)
 
 from lab.models import families
 
@@ -114,5 +123,135 @@ def tiny_llava_onevision(seed=0):
     return _seeded(LlavaOnevisionForConditionalGeneration, config, seed), processor
 
 
+QWEN_VL_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                   "<|video_pad|>"]  # Qwen2-VL's, in the order of their published ids (151643, 151644, 151645, ...)
+
+
+def _qwen_vl_tokenizer(extra=(), **named):
+    """A stand-in for Qwen's tokenizer with its vision tokens (and `extra`); eos <|im_end|>."""
+    special = QWEN_VL_SPECIAL + list(extra)
+    return tiny_tokenizer(special, len(special) - 1, eos_token="<|im_end|>", pad_token="<|endoftext|>", **named)
+
+
+def _qwen_vl_ids(tok):
+    ids = tok.convert_tokens_to_ids
+    return dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+
+
+def _text(tok, **more):
+    """A tiny text config over `tok`: its vocabulary and special ids, grouped key/value heads, head_dim 16."""
+    return dict(vocab_size=len(tok), num_key_value_heads=2, head_dim=16, **TINY_TEXT, pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **more)
+
+
+def _qwen_images(patch, temporal=2):
+    """Qwen's dynamic-resolution image processor at toy size: images resized to multiples of 2 patches, 4 to 16
+    merged tokens (the benchmarks' 64 x 64 images: 4)."""
+    unit = (2 * patch) ** 2
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": 4 * unit, "longest_edge": 16 * unit}, patch_size=patch,
+                                    merge_size=2, temporal_patch_size=temporal)
+
+
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # 8 = head_dim / 2 frequencies
+QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, spatial_merge_size=2)
+
+
+def tiny_qwen2_5_vl(seed=0):
+    """Qwen2.5-VL (Qwen2 text model with M-RoPE, a windowed ViT over dynamic-resolution patches) at toy size."""
+    tok = _qwen_vl_tokenizer()
+    processor = families.ImageOnlyQwen25VLProcessor(_qwen_images(14), tok, None)
+    config = Qwen2_5_VLConfig(text_config=_text(tok, rope_parameters=MROPE),
+                              vision_config=dict(QWEN_VISION, patch_size=14, temporal_patch_size=2, window_size=56,
+                                                 fullatt_block_indexes=[0]), **_qwen_vl_ids(tok))
+    return _seeded(Qwen2_5_VLForConditionalGeneration, config, seed), processor
+
+
+def tiny_qwen3_vl(seed=0):
+    """Qwen3-VL (Qwen3 text model with interleaved M-RoPE, DeepStack: the vision layer's features added to the first
+    decoder layer's image tokens) at toy size."""
+    tok = _qwen_vl_tokenizer()
+    processor = families.ImageOnlyQwen3VLProcessor(_qwen_images(16), tok, None)
+    config = Qwen3VLConfig(text_config=_text(tok, rope_parameters={**MROPE, "mrope_interleaved": True}),
+                           vision_config=dict(QWEN_VISION, patch_size=16, temporal_patch_size=2,
+                                              num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                           **_qwen_vl_ids(tok))
+    return _seeded(Qwen3VLForConditionalGeneration, config, seed), processor
+
+
+def tiny_llava_onevision_1_5(seed=0):
+    """LLaVA-OneVision-1.5 (Qwen3 text model, 1-D positions; a RICE ViT over Qwen's patches, no temporal patch)."""
+    tok = _qwen_vl_tokenizer()
+    processor = families.ImageOnlyOnevision15Processor(_qwen_images(14, temporal=1), tok, None)
+    config = LlavaOnevision15Config(text_config=_text(tok, model_type="qwen3"),
+                                    vision_config=dict(QWEN_VISION, patch_size=14), **_qwen_vl_ids(tok))
+    return _seeded(LlavaOnevision15ForConditionalGeneration, config, seed), processor
+
+
+INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+                   "video_token": "<video>"}  # InternVL3-hf's tokenizer names them so
+
+
+def tiny_internvl3(seed=0):
+    """InternVL3 (Qwen2 text model, InternViT over 28 x 28 tiles, pixel shuffle to one token a tile; up to 4 tiles and
+    a thumbnail) at toy size."""
+    tok = _qwen_vl_tokenizer(INTERNVL_TOKENS.values(), extra_special_tokens=INTERNVL_TOKENS)
+    images = GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=False, min_patches=1,
+                                      max_patches=4)
+    processor = families.ImageOnlyInternVLProcessor(images, tok, None, image_seq_length=1)
+    config = InternVLConfig(vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                               intermediate_size=64, image_size=[28, 28], patch_size=[14, 14]),
+                            text_config=_text(tok, model_type="qwen2"), image_token_id=tok.context_image_token_id,
+                            downsample_ratio=0.5)
+    return _seeded(InternVLForConditionalGeneration, config, seed), processor
+
+
+GEMMA_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def tiny_gemma3(seed=0):
+    """Gemma 3 (sliding-window and global layers, SigLIP at 28 x 28 pooled to 4 tokens, bidirectional attention inside
+    an image: token_type_ids) at toy size."""
+    tok = tiny_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                          *GEMMA_TOKENS.values()], 5, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                         unk_token="<unk>", extra_special_tokens=GEMMA_TOKENS)
+    processor = Gemma3Processor(Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tok, image_seq_length=4)
+    text = _text(tok, sliding_window=8, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
+    config = Gemma3Config(text_config=text,  # query_pre_attn_scalar = head_dim, as Gemma-3-4B's (256)
+                          vision_config=dict(TINY_VISION), mm_tokens_per_image=4, boi_token_index=tok.boi_token_id,
+                          eoi_token_index=tok.eoi_token_id, image_token_index=tok.image_token_id)
+    return _seeded(Gemma3ForConditionalGeneration, config, seed), processor
+
+
+IDEFICS3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<pad>", "<fake_token_around_image>", "<image>",
+                    "<end_of_utterance>", "<global-img>"] + [f"<row_{i}_col_{j}>" for i in range(1, 7)
+                                                             for j in range(1, 7)]
+
+
+def _idefics3_like(config_cls, model_cls, images_cls, processor_cls, seed):
+    """Idefics3 or SmolVLM (a LLaMA text model, SigLIP at 56 x 56 with pixel shuffle to 4 tokens a crop, images split
+    into a grid of crops + the whole image) at toy size."""
+    tok = tiny_tokenizer(IDEFICS3_SPECIAL, len(IDEFICS3_SPECIAL) - 3, vocab_size=448, bos_token="<|begin_of_text|>",
+                         eos_token="<|end_of_text|>", pad_token="<pad>")
+    images = images_cls(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
+    processor = processor_cls(images, tok, *([None] if processor_cls is families.ImageOnlySmolVLMProcessor else []),
+                              image_seq_len=4)
+    config = config_cls(text_config=_text(tok, model_type="llama"), vision_config=dict(TINY_VISION, image_size=56),
+                        scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
+    return _seeded(model_cls, config, seed), processor
+
+
+def tiny_idefics3(seed=0):
+    return _idefics3_like(Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                          Idefics3Processor, seed)
+
+
+def tiny_smolvlm(seed=0):
+    return _idefics3_like(SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil,
+                          families.ImageOnlySmolVLMProcessor, seed)
+
+
 TINY_BUILDERS = {"idefics2": tiny_idefics2, "idefics": tiny_idefics, "llava-interleave": tiny_llava_interleave,
-                 "llava-onevision": tiny_llava_onevision}
+                 "llava-onevision": tiny_llava_onevision, "qwen2.5-vl": tiny_qwen2_5_vl, "qwen3-vl": tiny_qwen3_vl,
+                 "llava-onevision-1.5": tiny_llava_onevision_1_5, "internvl3": tiny_internvl3, "gemma3": tiny_gemma3,
+                 "idefics3": tiny_idefics3, "smolvlm": tiny_smolvlm}

@@ -17,7 +17,7 @@ import torch
 import data
 from lab.disk import files
 from lab.datasets import toy_world
-from lab.models import tiny
+from lab.models import families, tiny
 
 
 # The real Idefics2 class and processor at a size a CPU meta-trains in minutes (about 1 M parameters): images of
@@ -40,8 +40,8 @@ def toy_processor():
     """Idefics2's processor for 42 x 42 images and 9 latents, with a tokenizer that spells every answer as one token."""
     tok = tiny._idefics_tokenizer(vocab_size=400, corpus=TOY_CORPUS)
     side = toy_world.ICL_SIDE
-    return Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side,
-                             "shortest_edge": side}), tok, image_seq_len=9)
+    images = Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": side, "shortest_edge": side})
+    return families.formatted(Idefics2Processor(images, tok, image_seq_len=9), "idefics2")
 
 
 def toy_model(processor, seed=0):

@@ -10,7 +10,7 @@ import torch
 import data
 import model as M
 from lab.disk import files
-from lab.models import backbones
+from lab.models import backbones, families
 
 
 def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
@@ -107,8 +107,9 @@ CACHE_HEADER = 300  # bytes of a cache file besides its tensor: safetensors' hea
 
 
 def image_key(processor):
-    """What of the processor's image settings changes the query's tokens: Idefics2's image splitting (None else)."""
-    return getattr(getattr(processor, "image_processor", None), "do_image_splitting", None)
+    """What of the processor's image settings changes the query's tokens: whether it splits or tiles images
+    (families.splitting_on: Idefics2, Idefics3, SmolVLM, InternVL3, Gemma 3; None else)."""
+    return families.splitting_on(processor)
 
 
 def cache_file_bytes(anchor, config, sizes, dtype):

@@ -92,12 +92,24 @@ def plan_rows(processor, family, kind, queries, icds, batch):
 def image_sizes(batch):
     """What the image modules of a collated batch run over, read off its pixel tensors as the builder made them:
     {"images": real images (all-zero padding images are dropped by the model), "pixels": [H, W] of each (its canvas),
-    "bytes": the pixel tensors' bytes}."""
+    "bytes": the pixel tensors' bytes, "patches" and "values": the largest image's vision patches (None: from its
+    pixels) and its pixel values}. Qwen's flattened patches (image_grid_thw) are images_of_patches'."""
+    if "image_grid_thw" in batch:
+        return images_of_patches(batch)
     pixels = batch["pixel_values"]
     flat = pixels.reshape(-1, *pixels.shape[-3:])
     real = flat.flatten(1).ne(0).any(1)
-    return {"images": int(real.sum()), "pixels": tuple(pixels.shape[-2:]),
-            "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
+    return {"images": int(real.sum()), "pixels": tuple(pixels.shape[-2:]), "patches": None,
+            "values": flat[0].numel(), "bytes": sum(v.nbytes for k, v in batch.items() if k.startswith("pixel"))}
+
+
+def images_of_patches(batch):
+    """image_sizes of a batch of flattened patches [patches, values] and each image's grid [t, h, w] in patches."""
+    grid, pixels = batch["image_grid_thw"], batch["pixel_values"]
+    largest = int(grid.prod(-1).max())
+    t, h, w = grid[grid.prod(-1).argmax()].tolist()
+    return {"images": len(grid), "pixels": (h, w), "patches": largest, "values": largest * pixels.shape[-1],
+            "bytes": pixels.nbytes + grid.nbytes}
 
 
 def memory(config, params, adapter_params, rows, batch, dtype, new_tokens, on_cpu, file_dtype, image_memory):
@@ -110,13 +122,12 @@ def memory(config, params, adapter_params, rows, batch, dtype, new_tokens, on_cp
     kept = L * batch * max(rows["query"].values()) * d * b   # the teacher's states at the query + target tokens
 
     def vision(sizes):  # the batch's pixels, a chunk's working set, every image's tower output and features
-        patch = config.vision_config.patch_size
-        patches = (sizes["pixels"][0] // patch) * (sizes["pixels"][1] // patch)
+        patch = chunks.side(config.vision_config.patch_size)
+        patches = sizes["patches"] or (sizes["pixels"][0] // patch) * (sizes["pixels"][1] // patch)
         one = chunks.image_work(config, patches, b)
         d_v = getattr(config.vision_config, "hidden_size", None) or config.vision_config.embed_dim
         chunk = min(sizes["images"], max(1, int(image_memory // one)))
-        return sizes["bytes"] + sizes["images"] * (3 * sizes["pixels"][0] * sizes["pixels"][1] + patches * d_v) * b \
-            + chunk * one
+        return sizes["bytes"] + sizes["images"] * (sizes["values"] + patches * d_v) * b + chunk * one
 
     def layer(tokens, cached=False):  # one decoder layer's working set and inputs, the bool mask (+ KV cache)
         return batch * tokens * (3 * i + 5 * d) * b + batch * tokens ** 2 + cached * 2 * L * batch * tokens * kv * b
@@ -170,7 +181,8 @@ def plan(args, queries=None):
     print(f"tokens a row ({len(sample)} queries encoded): student {mean(rows['student'].values()):.0f} mean, "
           f"{max(rows['student'].values())} max; teacher ({shots} ICDs) {mean(rows['teacher'].values()):.0f} mean, "
           f"{max(rows['teacher'].values())} max; query + target T_q {mean(rows['query'].values()):.1f} mean; a "
-          f"teacher batch's images: {seen['images']} of {seen['pixels'][0]} x {seen['pixels'][1]} pixels (as collated)")
+          f"teacher batch's images: {seen['images']} of {seen['pixels'][0]} x {seen['pixels'][1]} "
+          f"{'patches' if seen['patches'] else 'pixels'} (as collated)")
     figures = {"rows": rows, "memory": mem, "shots": shots, "dtype": dtype, "queries": len(queries)}
     print(f"weights: {count(params)} parameters = {size(mem['weights'])} (loading: {size(mem['load'])})"
           + (f"; adapter ({args.method}) {count(adapter)} parameters" if training else ""))

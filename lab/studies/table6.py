@@ -29,6 +29,9 @@ PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
 MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's share of the cost shows on a CPU
 
 
+SYNTHETIC = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # synthetic_prompt's families
+
+
 def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     """One query with `shots` ICDs (the query with `query_text` text tokens) in the family's real input format, with
     random text ids and pixels (Table 6). Per image, as the family's processor expands it: Idefics2
@@ -37,6 +40,9 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision its base
     384 x 384 view and a newline (730), the multi-image mode of data.onevision_piece. Sizes come from the model's
     config, so tiny twins get the same format."""
+    if family not in SYNTHETIC:
+        raise ValueError(f"--random-weights: synthetic Table 6 prompts are written for {', '.join(SYNTHETIC)}, not "
+                         f"{family}; run --benchmark on a checkpoint folder of it (its processor makes the prompts)")
     cfg, n, gen = model.config, shots + 1, torch.Generator().manual_seed(seed)
     vocab = cfg.get_text_config().vocab_size
     image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", vocab)
