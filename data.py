@@ -19,9 +19,8 @@ concatenations of those ids, so the query's ids are identical in teacher and stu
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
-The readers of the official formats (lab/datasets/readers.py, lab/datasets/mme_seed.py: the layout of --data-root and
-what each checks are in docs/real-models.md, "Data layout") and the generated toy-icl datasets
-(lab/datasets/toy_world.py) make the Items.
+The readers of the official formats (lab/datasets/readers.py, mme_seed.py: the layout of --data-root and their checks
+are in docs/real-models.md, "Data layout") and the toy-icl datasets (lab/datasets/toy_world.py) make the Items.
 """
 import hashlib
 import os
@@ -87,10 +86,8 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
     "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
-IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  # the four families' (Idefics2, Idefics,
-                      "<|image_pad|>", "<|vision_start|>", "<|vision_end|>",  # LLaVA), Qwen2-VL / 2.5-VL's, Gemma 3's,
-                      "<start_of_image>", "<end_of_image>", "<image_soft_token>",  # InternVL's: text holding one
-                      "<IMG_CONTEXT>", "<img>", "</img>")  # would take image features of no image (readers.plain_text)
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's formats opened: never EPS (it runs Ghostscript)
+MIN_IMAGE_SIDE = 2  # pixels: Idefics2's image splitting halves each side (a 1-pixel side divides by zero there)
 SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 
@@ -216,42 +213,19 @@ def onevision_piece(process, image):
     return {"pixel_values": chw(view)[None], "image_sizes": torch.tensor([pixels.shape[-2:]])}
 
 
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's names of the formats opened (the benchmarks
-# ship JPEG and PNG; a camera's MPO opens as JPEG); never one that PIL hands to a program (EPS: Ghostscript)
-MIN_IMAGE_SIDE = 2  # pixels: Idefics2's image splitting halves each side (a 1-pixel side divides by zero there)
-
-
-def open_image(file):
-    """PIL's image of `file` (a path or a binary file object), its header read, opened as one of IMAGE_FORMATS only
-    and each side at least MIN_IMAGE_SIDE; anything else is a ValueError saying why (the caller names the file, row or
-    item). Where images are read (tasks of one's own, the hub's parquet rows) and where they are loaded (load_image)."""
-    try:
-        im = Image.open(file, formats=IMAGE_FORMATS)
-    except Image.UnidentifiedImageError:
-        raise ValueError(f"not an image of the formats read ({', '.join(IMAGE_FORMATS)}; any other, EPS among them, "
-                         "could run a program)") from None
-    if min(im.size) < MIN_IMAGE_SIDE:
-        im.close()
-        raise ValueError(f"its image is {im.width} x {im.height} pixels; each side must be at least {MIN_IMAGE_SIDE}")
-    return im
-
-
 def load_image(item):
-    """The item's image as an RGB PIL image (open_image's formats and sizes); none, an unreadable file or one that is
-    not a regular file (a FIFO would be waited on forever) is an error naming the item and the path."""
+    """The item's image, RGB, of IMAGE_FORMATS with sides of MIN_IMAGE_SIDE or more; errors name the item and path."""
     if not isinstance(item.image_path, (str, os.PathLike)):
         raise ValueError(f"item {item.id}: its image_path is {item.image_path!r}; every item needs an image file")
     if os.path.exists(item.image_path) and not os.path.isfile(item.image_path):
         raise OSError(f"item {item.id}: its image {item.image_path} is not a regular file (a folder, FIFO or device)")
     try:
-        with open_image(item.image_path) as im:
+        with Image.open(item.image_path, formats=IMAGE_FORMATS) as im:  # EPS and the rest refused: no program runs
+            if min(im.size) < MIN_IMAGE_SIDE:
+                raise OSError(f"{im.width} x {im.height} pixels; each side must be at least {MIN_IMAGE_SIDE}")
             return im.convert("RGB")
-    except ValueError as e:  # not a format or size it opens
-        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from None
-    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
-        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
-    except OSError as e:
-        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
+    except (OSError, Image.DecompressionBombError) as e:  # not of IMAGE_FORMATS, too small, over PIL's limit, broken
+        raise OSError(f"item {item.id}: cannot read its image {item.image_path} as {'/'.join(IMAGE_FORMATS)} ({e})")
 
 
 def encode_query(processor, family, kind, query, with_target=True):
@@ -309,8 +283,6 @@ def image_inputs(rows, processor, family, input_ids):
     which image each token cross-attends to. Raw pixels stay uint8, with "pixel_norm" for model_inputs."""
     form = processor.row_format
     per_row = lambda: [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]  # each row's crops
-    if not any(r["images"] for r in rows):  # text alone (an lmms-eval request without an image)
-        return {}
     if form.images == "cross-attention":
         pixel_values = pad_stack([pad_stack(v) for v in per_row()])
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")

@@ -58,7 +58,7 @@ def test_an_eps_image_is_refused_at_read_and_at_load_time_and_runs_no_program(gh
                                          r"read \(JPEG, .*EPS among them"):
         tasks.load_task(task, "train")
     item = D.Item(7, str(tmp_path / "red.eps"), "Is it red?", ("yes",), "yes")
-    with pytest.raises(OSError, match=r"item 7: cannot read its image .*red.eps \(not an image of the formats read"):
+    with pytest.raises(OSError, match=r"item 7: cannot read its image .*red.eps as JPEG/PNG/WEBP/GIF/BMP/TIFF \("):
         D.load_image(item)
     monkeypatch.setattr(parquet, "CACHE", str(tmp_path / "cache"))
     shard = vqav2_shard(tmp_path / "hub", eps_bytes())
@@ -230,7 +230,7 @@ def test_an_image_with_a_one_pixel_side_is_refused_naming_the_line_or_the_item(t
     with pytest.raises(ValueError, match=rf"{task} line 1, field `image`: .*dot.png: its image is 1 x 1 pixels; each "
                                          "side must be at least 2"):
         tasks.load_task(task, "train")
-    with pytest.raises(OSError, match=r"item 4: cannot read its image .*line.png \(its image is 3000 x 1 pixels"):
+    with pytest.raises(OSError, match=r"item 4: cannot read its image .*line.png as .* \(3000 x 1 pixels; each side"):
         D.load_image(D.Item(4, str(tmp_path / "line.png"), "What?", ("a line",), "a line"))  # before: a ZeroDivision-
         # Error inside transformers' Idefics2 image splitting, after the model loaded, naming no item
 

@@ -140,7 +140,9 @@ class HyperICL(lmms):
         for imaged in (True, False):
             part = [i for i, r in enumerate(rows) if bool(r["images"]) == imaged]
             if part:
-                inputs = D.model_inputs(D.collate([rows[i] for i in part], b.processor, b.family), b.model.device)
+                batch = D.collate([rows[i] for i in part], b.processor, b.family) if imaged else \
+                    text_batch([rows[i] for i in part], tok.pad_token_id)
+                inputs = D.model_inputs(batch, b.model.device)
                 out = b.model.generate(**inputs, **settings, pad_token_id=tok.pad_token_id,
                                        eos_token_id=backbones.stop_ids(b))
                 texts.update(zip(part, tok.batch_decode(out[:, inputs["input_ids"].shape[1]:],
@@ -197,6 +199,14 @@ class HyperICL(lmms):
 
 
 GENERATION_KWARGS = ("until", "max_new_tokens", "temperature", "do_sample", "top_p", "num_beams")  # generation()'s
+
+
+def text_batch(rows, pad):
+    """Rows without an image (text-only requests) left-padded as data.collate pads rows: ids, mask and positions."""
+    width = max(len(r["input_ids"]) for r in rows)
+    mask = torch.tensor([[0] * (width - len(r["input_ids"])) + [1] * len(r["input_ids"]) for r in rows])
+    ids = torch.tensor([[pad] * (width - len(r["input_ids"])) + r["input_ids"] for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
 
 
 def cut(text, until):

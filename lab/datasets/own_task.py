@@ -7,7 +7,7 @@ or "captions": [...] (caption), {"id", "image", "question", "answer": "yes" | "n
 subtask / dimension the MME and SEED scores are split by). Without a kind, a record with caption(s) is a caption,
 one with options a choice, any other a vqa (yes-no only when said); a file holds one kind. Image paths are relative
 to the file's folder (absolute allowed). Every record is checked: an error names the file, the line and the field
-(an image data.open_image does not open, text holding an image placeholder, an answer of two lines, a category that
+(an image readers.open_image does not open, text holding an image placeholder, an answer of two lines, a category that
 cannot be a file's name: it names a yes-no task's MME results file).
 The defaults (shots, new tokens, metric) are those of the paper's nearest task (NEAREST)."""
 import functools
@@ -132,7 +132,7 @@ def record_item(record, folder, where):
     if not os.path.isfile(image):
         raise fail("image", f"no image file {image}")
     try:
-        data.open_image(image).close()  # its header: a format and size data.load_image opens
+        readers.open_image(image).close()  # its header: a format and size data.load_image opens
     except (OSError, ValueError) as e:
         raise fail("image", f"{image}: {e}") from None
     category = name_field(record, "category", fail) if "category" in record else kind

@@ -289,13 +289,13 @@ def cached_image(image, key=None):
     """The cache path of an embedded image ({bytes, path}): CACHE/<sha256>.<format>, written once (atomically; a
     file already there with the same bytes is kept). key: the image's name in the benchmark (MME's question_id,
     SEED-Bench's data_id), where two images of the same bytes must stay two (questions are split by image):
-    CACHE/<sha256>-<sha256 of key>.<format>. Bytes that are no image of data.open_image's formats and sizes are a
+    CACHE/<sha256>-<sha256 of key>.<format>. Bytes that are no image of readers.open_image's formats and sizes are a
     ValueError."""
     raw = image.get("bytes") if isinstance(image, dict) else None
     if not isinstance(raw, bytes) or not raw:
         raise ValueError(f"its image holds no bytes ({str(image)[:60]})")
     try:
-        with data.open_image(io.BytesIO(raw)) as im:  # its formats only: no EPS handed to Ghostscript
+        with readers.open_image(io.BytesIO(raw)) as im:  # its formats only: no EPS handed to Ghostscript
             kind = im.format
             im.verify()
     except Exception as e:  # PIL raises many kinds on bad bytes
