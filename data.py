@@ -19,9 +19,8 @@ concatenations of those ids, so the query's ids are identical in teacher and stu
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
-The readers of the official formats (lab/datasets/readers.py, lab/datasets/mme_seed.py: the layout of --data-root and
-what each checks are in docs/real-models.md, "Data layout") and the generated toy-icl datasets
-(lab/datasets/toy_world.py) make the Items.
+The readers of the official formats (lab/datasets/readers.py, mme_seed.py: the layout of --data-root and their checks
+are in docs/real-models.md, "Data layout") and the toy-icl datasets (lab/datasets/toy_world.py) make the Items.
 """
 import hashlib
 import os
@@ -87,6 +86,8 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
     "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's formats opened: never EPS (it runs Ghostscript)
+MIN_IMAGE_SIDE = 2  # pixels: Idefics2's image splitting halves each side (a 1-pixel side divides by zero there)
 SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 
@@ -213,19 +214,18 @@ def onevision_piece(process, image):
 
 
 def load_image(item):
-    """The item's image as an RGB PIL image; none, an unreadable file or one that is not a regular file (a FIFO
-    would be waited on forever) is an error naming the item and the path."""
+    """The item's image, RGB, of IMAGE_FORMATS with sides of MIN_IMAGE_SIDE or more; errors name the item and path."""
     if not isinstance(item.image_path, (str, os.PathLike)):
         raise ValueError(f"item {item.id}: its image_path is {item.image_path!r}; every item needs an image file")
     if os.path.exists(item.image_path) and not os.path.isfile(item.image_path):
         raise OSError(f"item {item.id}: its image {item.image_path} is not a regular file (a folder, FIFO or device)")
     try:
-        with Image.open(item.image_path) as im:
+        with Image.open(item.image_path, formats=IMAGE_FORMATS) as im:  # EPS and the rest refused: no program runs
+            if min(im.size) < MIN_IMAGE_SIDE:
+                raise OSError(f"{im.width} x {im.height} pixels; each side must be at least {MIN_IMAGE_SIDE}")
             return im.convert("RGB")
-    except Image.DecompressionBombError as e:  # PIL refuses images over 2 x Image.MAX_IMAGE_PIXELS
-        raise OSError(f"item {item.id}: its image {item.image_path} is too large to read ({e})") from e
-    except OSError as e:
-        raise OSError(f"item {item.id}: cannot read its image {item.image_path} ({e})") from e
+    except (OSError, Image.DecompressionBombError) as e:  # not of IMAGE_FORMATS, too small, over PIL's limit, broken
+        raise OSError(f"item {item.id}: cannot read its image {item.image_path} as {'/'.join(IMAGE_FORMATS)} ({e})")
 
 
 def encode_query(processor, family, kind, query, with_target=True):

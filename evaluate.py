@@ -42,7 +42,7 @@ import data as D
 import model as M
 import train
 from lab.disk import files
-from lab.datasets import api_checks, readers, rices, tasks
+from lab.datasets import api_checks, mme_seed, readers, rices, tasks
 from lab.models import backbones, chunks, families, published
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
@@ -99,7 +99,7 @@ class Config:
     # --chair (Table 5), the benchmarks (Table 6)
     chair: Optional[Literal["chair.py", "corrected"]] = None  # also CHAIR and Recall, chair.py's count or corrected
     random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid
-    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; 8 with --random-weights mid)
+    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; --benchmark --random-weights mid: 8)
     bench_shots: list[int] = field(default_factory=lambda: list(table6.BENCH_SHOTS))  # the ICL rows (none: no value)
     attention_tokens: int = 2048      # query and key tokens of the attention benchmarks
     rounds: int = table6.ROUNDS       # rounds of timed runs, each setting once between two of the reference
@@ -127,14 +127,15 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
     return out[:, inputs["input_ids"].shape[1]:]
 
 
-def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0):
-    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter); with
-    `likelihood` (SEED-Bench's official protocol) the letter of the option of highest option_logliks. The batches are
+def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0, new_tokens=None):
+    """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter), at most
+    new_tokens each (None: the task's); with `likelihood` (SEED-Bench's official protocol) the letter of the option
+    of highest option_logliks. The batches are
     prepared by `workers` DataLoader workers while the model decodes (lab/run/feed.py:prepared). Under torchrun each
     process answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
     answers and items are refused first (lab/datasets/api_checks.py)."""
-    api_checks.check_predict(task, items, icds, batch_size, likelihood)
-    kind, new_tokens = tasks.spec(task).kind, tasks.spec(task).max_new_tokens
+    api_checks.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
+    kind, new_tokens = tasks.spec(task).kind, new_tokens or tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
@@ -227,7 +228,7 @@ def evaluate(backbone, args, items, setting, vector=None):
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
-                              args.workers)
+                              args.workers, args.new_tokens)
     if readers.server_split(args.task, args.split):  # no answers to score: the test server's file (test_server)
         if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
             metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
@@ -245,10 +246,10 @@ def evaluate(backbone, args, items, setting, vector=None):
     metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
     print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
           + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
-    if kind == "yes-no":
-        m = metrics["mme"]
-        print(f"MME perception {m['perception']:.2f}, cognition {m['cognition']:.2f}; " +
-              ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
+    if kind == "yes-no":  # MME's totals only where its subtasks are (a yes-no task of one's own has its own)
+        m, mme = metrics["mme"], set(mme_seed.MME_PERCEPTION + mme_seed.MME_COGNITION)
+        print(("" if mme.isdisjoint(m["subtasks"]) else f"MME perception {m['perception']:.2f}, cognition "
+               f"{m['cognition']:.2f}; ") + ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
     elif kind == "choice":
         print(f"SEED-Bench ({args.seed_protocol}): " +
               ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))

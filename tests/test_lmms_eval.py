@@ -168,6 +168,7 @@ def test_the_command_line_from_the_project_root(adapter, task_dir, items, expect
                           str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=600)
     found = glob.glob(str(tmp_path / "out" / "**" / "*_results.json"), recursive=True)
     assert len(found) == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0 and "exact_match" in run.stdout and "toy_vqav2" in run.stdout, run.stderr[-3000:]
     assert json.load(open(found[0]))["results"]["toy_vqav2"]["exact_match,none"] == 1.0
     samples = glob.glob(str(tmp_path / "out" / "**" / "*_samples_toy_vqav2.jsonl"), recursive=True)
     answers = by_doc(json.loads(line) for line in open(samples[0]))
@@ -232,3 +233,46 @@ def test_lmms_eval_gets_hugging_face_evaluate_from_the_project_root():
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
         held = out.stdout.split()
         assert len(held) == 2 and not any(p.startswith(ROOT + os.sep) for p in held), out.stdout + out.stderr[-2000:]
+
+
+class Request:
+    """An lmms-eval Instance's args: (context, generation kwargs, doc_to_visual, doc_id, task, split)."""
+
+    def __init__(self, context, doc_id, kwargs=None):
+        self.args = (context, kwargs or {"until": ["\n"], "max_new_tokens": 3}, lambda doc: doc, doc_id, "t", "s")
+
+
+def test_text_only_requests_generation_kwargs_and_bad_model_args(tmp_path, monkeypatch):
+    """Issue 52, items 8 and 15: a request without an image (ScienceQA's text-only questions) is answered, not "max()
+    arg is an empty sequence"; max_new_tokens null is the default, num_beams and top_p are taken, another kwarg is
+    said to be ignored; device=cuda without CUDA and batch_size=0 are refused before the backbone loads; an EPS image
+    is refused naming the doc."""
+    from PIL import Image
+    model = lmms_eval_model.HyperICL("tiny-idefics2", batch_size=4)
+    image = Image.new("RGB", (32, 32), (200, 10, 10))
+    model.task_dict = {"t": {"s": {0: [], 1: [image], 2: []}}}  # a doc is its own visuals here
+    answers = model.generate_until([Request("Question: Is it red? Answer:", d) for d in (0, 2)] +
+                                   [Request("<image>Question: Is it red? Answer:", 1)])
+    assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
+    until, settings = model.generation({"until": "\n", "max_new_tokens": None, "num_beams": 2, "top_p": 0.5,
+                                        "temperature": 0.7, "image_aspect_ratio": "pad"}, "t")
+    assert until == ["\n"] and settings == dict(do_sample=True, temperature=0.7, top_p=0.5, max_new_tokens=16,
+                                                 num_beams=2)
+    with pytest.raises(ValueError, match="task t: generation kwarg max_new_tokens=0"):
+        model.generation({"max_new_tokens": 0}, "t")
+    eps = tmp_path / "x.eps"
+    image.save(eps)
+    with pytest.raises(ValueError, match="doc 5: an image in EPS format"):
+        model.row("<image>Is it red?", [Image.open(eps)], 5)
+    monkeypatch.setattr(lmms_eval_model.backbones, "load_backbone", None)  # loading would fail: checked before
+    monkeypatch.setattr(lmms_eval_model.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device=cuda, but torch finds no CUDA device here"):
+        lmms_eval_model.HyperICL("tiny-idefics2", device="cuda")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        lmms_eval_model.HyperICL("tiny-idefics2", batch_size=0)
+
+
+def test_hyper_icl_outside_the_project_root_says_why(tmp_path):
+    code = "from lmms_eval.models import get_model; get_model('hyper_icl')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and f"{tmp_path} is not the project's root" in out.stderr, out.stderr[-2000:]

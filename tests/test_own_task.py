@@ -1,6 +1,8 @@
 """A task of one's own (--task PATH, lab/datasets/own_task.py): JSONL tasks of each kind and a LLaVA .json on skimage's
 photographs, read, trained and evaluated through train.py and evaluate.py on the tiny Idefics2 twin; every bad record
 refused naming its file, line and field."""
+import dataclasses
+import hashlib
 import json
 import os
 
@@ -110,11 +112,13 @@ def test_each_kind_reads_to_its_items_with_the_nearest_tasks_defaults(own, photo
 
 
 def test_names_of_run_folders_and_result_files(own):
-    assert tasks.file_name(own["vqa"]) == "my-vqa" and tasks.file_name(own["caption"]) == "captions"
+    key = lambda task: hashlib.sha256(os.path.realpath(task).encode()).hexdigest()[:8]  # two data.jsonl: two names
+    assert tasks.file_name(own["vqa"]) == f"my-vqa-{key(own['vqa'])}"
+    assert tasks.file_name(own["caption"]) == f"captions-{key(own['caption'])}"
     args = train.parse_args([*TINY, "--task", own["vqa"]])
-    assert args.out == os.path.join("runs", "tiny-idefics2-my-vqa-hyper-icl")
+    assert args.out == os.path.join("runs", f"tiny-idefics2-my-vqa-{key(own['vqa'])}-hyper-icl")
     assert evaluate.parse_args([*TINY, "--task", own["caption"], "--shots", "0"]).out == \
-        "runs/eval-tiny-idefics2-captions"
+        f"runs/eval-tiny-idefics2-captions-{key(own['caption'])}"
 
 
 @pytest.mark.parametrize("kind", ["vqa", "caption", "yes-no", "choice", "llava"])
@@ -134,17 +138,19 @@ def test_trains_two_steps_and_evaluates_through_the_command_line(own, kind, tmp_
     assert ids == [it.id for it in tasks.load_task(own[kind], "val")]
 
 
-def test_the_readmes_two_commands(own, tmp_path, monkeypatch):
+def test_the_readmes_two_commands(own, tmp_path, monkeypatch, capsys):
     """train.py, then evaluate.py with no flags but the task: 0-shot, the task's N-shot ICL and the default adapter."""
     monkeypatch.chdir(tmp_path)
     flags = [*TINY, "--task", own["yes-no"]]
     train.main([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
     metrics = evaluate.main(flags)
-    run = os.path.join("runs", "tiny-idefics2-my-yes-no-hyper-icl")
+    name = tasks.file_name(own["yes-no"])
+    run = os.path.join("runs", f"tiny-idefics2-{name}-hyper-icl")
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == os.path.join(run, "adapter.safetensors")
     assert sorted(f for f in os.listdir(run) if f.endswith(".metrics.json")) == \
-        [f"my-yes-no-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
+        [f"{name}-val-{s}-seed0-n6.metrics.json" for s in ("0-shot", "2-shot", "hyper-icl")]  # mme's 2 shots
     assert set(metrics["mme"]["subtasks"]) == {"yes-no"}
+    assert "MME perception" not in capsys.readouterr().out  # issue 52, item 15: MME's totals are not this task's
 
 
 def test_n_shot_rices_and_the_plan(own, tmp_path, capsys):
@@ -190,6 +196,18 @@ GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answ
     ({**GOOD, "id": " "}, 2, "id", "integer or non-empty text"),
     ({**GOOD, "kind": "yes-no", "answer": "maybe"}, 1, "answer", "yes or no"),
     ({k: v for k, v in GOOD.items() if k != "question"}, 2, "question", "missing"),
+    # issue 52, item 1: a category names a yes-no task's results file <category>.txt, so it never leads elsewhere
+    ({**GOOD, "kind": "yes-no", "answer": "no", "category": "../../../victim"}, 1, "category", "no path separator"),
+    ({**GOOD, "kind": "yes-no", "answer": "no", "category": "/tmp/victim"}, 1, "category", "no path separator"),
+    ({**GOOD, "kind": "yes-no", "answer": "no", "category": ".."}, 1, "category", "cannot be a file's name"),
+    ({**GOOD, "category": "a\x00b"}, 2, "category", "cannot be a file's name"),
+    # issue 52, item 9: an image placeholder in the text would be an image token of no image
+    ({**GOOD, "question": "What is <image> here?"}, 2, "question", "holds '<image>', an image placeholder"),
+    ({**GOOD, "answer": "a <fake_token_around_image>"}, 2, "answer", "holds '<fake_token_around_image>'"),
+    ({**GOOD, "options": ["a", "<|image_pad|>"], "answer": "A"}, 2, "options", "holds '<|image_pad|>'"),
+    # issue 52, item 15: an answer of two lines could never match (a generated one is cut at its first line)
+    ({**GOOD, "answer": "a\ncat"}, 2, "answer", "holds a line break"),
+    ({k: v for k, v in GOOD.items() if k != "answer"} | {"answers": ["cat", "a\r\ncat"]}, 2, "answers", "line break"),
 ])
 def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line, field, message):
     folder, _ = photos
@@ -238,3 +256,13 @@ def test_a_llava_record_of_more_turns_is_refused_naming_its_id(photos):
     path.write_text(json.dumps(chat))
     with pytest.raises(ValueError, match=r"record 1 \(id 'two'\), field `answer`: empty"):
         own_task.read(str(path))
+
+
+def test_a_category_that_would_name_a_file_elsewhere_is_refused_where_results_are_written(own, tmp_path):
+    """Issue 52, item 1, through the Python API (items not read from a file): nothing is written, in --out or above."""
+    from lab.scores import results
+    items = [it for s in data.SPLITS for it in tasks.load_task(own["yes-no"], s)]
+    bad = [dataclasses.replace(it, category="../victim") for it in items]
+    with pytest.raises(ValueError, match="'../victim' cannot be a file's name"):
+        results.write_evaluation(str(tmp_path / "out" / "stem"), "yes-no", bad, ["yes"] * len(bad), {})
+    assert not (tmp_path / "victim.txt").exists() and not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ and lmms-eval's task files (lmms_eval/tasks/vqav2, ok_vqa, coco_cap, flickr30k, 
 bytes embedded as the hub's `image` struct {bytes, path} (SEED-Bench: a list of them). Also OK-VQA and Flickr30k in
 their original layouts (tools/benchmarks.py writes neither), from the VQAv2 and COCO files. Read straight from the
 JSON, not through the project's readers, except MME's question files (mme_seed.mme_files / read_mme_questions)."""
+import hashlib
 import json
 import os
 import shutil
@@ -23,13 +24,15 @@ def embedded(path):
         return {"bytes": f.read(), "path": os.path.basename(path)}
 
 
-def write_shards(folder, split, rows, schema, n_shards=2):
-    """rows as n_shards parquet files folder/data/<split>-0000k-of-0000n.parquet, in order, small row groups."""
+def write_shards(folder, split, rows, schema, n_shards=2, hashed=False):
+    """rows as n_shards parquet files folder/data/<split>-0000k-of-0000n.parquet, in order, small row groups; hashed:
+    named as the hub's older uploads are, <split>-0000k-of-0000n-<16 hex>.parquet (lmms-lab/MME)."""
     os.makedirs(os.path.join(folder, "data"), exist_ok=True)
     size = -(-len(rows) // n_shards)
     for k in range(n_shards):
         table = pa.Table.from_pylist(rows[k * size:(k + 1) * size], schema=schema)
-        pq.write_table(table, os.path.join(folder, "data", f"{split}-{k:05d}-of-{n_shards:05d}.parquet"),
+        suffix = f"-{hashlib.sha256(f'{split}{k}'.encode()).hexdigest()[:16]}" if hashed else ""
+        pq.write_table(table, os.path.join(folder, "data", f"{split}-{k:05d}-of-{n_shards:05d}{suffix}.parquet"),
                        row_group_size=7)
 
 
@@ -138,7 +141,7 @@ def write_hub(root, out, task):
                 rows += [{"question_id": f"{subtask}/{os.path.basename(image)}", "image": embedded(image),
                           "question": q, "answer": a, "category": subtask}
                          for q, a in mme_seed.read_mme_questions(path)]
-        write_shards(os.path.join(out, "mme"), "test", rows, MME, n_shards=3)
+        write_shards(os.path.join(out, "mme"), "test", rows, MME, n_shards=3, hashed=True)  # as the hub names them
     else:
         seed = load(os.path.join(root, "seed-bench", "SEED-Bench.json"))
         rows = []

@@ -9,9 +9,33 @@ import sys
 import torch
 
 from lab.datasets import readers, tasks
+from lab.run import checkpoints
 from lab.scores import results
 from lab.studies import curves
 from lab.cli import flags
+
+
+BENCH, CURVE = "with --benchmark or --benchmark-attention", "with --curve"
+APPLIES = {  # flag: (where it applies, whether it does with these flags); flags.check_applies
+    "seed_protocol": ("to the SEED-Bench tasks (multiple choice)", lambda a: tasks.spec(a.task).kind == "choice"),
+    "chair": ("to COCO captions, against COCO's instance annotations (--task coco)", lambda a: a.task == "coco"),
+    "random_weights": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
+    "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
+    "processor": ("with --plan", lambda a: a.plan is not None),
+    "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
+    "new_tokens": ("where answers are generated (not --seed-protocol likelihood, --benchmark-attention, --gates, "
+                   "--hyperbolicity)", lambda a: not (a.seed_protocol == "likelihood" or a.benchmark_attention or
+                                                      a.gates or a.hyperbolicity)),
+    "attention_tokens": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
+    "rounds": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
+    "bench_shots": ("with --benchmark", lambda a: a.benchmark),
+    **{name: (CURVE, lambda a: a.curve) for name in ("curve_queries", "curve_seeds", "curve_methods", "no_tune",
+                                                      "train_args")},
+    **{name: ("with --vector", lambda a: a.vector is not None) for name in ("vector_layer", "vector_sets",
+                                                                             "vector_heldout")},
+    "fv_heads": ("with --vector fv", lambda a: a.vector == "fv"),
+    "fv_trials": ("with --vector fv", lambda a: a.vector == "fv"),
+}
 
 
 def parse_args(argv, doc, defaults, train_parse):
@@ -25,9 +49,6 @@ def parse_args(argv, doc, defaults, train_parse):
         if argv[k] == "--train-args":
             argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
     args = dataclasses.replace(defaults, **vars(p.parse_args([a for a in argv if a is not None])))
-    if args.seed_protocol and tasks.spec(args.task).kind != "choice":
-        p.error(f"--seed-protocol applies to the SEED-Bench tasks (multiple choice), not {args.task}")
-    args.seed_protocol = args.seed_protocol or "generate"
     flags.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
                                    "new_tokens": 1, "attention_tokens": 1, "threads": (1, flags.MAX_THREADS),
@@ -59,20 +80,21 @@ def parse_args(argv, doc, defaults, train_parse):
                 "--curve, --gates or --hyperbolicity")
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
-    if args.chair and args.task != "coco":
-        p.error(f"--chair scores COCO captions against COCO instance annotations (coco), not {args.task}")
-    if args.random_weights and not (args.benchmark or args.benchmark_attention):
-        p.error("--random-weights only makes sense with --benchmark or --benchmark-attention")
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
     default = results.default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
-    if args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
-            os.path.isfile(default):
-        args.checkpoint = default
+    chosen = args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
+        os.path.isfile(default)
+    args.checkpoint = default if chosen else args.checkpoint
     if args.checkpoint and not os.path.isfile(args.checkpoint) and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint {args.checkpoint}: no such file")
+    if args.checkpoint and os.path.isfile(args.checkpoint):
+        try:  # an adapter of another task, or trained beside another split of this one
+            checkpoints.check_task(args.checkpoint, args.task, chosen)
+        except ValueError as e:
+            p.error(str(e))
     if args.gates and args.checkpoint is None:
         p.error(f"--gates needs a Hyper-ICL checkpoint (--checkpoint; {default} does not exist)")
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
@@ -81,4 +103,6 @@ def parse_args(argv, doc, defaults, train_parse):
     args.out = args.out or (f"runs/curve-{name}-{task}" if args.curve else os.path.dirname(args.checkpoint)
                             or "." if args.checkpoint else f"runs/eval-{name}-{task}")
     flags.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
+    flags.check_applies(p, args, defaults, APPLIES)
+    args.seed_protocol = args.seed_protocol or "generate"
     return args

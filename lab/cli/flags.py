@@ -74,6 +74,16 @@ def check_folders(p, folders):
             p.error(f"{flag} {path} is a file; it must be a folder")
 
 
+def check_applies(p, args, defaults, applies, view=None):
+    """A parser error for each flag of `applies` ({field: (where it applies, test(flags) -> whether it does here)})
+    given a value other than its default where it does nothing: one line naming the flag and where it applies, so a
+    flag of another method or mode is never taken without a word (a new flag is one entry of its script's table).
+    view: the flags the tests read (train.py's, each method's own anchor filled in), else args."""
+    for name, (where, test) in applies.items():
+        if getattr(args, name) != getattr(defaults, name) and not test(view or args):
+            p.error(f"--{name.replace('_', '-')} applies {where}; here it would do nothing")
+
+
 # what a field's type does not say: a name checked by a function, a flag that may go without its value (nargs "?" and
 # the value it then takes), a list that may be empty
 HERE = "cuda" if torch.cuda.is_available() else "cpu"  # --plan without a value: the run's own device

@@ -13,7 +13,6 @@ import sys
 
 import torch
 from lmms_eval.api.model import lmms
-from lmms_eval.models.registry_v2 import ModelManifest
 from tqdm import tqdm
 
 import data as D
@@ -49,11 +48,6 @@ def hugging_face_evaluate():
 hugging_face_evaluate()
 
 
-def manifest():
-    """The entry point of group `lmms_eval.models` (lab/lmms_eval_entry/pyproject.toml): `hyper_icl`, this class."""
-    return ModelManifest(model_id="hyper_icl", simple_class_path="lab.cli.lmms_eval_model.HyperICL")
-
-
 class HyperICL(lmms):
     """lmms-eval's simple model over a project backbone, with an adapter (checkpoint=) or without."""
 
@@ -64,13 +58,19 @@ class HyperICL(lmms):
         if unused:
             raise ValueError(f"hyper_icl: unknown model args {', '.join(sorted(unused))} (it takes backbone, "
                              "checkpoint, device, batch_size)")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if not str(batch_size).isdigit() or int(batch_size) < 1:  # checked before the backbone loads
+            raise ValueError(f"hyper_icl: batch_size={batch_size}: give a number of requests a batch, at least 1")
+        self.batch_size, device = int(batch_size), device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            kind = torch.device(device).type
+        except RuntimeError as e:
+            raise ValueError(f"hyper_icl: device={device} is not a device ({e})") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"hyper_icl: device={device}, but torch finds no CUDA device here; give device=cpu")
         self.backbone = backbones.load_backbone(backbone, device=device)
         given = checkpoint not in (None, "", "none", "None")
         self.method = checkpoints.load_adapter(checkpoint, self.backbone)["method"] if given else None
-        if not str(batch_size).isdigit() or int(batch_size) < 1:
-            raise ValueError(f"hyper_icl: batch_size={batch_size}: give a number of requests a batch, at least 1")
-        self.batch_size = int(batch_size)
+        self.ignored = set()  # generation kwargs said to be ignored (once each)
 
     # ---------------------------------------------------------------------------------------- rows from requests
 
@@ -79,6 +79,10 @@ class HyperICL(lmms):
         (`<image>` and the text up to the next), as data.encode_prefix and encode_query make them; with a
         continuation, its tokens labelled (read off the tokenisation of the last piece + continuation)."""
         b, tok = self.backbone, self.backbone.processor.tokenizer
+        foreign = [v.format for v in visuals or [] if v.format not in (None, *D.IMAGE_FORMATS)]
+        if foreign:  # opened by the task's loader, not loaded yet: an EPS would run Ghostscript now
+            raise ValueError(f"doc {doc_id}: an image in {foreign[0]} format; hyper_icl takes "
+                             f"{', '.join(D.IMAGE_FORMATS)} (data.IMAGE_FORMATS)")
         visuals = [v.convert("RGB") for v in (visuals or [])]
         placed = context.count("<image>")
         if placed > len(visuals):
@@ -110,8 +114,9 @@ class HyperICL(lmms):
     # --------------------------------------------------------------------------------------------- the model API
 
     def generate_until(self, requests):
-        """Each request's continuation: greedy (temperature 0, the default) or sampled, at most max_new_tokens (16
-        by default), stopped at the backbone's end tokens and cut at the first of `until`; whitespace stripped.
+        """Each request's continuation: greedy (temperature 0, the default) or sampled, beam search with num_beams, at
+        most max_new_tokens (16 by default; generation), stopped at the backbone's end tokens and cut at the first of
+        `until`; whitespace stripped. A request without an image is answered from its text alone.
         Requests of the same generation kwargs go in batches of batch_size, in order."""
         answers, groups = {}, {}
         for i, r in enumerate(requests):
@@ -126,18 +131,47 @@ class HyperICL(lmms):
 
     @torch.no_grad()
     def generate(self, requests):
-        """The continuations of requests sharing their generation kwargs (generate_until)."""
-        b, tok, kwargs = self.backbone, self.backbone.processor.tokenizer, dict(requests[0].args[1])
-        until = kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
-        temperature = float(kwargs.get("temperature", 0) or 0)
-        sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+        """The continuations of requests sharing their generation kwargs (generate_until); requests without an image
+        (a text-only question) are decoded in a batch of their own."""
+        b, tok = self.backbone, self.backbone.processor.tokenizer
+        until, settings = self.generation(requests[0].args[1], requests[0].args[4])
         rows = [self.row(r.args[0], self.visuals(r), r.args[3]) for r in requests]
-        inputs = D.model_inputs(D.collate(rows, b.processor, b.family), b.model.device)
-        out = b.model.generate(**inputs, max_new_tokens=int(kwargs.get("max_new_tokens", 16)), **sampling,
-                               pad_token_id=tok.pad_token_id, eos_token_id=backbones.stop_ids(b))
-        texts = tok.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        return [cut(t.lstrip(), until).rstrip() for t in texts]
+        texts = {}
+        for imaged in (True, False):
+            part = [i for i, r in enumerate(rows) if bool(r["images"]) == imaged]
+            if part:
+                batch = D.collate([rows[i] for i in part], b.processor, b.family) if imaged else \
+                    text_batch([rows[i] for i in part], tok.pad_token_id)
+                inputs = D.model_inputs(batch, b.model.device)
+                out = b.model.generate(**inputs, **settings, pad_token_id=tok.pad_token_id,
+                                       eos_token_id=backbones.stop_ids(b))
+                texts.update(zip(part, tok.batch_decode(out[:, inputs["input_ids"].shape[1]:],
+                                                        skip_special_tokens=True)))
+        return [cut(texts[i].lstrip(), until).rstrip() for i in range(len(rows))]
+
+    def generation(self, kwargs, task):
+        """(until, model.generate's settings) of a request's generation kwargs: max_new_tokens (None or absent: 16),
+        temperature > 0 or do_sample: sampled at that temperature with top_p, else greedy; num_beams. Any other kwarg
+        is said, once, to be ignored; a value these cannot take is a ValueError naming the task."""
+        until = kwargs.get("until") or []
+        tokens, beams = kwargs.get("max_new_tokens"), kwargs.get("num_beams")
+        tokens, beams = 16 if tokens is None else tokens, 1 if beams is None else beams
+        temperature, top_p = float(kwargs.get("temperature") or 0), float(kwargs.get("top_p") or 1.0)
+        for name, value in (("max_new_tokens", tokens), ("num_beams", beams)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"hyper_icl: task {task}: generation kwarg {name}={value!r}: an integer of at least 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"hyper_icl: task {task}: temperature={temperature}, top_p={top_p}: temperature at least "
+                             "0, top_p in (0, 1]")
+        for name in sorted(set(kwargs) - set(GENERATION_KWARGS) - self.ignored):
+            self.ignored.add(name)
+            print(f"hyper_icl: task {task}: generation kwarg {name}={kwargs[name]!r} is ignored (it takes "
+                  f"{', '.join(GENERATION_KWARGS)})")
+        sampled = temperature > 0 or bool(kwargs.get("do_sample"))
+        settings = dict(do_sample=True, temperature=temperature or 1.0, top_p=top_p) if sampled else \
+            dict(do_sample=False)
+        return [until] if isinstance(until, str) else list(until), dict(settings, max_new_tokens=tokens,
+                                                                          num_beams=beams)
 
     @torch.no_grad()
     def loglikelihood(self, requests):
@@ -162,6 +196,17 @@ class HyperICL(lmms):
         """Not supported: one line says so."""
         raise NotImplementedError("hyper_icl answers single-round requests only (generate_until, loglikelihood); "
                                   "multi-round tasks are not supported")
+
+
+GENERATION_KWARGS = ("until", "max_new_tokens", "temperature", "do_sample", "top_p", "num_beams")  # generation()'s
+
+
+def text_batch(rows, pad):
+    """Rows without an image (text-only requests) left-padded as data.collate pads rows: ids, mask and positions."""
+    width = max(len(r["input_ids"]) for r in rows)
+    mask = torch.tensor([[0] * (width - len(r["input_ids"])) + [1] * len(r["input_ids"]) for r in rows])
+    ids = torch.tensor([[pad] * (width - len(r["input_ids"])) + r["input_ids"] for r in rows])
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
 
 
 def cut(text, until):

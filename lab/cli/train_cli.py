@@ -10,6 +10,20 @@ from lab.run import checkpoints
 from lab.cli import flags
 
 
+APPLIES = {  # flag: (where it applies, whether it does with these flags); flags.check_applies
+    "temperature": ("with --anchor kl (LIVE's KL)", lambda a: a.anchor == "kl"),
+    "kappa": ("with --anchor hyperbolic", lambda a: a.anchor == "hyperbolic"),
+    "virtual_tokens": ("to --method hificl", lambda a: a.method == "hificl"),
+    "rank": ("to a method with a rank (not mimic or live)", lambda a: a.method not in ("mimic", "live")),
+    "anchor_norm": ("with an anchor (not --anchor none, the loss of hificl and lora)", lambda a: a.anchor != "none"),
+    "teacher_cache": ("without --no-teacher-cache", lambda a: not a.no_teacher_cache),
+    "no_teacher_cache": ("where a teacher runs (an --anchor other than none)", lambda a: a.anchor != "none"),
+    "processor": ("with --plan", lambda a: a.plan is not None),
+    "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
+    "build_tries": ("with --build-toy", lambda a: a.build_toy),
+}
+
+
 def parse_args(argv, doc, defaults):
     """train.py's flags, one a field of `defaults` (train.py's Config: lab/cli/flags.py:parser); returns that Config
     with the parsed values, checked, and --out and --teacher-cache filled in."""
@@ -23,6 +37,7 @@ def parse_args(argv, doc, defaults):
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
     flags.check_image_memory(p, args.image_memory)
+    flags.check_applies(p, args, defaults, APPLIES, args.filled())
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else
                             checkpoints.default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")

@@ -4,24 +4,31 @@ import numbers
 from collections.abc import Sequence
 
 import data
-from lab.datasets import tasks
+from lab.datasets import readers, tasks
 
 
-def check_predict(task, items, icds, batch_size, likelihood):
-    """Refuse items or icds that are not lists, a batch_size that is not an integer >= 1, ICD lists not one per item
-    (each a list), an unknown task (listing the tasks), likelihood on a task that is not multiple choice or on an item
-    without one option per letter."""
+def check_predict(task, items, icds, batch_size, likelihood, new_tokens=None):
+    """Refuse items or icds that are not lists, a batch_size or new_tokens that is not an integer >= 1, ICD lists not
+    one per item (each a list), a question holding an image placeholder (readers.plain_text), an unknown task (listing
+    the tasks), likelihood on a task that is not multiple choice or on an item without one option per letter."""
     if not isinstance(items, Sequence) or (icds is not None and not isinstance(icds, Sequence)):
         raise ValueError(f"items and icds must be lists (got {type(items).__name__}, {type(icds).__name__}); a "
                          "generator is read once and its length is unknown")
-    if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer of at least 1 (got {batch_size!r})")
+    for name, value in (("batch_size", batch_size), ("new_tokens", 1 if new_tokens is None else new_tokens)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer of at least 1 (got {value!r})")
     if icds is not None and len(icds) != len(items):
         raise ValueError(f"icds holds {len(icds)} demonstration lists for {len(items)} items; give one list per item "
                          "(an empty one for none), or icds=None")
     bad = next((n for n, d in enumerate(icds or ()) if isinstance(d, str) or not isinstance(d, Sequence)), None)
     if bad is not None:
         raise ValueError(f"icds[{bad}] is {type(icds[bad]).__name__}; each item's demonstrations are a list of Items")
+    for it in items:  # a question holding `<image>`: an image token without its image, after the model ran
+        if isinstance(getattr(it, "question", None), str):
+            try:
+                readers.plain_text(it.question, "question")
+            except ValueError as e:
+                raise ValueError(f"item {it.id}: {e}") from None
     kind = tasks.spec(task).kind  # an unknown task: a ValueError listing the tasks
     if likelihood and kind != "choice":
         raise ValueError(f"likelihood ranks a multiple-choice item's options; {task} is a {kind} task, not one")

@@ -53,7 +53,10 @@ def read_mme_questions(path):
         fields = line.rstrip("\r").split("\t")
         if len(fields) != 2 or not fields[0].strip() or fields[1].strip().lower() not in ("yes", "no"):
             raise ValueError(f"mme: {path} line {n}: expected `question<TAB>Yes|No`, got {line.strip()!r}")
-        pairs.append((fields[0].strip(), fields[1].strip().capitalize()))
+        try:
+            pairs.append((readers.plain_text(fields[0].strip(), "question"), fields[1].strip().capitalize()))
+        except ValueError as e:
+            raise ValueError(f"mme: {path} line {n}: {e}") from None
     if len(pairs) != 2:
         raise ValueError(f"mme: {path} has {len(pairs)} questions; MME asks two about each image")
     return pairs

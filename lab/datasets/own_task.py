@@ -6,13 +6,16 @@ or "captions": [...] (caption), {"id", "image", "question", "answer": "yes" | "n
 "question", "options": [2-4 texts], "answer": letter or option text} (choice); optional "kind" and "category" (the
 subtask / dimension the MME and SEED scores are split by). Without a kind, a record with caption(s) is a caption,
 one with options a choice, any other a vqa (yes-no only when said); a file holds one kind. Image paths are relative
-to the file's folder (absolute allowed). Every record is checked: an error names the file, the line and the field.
+to the file's folder (absolute allowed). Every record is checked: an error names the file, the line and the field
+(an image readers.open_image does not open, text holding an image placeholder, an answer of two lines, a category that
+cannot be a file's name: it names a yes-no task's MME results file).
 The defaults (shots, new tokens, metric) are those of the paper's nearest task (NEAREST)."""
 import functools
 import json
 import os
 
 import data
+from lab.disk import files
 from lab.datasets import readers
 
 
@@ -128,7 +131,11 @@ def record_item(record, folder, where):
     image = os.path.join(folder, text("image"))  # an absolute path stays as it is
     if not os.path.isfile(image):
         raise fail("image", f"no image file {image}")
-    category = text("category") if "category" in record else kind
+    try:
+        readers.open_image(image).close()  # its header: a format and size data.load_image opens
+    except (OSError, ValueError) as e:
+        raise fail("image", f"{image}: {e}") from None
+    category = name_field(record, "category", fail) if "category" in record else kind
     if kind == "caption":
         answers = texts(record, "caption", fail)
         return kind, data.Item(qid, image, None, answers, answers[0], category)
@@ -151,7 +158,7 @@ def choice_fields(record, answer, fail):
     options = record.get("options")
     if not isinstance(options, list) or not 2 <= len(options) <= len(data.SEED_LETTERS):
         raise fail("options", f"{options!r}; it must be a list of 2 to {len(data.SEED_LETTERS)} option texts")
-    options = tuple(text_field({"options": o}, "options", fail) for o in options)
+    options = tuple(line_field({"options": o}, "options", fail) for o in options)
     if len(set(options)) < len(options):
         raise fail("options", f"{list(options)!r} repeats an option; each letter needs its own text")
     letters = tuple(data.SEED_LETTERS[:len(options)])
@@ -164,7 +171,8 @@ def choice_fields(record, answer, fail):
 
 
 def text_field(record, field, fail):
-    """record[field], stripped: missing, not text or empty is an error naming the field."""
+    """record[field], stripped: missing, not text, empty or holding an image placeholder (readers.plain_text) is an
+    error naming the field."""
     if field not in record:
         raise fail(field, "missing")
     value = record[field]
@@ -172,20 +180,42 @@ def text_field(record, field, fail):
         raise fail(field, f"{value!r} is {type(value).__name__}; it must be text")
     if not value.strip():
         raise fail(field, "empty; it must be non-empty text")
-    return value.strip()
+    try:
+        return readers.plain_text(value.strip(), field)
+    except ValueError as e:
+        raise fail(field, str(e)) from None
+
+
+def name_field(record, field, fail):
+    """text_field, which becomes a file's name: files.plain_name's check (no path separator, NUL or '..')."""
+    value = text_field(record, field, fail)
+    try:
+        return files.plain_name(value)
+    except ValueError as e:
+        raise fail(field, str(e)) from None
 
 
 def texts(record, field, fail):
-    """The references of a record: record[field] (one text) or record[field + "s"] (a non-empty list of texts)."""
+    """The references of a record: record[field] (one text) or record[field + "s"] (a non-empty list of texts), each
+    one line (line_field)."""
     many = field + "s"
     if (field in record) == (many in record):
         raise fail(field, f"give `{field}` (one) or `{many}` (a list), one of the two")
     if field in record:
-        return (text_field(record, field, fail),)
+        return (line_field(record, field, fail),)
     values = record[many]
     if not isinstance(values, list) or not values:
         raise fail(many, f"{values!r}; it must be a non-empty list of texts")
-    return tuple(text_field({many: v}, many, fail) for v in values)
+    return tuple(line_field({many: v}, many, fail) for v in values)
+
+
+def line_field(record, field, fail):
+    """text_field on one line: an answer (or caption, option) holding a line break could never be matched, as a
+    generated answer is cut at its first line (evaluate.postprocess), and an option would break its prompt's lines."""
+    value = text_field(record, field, fail)
+    if "\n" in value or "\r" in value:
+        raise fail(field, f"{value!r} holds a line break; an answer is one line (a generated one is cut at its first)")
+    return value
 
 
 def read_llava(path):

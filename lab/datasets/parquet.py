@@ -1,9 +1,9 @@
 """The benchmarks as the hub ships them for lmms-eval (lmms-lab/VQAv2, OK-VQA, COCO-Caption, flickr30k, MME,
-SEED-Bench): parquet shards `<split>-NNNNN-of-NNNNN.parquet` anywhere below the benchmark's folder, the images' bytes
-inside. Read with pyarrow a batch of rows at a time, shard by shard (never a whole table in memory); each image's bytes
-are written once to a content-addressed cache (CACHE/<sha256>.<format>) so that an Item keeps an image path and the
-image is read lazily, as from the original layout. The Items are those of the original readers (lab/datasets/readers.py,
-lab/datasets/mme_seed.py) for the same questions, in the order the shards hold them."""
+SEED-Bench): parquet shards `<split>-NNNNN-of-NNNNN[-<hash>].parquet` anywhere below the benchmark's folder, the
+images' bytes inside. Read with pyarrow a batch of rows at a time, shard by shard (never a whole table in memory);
+each image's bytes are written once to a content-addressed cache (CACHE/<sha256>.<format>) so that an Item keeps an
+image path and the image is read lazily, as from the original layout. The Items are those of the original readers
+(lab/datasets/readers.py, lab/datasets/mme_seed.py) for the same questions, in the order the shards hold them."""
 import contextlib
 import dataclasses
 import hashlib
@@ -12,7 +12,6 @@ import os
 import re
 
 import pyarrow.parquet as pq
-from PIL import Image
 from tqdm import tqdm
 
 import data
@@ -21,7 +20,9 @@ from lab.datasets import mme_seed, readers
 
 CACHE = os.path.expanduser("~/.cache/hyper-icl/hub-images")  # content-addressed: a second read writes nothing
 
-SHARD = re.compile(r"(?P<split>[A-Za-z0-9_.]+)-(?P<index>\d{5})-of-(?P<total>\d{5})\.parquet")
+SHARD = re.compile(r"(?P<split>[A-Za-z0-9_.]+)-(?P<index>\d{5})-of-(?P<total>\d{5})(-[0-9a-f]{16})?\.parquet")
+# <split>-NNNNN-of-NNNNN.parquet, or with the hash of the hub's older uploads (lmms-lab/MME: test-00000-of-00004-
+# a25dbe3b44c4fda6.parquet)
 
 BATCH_ROWS = 16  # rows a batch: with images of a few MB, a batch holds some tens of MB
 
@@ -160,15 +161,21 @@ def original_present(root, task, split):
 
 def find_shards(folder):
     """{split: its shard paths in index order} of the parquet shards anywhere below folder (symbolic links to
-    folders not followed); a split missing one of its NNNNN-of-NNNNN shards is an error naming it."""
-    found = {}
+    folders not followed); a split missing one of its NNNNN-of-NNNNN shards is an error naming it, and so are parquet
+    files none of which is named as a shard (SHARD)."""
+    found, others = {}, []
     for parent, dirs, names in os.walk(folder):
         dirs.sort()
-        for name in names:
+        for name in sorted(names):
             match = SHARD.fullmatch(name)
             if match:
                 found.setdefault(match["split"], []).append((int(match["index"]), int(match["total"]),
                                                               os.path.join(parent, name)))
+            elif name.endswith(".parquet"):
+                others.append(os.path.join(parent, name))
+    if others and not found:
+        raise FileNotFoundError(f"{others[0]} (and {len(others) - 1} more parquet files) is not named as a shard of "
+                                "the hub's copy, <split>-NNNNN-of-NNNNN[-<hash>].parquet; keep the hub's names")
     shards = {}
     for split, entries in sorted(found.items()):
         entries.sort()
@@ -260,7 +267,10 @@ def rows(path, columns):
 
 
 def open_shard(path):
-    """A shard opened for buffered reads (1 MB at a time, nothing read ahead); not parquet is a ValueError naming it."""
+    """A shard opened for buffered reads (1 MB at a time, nothing read ahead); not parquet, or not a regular file (a
+    FIFO would be waited on forever), is a ValueError naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file (a FIFO, device or folder); a shard is a parquet file")
     try:
         return pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except Exception as e:  # pyarrow's ArrowInvalid, OSError and friends
@@ -279,16 +289,17 @@ def cached_image(image, key=None):
     """The cache path of an embedded image ({bytes, path}): CACHE/<sha256>.<format>, written once (atomically; a
     file already there with the same bytes is kept). key: the image's name in the benchmark (MME's question_id,
     SEED-Bench's data_id), where two images of the same bytes must stay two (questions are split by image):
-    CACHE/<sha256>-<sha256 of key>.<format>. Bytes that are no image PIL reads are a ValueError."""
+    CACHE/<sha256>-<sha256 of key>.<format>. Bytes that are no image of readers.open_image's formats and sizes are a
+    ValueError."""
     raw = image.get("bytes") if isinstance(image, dict) else None
     if not isinstance(raw, bytes) or not raw:
         raise ValueError(f"its image holds no bytes ({str(image)[:60]})")
     try:
-        with Image.open(io.BytesIO(raw)) as im:
+        with readers.open_image(io.BytesIO(raw)) as im:  # its formats only: no EPS handed to Ghostscript
             kind = im.format
             im.verify()
     except Exception as e:  # PIL raises many kinds on bad bytes
-        raise ValueError(f"its image bytes are not a readable image ({type(e).__name__}: {e})") from e
+        raise ValueError(f"its image bytes are not a readable image ({e})") from e
     digest = hashlib.sha256(raw).hexdigest()
     name = digest if key is None else f"{digest}-{hashlib.sha256(str(key).encode()).hexdigest()[:16]}"
     path = os.path.join(CACHE, digest[:2], f"{name}.{kind.lower()}")

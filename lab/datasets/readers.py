@@ -6,6 +6,8 @@ import os
 import sys
 from collections import Counter
 
+from PIL import Image
+
 import data
 
 
@@ -44,11 +46,46 @@ def read_text(path, dataset):
 
 
 def text_field(record, name):
-    """record[name] as a stripped string; null, empty or not a string is a ValueError naming the field."""
+    """record[name] as a stripped string; null, empty, not a string or holding an image placeholder (plain_text) is
+    a ValueError naming the field."""
     value = record[name]
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"its {name} is {value!r}; it must be non-empty text")
-    return value.strip()
+    return plain_text(value.strip(), name)
+
+
+IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  # Idefics2, Idefics, LLaVA, Idefics3
+                      "<|image_pad|>", "<|vision_start|>", "<|vision_end|>",  # Qwen2.5-VL and Qwen3-VL
+                      "<start_of_image>", "<end_of_image>", "<image_soft_token>",  # Gemma 3
+                      "<IMG_CONTEXT>", "<img>", "</img>")  # InternVL3 (lab/models/families.py: each family's)
+# text holding one would reach the model as an image token of no image (plain_text); a new family adds its own here
+
+
+def open_image(file):
+    """PIL's image of `file` (a path or a binary file), its header read, opened as data.load_image opens images: one
+    of data.IMAGE_FORMATS (never EPS, which PIL hands to Ghostscript), each side at least data.MIN_IMAGE_SIDE; else a
+    ValueError saying why, which the caller prefixes with the file and line, or the shard and row."""
+    try:
+        im = Image.open(file, formats=data.IMAGE_FORMATS)
+    except Image.UnidentifiedImageError:
+        raise ValueError(f"not an image of the formats read ({', '.join(data.IMAGE_FORMATS)}; any other, EPS among "
+                         "them, could run a program)") from None
+    if min(im.size) < data.MIN_IMAGE_SIDE:
+        im.close()
+        raise ValueError(f"its image is {im.width} x {im.height} pixels; each side must be at least "
+                         f"{data.MIN_IMAGE_SIDE} (Idefics2's image splitting halves each)")
+    return im
+
+
+def plain_text(text, name):
+    """text, which holds none of IMAGE_PLACEHOLDERS: a question or answer with `<image>` in it would reach the
+    model as an image token without an image ("Image features and image tokens do not match", after it loaded). A
+    ValueError naming the field and the placeholder otherwise."""
+    held = next((p for p in IMAGE_PLACEHOLDERS if p in text), None)
+    if held:
+        raise ValueError(f"its {name} holds {held!r}, an image placeholder (readers.IMAGE_PLACEHOLDERS), which the "
+                         "model would take for an image; write it otherwise")
+    return text
 
 
 def integer_field(record, name):

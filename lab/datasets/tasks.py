@@ -1,6 +1,7 @@
 """Tasks by name: which reader reads them, the benchmarks' pool splits, stratified subsets, a training run's
 queries, held-out queries and ICD pool, an evaluation's items."""
 import argparse
+import hashlib
 import math
 import os
 import random
@@ -20,8 +21,26 @@ def spec(task):
 
 
 def file_name(task):
-    """The task as run folders and result files name it: its name, or a task of one's own's (own_task.name_of)."""
-    return own_task.name_of(task) if own_task.is_own(task) else task
+    """The task as run folders and result files name it: a benchmark's name, or a task of one's own's name
+    (own_task.name_of) and a short hash of its real path, so two tasks named data.jsonl, or my/vqav2.jsonl and the
+    benchmark vqav2, never share a run folder."""
+    if not own_task.is_own(task):
+        return task
+    return f"{own_task.name_of(task)}-{hashlib.sha256(task_id(task).encode()).hexdigest()[:8]}"
+
+
+def task_id(task):
+    """What a task is to a run's record: a benchmark's name, or the real path of a task of one's own (however it was
+    written: data.jsonl, ./data.jsonl, a link to it)."""
+    return os.path.realpath(task) if own_task.is_own(task) else task
+
+
+def pool_ids(task):
+    """The ids of a task of one's own in one file's training pool (pool_split), which its evaluation half must not
+    hold; None for every other task (their training and evaluation items are separate files)."""
+    if not own_task.is_own(task) or None not in own_task.read(task)[1]:
+        return None
+    return [it.id for it in pool_split(own_task.read(task)[1][None], OWN_POOL_FRACTION)[0]]
 
 
 def task_arg(value):
@@ -59,8 +78,14 @@ def load_task(task, split, data_root=None):
 def pooled(task, items, fraction, split):
     """The training pool ("train") or evaluation part ("val") of items (pool_split), both sizes printed."""
     pool, rest = pool_split(items, fraction)
-    count = lambda part: f"{len(part)} questions on {len({it.image_path for it in part})} images"
+    count = lambda part: f"{len(part)} questions on {len(set(real_images(part)))} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
+    by_category = images_by_category(items, real_images(items))
+    if split == "train" and not pool:  # each category's share rounds to no image
+        raise ValueError(f"{task}: the training pool is empty: the images are split category by category (field "
+                         f"`category`), round({fraction} x images) of each, and each of its {len(by_category)} "
+                         f"categories has {max(map(len, by_category.values()))} image(s) at most; give fewer "
+                         "categories (one a subtask, not one a record)")
     return pool if split == "train" else rest
 
 
@@ -93,18 +118,26 @@ def pool_split(items, fraction, seed=SPLIT_SEED):
     """(training pool, evaluation part) of a benchmark without a training split: a seeded split by image. The images
     of each category (an image's first question's) are shuffled with (seed, category) and the first
     round(fraction x count) go to the pool, so every question of an image lands on the same side and each
-    subtask / dimension is split in the same proportion. Item order is kept on both sides."""
-    pool = set()
-    for c, images in images_by_category(items).items():
-        pool.update(random.Random(f"{seed}:{c}").sample(images, round(fraction * len(images))))
-    return [it for it in items if it.image_path in pool], [it for it in items if it.image_path not in pool]
+    subtask / dimension is split in the same proportion. An image is its real path (real_images). Item order is kept
+    on both sides."""
+    images, pool = real_images(items), set()
+    for c, of_c in images_by_category(items, images).items():
+        pool.update(random.Random(f"{seed}:{c}").sample(of_c, round(fraction * len(of_c))))
+    return [it for it, im in zip(items, images) if im in pool], [it for it, im in zip(items, images) if im not in pool]
 
 
-def images_by_category(items):
-    """{category: its images}, in order of first appearance; an image's category is its first question's."""
+def real_images(items):
+    """Each item's image as its real path: img/3.jpg, ./img/3.jpg and an absolute path to it are one image."""
+    real = {}
+    return [real.setdefault(it.image_path, os.path.realpath(it.image_path)) for it in items]
+
+
+def images_by_category(items, images):
+    """{category: its images}, in order of first appearance; an image's category is its first question's. images:
+    real_images(items)."""
     category, by_category = {}, {}
-    for it in items:
-        category.setdefault(it.image_path, it.category)
+    for it, image in zip(items, images):
+        category.setdefault(image, it.category)
     for image, c in category.items():
         by_category.setdefault(c, []).append(image)
     return by_category
@@ -123,20 +156,22 @@ def largest_remainder(total, sizes):
 def stratified_subset(items, n, seed=0):
     """A seeded subset of about n questions of a benchmark, stratified by category, drawn by image (--n-eval). The
     m = round(n x images / questions) images (MME: n / 2) are shared among the categories (an image's first
-    question's) in proportion to their images (largest remainders), and each category's images are drawn with
+    question's) in proportion to their images (largest remainders), and each category's images, in their order of
+    first appearance (which the original layout and the hub's parquet copy share; not their paths), are drawn with
     (seed, category); every question of a drawn image is kept, so both questions of an MME image are, and its
     results file is one official calculation.py accepts. Item order is kept."""
     if n <= 0:
         raise ValueError(f"--n-eval must be at least 1, got {n}")
     if not items:
         return items
-    by_category = {c: sorted(images) for c, images in sorted(images_by_category(items).items())}
-    n_images = sum(len(images) for images in by_category.values())
+    images = real_images(items)
+    by_category = dict(sorted(images_by_category(items, images).items()))
+    n_images = sum(len(of_c) for of_c in by_category.values())
     m = min(n_images, max(1, round(n * n_images / len(items))))
-    shares = largest_remainder(m, [len(images) for images in by_category.values()])
-    chosen = {image for (c, images), k in zip(by_category.items(), shares)
-              for image in random.Random(f"n-eval:{seed}:{c}").sample(images, k)}
-    return [it for it in items if it.image_path in chosen]
+    shares = largest_remainder(m, [len(of_c) for of_c in by_category.values()])
+    chosen = {image for (c, of_c), k in zip(by_category.items(), shares)
+              for image in random.Random(f"n-eval:{seed}:{c}").sample(of_c, k)}
+    return [it for it, im in zip(items, images) if im in chosen]
 
 
 def split_pool(args, family):

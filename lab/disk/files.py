@@ -87,6 +87,16 @@ def replaced(root, write):
     return root
 
 
+def plain_name(name):
+    """`name`, a string from data that becomes a file's name (a yes-no task's category: its MME results file
+    <category>.txt): not empty, "." or "..", and no path separator or NUL, so that a downloaded task file never names
+    a file outside the folder written. Anything else is a ValueError saying why (the caller names file, line, field)."""
+    if name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+        raise ValueError(f"{name!r} cannot be a file's name (it names a results file): no path separator, NUL, "
+                         "'.' or '..'")
+    return name
+
+
 # The writes every script makes (train.py, evaluate.py and lab's files), their leftovers cleaned up.
 
 def atomic_write(path, write, durable=True):
@@ -184,6 +194,29 @@ def remove_stale_tmp(folder):
                 shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
         except FileNotFoundError:
             pass  # another process removed it first
+
+
+def file_digest(path):
+    """sha256 (hex) of a file's bytes, read 1 MB at a time: what an image is to a cache key or a data fingerprint (about
+    0.1 ms for a COCO-size JPEG, docs/efficiency.md), so a file replaced by another of the same size and time is told
+    apart."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sorted_metadata(raw):
+    """safetensors bytes (safetensors.torch.save's) with their metadata in key order: safetensors writes a dict of
+    metadata in the order of a hash map, which changes from one save to the next, so an adapter of several keys would
+    not be the same bytes twice. The header is padded to 8 bytes as safetensors pads it; the tensors' bytes follow."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + raw[8 + n:]
 
 
 def weights_digest(tensors):

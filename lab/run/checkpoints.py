@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -42,12 +43,69 @@ def backbone_identity(backbone):
     return {"family": backbone.family, "fingerprint": fingerprint(backbone)}
 
 
-def save_adapter(path, backbone):
-    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)."""
+def save_adapter(path, backbone, run=None):
+    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)
+    and, from a training run, its record (run_record: which task and data made it)."""
     settings = {**backbone.model.icl_settings, "backbone": backbone.name, **adapter_shape(backbone),
                 **backbone_identity(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
-    files.atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
+    metadata = {"settings": json.dumps(settings)} | ({"run": json.dumps(run)} if run is not None else {})
+    files.atomic_write(path, lambda f: f.write(files.sorted_metadata(save(tensors, metadata=metadata))))
+
+
+def run_record(cfg, queries, heldout, icds):
+    """What made a run's adapter, as a plain dict: train.py's settings of RESUME_MUST_MATCH (the task as tasks.task_id:
+    a task of one's own by its real path), the data's folder (real path), `data`: data_fingerprint of its queries and
+    ICDs, and `pool`: a single-file task's training pool (its ids' hash), which its evaluation half must not hold.
+    last.pt and the adapter file keep it; --resume and evaluate.py compare it (restore, check_task)."""
+    pool = tasks.pool_ids(cfg.task)
+    return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "task": tasks.task_id(cfg.task),
+            "data_root": cfg.data_root and os.path.realpath(cfg.data_root),
+            "data": data_fingerprint(queries, heldout, icds), "pool": pool and short_hash(sorted(map(str, pool)))}
+
+
+def data_fingerprint(queries, heldout, icds):
+    """A hash (16 hex) of a run's data: each training query (id, question, answers, target, category and its image's
+    bytes) with its ICDs ({query id: items}), then the held-out queries, in order."""
+    digest = functools.lru_cache(maxsize=None)(files.file_digest)  # an image shared by several items read once
+    item = lambda it: [it.id, it.question, list(it.answers), it.target, it.category, digest(it.image_path)]
+    return short_hash([[item(q), [item(d) for d in icds[q.id]]] for q in queries] + [item(h) for h in heldout])
+
+
+def short_hash(obj):
+    """sha256 of obj as JSON, its first 16 hex digits."""
+    return hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
+
+
+def check_task(path, task, chosen):
+    """Check the adapter at `path` against the task it is to be scored on, by its record (read_record; none: nothing
+    to check). An adapter of another task is refused where evaluate.py chose it (`chosen`: the default checkpoint, no
+    --checkpoint naming it), a ValueError naming both; a single-file task whose training pool is no longer the one
+    the adapter was trained on (records added or removed: its evaluation half may now hold the adapter's training
+    queries) is said in a line."""
+    record = read_record(path)
+    if record is None:
+        return
+    if record.get("task") != tasks.task_id(task):
+        if chosen:
+            raise ValueError(f"{path} is an adapter of the task {record.get('task')}, not of {task} "
+                             f"({tasks.task_id(task)}); give --checkpoint {path} to score it on {task} anyway")
+        return
+    pool = tasks.pool_ids(task)
+    if pool is not None and record.get("pool") != short_hash(sorted(map(str, pool))):
+        print(f"warning: the training pool of {task} is not the one {path} was trained beside (records were added or "
+              "removed since, and the split by image moved): its evaluation half may hold the adapter's training "
+              "queries; train again, or keep the evaluation items in a file of their own (a folder task)")
+
+
+def read_record(path):
+    """The run record (run_record) an adapter file keeps, or None (an adapter saved without one: not by train.py, or
+    before records were kept)."""
+    try:
+        with safe_open(path, "pt") as f:
+            return json.loads((f.metadata() or {}).get("run", "null"))
+    except (SafetensorError, OSError, ValueError):
+        return None
 
 
 ADAPTER_FIELDS = ("method", "backbone", "layers", "heads", "head_dim")  # what every adapter's settings hold
@@ -134,8 +192,8 @@ def reattach(model, previous):
 
 
 def load_tensors(path, tensors, model):
-    """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor
-    is a ValueError naming the file and the tensor."""
+    """Load an adapter file's tensors into the attached adapter; a missing, extra (renamed) or wrongly shaped tensor,
+    or one holding NaN or inf, is a ValueError naming the file and the tensor."""
     expected = M.adapter_modules(model).state_dict()
     wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
         [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
@@ -144,6 +202,10 @@ def load_tensors(path, tensors, model):
     if wrong:
         raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
                          (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
+    broken = [name for name, t in sorted(tensors.items()) if t.is_floating_point() and not t.isfinite().all()]
+    if broken:  # it would answer nothing, and be scored
+        raise ValueError(f"{path}: its tensor {broken[0]} holds NaN or inf" + (f" (and {len(broken) - 1} more)" if
+                         broken[1:] else "") + "; the adapter is damaged or its run diverged")
     M.adapter_modules(model).load_state_dict(tensors)
 
 
@@ -153,7 +215,7 @@ def save_run(run):
         return
     state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
              "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.cfg),
-             "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1],
+             "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1], "run": run.record,
              "fingerprint": run.cache["id"]}  # the backbone's weights (fingerprint): a resume needs the same
     files.atomic_write(os.path.join(run.cfg.out, "last.pt"), lambda f: torch.save(state, f))
 
@@ -163,14 +225,24 @@ RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icd
                      "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed")
 
 
-def restore(args, backbone, optimizer, scheduler):
-    """Load <out>/last.pt into the run; refuse if it was made with other settings."""
+def restore(args, backbone, optimizer, scheduler, record):
+    """Load <out>/last.pt into the run; refuse if it was made with other settings or other data than this run's record
+    (run_record), naming the file; last.pt is left as it is."""
     path = os.path.join(args.out, "last.pt")
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     state = read_run(path)
-    differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
-              if state["args"].get(k) != getattr(args, k)]
+    saved = state.get("run") or {**{k: state["args"].get(k) for k in RESUME_MUST_MATCH},  # a last.pt of before
+                                 "task": tasks.task_id(state["args"].get("task", ""))}
+    differ = [f"--{k.replace('_', '-')} {saved.get(k)} (now {record[k]})" for k in RESUME_MUST_MATCH
+              if saved.get(k) != record[k]]
+    if "data" not in saved:
+        print(f"warning: --resume: {path} holds no fingerprint of its data (made before they were kept); its "
+              "training queries and ICDs are assumed to be this run's")
+    elif saved["data"] != record["data"]:
+        differ.append(f"other training data (its training or held-out queries, their answers, images or ICDs differ: "
+                      f"fingerprint {saved['data']}, now {record['data']}; --data-root {saved.get('data_root')}, now "
+                      f"{record['data_root']}; was the task changed since?)")
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
         differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
                       "only with as many as before)")
@@ -178,7 +250,7 @@ def restore(args, backbone, optimizer, scheduler):
     if state.get("fingerprint", here) != here:
         differ.append(f"other weights of --model {args.model} (fingerprint {state['fingerprint']}, now {here})")
     if differ:
-        raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ))
+        raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ) + "; it is left as it is")
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

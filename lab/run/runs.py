@@ -37,6 +37,7 @@ class Run:
     teacher: object           # the frozen teacher, train.py's run_teacher (handed in: micro_batches.pairs runs it)
     progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
     steps_per_epoch: int
+    record: dict = None       # what made the run (checkpoints.run_record), which last.pt and the adapter keep
     bar: tqdm = None          # the progress bar (the first process's)
     stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
     updating: bool = False    # inside an optimiser update (step): its parameters are between two steps
@@ -65,7 +66,8 @@ def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
     student_model = (torchrun.data_parallel(backbone.model, cfg.batch_size, len(queries))
                      if torchrun.rank_and_world()[1] > 1 else None)
     os.makedirs(cfg.teacher_cache, exist_ok=True)
-    progress = checkpoints.restore(cfg, backbone, optimizer, scheduler) if cfg.resume else \
+    record = checkpoints.run_record(cfg, queries, heldout, icds)
+    progress = checkpoints.restore(cfg, backbone, optimizer, scheduler, record) if cfg.resume else \
         {"step": 0, "best": math.inf, "history": []}
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0,
              "images": teacher_cache.image_key(backbone.processor),
@@ -73,7 +75,7 @@ def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
     if cfg.anchor != "none" and not cfg.no_teacher_cache:
         teacher_cache.check_cache_room(backbone, cfg, kind, queries, icds, cache)
     return Run(cfg, backbone, queries, heldout, icds, kind, device, optimizer, scheduler, student_model, cache, teacher,
-               progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum))
+               progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum), record=record)
 
 
 def epoch_steps(n_train, batch_size, grad_accum):
@@ -212,7 +214,7 @@ def end_of_epoch(run, epoch):
     loss = heldout_loss(run)
     if loss < progress["best"]:
         if first:
-            checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone)
+            checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, run.record)
         progress["best"] = loss
     progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
     if first:

@@ -14,25 +14,26 @@ from lab.models import backbones, families
 
 
 def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
-    """The cache key of one query's teacher states: backbone, task, query, its ICDs and each one's image file (size and
-    modification time: an image replaced at the same path is another key), the prompt format, how images are encoded
+    """The cache key of one query's teacher states: backbone, task, query, its ICDs and each one's image file (the
+    sha256 of its bytes, image_digest: an image replaced at the same path is another key, even of the same size and
+    modification time), the prompt format, how images are encoded
     (`images`: Idefics2's image splitting, which changes the query's tokens; `processor`: processor_settings) and the
     version of what the states are (model.LAYER_OUTPUTS_VERSION), so states cached under another definition are never
     read."""
-    item = lambda it: [it.id, it.image_path, image_stat(it.image_path), it.question, it.target]
+    item = lambda it: [it.id, it.image_path, image_digest(it.image_path), it.question, it.target]
     spec = {"backbone": backbone_id, "task": task, "query": item(query), "icds": [item(d) for d in icds],
             "prompts": data.PROMPTS, "separator": data.SEPARATOR, "states": M.LAYER_OUTPUTS_VERSION, "images": images,
             "processor": processor}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-def image_stat(path):
-    """(size, modification time in ns) of an image file, None where there is none (as RICES's feature cache keys)."""
+def image_digest(path):
+    """The sha256 of an image file's bytes (files.file_digest: about 0.1 ms for a COCO-size JPEG, against the tens
+    of MB of teacher states its key reads), None where there is no file."""
     try:
-        st = os.stat(path)
+        return files.file_digest(path)
     except (OSError, TypeError, ValueError):
         return None
-    return [st.st_size, st.st_mtime_ns]
 
 
 def processor_settings(processor):

@@ -41,6 +41,8 @@ def write_evaluation(stem, kind, items, predictions, metrics):
     and MME folder are removed first). Returns the metrics as written."""
     lines = "".join(json.dumps({"id": it.id, "prediction": p, "references": list(it.answers)}) + "\n"
                     for it, p in zip(items, predictions)).encode()
+    for subtask in {it.category for it in items} if kind == "yes-no" else ():  # before any file is touched
+        files.plain_name(subtask)
     try:  # never the old metrics (or MME folder) beside the new predictions, even if killed next
         os.remove(stem + ".metrics.json")
     except FileNotFoundError:
@@ -80,20 +82,23 @@ def headline_metric(metrics):
 
 # Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
 RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
-                   "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer")
+                   "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer",
+                   "new_tokens")
 
 
 def result_settings(backbone, args, setting, items):
     """An evaluation's RESULT_SETTINGS (the SEED protocol and a vector's file and layer are added by evaluate): the
     backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
-    choice (where there are demonstrations), the seed, --n-eval (recorded, not compared) and the items scored (their
-    count and a hash of their ids: what was scored, however --n-eval chose it)."""
+    choice (where there are demonstrations), the tokens generated per query (--new-tokens or the task's), the seed,
+    --n-eval (recorded, not compared) and the items scored (their count and a hash of their ids: what was scored,
+    however --n-eval chose it)."""
     splitting, rices = teacher_cache.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
     return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
             "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
             "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
             "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
             "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
+            "new_tokens": args.new_tokens or tasks.spec(args.task).max_new_tokens,
             "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16]}
 
 

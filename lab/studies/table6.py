@@ -237,11 +237,24 @@ def attention_call(model, T):
     device, dtype = model.device, model.dtype
     _, heads, head_dim = M.attention_shape(model)
     kv_heads = getattr(attn.config, "num_key_value_heads", None) or heads
-    q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
-    k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
-    return (torch.no_grad()(lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling)),
-            torch.no_grad()(lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling)),
+    with fitting(T):
+        q = torch.randn(1, heads, T, head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(1, kv_heads, T, head_dim, device=device, dtype=dtype) for _ in range(2))
+    return (fitting(T)(torch.no_grad()(lambda: M.calibrated_attention(attn, q, k, v, None, scaling=attn.scaling))),
+            fitting(T)(torch.no_grad()(lambda: attn.icl_adapter.reference(q, k, v, None, attn.scaling))),
             f"{heads} heads ({kv_heads} key/value) x {head_dim}")
+
+
+@contextlib.contextmanager
+def fitting(T):
+    """Torch's RuntimeError inside (memory it cannot allocate: the T x T reference at --attention-tokens 1e9)
+    becomes a one-line ValueError naming --attention-tokens; a decorator too."""
+    try:
+        yield
+    except RuntimeError as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise ValueError(f"--attention-tokens {T}: one attention layer at {T} tokens does not fit in memory ({why}); "
+                         "lower --attention-tokens") from None
 
 
 def attention_benchmark(model, T=2048, rounds=ROUNDS):
