@@ -19,7 +19,7 @@ from torch import nn
 
 def decompose(logits_D, logits, V_D, V, mask=None):
     """Eq 2 written out: SA over [K_D; K] = (1 - mu) SA(q, K, V) + mu SA(q, K_D, V_D), per query row. The tests hold
-    it to the left side (joint_attention); HiFICL and MimIC run it fused (virtual_key_attention).
+    it to the left side (joint_attention); HiFICL and MimIC run it fused (attention_lse).
 
     logits_D: [..., T, T_D] = q K_D^T (already scaled); logits: [..., T, T_k] = q K^T; V_D: [..., T_D, d_v];
     V: [..., T_k, d_v]; mask: bool broadcastable to logits (True = attend), applied to K only.
@@ -142,17 +142,18 @@ class HiFICL(nn.Module):
         return joint_attention(logits_D, logits, V_learn.expand(len(q), -1, -1, -1), v, seen)
 
     def forward(self, q, k, v, mask, scaling):
-        """What runs: the reference, computed by Eq 2 without a T x T_k tensor (an optimisation, same function):
-        (1 - mu) SA(q, K, V) + mu SA(q, K_learn, V_learn), mu = Z1 / (Z1 + Z2). The T x n virtual part is computed
-        directly (float32 or float64); the real keys go through one fused call that also returns mu
-        (virtual_key_attention: one virtual key with logit log Z1 = logsumexp(q K_learn^T scaling)), with K and V
-        grouped as the model keeps them.
+        """What runs: the reference, computed by Eq 2 without a T x T_k tensor and without a copy of K or V (an
+        optimisation, same function): (1 - mu) SA(q, K, V) + mu SA(q, K_learn, V_learn), mu = Z1 / (Z1 + Z2). The
+        T x n virtual part is computed directly (float32 or float64); SA and log Z2 come from the model's K and V as
+        it keeps them (attention_lse).
         """
         K_learn, V_learn = self.virtual(torch.promote_types(q.dtype, torch.float32))
-        logits_D = q.to(K_learn.dtype) @ K_learn.transpose(-1, -2) * scaling    # [batch, H, T, n]
-        weighted_SA, mu, _ = virtual_key_attention(q, k, v, torch.logsumexp(logits_D, -1), mask, scaling)
-        SA_D = logits_D.softmax(-1) @ V_learn                                  # SA(q, K_learn, V_learn)
-        return torch.addcmul(weighted_SA.to(SA_D.dtype), mu.to(SA_D.dtype), SA_D).to(q.dtype)
+        logits_D = q.to(K_learn.dtype) @ (K_learn.transpose(-1, -2) * scaling)  # [batch, H, T, n]
+        log_Z1 = torch.logsumexp(logits_D, -1, keepdim=True)
+        SA_D = torch.exp(logits_D - log_Z1) @ V_learn                          # SA(q, K_learn, V_learn)
+        SA, log_Z2 = attention_lse(q, k, v, mask, scaling)
+        mu = torch.sigmoid(log_Z1 - log_Z2)                                     # Z1 / (Z1 + Z2)
+        return torch.lerp(SA.to(SA_D.dtype), SA_D, mu).to(q.dtype)             # Eq 2: (1 - mu) SA + mu SA_D
 
 
 # ------------------------------------------------------------- baselines: static gates, output level, MimIC, LIVE
@@ -228,16 +229,12 @@ class MimIC(nn.Module):
         return SA + mu.to(q.dtype) * self.s.to(q.dtype)[:, None]
 
     def forward(self, q, k, v, mask, scaling):
-        """What runs: the reference in one fused call over [virtual key; K] (same function): the virtual key's
-        logit is log Z1 (virtual_key_attention), SA = (1 - mu) SA / (1 - mu), each read with the kernel's own
-        relative precision. A query that may see no real key (a padding row) gets SA = 0, as in SDPA; elsewhere
-        nothing is clamped: if Z2 / Z1 underflows (log Z1 - log Z2 > ~100 in float32), the result is NaN and
-        training stops on it.
-        """
-        weighted_SA, mu, one_minus_mu = virtual_key_attention(q, k, v, self.log_Z1(q)[..., 0], mask, scaling)
-        if mask is not None:  # a row that sees no real key: (1 - mu) SA = 0, so SA = 0
-            one_minus_mu = one_minus_mu.masked_fill(~mask.any(-1, keepdim=True), 1)
-        return torch.addcmul(weighted_SA / one_minus_mu, mu, self.s.to(q.dtype)[:, None])
+        """What runs: the reference without a T x T_k tensor and without a copy of K or V (same function): SA and
+        log Z2 from the model's K and V as it keeps them (attention_lse); a token that sees no key gets SA = 0 and
+        mu = 1, as in the reference."""
+        SA, log_Z2 = attention_lse(q, k, v, mask, scaling)
+        mu = torch.sigmoid(self.log_Z1(q) - log_Z2)                             # Z1 / (Z1 + Z2)
+        return torch.addcmul(SA, mu.to(q.dtype), self.s.to(q.dtype)[:, None])  # SA + mu s
 
 
 class LIVE(nn.Module):
@@ -283,7 +280,7 @@ METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, 
            "output-level": OutputLevel, "mimic": MimIC, "live": LIVE, "lora": lora_config}
 
 
-# ------------------------------------------- kernel helpers (optimisations): masks, SDPA, one virtual key
+# ------------------------------------ kernel helpers (optimisations): masks, SDPA, SDPA with its log-sum-exp
 
 def causal_mask(T, T_k, device):
     """Bool [T, T_k]: query i (the last T of T_k positions) may attend key j <= T_k - T + i."""
@@ -315,26 +312,61 @@ def per_query_head(x, heads):
     return x.repeat_interleave(heads // x.shape[1], 1)
 
 
-def virtual_key_attention(q, k, v, log_Z1, mask, scaling):
-    """Eq 2 in one fused call: attention over [k_D; K] where one virtual key k_D, with value 0, has the logit log Z1
-    ([batch, H, T], per query and head) and the real keys keep the model's mask. Returns ((1 - mu) SA(q, K, V), mu,
-    1 - mu), each [batch, H, T, *], mu = Z1 / (Z1 + Z2), Z2 = sum over the keys the query may see of exp(q.k scaling).
-
-    q gains a column log Z1 / scaling; the virtual key is the unit vector on it (real keys hold 0 there), so it is one
-    key shared by every query head and K stays grouped. Two value columns mark the virtual and the real keys: the
-    kernel returns mu and 1 - mu there, each with its own relative precision. Under plain causal attention (mask None)
-    a leading dummy query row lines the kernel's own causal mask up with [k_D; K]; a decoding step (T = 1) sees every
-    key; otherwise the model's bool mask gains one always-true column. No T x T_k tensor is formed.
+def attention_lse(q, k, v, mask, scaling):
+    """What Eq 2 needs of the real keys, from K and V as the model keeps them (grouped, never copied): SA(q, K, V) and
+    log Z2 = log sum_j exp(q.k_j scaling) over the keys j the query may see: [batch, H, T, d_h], [batch, H, T, 1].
+    A query that may see no key (a padding row) gets SA = 0, as in SDPA, and log Z2 = -inf, so that mu = 1.
+    A decoding step reads them off its logits (one_query_attention_lse), longer inputs from one fused kernel
+    (fused_attention_lse).
     """
-    d_h, lead = q.shape[-1], int(mask is None and q.shape[-2] > 1)
-    width = -(-(d_h + 2) // 8) * 8                         # fused kernels take head sizes in multiples of 8
-    pad = lambda x, rows: F.pad(x, (0, width - d_h, rows, 0))   # zero columns after d_h, zero rows before
-    q_aug, k_aug, v_aug = pad(q, lead), pad(k, 1), pad(v, 1)
-    q_aug[..., lead:, d_h] = (log_Z1 / scaling).to(q.dtype)
-    k_aug[..., 0, d_h] = 1                                 # the virtual key: the unit vector on column d_h
-    v_aug[..., 0, d_h] = 1                                 # its value marks its weight, mu
-    v_aug[..., 1:, d_h + 1] = 1                            # real keys: (1 - mu) SA and their weight, 1 - mu
+    SA, log_Z2 = (one_query_attention_lse if q.shape[-2] == 1 else fused_attention_lse)(q, k, v, mask, scaling)
     if mask is not None:
-        mask = torch.cat([mask.new_ones(*mask.shape[:-1], 1), mask], -1)
-    out = sdpa(q_aug, k_aug, v_aug, mask, scale=scaling)[..., lead:, :]
-    return out[..., :d_h], out[..., d_h:d_h + 1], out[..., d_h + 1:d_h + 2]
+        none = ~mask.any(-1, keepdim=True)
+        SA, log_Z2 = SA.masked_fill(none, 0), log_Z2.masked_fill(none, -math.inf)
+    return SA, log_Z2
+
+
+def one_query_attention_lse(q, k, v, mask, scaling):
+    """attention_lse for one query token against the cache (a decoding step). Why not the fused kernel: the logits
+    are one row of T_k per head, small, so they are formed directly and log Z2 read off them; the step reads K and V
+    once each, as SDPA's does (on a CPU in a third to a half of SDPA's time: docs/efficiency.md). The logits are
+    rounded to the model's dtype, as in transformers' eager attention; the softmax runs in float32 (or float64).
+    """
+    (B, H, _, d_h), H_kv = q.shape, k.shape[1]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    logits = (q.reshape(B, H_kv, H // H_kv, d_h) @ k.transpose(-1, -2)).to(dtype) * scaling  # a group's heads at once
+    if mask is not None:                                                    # [B, 1, 1, T_k] on [B, H_kv, H / H_kv, T_k]
+        logits = logits.masked_fill(~mask, -math.inf)
+    log_Z2 = torch.logsumexp(logits, -1, keepdim=True)
+    SA = torch.exp(logits - log_Z2).to(v.dtype) @ v
+    return SA.view(B, H, 1, d_h), log_Z2.view(B, H, 1, 1)
+
+
+def fused_attention_lse(q, k, v, mask, scaling):
+    """attention_lse from one fused kernel that returns the log-sum-exp of its logits beside its output (it keeps it
+    for its backward; SDPA's public call drops it): on a CPU the flash kernel SDPA itself runs there (grouped heads
+    shared), on CUDA the memory-efficient kernel (heads repeated, the mask aligned as SDPA aligns it). No T x T_k
+    tensor beyond the additive mask SDPA forms too. The kernels' log-sum-exp carries no gradient; where one is wanted
+    it is added: d log Z2 = sum_j p_j d(q.k_j) scaling (p the attention weights) is the gradient of
+    scaling q.SA(q, K, K) with the weights held, one more fused call, made only then.
+    """
+    (B, H, T, _), T_k = q.shape, k.shape[-2]
+    if mask is None and T != T_k:
+        mask = causal_mask(T, T_k, q.device)
+    bias = None if mask is None else \
+        torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)  # as SDPA makes it
+    if q.device.type == "cpu":
+        SA, log_Z2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=mask is None, attn_mask=bias, scale=scaling)
+    else:
+        if bias is not None:                                              # rows 8-aligned, one per head
+            bias = F.pad(bias, (0, -T_k % 8))[..., :T_k].expand(B, H, T, T_k)
+        SA, log_Z2 = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, per_query_head(k, H), per_query_head(v, H), bias, True, is_causal=mask is None, scale=scaling)[:2]
+        log_Z2 = log_Z2[..., :T]                                          # the kernel pads T to a multiple of 32
+    log_Z2 = log_Z2[..., None]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        mean_k = sdpa(q.detach(), k.detach(), k, mask, scale=scaling)     # sum_j p_j k_j, p held
+        held = (q * mean_k).sum(-1, keepdim=True) * scaling
+        log_Z2 = log_Z2 + (held - held.detach())                          # the same value, its gradient
+    return SA, log_Z2

@@ -7,7 +7,7 @@ import benchmarks
 import adapters
 import evaluate as E
 import model as M
-from adapters import HiFICL
+from adapters import HiFICL, MimIC
 from lab.models import backbones, published
 from lab.studies import table6
 
@@ -22,6 +22,20 @@ def test_hificl_without_padding_builds_no_mask_and_equals_the_masked_path(T, S, 
     want = adapter(q, k, v, causal, 8 ** -0.5)                    # the explicit [B, 1, T, n + S] mask
     monkeypatch.setattr(adapters, "causal_mask", lambda *a: pytest.fail("a mask was built"))
     torch.testing.assert_close(adapter(q, k, v, None, 8 ** -0.5), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [HiFICL, MimIC])
+def test_a_decoding_step_copies_no_cache(cls):
+    """One query token against a cache of 4,096 keys (4 MiB of K and V), with and without a padding mask: the step
+    allocates under 1/8 of the cache (its logits, 64 kB), where a padded copy of K and V (the virtual-key path this
+    replaced) allocated 4.5 MiB."""
+    H, d_h, S = 4, 64, 4096
+    adapter, q = cls(H, d_h), torch.randn(1, H, 1, d_h)
+    k, v = torch.randn(2, 1, 2, S, d_h)
+    cache_mib = (k.numel() + v.numel()) * 4 / 2 ** 20
+    for mask in (None, (torch.arange(S) >= 5)[None, None, None]):
+        with torch.no_grad():
+            assert table6.peak_memory_mb(lambda: adapter(q, k, v, mask, d_h ** -0.5)) < cache_mib / 8
 
 
 @pytest.mark.parametrize("family", table6.SYNTHETIC)  # synthetic prompts: the paper's families

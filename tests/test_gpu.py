@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+import adapters
 import evaluate
 import model as M
 import train
@@ -131,3 +132,34 @@ def test_the_gpu_run_rehearsed_on_the_cpu(tmp_path, monkeypatch):
     assert 0 < rows["share of a step waiting for its batches"][0] < 1  # 0 workers on a CPU: the loop builds them
     assert rows["cache bytes a query"][0] == pytest.approx(rows["cache bytes a query"][1], rel=0.05)
     assert [r["setting"] for r in table6] == ["zero-shot", "hyper-icl", "2-shot"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cls", [adapters.HiFICL, adapters.MimIC])
+def test_hificl_and_mimic_on_cuda_equal_the_float64_reference(cls):
+    """adapters.fused_attention_lse's CUDA branch (the memory-efficient kernel's log-sum-exp, the mask aligned as SDPA
+    aligns it) runs nowhere else: outputs and gradients in float32 on CUDA against the float64 reference on the CPU,
+    for a left-padded prefill of 37 tokens (not a multiple of 8), 37 tokens after a cached prefix of 13, plain causal,
+    and a padded decoding step; grouped heads (8 query, 2 key/value, 64 wide)."""
+    H, H_kv, d_h = 8, 2, 64
+    torch.manual_seed(0)
+    reference = cls(H, d_h).double()
+    for p in reference.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    adapter = cls(H, d_h).cuda()
+    adapter.load_state_dict(reference.state_dict())
+    for T, S, pad in [(37, 37, 5), (37, 50, 3), (37, 37, 0), (1, 50, 7)]:
+        q, k, v = torch.randn(2, H, T, d_h).double(), *torch.randn(2, 2, H_kv, S, d_h).double()
+        keys = torch.arange(S) >= torch.tensor([0, pad])[:, None]                      # row 1 left-padded
+        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T) & keys[:, None, None] if pad else None
+        weights = torch.randn(2, H, T, d_h).double()
+        results = []
+        for module, device, dtype in ((reference, "cpu", torch.float64), (adapter, "cuda", torch.float32)):
+            inputs = [x.to(device, dtype).requires_grad_() for x in (q, k, v)]
+            out = module(*inputs, None if mask is None else mask.to(device), d_h ** -0.5)
+            grads = torch.autograd.grad((out * weights.to(device, dtype)).sum(), [*inputs, *module.parameters()])
+            results.append([out, *grads])
+        for want, got in zip(*results):
+            seen = torch.isfinite(want)
+            assert ((got.double().cpu() - want)[seen].norm() / want[seen].norm()).item() <= 1e-4, (T, S, pad)

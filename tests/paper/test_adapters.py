@@ -1,6 +1,7 @@
 """The attention math of adapters.py against independent float64 references (Eq 2, Eq 3-9, HiFICL)."""
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -168,6 +169,51 @@ def test_grouped_key_value_heads_equal_the_same_heads_repeated(cls, H_kv, groups
     if cls.reference is not None:  # every method with a readable form beside its fused one
         torch.testing.assert_close(adapter.reference(q, k, v, mask, d_h ** -0.5), adapter(q, k, v, mask, d_h ** -0.5),
                                    rtol=1e-10, atol=1e-10)
+
+
+def left_padded_step(pads, S):
+    """One decoding step's mask, as transformers builds it: bool [B, 1, 1, S], row b's first pads[b] keys hidden."""
+    return (torch.arange(S) >= torch.tensor(pads)[:, None])[:, None, None]
+
+
+@pytest.mark.parametrize("cls", [HiFICL, MimIC])
+def test_decoding_steps_equal_the_reference_at_several_cache_lengths_with_left_padding(cls):
+    """A decoding step (one query token: attention_lse reads its logits directly) against caches of 1 to 700 keys,
+    rows left-padded differently, grouped key/value heads: equal to the reference (its T x T_k logits) in float64, and
+    within 1e-5 of it, relatively, in float32."""
+    H, H_kv, d_h = 4, 2, 16
+    torch.manual_seed(0)
+    adapter = cls(H, d_h).double()
+    for p in adapter.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    for S, pads in [(1, [0, 0, 0]), (9, [0, 4, 8]), (130, [0, 61, 129]), (700, [3, 0, 699])]:
+        q, k, v = rand(3, H, 1, d_h, seed=S), rand(3, H_kv, S, d_h, seed=S + 1), rand(3, H_kv, S, d_h, seed=S + 2)
+        for mask in (left_padded_step(pads, S), None):
+            want = adapter.reference(q, k, v, mask, d_h ** -0.5)
+            torch.testing.assert_close(adapter(q, k, v, mask, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
+            got = adapter.float()(q.float(), k.float(), v.float(), mask, d_h ** -0.5).double()
+            assert ((got - want).norm() / want.norm()).item() <= 1e-5
+            adapter.double()
+
+
+@pytest.mark.parametrize("cls", [HiFICL, MimIC])
+@pytest.mark.parametrize("T, S, padded", [(5, 5, True), (5, 5, False), (3, 7, True), (1, 7, True), (1, 7, False)])
+def test_gradients_equal_the_references(cls, T, S, padded):
+    """Training goes through the fused path: the gradients with respect to q, K, V (earlier layers' adapters reach
+    them) and the adapter's parameters equal the reference's, float64. The fused kernel's log Z2 carries no gradient
+    of its own; fused_attention_lse supplies it."""
+    H, H_kv, d_h = 4, 2, 8
+    torch.manual_seed(T + S)
+    adapter = cls(H, d_h).double()
+    for p in adapter.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    q, k, v = (rand(2, h, t, d_h, seed=i).requires_grad_() for i, (h, t) in enumerate([(H, T), (H_kv, S), (H_kv, S)]))
+    mask = padding_mask(2, T, S, seed=T) if padded else None
+    weights, inputs = rand(2, H, T, d_h, seed=9), (q, k, v, *adapter.parameters())
+    got = torch.autograd.grad((adapter(q, k, v, mask, d_h ** -0.5) * weights).sum(), inputs)
+    want = torch.autograd.grad((adapter.reference(q, k, v, mask, d_h ** -0.5) * weights).sum(), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 def test_hyper_icl_fast_path_bf16_relative_error():
