@@ -60,6 +60,7 @@ class Config:
     checkpoint: Optional[str] = None  # adapter; None: runs/<model>-<task>-hyper-icl/'s if it exists and no --shots
     shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    icd_task: Optional[str] = None    # --shots' ICDs from this task's training split (Table 8), the queries --task's
     rices_encoder: Optional[str] = None  # RICES's image encoder, a CLIP hub id or path (None: the backbone's own)
     rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
     split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
@@ -223,7 +224,7 @@ def evaluate(backbone, args, items, setting, vector=None):
     if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
         test_server.check_replaceable(args, setting, stem)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
-        support = tasks.load_task(args.task, "train", args.data_root)
+        support = tasks.icd_support(args)
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",

@@ -54,6 +54,7 @@ class Config:
     anchor: Optional[Literal["hyperbolic", "euclidean", "mse", "kl", "none"]] = None  # None: the method's (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    icd_task: Optional[str] = None    # the teacher's ICDs from this task's training split, the queries --task's
     # not stated in the paper
     n_heldout: int = 32               # queries held out of the training pool to pick the best epoch
     epochs: int = 3                   # passes over the training queries (the best epoch is kept)

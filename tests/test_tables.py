@@ -1,9 +1,15 @@
 """The paper's tables in one command (lab/studies/tables.py and its runner, printer and plan): the published numbers
 against the paper's own table text, the layouts, and --table on the tiny twins at rehearsal size."""
+import dataclasses
 import os
 
 import pytest
 
+import benchmarks
+import data as D
+import evaluate
+import train
+from lab.datasets import tasks
 from lab.studies import tables
 
 PAPER_TEXT = os.path.join(os.path.dirname(tables.__file__), "paper-tables.txt")
@@ -94,3 +100,36 @@ def test_the_other_tables_name_their_mode():
         tables.layout("6", "idefics2")
     with pytest.raises(ValueError, match="no table '12'"):
         tables.layout("12", "idefics2")
+
+
+# -----------------------------------------------------------------------------
+# --icd-task (Table 8): the query from one task, its ICDs from another's training split
+
+
+def test_icd_task_draws_from_the_other_tasks_training_split_with_ids_apart():
+    flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--icd-task", "vqav2", "--data-root", benchmarks.ROOT]
+    args = evaluate.parse_args([*flags, "--shots", "2"])
+    vqav2 = tasks.load_task("vqav2", "train", benchmarks.ROOT)
+    support = tasks.icd_support(args)
+    assert [(it.id, it.image_path, it.question) for it in support] == \
+        [(f"vqav2:{it.id}", it.image_path, it.question) for it in vqav2]
+    assert tasks.split_pool(train.parse_args([*flags, "--n-train", "2"]), "idefics2")[2] == support  # the teacher's
+    query = dataclasses.replace(tasks.load_task("ok-vqa", "val", benchmarks.ROOT)[0], id=vqav2[0].id)  # one number
+    drawn = [d.id for seed in range(8) for d in D.demonstrations([query.id], support[:3], 2, seed)[0]]
+    assert f"vqav2:{query.id}" in drawn  # an ICD of another task is never taken for the query it shares a number with
+    assert tasks.icd_support(evaluate.parse_args([*flags[:4], "--data-root", benchmarks.ROOT])) == \
+        tasks.load_task("ok-vqa", "train", benchmarks.ROOT)  # no --icd-task: the query's own training split
+
+
+def test_icd_task_evaluation_records_its_source_and_refuses_another_kind(tmp_path, capsys):
+    flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--data-root", benchmarks.ROOT, "--n-eval", "2",
+             "--shots", "2", "--out", str(tmp_path)]
+    metrics = evaluate.main([*flags, "--icd-task", "vqav2"])
+    assert metrics["icd_task"] == "vqav2" and metrics["setting"] == "2-shot"
+    assert os.path.exists(tmp_path / "ok-vqa-val-2-shot-icds-vqav2-seed0-n2.metrics.json")
+    with pytest.raises(SystemExit):
+        evaluate.parse_args([*flags, "--icd-task", "coco"])
+    assert "--icd-task coco is a caption task and --task ok-vqa a vqa one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--task", "ok-vqa", "--icd-task", "vqav2"])
+    assert "--icd-task draws the ICDs of n-shot ICL" in capsys.readouterr().err

@@ -57,6 +57,10 @@ def parse_args(argv, doc, defaults, train_parse):
     if readers.server_split(args.task, args.split) and (args.curve or args.gates or args.hyperbolicity):
         p.error(f"--split {args.split} has no answers: it is for an evaluation (the test server's file), not "
                 "--curve, --gates or --hyperbolicity")
+    if args.icd_task and not args.shots:
+        p.error("--icd-task draws the ICDs of n-shot ICL: give their number with --shots N")
+    if tasks.check_icd_task(args.task, args.icd_task):
+        p.error(tasks.check_icd_task(args.task, args.icd_task))
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.chair and args.task != "coco":

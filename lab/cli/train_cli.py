@@ -5,6 +5,7 @@ import tempfile
 import time
 
 from lab.disk import files
+from lab.datasets import tasks
 from lab.models import families, toy_backbone
 from lab.run import checkpoints
 from lab.cli import flags
@@ -22,6 +23,8 @@ def parse_args(argv, doc, defaults):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
+    if tasks.check_icd_task(args.task, args.icd_task):
+        p.error(tasks.check_icd_task(args.task, args.icd_task))
     flags.check_image_memory(p, args.image_memory)
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else
                             checkpoints.default_out(args.model, args.task, args.method))

@@ -4,6 +4,7 @@ import argparse
 import math
 import os
 import random
+from dataclasses import replace
 
 import data
 from lab.datasets import mme_seed, own_task, parquet, readers, toy_world
@@ -154,7 +155,24 @@ def split_pool(args, family):
               f"(+{len(heldout)} held out)")
     shots = args.shots if args.shots is not None else data.default_shots(spec(args.task), family)
     held = {it.id for it in heldout}
-    return train, heldout, [it for it in pool if it.id not in held], shots
+    return train, heldout, icd_support(args) if args.icd_task else [it for it in pool if it.id not in held], shots
+
+
+def icd_support(args):
+    """The items a query's ICDs are drawn from: --task's training split, or --icd-task's (Table 8: demonstrations from
+    another task), each of its ids then prefixed with that task's name ("vqav2:1000"), so that ids stay apart: no ICD
+    is taken for the query it shares a number with, and no cache key or RICES row confuses the two."""
+    if not args.icd_task or args.icd_task == args.task:
+        return load_task(args.task, "train", args.data_root)
+    return [replace(it, id=f"{args.icd_task}:{it.id}") for it in load_task(args.icd_task, "train", args.data_root)]
+
+
+def check_icd_task(task, icd_task):
+    """The reason --icd-task cannot give --task's queries their ICDs (None if it can): a task of another kind."""
+    if icd_task and spec(icd_task).kind != spec(task).kind:
+        return (f"--icd-task {icd_task} is a {spec(icd_task).kind} task and --task {task} a {spec(task).kind} one; "
+                "their ICDs and queries must be of one kind")
+    return None
 
 
 def eval_items(args):

@@ -11,7 +11,8 @@ from lab.run import checkpoints, teacher_cache
 
 def result_name(args, setting, n, vector_info):
     """The file name (no extension) of an evaluation's results, naming what besides the folder a user varies:
-    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-splitting-on|off][-<RICES encoder>]
+    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-splitting-on|off][-icds-<--icd-task>]
+    [-<RICES encoder>]
     [-<vector layer and file key>][-chair[-corrected]][-<checkpoint key: a hash of its path, if it is not the folder's
     adapter.safetensors>]-seed<seed>-n<items>. What else changes a result (the backbone, --data-root, --n-eval) is in
     the metrics, and check_replaceable keeps a file of other settings from being replaced."""
@@ -21,6 +22,8 @@ def result_name(args, setting, n, vector_info):
         parts.append(args.seed_protocol)
     if args.image_splitting != "checkpoint":
         parts.append("splitting-" + args.image_splitting)
+    if args.icd_task and args.shots:
+        parts.append("icds-" + tasks.file_name(args.icd_task))
     if args.icds == "rices" and args.shots and args.rices_encoder:
         parts.append("encoder-" + short(args.rices_encoder))
     if vector_info:
@@ -80,7 +83,8 @@ def headline_metric(metrics):
 
 # Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
 RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
-                   "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer")
+                   "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer",
+                   "icd_task")
 
 
 def result_settings(backbone, args, setting, items):
@@ -92,7 +96,8 @@ def result_settings(backbone, args, setting, items):
     return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
             "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
             "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
-            "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
+            "icds": args.icds if args.shots else None, "icd_task": args.icd_task if args.shots else None,
+            "rices_encoder": args.rices_encoder if rices else None,
             "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
             "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16]}
 
