@@ -217,6 +217,8 @@ def evaluate(backbone, args, items, setting, vector=None):
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
         with open(args.checkpoint, "rb") as f:
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
+        metrics |= {"params": sum(p.numel() for p in M.adapter_modules(backbone.model).parameters()),
+                    "run": checkpoints.read_record(args.checkpoint)}  # what made the adapter: a table's column
     if kind == "choice":
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work

@@ -42,12 +42,43 @@ def backbone_identity(backbone):
     return {"family": backbone.family, "fingerprint": fingerprint(backbone)}
 
 
-def save_adapter(path, backbone):
-    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)."""
+def save_adapter(path, backbone, run=None):
+    """Save the adapter's parameters alone, with its settings (method, sizes, backbone, shape, family, fingerprint)
+    and, given, the run that trained it (run_record) under the metadata key "run"."""
     settings = {**backbone.model.icl_settings, "backbone": backbone.name, **adapter_shape(backbone),
                 **backbone_identity(backbone)}
     tensors = {k: v.detach().contiguous().cpu() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
-    files.atomic_write(path, lambda f: f.write(save(tensors, metadata={"settings": json.dumps(settings)})))
+    metadata = {"settings": json.dumps(settings)} | ({} if run is None else {"run": json.dumps(run)})
+    files.atomic_write(path, lambda f: f.write(sorted_metadata(save(tensors, metadata=metadata))))
+
+
+def sorted_metadata(blob):
+    """safetensors bytes with their metadata's keys in sorted order: safetensors writes them in the order of a Rust
+    HashMap, which changes from process to process, so two keys would make the same adapter two files. The header
+    stays JSON padded with spaces to a multiple of 8 bytes (as safetensors pads it); the tensors' bytes are
+    unchanged, and so is everything a reader sees."""
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + n:]
+
+
+def run_record(cfg, queries, icds):
+    """What made an adapter, as its file and every result scored with it record it: train.py's settings that a resumed
+    run must share (RESUME_MUST_MATCH: the method, anchor, lambda, kappa, rank, shots, ICDs and their task...), the
+    data's folder and a fingerprint of the data: a hash of the training queries' ids and each one's ICDs' ids."""
+    data_ids = [[q.id, [d.id for d in icds[q.id]]] for q in queries]
+    return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "data_root": cfg.data_root and
+            os.path.abspath(cfg.data_root), "data": hashlib.sha256(json.dumps(data_ids).encode()).hexdigest()[:16]}
+
+
+def read_record(path):
+    """The run record (run_record) of an adapter file, None for a file saved without one."""
+    with safe_open(path, "pt") as f:
+        record = (f.metadata() or {}).get("run")
+    return None if record is None else json.loads(record)
 
 
 ADAPTER_FIELDS = ("method", "backbone", "layers", "heads", "head_dim")  # what every adapter's settings hold
@@ -160,7 +191,7 @@ def save_run(run):
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
                      "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
-                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed")
+                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed", "icd_task")
 
 
 def restore(args, backbone, optimizer, scheduler):

@@ -212,7 +212,8 @@ def end_of_epoch(run, epoch):
     loss = heldout_loss(run)
     if loss < progress["best"]:
         if first:
-            checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone)
+            checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone,
+                                     checkpoints.run_record(run.cfg, run.queries, run.icds))
         progress["best"] = loss
     progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
     if first:
