@@ -68,6 +68,7 @@ class Config:
     seed: int = 0                     # the demonstration draw
     seed_protocol: Optional[Literal["generate", "likelihood"]] = None  # SEED: None: generate; likelihood: official
     force: bool = False               # load a --checkpoint of another backbone of the same shape (with a warning)
+    again: bool = False               # evaluate even where --out holds a result of these settings (else it is read)
     # the machine and the files
     data_root: Optional[str] = None   # datasets in their official layout (docs/real-models.md; toy-icl-*: none)
     out: Optional[str] = None         # results (None: the checkpoint's folder, else runs/eval-<model>-<task>)
@@ -225,6 +226,9 @@ def evaluate(backbone, args, items, setting, vector=None):
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
     if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
         test_server.check_replaceable(args, setting, stem)
+    elif not args.again and results.same_result(stem, kind, metrics):  # evaluated before: read, not redone
+        print(f"{args.model} {args.task}/{args.split} {setting}: read {stem}.metrics.json (the same settings)")
+        return results.same_result(stem, kind, metrics)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
         support = tasks.icd_support(args)
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
@@ -287,9 +291,10 @@ def parse_args(argv=None):
     return eval_cli.parse_args(argv, __doc__, Config(), train.parse_args)
 
 
-def main(argv=None):
+def main(argv=None, load=backbones.load_backbone):
     """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]. Under
-    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes)."""
+    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes). load:
+    what loads the backbone (a table's runner hands in one that loads it once for all its cells)."""
     args = parse_args(argv)
     if args.plan:  # before any folder is made or weights load
         return plan.plan(args, queries=tasks.eval_items(args))
@@ -312,8 +317,7 @@ def main(argv=None):
         if args.random_weights:
             backbone = published.random_backbone(args.model, args.random_weights)
         else:
-            backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting,
-                                               image_memory=args.image_memory * 1e9)
+            backbone = load(args.model, image_splitting=args.image_splitting, image_memory=args.image_memory * 1e9)
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")

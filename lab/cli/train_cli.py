@@ -14,7 +14,7 @@ from lab.cli import flags
 def parse_args(argv, doc, defaults):
     """train.py's flags, one a field of `defaults` (train.py's Config: lab/cli/flags.py:parser); returns that Config
     with the parsed values, checked, and --out and --teacher-cache filled in."""
-    p = flags.parser(doc, defaults, exclusive=[("resume", "overwrite")])
+    p = flags.parser(doc, defaults, exclusive=[("resume", "overwrite", "proceed")])
     args = dataclasses.replace(defaults, **vars(p.parse_args(argv)))
     flags.check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                                    "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,

@@ -1,6 +1,7 @@
 """Checkpoints: adapter files (safetensors holding only the adapter and its settings), the run's last.pt
 (resume), run folders claimed and locked by one process at a time."""
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import hashlib
@@ -200,8 +201,7 @@ def restore(args, backbone, optimizer, scheduler):
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     state = read_run(path)
-    differ = [f"--{k.replace('_', '-')} {state['args'][k]} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
-              if state["args"].get(k) != getattr(args, k)]
+    differ = differences(state, args)
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
         differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
                       "only with as many as before)")
@@ -215,6 +215,31 @@ def restore(args, backbone, optimizer, scheduler):
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state["progress"]
+
+
+def differences(state, args):
+    """The settings of RESUME_MUST_MATCH in which a saved run's state (read_run) differs from args, as flags."""
+    return [f"--{k.replace('_', '-')} {state['args'].get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
+            if state["args"].get(k) != getattr(args, k)]
+
+
+def proceeding(args):
+    """What --proceed does with --out: None if it holds this run finished (last.pt of these settings, every epoch
+    scored or --max-steps taken, history.json written): nothing to do; args with --resume if it holds this run
+    stopped; args with --overwrite if it holds none, or one stopped before its first save. A run of other settings
+    is refused (a ValueError naming them), as --resume refuses it."""
+    path = os.path.join(args.out, "last.pt")
+    if not os.path.exists(path):
+        return dataclasses.replace(args, overwrite=True)
+    state = read_run(path)
+    if differences(state, args):
+        raise ValueError(f"--proceed: {path} was made with " + ", ".join(differences(state, args)) + "; give another "
+                         "--out, or --overwrite to replace it")
+    step, scored = state["progress"]["step"], len(state["progress"]["history"])
+    if (scored == args.epochs or args.max_steps is not None and step >= args.max_steps) and \
+            all(os.path.exists(os.path.join(args.out, f)) for f in ("history.json", "adapter.safetensors")):
+        return None
+    return dataclasses.replace(args, resume=True)
 
 
 def read_run(path):

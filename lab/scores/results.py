@@ -122,6 +122,21 @@ def check_replaceable(path, settings):
                          "--out, or remove the file to replace it")
 
 
+def same_result(stem, kind, settings):
+    """The metrics of an evaluation done before under this name with these settings (every key of `settings` as
+    recorded, --n-eval aside: the items' ids are compared), whose predictions file is the one they score (and MME's
+    results folder is there); None otherwise (it is evaluated, and written, again)."""
+    try:
+        with open(stem + ".metrics.json", encoding="utf-8") as f:
+            old = json.load(f)
+        with open(stem + ".predictions.jsonl", "rb") as f:
+            scored = hashlib.sha256(f.read()).hexdigest() == old["predictions_sha256"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    same = all(old.get(k) == v for k, v in settings.items() if k != "n_eval")
+    return old if same and scored and (kind != "yes-no" or os.path.isdir(stem + ".mme")) else None
+
+
 def default_checkpoint(model, task):
     """Where a train.py run with the default --out and --method writes its best adapter."""
     return os.path.join(checkpoints.default_out(model, task, "hyper-icl"), "adapter.safetensors")
