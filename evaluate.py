@@ -31,7 +31,6 @@ import hashlib
 import os
 import re
 import sys
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
@@ -46,7 +45,7 @@ from lab.datasets import api_checks, readers, rices, tasks
 from lab.models import backbones, chunks, families, published
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
-from lab.studies import analyses, curves, plan, table6, vectors
+from lab.studies import analyses, curves, plan, table6, table_runs, vectors
 from lab.cli import eval_cli
 from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
@@ -85,6 +84,15 @@ class Config:
     gates: bool = False               # Table 10: a Hyper-ICL checkpoint's gates and Corr(g, Delta A)
     hyperbolicity: bool = False       # Table 9: delta-hyperbolicity of teacher and student (--checkpoint) states
     curve: bool = False               # learning curves of every method, its rate tuned (lab/studies/curves.py)
+    table: Optional[Literal[tuple(map(str, range(1, 12)))]] = None  # the paper's table for --model, each cell run once
+    figure: Optional[Literal["2", "3a", "3b"]] = None  # a figure's sweep as a table of cells and its figure
+    # --table, --figure (lab/studies/tables.py): folders under --out (None: runs/tables/<model>), the cells' sizes
+    # from --n-eval and --train-args, the paper's otherwise
+    print: bool = False               # print the table from its result files, beside the paper's; run nothing
+    print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
+    gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
+    table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process
+    eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)
     # --curve
     curve_queries: list[int] = field(default_factory=lambda: list(curves.CURVE_QUERIES))  # training queries per run
     curve_seeds: int = curves.CURVE_SEEDS  # seeds per point
@@ -242,7 +250,8 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     metric, value = score(kind, items, predictions)
     extra = chair.chair_metrics(items, predictions, args.chair) if args.chair else {}
-    metrics |= {metric: value, **extra}
+    metrics |= {metric: value, "interval95": results.item_interval(kind, items, predictions),
+                "chance": results.chance(items), **extra}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
@@ -272,8 +281,7 @@ def evaluate_with_baselines(backbone, args, items, setting):
         done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric, icl, verdict = results.headline_metric(done[0]), done[1], ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
+    metric, icl, verdict, chance = results.headline_metric(done[0]), done[1], "", results.chance(items)
     if metric != "cider" and icl[metric] <= chance + 5:
         verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
                    "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
@@ -296,6 +304,10 @@ def main(argv=None, load=backbones.load_backbone):
     torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes). load:
     what loads the backbone (a table's runner hands in one that loads it once for all its cells)."""
     args = parse_args(argv)
+    if args.table or args.figure:  # the paper's tables: lab/studies/table_runs.py
+        return table_runs.run_table(args, sys.argv[1:] if argv is None else list(argv),
+                                    {"train.py": train.main, "evaluate.py": main}, (train.parse_args, parse_args),
+                                    os.path.abspath(__file__))
     if args.plan:  # before any folder is made or weights load
         return plan.plan(args, queries=tasks.eval_items(args))
     one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None

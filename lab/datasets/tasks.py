@@ -177,10 +177,14 @@ def check_icd_task(task, icd_task):
 
 def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
-    stratified by subtask / dimension, stratified_subset; otherwise the first N). VQAv2's test-dev and test have no
+    stratified by subtask / dimension, stratified_subset; otherwise the first N, or with --eval-draw seeded N drawn
+    with --seed, kept in the split's order). VQAv2's test-dev and test have no
     answers (lab/scores/test_server.py)."""
     items = readers.read_test(args.data_root, args.split) if readers.server_split(args.task, args.split) else \
         load_task(args.task, args.split, args.data_root)
     if args.n_eval and spec(args.task).kind in ("yes-no", "choice"):
         return stratified_subset(items, args.n_eval, args.seed)
+    if args.n_eval and args.eval_draw == "seeded" and args.n_eval < len(items):  # VQAv2's 10,000 (a table's)
+        kept = set(random.Random(f"n-eval:{args.seed}").sample(range(len(items)), args.n_eval))
+        return [it for k, it in enumerate(items) if k in kept]
     return items[:args.n_eval]

@@ -2,11 +2,15 @@
 evaluation's predictions and metrics, MME's results folder."""
 import hashlib
 import json
+import math
 import os
+import statistics
+from collections import Counter
 
 from lab.disk import files
 from lab.datasets import tasks
 from lab.run import checkpoints, teacher_cache
+from lab.scores.metrics import T_975, multiple_choice_accuracy, vqa_accuracy
 
 
 def result_name(args, setting, n, vector_info):
@@ -74,6 +78,26 @@ def write_mme_results(folder, items, predictions):
         for subtask, rows in lines.items():
             files.atomic_write(os.path.join(tmp, subtask + ".txt"), lambda f: f.write("".join(rows).encode()))
     files.replaced(folder, write)
+
+
+def chance(items):
+    """What always giving the most frequent target scores, in percent of the items: where n-shot ICL scores no more
+    (+ 5), the backbone does not learn in context (evaluate_with_baselines, a table's marks)."""
+    return 100 * max(Counter(it.target for it in items).values()) / len(items)
+
+
+def item_interval(kind, items, predictions):
+    """[low, high]: the two-sided 95% interval of the reported metric as a mean over items, mean +- t s / sqrt(n), t
+    Student's t(0.975, n - 1) (metrics.T_975; 1.96 past 31 items), s the items' standard deviation; each item scored
+    as the metric scores it (VQA accuracy, or a right yes/no or option letter) x 100. None for CIDEr (a score of the
+    whole set, not a mean over items) and under two items."""
+    if kind == "caption" or len(items) < 2:
+        return None
+    scores = [100 * (vqa_accuracy(p, it.answers) if kind == "vqa" else multiple_choice_accuracy([p], [it.target]))
+              for it, p in zip(items, predictions)]
+    t = T_975[len(scores) - 2] if len(scores) - 1 <= len(T_975) else 1.96
+    mean, half = statistics.fmean(scores), t * statistics.stdev(scores) / math.sqrt(len(scores))
+    return [mean - half, mean + half]
 
 
 def headline_metric(metrics):

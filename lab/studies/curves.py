@@ -23,6 +23,7 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints
 from lab.scores import results
+from lab.scores.metrics import T_975  # Student's t at 0.975, by degrees of freedom
 
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 
@@ -31,9 +32,6 @@ CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query d
 CURVE_TRAIN_ARGS = "--epochs 16 --n-heldout 8"  # 16 passes: N queries take 4 N steps at batch size 4
 
 ICL_LEVELS = (0, 1, 2, 4, 8)     # n-shot ICL, the horizontal lines of the figure (Fig 2's x axis)
-
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def mean_interval(values):

@@ -3,7 +3,9 @@ each table's rows and columns as the paper lays them out and each cell's single 
 if any, and the evaluate.py flags that score it), and the paper's published numbers (PAPER, PARAMS), which
 tests/test_tables.py checks against the paper's own table text (paper-tables.txt beside this file). Running, printing
 and planning a table: table_runs.py, table_print.py, table_plan.py."""
-from dataclasses import dataclass, field
+import hashlib
+import shlex
+from dataclasses import dataclass, field, replace
 
 import data
 from lab.datasets import tasks
@@ -36,6 +38,32 @@ class Table:
     cells: dict = field(hash=False)  # (row, column) -> Cell
     extra: tuple = ()
     figure: str | None = None        # a sweep: how its figure plots it ("lines": a line per row over the columns)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One command of a table: train.py or evaluate.py and its flags, and the jobs that must be done before it (the
+    training whose adapter it scores; the first run that computes the teacher it distils from)."""
+    script: str
+    argv: tuple
+    after: tuple = ()
+
+    def line(self):
+        """The job as one idempotent shell line."""
+        return shlex.join(["python", self.script, *self.argv])
+
+    def args(self, parsers):
+        """The job's flags parsed by its script's parse_args (parsers: train.py's, evaluate.py's), before it runs: an
+        adapter that is not trained yet is named, not checked."""
+        if self.script == "train.py":
+            return parsers[0](list(self.argv))
+        k = self.argv.index("--checkpoint") if "--checkpoint" in self.argv else None
+        args = parsers[1](list(self.argv if k is None else self.argv[:k] + self.argv[k + 2:]))
+        return args if k is None else replace(args, checkpoint=self.argv[k + 1])
+
+    def key(self):
+        """A short name of the job (its claim and done marks under --gpus)."""
+        return hashlib.sha256(self.line().encode()).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------- the paper's numbers (paper-tables.txt)
