@@ -2,16 +2,24 @@
 against the paper's own table text, the layouts, and --table on the tiny twins at rehearsal size."""
 import dataclasses
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
+import torch
 
 import benchmarks
 import data as D
 import evaluate
 import train
 from lab.datasets import tasks
-from lab.studies import tables
+from lab.models import backbones
+from lab.run import runs
+from lab.scores import results
+from lab.studies import table_runs, tables
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_TEXT = os.path.join(os.path.dirname(tables.__file__), "paper-tables.txt")
 
 # The paper's words for a backbone and a task, as its tables write them
@@ -133,3 +141,227 @@ def test_icd_task_evaluation_records_its_source_and_refuses_another_kind(tmp_pat
     with pytest.raises(SystemExit):
         evaluate.parse_args(["--task", "ok-vqa", "--icd-task", "vqav2"])
     assert "--icd-task draws the ICDs of n-shot ICL" in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------
+# --table end to end at rehearsal size: Tables 1, 2 and 8 on tiny-idefics2 in one folder, Table 4 on tiny-idefics
+
+REHEARSAL = ["--data-root", benchmarks.ROOT, "--n-eval", "2", "--threads", "1", "--workers", "0",
+             "--train-args", "--n-train 2 --n-heldout 1 --epochs 1 --batch-size 2 --workers 0",
+             "--vector-sets", "2", "--vector-heldout", "1", "--fv-heads", "2", "--fv-trials", "1"]
+
+
+class Counted:
+    """The work a table's run does, counted where it is done: backbone loads, the teacher's queries (also per query
+    and tensor), optimiser steps, held-out queries scored, generate calls' items, prompt tokens and new tokens."""
+
+    def __init__(self, monkeypatch):
+        self.work = dict.fromkeys(("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards",
+                                   "items", "prompt_tokens", "generated"), 0)
+        self.teacher = {}
+        load, run_teacher, step, heldout, generate = (backbones.load_backbone, train.run_teacher, runs.step,
+                                                      runs.heldout_loss, evaluate.generate)
+
+        def counting_load(*a, **k):
+            self.work["backbone_loads"] += 1
+            return load(*a, **k)
+
+        def counting_teacher(backbone, kind, queries, icds, pieces, device, output="states", batch=None):
+            batch = batch or D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds)
+            self.work["teacher_passes"] += len(queries)
+            self.work["teacher_tokens"] += int(batch["attention_mask"].sum())
+            for q in queries:  # per query and tensor (states; LIVE's logits)
+                self.teacher[q.id, output] = self.teacher.get((q.id, output), 0) + 1
+            return run_teacher(backbone, kind, queries, icds, pieces, device, output, batch)
+
+        def counting_step(run, parts):
+            self.work["steps"] += 1
+            return step(run, parts)
+
+        def counting_heldout(run):
+            self.work["heldout_forwards"] += len(run.heldout)
+            return heldout(run)
+
+        def counting_generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
+            tokens = generate(backbone, inputs, max_new_tokens, min_new_tokens)
+            stop = torch.isin(tokens, torch.tensor(backbones.stop_ids(backbone)))
+            ends = torch.where(stop.any(1), stop.int().argmax(1) + 1, tokens.shape[1])
+            self.work["items"] += len(tokens)
+            self.work["prompt_tokens"] += int(inputs["attention_mask"].sum())
+            self.work["generated"] += int(ends.sum())
+            return tokens
+        for target, name, fake in ((backbones, "load_backbone", counting_load), (train, "run_teacher", counting_teacher),
+                                   (runs, "step", counting_step), (runs, "heldout_loss", counting_heldout),
+                                   (evaluate, "generate", counting_generate)):
+            monkeypatch.setattr(target, name, fake)
+
+
+def table(name, model, out, *extra):
+    """evaluate.py --table / --figure flags of a rehearsal run."""
+    which = ["--figure", name.removeprefix("figure-")] if name.startswith("figure") else ["--table", name]
+    return [*which, "--model", model, "--out", str(out), *REHEARSAL, *extra]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """Tables 1, 2, 8 of tiny-idefics2 in one folder and Table 4 of tiny-idefics in another, each run once with its
+    work counted (Counted), then each again: {name: (first run's counts, its printed JSON, the second's counts, the
+    second's JSON)}, and the folders."""
+    root, done = tmp_path_factory.mktemp("tables"), {}
+    for name, model, out in (("1", "tiny-idefics2", root / "idefics2"), ("2", "tiny-idefics2", root / "idefics2"),
+                             ("8", "tiny-idefics2", root / "idefics2"), ("4", "tiny-idefics", root / "idefics")):
+        runs_of = []
+        for _ in range(2):
+            with pytest.MonkeyPatch.context() as m:
+                counted = Counted(m)
+                printed = evaluate.main(table(name, model, out))
+            runs_of.append((counted, printed))
+        done[name] = runs_of
+    return done, root
+
+
+def test_a_table_does_each_piece_of_work_once_and_a_second_run_does_none(rehearsal):
+    done, _ = rehearsal
+    (first, printed), (again, reprinted) = done["1"]
+    assert first.work["backbone_loads"] == 1 and again.work["backbone_loads"] == 1
+    # the teacher of a task: once for Hyper-ICL and MimIC (states), once for LIVE (logits); 3 tasks x 2 queries
+    assert set(first.teacher.values()) == {1} and first.work["teacher_passes"] == 3 * 2 * 2
+    assert first.work["steps"] == 5 * 3  # LoRA, LIVE, MimIC, Hyper-ICL, HiFICL on 3 tasks: 2 queries, 1 step each
+    assert first.work["items"] == 10 * 3 * 2  # every cell evaluated once, on 2 items
+    for name in ("1", "2", "8", "4"):
+        (_, printed), (again, reprinted) = done[name]
+        assert {k: v for k, v in again.work.items() if k != "backbone_loads"} == dict.fromkeys(
+            ("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens", "generated"), 0)
+        assert reprinted == printed and all(c["ours"] is not None for c in printed["cells"])
+    (eight, printed), _ = done["8"]  # its zero-shots are Tables 1's and 2's, its adapters Table 1's runs
+    assert eight.work["steps"] == 0 and eight.work["teacher_passes"] == 0 and eight.work["items"] == 4 * 2
+    (four, _), _ = done["4"]  # Idefics: L_sup + L_H, L_sup + L_2 and L_H alone share one teacher (32 ICDs) a task
+    assert set(four.teacher.values()) == {1} and four.work["teacher_passes"] == 2 * 2
+
+
+def test_the_printed_table_stands_beside_the_papers(rehearsal):
+    done, root = rehearsal
+    (_, printed), _ = done["1"]
+    cell = {(c["row"], c["column"]): c for c in printed["cells"]}
+    assert printed["paper_backbone"] == "Idefics2-8b" and printed["random_weights"]
+    hyper = cell["Hyper-ICL", "vqav2"]
+    assert hyper["paper"] == 71.17 and hyper["difference"] == hyper["ours"] - 71.17 and hyper["items"] == 2
+    assert hyper["paper_items"] == 10_000 and {"subset", "queries"} <= set(hyper["marks"])
+    assert hyper["params"] == 4 * 2 * (2 * 16 * 4 + 16 + 1)  # 2 layers x 4 heads of 16, r = 4 (Eq 6, 9)
+    assert len(hyper["interval95"]) == 2 and cell["Zero-shot", "coco"]["interval95"] is None  # CIDEr: none
+    assert "chance" in cell["8-shot ICL", "vqav2"]["marks"] and cell["HiFICL", "coco"]["marks"][0] == "extra"
+    md = (root / "idefics2" / "table-1.md").read_text()
+    assert "| Hyper-ICL | 1,160 / 1.18 M |" in md and "/ 71.17 (" in md and "random weights" in md
+    (_, four), _ = done["4"]
+    assert four["paper_backbone"] == "Idefics-9b" and {c["column"] for c in four["cells"]} == set(tables.T4)
+
+
+BY_HAND = {  # one cell of each kind of row: table -> its (row, column)
+    "1": [("Zero-shot", "vqav2"), ("8-shot ICL", "ok-vqa"), ("RICES", "coco"), ("FV", "vqav2"), ("TV", "ok-vqa"),
+          ("LIVE", "coco"), ("MimIC", "vqav2"), ("Hyper-ICL", "coco")],
+    "2": [("ICL", "mme"), ("Hyper-ICL", "seed")],
+    "8": [("vqav2 -> ok-vqa", "8-shot ICL"), ("coco -> flickr30k", "Hyper-ICL")],
+    "4": [("vqav2", "L_sup + L_L2-anchor")]}
+
+
+def test_every_kind_of_cell_equals_its_single_commands_run_by_hand(rehearsal, tmp_path):
+    """A sample, one cell of each kind of row (zero-shot, ICL, RICES, FV, TV, each learnable method's teacher,
+    MME and SEED, Table 8's ICDs of another task and its transfer, Table 4's objectives): its printed jobs run as
+    single commands by hand, in a fresh process state and folder (the backbone loaded by each), give the same
+    adapter and the same predictions, so the same number. (All cells cost 3x the table: a sample.)"""
+    done, root = rehearsal
+    for name, cells in BY_HAND.items():
+        model, folder = ("tiny-idefics", root / "idefics") if name == "4" else ("tiny-idefics2", root / "idefics2")
+        args = evaluate.parse_args(table(name, model, folder))
+        layout = tables.layout(name, "idefics" if name == "4" else "idefics2", 2)
+        of_cell, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, layout)
+        by_argv = {j.argv: j for j in jobs}
+        printed = {(c["row"], c["column"]): c for c in done[name][0][1]["cells"]}
+        for key in cells:
+            job = of_cell[key]
+            here = lambda argv: [a.replace(str(folder), str(tmp_path / name)) for a in argv]
+            for before in job.after:
+                train.main(here(before))
+                adapter = os.path.join(by_argv[before].args((train.parse_args,)).out, "adapter.safetensors")
+                with open(adapter, "rb") as a, open(here([adapter])[0], "rb") as b:
+                    assert a.read() == b.read(), key
+            metrics = evaluate.main(here(job.argv))
+            assert metrics[results.headline_metric(metrics)] == printed[key]["ours"], key
+            ours = os.path.join(folder, printed[key]["result"]).replace(".metrics.json", ".predictions.jsonl")
+            with open(ours, "rb") as a, open(here([ours])[0], "rb") as b:
+                assert a.read() == b.read(), key
+
+
+def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehearsal, tmp_path):
+    """kill -9 while Table 8's second training runs, then the same command: the table, byte for byte, is the one of
+    the uninterrupted run (the fixture's, in another folder: its results are the same cells)."""
+    _, root = rehearsal
+    flags = table("8", "tiny-idefics2", tmp_path / "table")
+    child = subprocess.Popen([sys.executable, "-u", "evaluate.py", *flags], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    for line in child.stdout:
+        if line.startswith("[2/"):
+            child.kill()
+            break
+    assert child.wait() == -signal.SIGKILL
+    assert not (tmp_path / "table" / "table-8.json").exists()
+    evaluate.main(flags)
+    for ending in (".json", ".md"):
+        assert (tmp_path / "table" / f"table-8{ending}").read_bytes() == \
+            (root / "idefics2" / f"table-8{ending}").read_bytes()
+
+
+# -----------------------------------------------------------------------------
+# --plan: the counts of a run before it, and the time model
+
+
+def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, capsys):
+    done, _ = rehearsal
+    planned = evaluate.main(table("4", "tiny-idefics", tmp_path / "plan", "--plan", "cpu"))
+    (ran, _), _ = done["4"]
+    counts = ("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items",
+              "prompt_tokens")
+    assert {k: planned[k] for k in counts} == {k: ran.work[k] for k in counts}
+    assert ran.work["generated"] <= planned["generated_at_most"] and not (tmp_path / "plan").exists()
+    out = capsys.readouterr().out
+    assert "GPU-hours on an H200" in out and "peak ~" in out and "disk: teacher caches" in out
+
+
+@pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
+def test_the_time_model_is_the_flop_counters_count(name):
+    """forward_flops and generate_flops against torch.utils.flop_counter on an 8-shot prompt of a tiny twin, its
+    attention run as "eager" (matmuls the counter counts; it does not count CPU SDPA's kernel): within 10% (Idefics'
+    gated cross-attention projects its image keys again at each generated token, which the model leaves out)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import model as M
+    from lab.studies import table_plan
+    backbone = backbones.load_backbone(name)
+    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:1]
+    icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 8, 0)
+    batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
+    f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
+    assert table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0]).row(items[0], icds[0], False) == \
+        tokens
+    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
+        backbone.model(**batch, logits_to_keep=1)
+    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as generating:
+        evaluate.generate(backbone, batch, 5, 5)
+    assert table_plan.forward_flops(f, tokens, 9) == pytest.approx(forward.get_total_flops(), rel=0.1)
+    assert table_plan.generate_flops(f, tokens, 9, 5) == pytest.approx(generating.get_total_flops(), rel=0.1)
+
+
+def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan loaded weights")
+    processor = tmp_path / "processor"
+    backbones.load_backbone("tiny-idefics2").processor.save_pretrained(processor)  # a processor; the model's size
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(backbones, "load_backbone", refuse)
+    planned = evaluate.main(["--table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
+                             "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
+                             "--train-args", "--n-train 2 --n-heldout 1"])
+    out = capsys.readouterr().out
+    assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
+    assert "config published.PUBLISHED[\"idefics2\"]" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out

@@ -84,121 +84,139 @@ class Tokens:
                                                                                        else "")) + self.image
 
 
-def train_work(cfg, family, f, computes_teacher, tokens_of):
+class Work:
+    """What a plan reads once for all its jobs: each task's rows' tokens (Tokens), each training's queries and ICDs
+    (tasks.split_pool), each evaluation's items and ICD pool, each method's adapter size, each kind of cell's peak
+    memory (plan.memory)."""
+
+    def __init__(self, args, family):
+        self.args, self.family, self.memo = args, family, {}
+        self.processor, self.model, self.images, self.source, _ = plan.plan_backbone(
+            args.model, family, args.image_splitting, args.processor)
+        self.f, self.params = flop_model(self.model), sum(p.numel() for p in self.model.parameters())
+        self.dtype = plan.backbones.autocast_dtype(args.plan)
+
+    def once(self, key, make):
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def tokens(self, task):
+        return self.once(("tokens", task), lambda: Tokens(self.processor, self.family, tasks.spec(task).kind,
+                                                          tasks.load_task(task, "val", self.args.data_root)[0]))
+
+    def split(self, cfg):
+        """(queries, held-out queries, ICD pool, shots) of a training, and each query's ICDs."""
+        def make():
+            queries, heldout, support, shots = tasks.split_pool(cfg, self.family)
+            return queries, heldout, support, shots, data.demonstrations([q.id for q in queries], support, shots,
+                                                                         cfg.seed)
+        return self.once(("split", cfg.task, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout, cfg.shots), make)
+
+    def items(self, a):
+        """An evaluation's items and the pool its ICDs are drawn from."""
+        return self.once(("items", a.task, a.split, a.n_eval, a.eval_draw, a.seed, a.icd_task),
+                         lambda: (tasks.eval_items(a), tasks.icd_support(a)))
+
+    def adapter(self, cfg):
+        """Parameters of cfg's adapter (attached to the meta-device model, then detached)."""
+        def make():
+            count = sum(p.numel() for p in M.attach(self.model, cfg.method, **runs.method_sizes(cfg)).parameters())
+            M.detach(self.model)
+            return count
+        return self.once(("adapter", cfg.method, tuple(runs.method_sizes(cfg).items())), make)
+
+    def memory(self, a, training):
+        """Peak accelerator memory of a job: plan.memory on a sample of its rows (training, evaluation zero-shot or
+        with the adapter, n-shot ICL), once per task, shots and method."""
+        shots = a.shots or 0
+
+        def make():
+            queries, support = (self.split(a)[0], self.split(a)[2]) if training else self.items(a)
+            sample = queries[:plan.PLAN_SAMPLE]
+            icds = data.demonstrations([q.id for q in sample], support, shots or
+                                       data.default_shots(tasks.spec(a.task), self.family), a.seed)
+            batch = min(a.batch_size, len(sample))
+            rows = plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch)
+            mem = plan.memory(self.model.config, self.params, self.adapter(a) if training else 0, rows, batch,
+                              self.dtype, tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype,
+                              self.args.image_memory * 1e9)
+            return mem["train"] if training else mem["eval_icl" if shots else "eval_adapter"]
+        return self.once(("memory", a.task, shots, getattr(a, "method", None) if training else bool(shots)), make)
+
+
+def train_work(cfg, w, computes_teacher):
     """One training job's work: steps, teacher passes (if it is the run that computes its teacher: the others read
-    it), held-out forwards, tokens, FLOPs."""
-    queries, heldout, support, shots = tasks.split_pool(cfg, family)
-    icds = data.demonstrations([q.id for q in queries], support, shots, cfg.seed)
-    tokens = tokens_of(cfg.task)
+    it) and their tokens, held-out forwards, FLOPs, the teacher cache's and the adapter's bytes."""
+    queries, heldout, _, shots, icds = w.split(cfg)
+    tokens, f = w.tokens(cfg.task), w.f
     student = [tokens.row(q, [], True) for q in queries]
     teacher = [tokens.row(q, d, True) for q, d in zip(queries, icds)] if computes_teacher else []
-    steps = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
-    steps = min(steps, cfg.max_steps or steps)
-    epochs = math.ceil(steps / runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum))
+    per_epoch = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum)
+    steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    epochs = math.ceil(steps / per_epoch)
     flops = sum(forward_flops(f, t, shots + 1, 0) for t in teacher) + \
         epochs * sum(2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1) for t, q in zip(student, queries))
     flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1) for q in heldout)
+    cache = teacher_cache.cache_file_bytes(cfg.anchor, w.model.config, teacher_cache.query_tokens(
+        w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
     return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher),
-            "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries)}
+            "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries),
+            "teacher_cache_bytes": cache, "adapter_bytes": 4 * w.adapter(cfg)}
 
 
-def eval_work(eargs, family, f, tokens_of):
+def eval_work(a, w):
     """One evaluation job's work: items, prompt tokens (ICDs drawn as the evaluation draws random ones; RICES's as
     random ones), generated tokens at most, FLOPs (a task or function vector's extraction estimated: its ICL prompts
     as long as the first item's, the layer choice's and the indirect effects' forwards as many as vectors.py runs)."""
-    items, tokens, new = tasks.eval_items(eargs), tokens_of(eargs.task), tasks.spec(eargs.task).max_new_tokens
-    icds = data.demonstrations([it.id for it in items], tasks.icd_support(eargs), eargs.shots, eargs.seed) \
-        if eargs.shots else [[] for _ in items]
+    (items, support), tokens, new, f = w.items(a), w.tokens(a.task), tasks.spec(a.task).max_new_tokens, w.f
+    icds = data.demonstrations([it.id for it in items], support, a.shots, a.seed) if a.shots else [[] for _ in items]
     prompts = [tokens.row(it, d, False) for it, d in zip(items, icds)]
     flops = sum(generate_flops(f, t, len(d) + 1, new) for t, d in zip(prompts, icds))
-    if eargs.vector:
-        shots = data.default_shots(tasks.spec(eargs.task), family)
-        icl = tokens.row(items[0], data.demonstrations([items[0].id], tasks.icd_support(eargs), shots, 0)[0], True)
-        forwards = eargs.vector_sets + (eargs.fv_trials * (f["layers"] * f["heads"] + 1) if eargs.vector == "fv"
-                                        else 0)
-        flops += forwards * forward_flops(f, icl, shots + 1) + eargs.vector_heldout * f["layers"] * \
+    if a.vector:
+        shots = data.default_shots(tasks.spec(a.task), w.family)
+        icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
+        forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
+        flops += forwards * forward_flops(f, icl, shots + 1) + a.vector_heldout * f["layers"] * \
             forward_flops(f, tokens.row(items[0], [], True), 1)
     return {"items": len(items), "prompt_tokens": sum(prompts), "generated_at_most": new * len(items),
             "flops": flops}
 
 
-def job_memory(args, model, processor, family, params, a, training, memo):
-    """Peak accelerator memory of a job (plan.memory on a sample of its rows: training, or evaluation with the
-    adapter or zero-shot, or n-shot ICL), one estimate per (task, shots, method)."""
-    shots = a.shots or 0
-    key = (a.task, shots, getattr(a, "method", None) if training else bool(shots))
-    if key not in memo:
-        queries = tasks.eval_items(a)[:plan.PLAN_SAMPLE] if not training else \
-            tasks.split_pool(a, family)[0][:plan.PLAN_SAMPLE]
-        support = tasks.icd_support(a) if not training else tasks.split_pool(a, family)[2]
-        n = shots or data.default_shots(tasks.spec(a.task), family)
-        icds = data.demonstrations([q.id for q in queries], support, n, a.seed)
-        batch = min(a.batch_size, len(queries))
-        rows = plan.plan_rows(processor, family, tasks.spec(a.task).kind, queries, icds, batch)
-        adapter = sum(p.numel() for p in M.attach(model, a.method, **runs.method_sizes(a)).parameters()) \
-            if training else 0
-        if training:
-            M.detach(model)
-        dtype = plan.backbones.autocast_dtype(args.plan)
-        mem = plan.memory(model.config, params, adapter, rows, batch, dtype, tasks.spec(a.task).max_new_tokens,
-                          args.plan == "cpu", dtype, args.image_memory * 1e9)
-        memo[key] = mem["train"] if training else mem["eval_icl" if shots else "eval_adapter"]
-    return memo[key]
-
-
 def plan_table(args, table, jobs, parsers):
     """Print and return a table's plan: per job its work and peak memory, then the totals (jobs, backbone loads, the
     counts, disk, FLOPs) and the time on ACCELERATOR, in total and per --gpus (the slower of the work shared out
-    and the longest chain of jobs that wait for each other)."""
-    family = families.family_of(args.model)
-    processor, model, images, source, _ = plan.plan_backbone(args.model, family, args.image_splitting,
-                                                             args.processor)
-    f, params = flop_model(model), sum(p.numel() for p in model.parameters())
-    dtype, memo, seen, token_counters = plan.backbones.autocast_dtype(args.plan), {}, {}, {}
-
-    def tokens_of(task):
-        if task not in token_counters:
-            reference = tasks.load_task(task, "val", args.data_root)[0]
-            token_counters[task] = Tokens(processor, family, tasks.spec(task).kind, reference)
-        return token_counters[task]
-
-    print(f"plan of {table.name} for {args.model}: {len(jobs)} jobs; {source}" + (f"; {images}" if images else ""))
-    total = {"teacher_passes": 0, "teacher_tokens": 0, "steps": 0, "heldout_forwards": 0, "items": 0,
-             "prompt_tokens": 0, "generated_at_most": 0, "flops": 0, "teacher_cache_bytes": 0, "adapter_bytes": 0}
-    hours = {}
+    and the longest chain of jobs that wait for each other). parsers: train.py's and evaluate.py's parse_args."""
+    w = Work(args, families.family_of(args.model))
+    print(f"plan of {table.name} for {args.model}: {len(jobs)} jobs; {w.source}" + (f"; {w.images}" if w.images
+                                                                                      else ""))
+    total = dict.fromkeys(("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens",
+                           "generated_at_most", "flops", "teacher_cache_bytes", "adapter_bytes"), 0)
+    hours, chain = {}, {}
     for job in jobs:
-        training = job.script == "train.py"
-        a = job.args(parsers)
+        a, training = job.args(parsers), job.script == "train.py"
         if training:
             owner = a.anchor != "none" and not job.after
-            work = train_work(a, family, f, owner, tokens_of)
-            if owner:
-                queries = tasks.split_pool(a, family)[0]
-                sizes = teacher_cache.query_tokens(processor, family, tasks.spec(a.task).kind, queries)
-                work["teacher_cache_bytes"] = teacher_cache.cache_file_bytes(a.anchor, model.config, sizes, dtype) \
-                    * len(queries)
-            adapter = M.attach(model, a.method, **runs.method_sizes(a))
-            work["adapter_bytes"] = 4 * sum(p.numel() for p in adapter.parameters())
-            M.detach(model)
+            work = train_work(a, w, owner)
             mean = work["teacher_tokens"] / max(1, work["teacher_passes"])
             what = (f"{a.method} on {a.task}: {work['queries']:,} queries, {work['steps']:,} steps, teacher " +
                     (f"{work['teacher_passes']:,} passes ({mean:.0f} tokens a row)" if owner else
                      "read from the first run's cache" if a.anchor != "none" else "none"))
         else:
-            work = eval_work(a, family, f, tokens_of)
+            work = eval_work(a, w)
             what = (f"{a.task} " + (f"adapter {os.path.relpath(a.checkpoint, args.out)}" if a.checkpoint else
                                     f"{a.vector or f'{a.shots or 0}-shot'}") +
                     f": {work['items']:,} items, {work['prompt_tokens']:,} prompt tokens, <= "
                     f"{work['generated_at_most']:,} generated")
-        memory = job_memory(args, model, processor, family, params, a, training, memo)
         hours[job.argv] = work["flops"] / (plan.ACCELERATOR_TFLOPS * 1e12) / 3600
-        seen[job.argv] = hours[job.argv] + max((seen[x] for x in job.after), default=0)
+        chain[job.argv] = hours[job.argv] + max((chain[x] for x in job.after), default=0)
         for k in total:
             total[k] += work.get(k, 0)
-        print(f"  {job.script} {what}; peak ~{size(memory)}; {work['flops']:.3g} FLOPs = {hours[job.argv]:.3g} h")
+        print(f"  {job.script} {what}; peak ~{size(w.memory(a, training))}; {work['flops']:.3g} FLOPs = "
+              f"{hours[job.argv]:.3g} h")
     gpus = len(args.gpus.split(",")) if args.gpus else 1
     loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values())
-    wall = max(gpu_hours / gpus, max(seen.values(), default=0))
+    wall = max(gpu_hours / gpus, max(chain.values(), default=0))
     total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours, "wall_hours": wall, "gpus": gpus}
     print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process); teacher "
           f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training steps, "
