@@ -1,10 +1,12 @@
 """The paper's tables in one command (lab/studies/tables.py and its runner, printer and plan): the published numbers
 against the paper's own table text, the layouts, and --table on the tiny twins at rehearsal size."""
 import dataclasses
+import json
 import os
+import shlex
 import signal
-import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -15,11 +17,10 @@ import evaluate
 import train
 from lab.datasets import tasks
 from lab.models import backbones
-from lab.run import runs
+from lab.run import checkpoints, runs
 from lab.scores import results
 from lab.studies import table_runs, tables
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER_TEXT = os.path.join(os.path.dirname(tables.__file__), "paper-tables.txt")
 
 # The paper's words for a backbone and a task, as its tables write them
@@ -204,14 +205,13 @@ def table(name, model, out, *extra):
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """Tables 1, 2, 8 of tiny-idefics2 in one folder and Table 4 of tiny-idefics in another, each run once with its
-    work counted (Counted), then each again: {name: (first run's counts, its printed JSON, the second's counts, the
-    second's JSON)}, and the folders."""
+    """Tables 1, 2, 8 of tiny-idefics2 in one folder and Table 4 of tiny-idefics in another, each run with its work
+    counted (Counted), Tables 1 and 8 twice: {name: [(counts, printed JSON) of each run]}, and the folders."""
     root, done = tmp_path_factory.mktemp("tables"), {}
     for name, model, out in (("1", "tiny-idefics2", root / "idefics2"), ("2", "tiny-idefics2", root / "idefics2"),
                              ("8", "tiny-idefics2", root / "idefics2"), ("4", "tiny-idefics", root / "idefics")):
         runs_of = []
-        for _ in range(2):
+        for _ in range(2 if name in ("1", "8") else 1):
             with pytest.MonkeyPatch.context() as m:
                 counted = Counted(m)
                 printed = evaluate.main(table(name, model, out))
@@ -228,14 +228,15 @@ def test_a_table_does_each_piece_of_work_once_and_a_second_run_does_none(rehears
     assert set(first.teacher.values()) == {1} and first.work["teacher_passes"] == 3 * 2 * 2
     assert first.work["steps"] == 5 * 3  # LoRA, LIVE, MimIC, Hyper-ICL, HiFICL on 3 tasks: 2 queries, 1 step each
     assert first.work["items"] == 10 * 3 * 2  # every cell evaluated once, on 2 items
-    for name in ("1", "2", "8", "4"):
+    for name in ("1", "8"):
         (_, printed), (again, reprinted) = done[name]
         assert {k: v for k, v in again.work.items() if k != "backbone_loads"} == dict.fromkeys(
             ("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens", "generated"), 0)
-        assert reprinted == printed and all(c["ours"] is not None for c in printed["cells"])
+        assert reprinted == printed
+    assert all(c["ours"] is not None for runs_of in done.values() for c in runs_of[0][1]["cells"])
     (eight, printed), _ = done["8"]  # its zero-shots are Tables 1's and 2's, its adapters Table 1's runs
     assert eight.work["steps"] == 0 and eight.work["teacher_passes"] == 0 and eight.work["items"] == 4 * 2
-    (four, _), _ = done["4"]  # Idefics: L_sup + L_H, L_sup + L_2 and L_H alone share one teacher (32 ICDs) a task
+    (four, _), = done["4"]  # Idefics: L_sup + L_H, L_sup + L_2 and L_H alone share one teacher (32 ICDs) a task
     assert set(four.teacher.values()) == {1} and four.work["teacher_passes"] == 2 * 2
 
 
@@ -252,7 +253,7 @@ def test_the_printed_table_stands_beside_the_papers(rehearsal):
     assert "chance" in cell["8-shot ICL", "vqav2"]["marks"] and cell["HiFICL", "coco"]["marks"][0] == "extra"
     md = (root / "idefics2" / "table-1.md").read_text()
     assert "| Hyper-ICL | 1,160 / 1.18 M |" in md and "/ 71.17 (" in md and "random weights" in md
-    (_, four), _ = done["4"]
+    (_, four), = done["4"]
     assert four["paper_backbone"] == "Idefics-9b" and {c["column"] for c in four["cells"]} == set(tables.T4)
 
 
@@ -293,18 +294,25 @@ def test_every_kind_of_cell_equals_its_single_commands_run_by_hand(rehearsal, tm
 
 
 def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehearsal, tmp_path):
-    """kill -9 while Table 8's second training runs, then the same command: the table, byte for byte, is the one of
-    the uninterrupted run (the fixture's, in another folder: its results are the same cells)."""
+    """kill -9 while Table 8's second training runs (a forked copy of this process: the same code, no start-up),
+    then the same command: the table, byte for byte, is the uninterrupted run's (the fixture's, in another folder)."""
     _, root = rehearsal
     flags = table("8", "tiny-idefics2", tmp_path / "table")
-    child = subprocess.Popen([sys.executable, "-u", "evaluate.py", *flags], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)
-    for line in child.stdout:
-        if line.startswith("[2/"):
-            child.kill()
-            break
-    assert child.wait() == -signal.SIGKILL
-    assert not (tmp_path / "table" / "table-8.json").exists()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the table's command, its output into the pipe, a line at a time
+        sys.stdout = os.fdopen(write, "w", buffering=1)
+        try:
+            evaluate.main(flags)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as lines:
+        for line in lines:
+            if line.startswith("[2/"):
+                os.kill(pid, signal.SIGKILL)
+                break
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL and not (tmp_path / "table" / "table-8.json").exists()
     evaluate.main(flags)
     for ending in (".json", ".md"):
         assert (tmp_path / "table" / f"table-8{ending}").read_bytes() == \
@@ -318,7 +326,7 @@ def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehe
 def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, capsys):
     done, _ = rehearsal
     planned = evaluate.main(table("4", "tiny-idefics", tmp_path / "plan", "--plan", "cpu"))
-    (ran, _), _ = done["4"]
+    (ran, _), = done["4"]
     counts = ("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items",
               "prompt_tokens")
     assert {k: planned[k] for k in counts} == {k: ran.work[k] for k in counts}
@@ -365,3 +373,60 @@ def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp
     out = capsys.readouterr().out
     assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
     assert "config published.PUBLISHED[\"idefics2\"]" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
+
+
+# -----------------------------------------------------------------------------
+# from files alone: --print, the run records, --print-commands, --gpus' claims
+
+
+def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column(rehearsal, tmp_path, monkeypatch):
+    done, root = rehearsal
+    before = (root / "idefics2" / "table-8.md").read_bytes()
+    counted = Counted(monkeypatch)
+    assert evaluate.main(table("8", "tiny-idefics2", root / "idefics2", "--print")) == done["8"][0][1]
+    assert set(counted.work.values()) == {0} and (root / "idefics2" / "table-8.md").read_bytes() == before
+    l2 = root / "idefics" / "train" / "vqav2" / "hyper-icl-anchor-euclidean"
+    record = checkpoints.read_record(l2 / "adapter.safetensors")
+    assert {k: record[k] for k in ("method", "anchor", "lam", "kappa", "rank", "shots", "icds", "icd_task",
+                                   "n_train")} == {"method": "hyper-icl", "anchor": "euclidean", "lam": 0.5,
+                                                   "kappa": 0.1, "rank": 4, "shots": 32, "icds": "random",
+                                                   "icd_task": None, "n_train": 2}
+    assert record["data_root"] == benchmarks.ROOT and set(checkpoints.RESUME_MUST_MATCH) < set(record)
+    (metrics,) = [json.loads(p.read_text()) for p in l2.glob("*.metrics.json")]
+    assert metrics["run"] == record and metrics["params"] == 2 * 4 * (2 * 16 * 4 + 16 + 1)
+    backbone = backbones.load_backbone("tiny-idefics")  # the record is metadata: the same tensors without it
+    checkpoints.load_adapter(str(l2 / "adapter.safetensors"), backbone)
+    checkpoints.save_adapter(tmp_path / "bare.safetensors", backbone)
+    tensors = lambda path: path.read_bytes()[8 + int.from_bytes(path.read_bytes()[:8], "little"):]
+    assert tensors(tmp_path / "bare.safetensors") == tensors(l2 / "adapter.safetensors")
+
+
+def test_print_commands_gives_one_idempotent_line_a_job_in_dependency_order(rehearsal, capsys):
+    _, root = rehearsal
+    lines = evaluate.main(table("4", "tiny-idefics", root / "idefics", "--print-commands"))
+    assert capsys.readouterr().out.split("\n")[:-1] == lines and lines[-1].endswith("--print")
+    trains = [line for line in lines if line.startswith("python train.py")]
+    assert len(trains) == 4 * 2 and all("--proceed" in line for line in trains) and len(lines) == 8 + 10 + 1
+    for k, line in enumerate(lines[:-1]):  # an adapter's evaluation after its training
+        if "--checkpoint" in line:
+            folder = os.path.dirname(shlex.split(line)[shlex.split(line).index("--checkpoint") + 1])
+            assert any(f"--out {folder} " in earlier for earlier in lines[:k])
+
+
+def test_processes_on_several_devices_take_each_job_once_and_wait_for_the_ones_before(tmp_path):
+    """run_jobs with claims (--gpus' workers), its commands recorded instead of run: a job another process holds is
+    left to it, a job it marked done is not run again, and an adapter's evaluation waits for its training."""
+    args = evaluate.parse_args(table("7", "tiny-idefics2", tmp_path))
+    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    claims, ran = tmp_path / "claims", []
+    claims.mkdir()
+    record = lambda argv, load: ran.append(tuple(argv))
+    held = next(j for j in jobs if j.script == "evaluate.py" and not j.after)  # zero-shot: another process's
+    first = jobs[0]
+    (claims / f"{first.key()}.done").write_text("\"done by another process\"")
+    with checkpoints.locked(str(claims / held.key())):  # its holder finishes it while this process runs the rest
+        threading.Timer(0.5, (claims / f"{held.key()}.done").write_text, ["\"done by its holder\""]).start()
+        table_runs.run_jobs(jobs, {"train.py": record, "evaluate.py": record}, str(claims))
+    assert first.argv not in ran and held.argv not in ran and len(ran) == len(jobs) - 2
+    assert all(ran.index(j.argv) > max((ran.index(a) for a in j.after if a in ran), default=-1)
+               for j in jobs if j.argv in ran)

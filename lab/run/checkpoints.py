@@ -68,10 +68,12 @@ def sorted_metadata(blob):
 
 def run_record(cfg, queries, icds):
     """What made an adapter, as its file and every result scored with it record it: train.py's settings that a resumed
-    run must share (RESUME_MUST_MATCH: the method, anchor, lambda, kappa, rank, shots, ICDs and their task...), the
-    data's folder and a fingerprint of the data: a hash of the training queries' ids and each one's ICDs' ids."""
+    run must share (RESUME_MUST_MATCH: the method, anchor, lambda, kappa, rank, shots, ICDs and their task...; the
+    shots as the ICDs a query had where --shots left them to the default), the data's folder and a fingerprint of
+    the data: a hash of the training queries' ids and each one's ICDs' ids."""
     data_ids = [[q.id, [d.id for d in icds[q.id]]] for q in queries]
-    return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "data_root": cfg.data_root and
+    shots = cfg.shots if cfg.shots is not None else len(icds[queries[0].id]) if queries else None
+    return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "shots": shots, "data_root": cfg.data_root and
             os.path.abspath(cfg.data_root), "data": hashlib.sha256(json.dumps(data_ids).encode()).hexdigest()[:16]}
 
 
