@@ -46,7 +46,7 @@ def parse_args(argv, doc, defaults, train_parse):
         try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 train_parse(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                             "--overwrite"])
+                             "--proceed"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
         except SystemExit:
