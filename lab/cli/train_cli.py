@@ -23,6 +23,7 @@ def parse_args(argv, doc, defaults):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
+    check_world(p, args)
     if tasks.check_icd_task(args.task, args.icd_task):
         p.error(tasks.check_icd_task(args.task, args.icd_task))
     flags.check_image_memory(p, args.image_memory)
@@ -32,6 +33,18 @@ def parse_args(argv, doc, defaults):
     flags.check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
                             "--rices-cache": args.rices_cache})
     return args
+
+
+def check_world(p, args):
+    """Under torchrun (WORLD_SIZE), a parser error naming --batch-size before any backbone loads when a micro-batch
+    would leave a process without a query: every micro-batch of --batch-size queries (the last one --n-train's
+    remainder) must give each of the N processes at least one (torchrun.data_parallel checks the queries there are)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    smallest = min(args.batch_size, args.n_train % args.batch_size or args.batch_size)
+    if smallest < world:
+        p.error(f"torchrun's {world} processes need at least {world} queries in every micro-batch; --batch-size "
+                f"{args.batch_size} with --n-train {args.n_train} gives {smallest}: give --batch-size {world} (or a "
+                "multiple of it that divides --n-train)")
 
 
 def benchmark(args, train):
