@@ -430,3 +430,14 @@ def test_processes_on_several_devices_take_each_job_once_and_wait_for_the_ones_b
     assert first.argv not in ran and held.argv not in ran and len(ran) == len(jobs) - 2
     assert all(ran.index(j.argv) > max((ran.index(a) for a in j.after if a in ran), default=-1)
                for j in jobs if j.argv in ran)
+
+
+def test_a_sweep_is_a_table_of_cells_with_its_figure(tmp_path):
+    """Figure 3a (rank x gate) before any run: every cell named and marked as not run yet, the figure drawn."""
+    printed = evaluate.main(table("figure-3a", "tiny-idefics2", tmp_path, "--print"))
+    assert [(c["row"], c["column"]) for c in printed["cells"]] == [(g, r) for g in tables.GATES for r in tables.RANKS]
+    assert all(c["marks"] == ["missing"] for c in printed["cells"]) and (tmp_path / "figure-3a.png").stat().st_size
+    layout = tables.layout("figure-2", "idefics", 1000)
+    assert layout.columns == ("100", "250", "500", "1000") and layout.cells["VQAv2 LoRA", "1000"].train == \
+        ("--method", "lora") and layout.cells["OK-VQA MimIC", "100"].train == ("--method", "mimic", "--n-train", "100")
+    assert tables.layout("3", "idefics").cells["VQAv2 Hyper-ICL", "32"].train == ()  # Table 1's run: 32 shots

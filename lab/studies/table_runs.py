@@ -93,7 +93,7 @@ class Shared:
     gets the backbone without an adapter."""
 
     def __init__(self):
-        self.backbone, self.key, self.after, self.loads = None, None, {}, 0
+        self.backbone, self.key, self.after, self.loads, self.jobs = None, None, {}, 0, 0
 
     @staticmethod
     def state():
@@ -144,6 +144,7 @@ def run_jobs(jobs, mains, claims=None):
             with claimed(claims, job) as mine:
                 if mine:
                     print(f"[{len(done) + 1}/{len(jobs)}] {job.line()}", flush=True)
+                    shared.jobs += 1
                     try:
                         mains[job.script](list(job.argv), load=shared.training if job.script == "train.py" else
                                           shared.evaluation)
@@ -212,6 +213,7 @@ def run_table(args, argv, mains, parsers, script):
     if args.gpus and not args.table_worker:
         on_devices(args, argv, script)
     elif not args.print:
-        loads = run_jobs(jobs, mains, args.table_worker).loads
-        print(f"{name}: {len(jobs)} jobs done in this process, the backbone loaded {loads} time(s)")
+        shared = run_jobs(jobs, mains, args.table_worker)
+        print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
+              f"{shared.loads} time(s)")
     return None if args.table_worker else table_print.write(args, name, table, of_cell, parsers)
