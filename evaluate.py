@@ -11,7 +11,8 @@ instead (option_logliks). evaluate() writes the predictions and the metrics; the
 The other modes are lab's, entered from main: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors
 (--vector, lab/studies/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/studies/table6.py,
 Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/studies/analyses.py, Tables 10 and 9),
-learning curves (--curve, lab/studies/curves.py). The flags are Config's fields.
+learning curves (--curve, lab/studies/curves.py), and the paper's tables, every cell once (--table, --figure,
+lab/studies/table_runs.py). The flags are Config's fields.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -24,6 +25,8 @@ learning curves (--curve, lab/studies/curves.py). The flags are Config's fields.
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
     python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
     python evaluate.py --curve                           every method on the toy world, tuned: learning curves
+    python evaluate.py --table 1 --model idefics2 --data-root D [--plan | --gpus 0,1 | --print-commands | --print]
+                                                         a paper table: every cell run once, beside the paper's
 """
 import contextlib
 import functools

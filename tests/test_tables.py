@@ -191,9 +191,9 @@ class Counted:
             self.work["prompt_tokens"] += int(inputs["attention_mask"].sum())
             self.work["generated"] += int(ends.sum())
             return tokens
-        for target, name, fake in ((backbones, "load_backbone", counting_load), (train, "run_teacher", counting_teacher),
-                                   (runs, "step", counting_step), (runs, "heldout_loss", counting_heldout),
-                                   (evaluate, "generate", counting_generate)):
+        for target, name, fake in ((backbones, "load_backbone", counting_load),
+                                   (train, "run_teacher", counting_teacher), (runs, "step", counting_step),
+                                   (runs, "heldout_loss", counting_heldout), (evaluate, "generate", counting_generate)):
             monkeypatch.setattr(target, name, fake)
 
 
@@ -348,8 +348,8 @@ def test_the_time_model_is_the_flop_counters_count(name):
     icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 8, 0)
     batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
     f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
-    assert table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0]).row(items[0], icds[0], False) == \
-        tokens
+    counter = table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0], 14)
+    assert counter.row(items[0], icds[0], False) == tokens and counter.patches == f["patches"] == 4  # 28 x 28 / 14
     with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
         backbone.model(**batch, logits_to_keep=1)
     with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as generating:

@@ -12,6 +12,7 @@ import os
 import pathlib
 import random
 import shutil
+import sys
 import tempfile
 from collections import Counter
 
@@ -25,7 +26,7 @@ WRITERS = (__file__, D.__file__, files.__file__, mme_seed.__file__, readers.__fi
 SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in WRITERS)  # this file and the code it writes with
 ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
-OKVQA_SIZES = {"train": 80, "val": 40}   # OK-VQA questions per split, one on each of the first COCO images
+OKVQA_SIZES = {"train": 160, "val": 40}  # OK-VQA questions per split, one on each of the first COCO images
 FLICKR_SIZES = {"train": 60, "test": 20}  # Flickr30k images per Karpathy split, five captions each
 MME_IMAGES = 12                          # per subtask, two questions each
 SEED_IMAGES = 150                        # SEED-Bench-1 and -2 each
@@ -342,3 +343,43 @@ def write_seed2(root):
         per_dimension[q["question_type_id"]] += 1
     types = {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}
     files.write_json(os.path.join(base, mme_seed.SEED2_FILE), {"questions": questions, "question_type": types})
+
+# --------------------------------------------------------------- the paper's sizes, for a plan (not for the tests)
+
+PAPER_SIZES = {"vqav2": (2_000, 10_000), "ok-vqa": (9_009, 5_046), "coco": (2_000, 5_000)}  # training pool, evaluation
+PAPER_IMAGES = 64  # drawn images a split, shared round-robin by its questions and captions
+
+
+def paper_sized(root):
+    """VQAv2, OK-VQA and COCO's Karpathy split in their official layouts at the sizes Table 1 reads (VQAv2's 10,000
+    evaluation questions, OK-VQA's 5,046, COCO's 5,000 test images; training pools past the 1,000 queries + 32 held
+    out, OK-VQA's whole 9,009), the questions and captions of the toy scenes above (short, like the real ones), the
+    images PAPER_IMAGES drawn ones shared: for `evaluate.py --table 1 --plan`, which reads the texts of every item and
+    the images of a sample only."""
+    rng, karpathy = random.Random(SEED), []
+    for k, (split, folder) in enumerate((("train", "train"), ("val", "val"))):
+        scenes = [scene(rng) for _ in range(PAPER_IMAGES)]
+        for i, s in enumerate(scenes):
+            save(s, readers.coco_image(root, split, i + 1), quality=90)
+        for task, sizes in PAPER_SIZES.items():
+            if task == "coco":
+                karpathy += [{"filepath": f"{folder}2014", "filename": os.path.basename(readers.coco_image(
+                    root, split, i % PAPER_IMAGES + 1)), "cocoid": 10_000_000 * (k + 1) + i, "imgid": len(karpathy),
+                    "split": "train" if split == "train" else "test",
+                    "sentences": [{"raw": c} for c in captions(scenes[i % PAPER_IMAGES])]} for i in range(sizes[k])]
+                continue
+            questions, annotations = [], []
+            for i in range(sizes[k]):
+                image_id, s = i % PAPER_IMAGES + 1, scenes[i % PAPER_IMAGES]
+                question, answer, _, answer_type = vqa_question(s, rng)
+                toy_world.add_vqa(questions, annotations, image_id, question, [answer] * 10, answer_type)
+                questions[-1]["question_id"] = annotations[-1]["question_id"] = i + 1
+            _, qfile, afile = readers.VQA_FILES[task]
+            files.write_json(os.path.join(root, task, qfile.format(split)), {"questions": questions})
+            files.write_json(os.path.join(root, task, afile.format(split)), {"annotations": annotations})
+    files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
+    return root
+
+
+if __name__ == "__main__":  # python -m tools.benchmarks [--paper-sized DIR]: write, and print the folder
+    print(paper_sized(sys.argv[2]) if sys.argv[1:2] == ["--paper-sized"] else generate())

@@ -46,32 +46,41 @@ def flop_model(model):
             "patches": (vision.image_size // vision.patch_size) ** 2}
 
 
-def forward_flops(f, tokens, images, logits=1):
-    """FLOPs of one forward over `tokens` tokens holding `images` images, computing logits at `logits` positions
-    (the time model in the module's docstring)."""
-    image = 2 * f["vision"] * f["patches"] + 4 * f["vision_attention"] * f["patches"] ** 2
+def forward_flops(f, tokens, images, logits=1, patches=None):
+    """FLOPs of one forward over `tokens` tokens holding `images` images of `patches` patches each (None: the
+    config's image size), computing logits at `logits` positions (the time model in the module's docstring)."""
+    patches = patches or f["patches"]
+    image = 2 * f["vision"] * patches + 4 * f["vision_attention"] * patches ** 2
     return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + images * image
 
 
-def generate_flops(f, prompt, images, new):
+def generate_flops(f, prompt, images, new, patches=None):
     """FLOPs of answering one prompt: its forward, then `new` tokens, each a one-token forward over the cache."""
-    return forward_flops(f, prompt, images) + sum(2 * f["decoder"] + 4 * f["attention"] * (prompt + k) + 2 * f["head"]
-                                                  for k in range(new))
+    step = lambda k: 2 * f["decoder"] + 4 * f["attention"] * (prompt + k) + 2 * f["head"]
+    return forward_flops(f, prompt, images, 1, patches) + sum(step(k) for k in range(new))
 
 
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
-    token) plus what an image adds beyond it (one query encoded in full: teacher_cache.query_tokens' count)."""
+    token) plus what an image adds beyond it (one query encoded in full: teacher_cache.query_tokens' count), and
+    the vision tower's patches of that image (its crops as the processor makes them; `patch`: the patch size)."""
 
-    def __init__(self, processor, family, kind, reference):
-        self.processor, self.family, self.kind = processor, family, kind
-        (whole, _), = teacher_cache.query_sizes(data.query_pieces(processor, family, kind, [reference]))
+    def __init__(self, processor, family, kind, reference, patch):
+        self.processor, self.family, self.kind, self.counted = processor, family, kind, {}
+        piece, = data.query_pieces(processor, family, kind, [reference])
+        (whole, _), = teacher_cache.query_sizes([piece])
         self.image = whole - self.count(data.prompt_text(kind, reference) + self.answer(reference))
+        crops = piece["images"]["pixel_values"]
+        crops = crops.reshape(-1, *crops.shape[-3:]) if torch.is_tensor(crops) else crops  # Idefics: one tensor
+        self.patches = sum((c.shape[-2] // patch) * (c.shape[-1] // patch) for c in crops)
         tok = processor.tokenizer
         self.prefix = (tok.bos_token_id is not None) + self.count(data.PROMPTS[kind]["instruction"])
 
     def count(self, text):
-        return len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Tokens of a text (each text counted once: an ICD is shown to many queries)."""
+        if text not in self.counted:
+            self.counted[text] = len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.counted[text]
 
     def answer(self, item):
         return data.answer_text(self.processor, self.family, self.kind, item.target)
@@ -103,7 +112,8 @@ class Work:
 
     def tokens(self, task):
         return self.once(("tokens", task), lambda: Tokens(self.processor, self.family, tasks.spec(task).kind,
-                                                          tasks.load_task(task, "val", self.args.data_root)[0]))
+                                                          tasks.load_task(task, "val", self.args.data_root)[0],
+                                                          self.model.config.vision_config.patch_size))
 
     def split(self, cfg):
         """(queries, held-out queries, ICD pool, shots) of a training, and each query's ICDs."""
@@ -131,13 +141,16 @@ class Work:
         with the adapter, n-shot ICL), once per task, shots and method."""
         shots = a.shots or 0
 
-        def make():
+        def encoded():  # the sampled rows of the task and shots, encoded once for every method
             queries, support = (self.split(a)[0], self.split(a)[2]) if training else self.items(a)
             sample = queries[:plan.PLAN_SAMPLE]
             icds = data.demonstrations([q.id for q in sample], support, shots or
                                        data.default_shots(tasks.spec(a.task), self.family), a.seed)
             batch = min(a.batch_size, len(sample))
-            rows = plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch)
+            return plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch), batch
+
+        def make():
+            rows, batch = self.once(("rows", a.task, shots, training, a.batch_size), encoded)
             mem = plan.memory(self.model.config, self.params, self.adapter(a) if training else 0, rows, batch,
                               self.dtype, tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype,
                               self.args.image_memory * 1e9)
@@ -155,9 +168,10 @@ def train_work(cfg, w, computes_teacher):
     per_epoch = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum)
     steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
     epochs = math.ceil(steps / per_epoch)
-    flops = sum(forward_flops(f, t, shots + 1, 0) for t in teacher) + \
-        epochs * sum(2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1) for t, q in zip(student, queries))
-    flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1) for q in heldout)
+    p = tokens.patches
+    flops = sum(forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
+        2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
+    flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
     cache = teacher_cache.cache_file_bytes(cfg.anchor, w.model.config, teacher_cache.query_tokens(
         w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
     return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher),
@@ -172,13 +186,13 @@ def eval_work(a, w):
     (items, support), tokens, new, f = w.items(a), w.tokens(a.task), tasks.spec(a.task).max_new_tokens, w.f
     icds = data.demonstrations([it.id for it in items], support, a.shots, a.seed) if a.shots else [[] for _ in items]
     prompts = [tokens.row(it, d, False) for it, d in zip(items, icds)]
-    flops = sum(generate_flops(f, t, len(d) + 1, new) for t, d in zip(prompts, icds))
+    flops = sum(generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
     if a.vector:
         shots = data.default_shots(tasks.spec(a.task), w.family)
         icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
         forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
-        flops += forwards * forward_flops(f, icl, shots + 1) + a.vector_heldout * f["layers"] * \
-            forward_flops(f, tokens.row(items[0], [], True), 1)
+        flops += forwards * forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * f["layers"] * \
+            forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
     return {"items": len(items), "prompt_tokens": sum(prompts), "generated_at_most": new * len(items),
             "flops": flops}
 
@@ -204,8 +218,9 @@ def plan_table(args, table, jobs, parsers):
                      "read from the first run's cache" if a.anchor != "none" else "none"))
         else:
             work = eval_work(a, w)
+            icl = f"{a.shots or 0}-shot" + ("-rices" if a.shots and a.icds == "rices" else "")
             what = (f"{a.task} " + (f"adapter {os.path.relpath(a.checkpoint, args.out)}" if a.checkpoint else
-                                    f"{a.vector or f'{a.shots or 0}-shot'}") +
+                                    a.vector or icl) +
                     f": {work['items']:,} items, {work['prompt_tokens']:,} prompt tokens, <= "
                     f"{work['generated_at_most']:,} generated")
         hours[job.argv] = work["flops"] / (plan.ACCELERATOR_TFLOPS * 1e12) / 3600
@@ -219,8 +234,8 @@ def plan_table(args, table, jobs, parsers):
     wall = max(gpu_hours / gpus, max(chain.values(), default=0))
     total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours, "wall_hours": wall, "gpus": gpus}
     print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process); teacher "
-          f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training steps, "
-          f"{total['heldout_forwards']:,} held-out forwards; {total['items']:,} evaluation items, "
+          f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training "
+          f"steps, {total['heldout_forwards']:,} held-out forwards; {total['items']:,} evaluation items, "
           f"{total['prompt_tokens']:,} prompt tokens, <= {total['generated_at_most']:,} generated")
     print(f"disk: teacher caches {size(total['teacher_cache_bytes'])}, adapters {size(total['adapter_bytes'])}")
     print(f"time: {total['flops']:.3g} FLOPs = {gpu_hours:.3g} GPU-hours on {ACCELERATOR} "
