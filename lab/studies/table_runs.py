@@ -89,11 +89,12 @@ class Shared:
     """load_backbone for every job of one process, which loads the backbone once. A training draws its adapter's
     first values from torch's generators after the load, and a load may draw from them (the toy backbone's init) or
     seed them (a tiny twin's builder), so before a training the generators are set where a fresh load from their
-    present state leaves them: recorded at the load for that state, exact (a state not seen loads again). Every job
-    gets the backbone without an adapter."""
+    present state leaves them: recorded at the load for that state, exact (a state not seen loads again; an
+    evaluation that loads first does so from the state train.py seeds, --seed's, so its trainings need no other).
+    Every job gets the backbone without an adapter."""
 
-    def __init__(self):
-        self.backbone, self.key, self.after, self.loads, self.jobs = None, None, {}, 0, 0
+    def __init__(self, seed=0):
+        self.backbone, self.key, self.after, self.loads, self.jobs, self.seed = None, None, {}, 0, 0, seed
 
     @staticmethod
     def state():
@@ -124,7 +125,9 @@ class Shared:
     def evaluation(self, name, image_splitting="checkpoint", image_memory=None):
         """evaluate.main's `load` (an evaluation draws nothing at random)."""
         if self.key != (name, image_splitting, image_memory):
-            self.load(name, image_splitting, image_memory)
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                self.load(name, image_splitting, image_memory)
         return self.backbone
 
     def clean(self):
@@ -133,11 +136,12 @@ class Shared:
             M.detach(self.backbone.model)
 
 
-def run_jobs(jobs, mains, claims=None):
+def run_jobs(jobs, mains, claims=None, seed=0):
     """Run the jobs in order in this process (mains: {"train.py": train.main, "evaluate.py": evaluate.main}), the
-    backbone loaded once (Shared). claims: under --gpus, the folder where the processes claim jobs and mark them
-    done: a job waits for the jobs before it and is left to the process that holds it. Returns the Shared loader."""
-    shared, done = Shared(), set()
+    backbone loaded once (Shared; seed: the runs' --seed). claims: under --gpus, the folder where the processes
+    claim jobs and mark them done: a job waits for the jobs before it and is left to the process that holds it.
+    Returns the Shared loader."""
+    shared, done = Shared(seed), set()
     while len(done) < len(jobs):
         done |= {j.argv for j in jobs if claims and marked(claims, j)}
         for job in [j for j in jobs if j.argv not in done and all(a in done for a in j.after)]:
@@ -213,7 +217,7 @@ def run_table(args, argv, mains, parsers, script):
     if args.gpus and not args.table_worker:
         on_devices(args, argv, script)
     elif not args.print:
-        shared = run_jobs(jobs, mains, args.table_worker)
+        shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")
     return None if args.table_worker else table_print.write(args, name, table, of_cell, parsers)
