@@ -302,10 +302,11 @@ def parse_args(argv=None):
     return eval_cli.parse_args(argv, __doc__, Config(), train.parse_args)
 
 
-def main(argv=None, load=backbones.load_backbone):
+def main(argv=None, load=None):
     """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]. Under
     torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes). load:
-    what loads the backbone (a table's runner hands in one that loads it once for all its cells)."""
+    what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all
+    its cells)."""
     args = parse_args(argv)
     if args.table or args.figure:  # the paper's tables: lab/studies/table_runs.py
         return table_runs.run_table(args, sys.argv[1:] if argv is None else list(argv),
@@ -332,7 +333,8 @@ def main(argv=None, load=backbones.load_backbone):
         if args.random_weights:
             backbone = published.random_backbone(args.model, args.random_weights)
         else:
-            backbone = load(args.model, image_splitting=args.image_splitting, image_memory=args.image_memory * 1e9)
+            backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
+                                                         image_memory=args.image_memory * 1e9)
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")

@@ -155,16 +155,18 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
 
 # --------------------------------------------------------------------------------------------------------- the loop
 
-def train(cfg, load=backbones.load_backbone):
+def train(cfg, load=None):
     """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
     cosine decay, --epochs passes over the training queries, the best epoch (held-out loss) kept. Ctrl-C or SIGTERM
     saves the run, and --resume continues it exactly (lab/run/runs.py). Returns the final adapter's parameters.
-    load: what loads the backbone (a table's runner hands in one that loads it once for all its runs)."""
+    load: what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once
+    for all its runs)."""
     # the data (first: it fails fast), the backbone, each training query's demonstrations (fixed for the run)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
     queries, heldout, pool, shots = tasks.split_pool(cfg, families.family_of(cfg.model))
-    backbone = load(cfg.model, device=device, image_splitting=cfg.image_splitting, image_memory=cfg.image_memory * 1e9)
+    backbone = (load or backbones.load_backbone)(cfg.model, device=device, image_splitting=cfg.image_splitting,
+                                                 image_memory=cfg.image_memory * 1e9)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
@@ -202,7 +204,7 @@ def parse_args(argv=None):
     return train_cli.parse_args(argv, __doc__, Config()).filled()
 
 
-def main(argv=None, load=backbones.load_backbone):
+def main(argv=None, load=None):
     cfg = parse_args(argv)
     if cfg.build_toy:  # a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)
         train_cli.check_build_out(cfg.out, cfg.overwrite)
