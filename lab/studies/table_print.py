@@ -90,7 +90,7 @@ def write(args, name, table, of_cell, parsers):
     head = (f"{table.name} of {args.model}" + (" (random weights)" if random_weights else "") +
             f": {table.caption}. Each cell: ours [95% interval], items" +
             (f" / the paper's {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
-    show_params = any(r.get("params") for r in records) or table.name == "Table 1"
+    show_params = table.params
     lines = [head, "", "| | " + ("# Params (ours / paper) | " if show_params else "") +
              " | ".join(tables.TASK_NAMES.get(c, c) for c in table.columns) + " |",
              "|---|" + ("---:|" if show_params else "") + "---:|" * len(table.columns)]

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import time
+
 import torch
 
 import model as M
@@ -43,17 +44,16 @@ def handed_on(args, defaults, names):
 def eval_size(args, task):
     """The evaluation's --n-eval flags: the paper's items (VQAv2's 10,000, drawn with --seed; the other tasks'
     whole splits), at most --n-eval."""
-    paper = 10_000 if task == "vqav2" else None
+    paper = tables.PAPER_ITEMS["vqav2"] if task == "vqav2" else None
     n = min(v for v in (paper, args.n_eval) if v) if paper or args.n_eval else None
     return ([] if n is None else ["--n-eval", str(n)]) + (["--eval-draw", "seeded"] if task == "vqav2" else [])
 
 
 def run_name(flags):
     """A training's folder name: its method, then its other flags ("hyper-icl-anchor-none", "mimic")."""
-    method = flags[flags.index("--method") + 1] if "--method" in flags else "hyper-icl"
-    rest = [f.removeprefix("--") for k, f in enumerate(flags) if f != "--method" and (k == 0 or
-                                                                                      flags[k - 1] != "--method")]
-    return "-".join([method, *rest])
+    named = dict(zip(flags[::2], flags[1::2]))  # a cell's train.py flags come in pairs
+    method = named.pop("--method", "hyper-icl")
+    return "-".join([method, *(part for flag, value in named.items() for part in (flag.removeprefix("--"), value))])
 
 
 def table_jobs(args, defaults, train_parse, table):
@@ -91,7 +91,7 @@ class Shared:
     seed them (a tiny twin's builder), so before a training the generators are set where a fresh load from their
     present state leaves them: recorded at the load for that state, exact (a state not seen loads again; an
     evaluation that loads first does so from the state train.py seeds, --seed's, so its trainings need no other).
-    Every job gets the backbone without an adapter."""
+    Every job gets the backbone without an adapter, on the device train.py trains on (the accelerator, if any)."""
 
     def __init__(self, seed=0):
         self.backbone, self.key, self.after, self.loads, self.jobs, self.seed = None, None, {}, 0, 0, seed
@@ -107,7 +107,8 @@ class Shared:
 
     def load(self, name, image_splitting, image_memory):
         before = self.digest(self.state())
-        self.backbone = backbones.load_backbone(name, image_splitting=image_splitting, image_memory=image_memory)
+        self.backbone = backbones.load_backbone(name, "cuda" if torch.cuda.is_available() else "cpu",
+                                                image_splitting=image_splitting, image_memory=image_memory)
         self.key, self.loads = (name, image_splitting, image_memory), self.loads + 1
         self.after[before] = self.state()
 
@@ -183,16 +184,16 @@ def claimed(claims, job):
 
 
 def on_devices(args, argv, script):
-    """--gpus: one process per device (CUDA_VISIBLE_DEVICES), each running `script` with argv and --table-worker,
-    taking the next job not claimed by another (run_jobs); waits for all. The claims of this run live in
-    <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips what is done)."""
+    """--gpus: one process per device (CUDA_VISIBLE_DEVICES), each running `script` with argv and --table-worker
+    (which makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of
+    this run live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips
+    what is done)."""
     claims = os.path.join(args.out, "claims", f"{files.this_host()}-{os.getpid()}")
     os.makedirs(claims, exist_ok=True)
-    rest = [a for k, a in enumerate(argv) if a != "--gpus" and (k == 0 or argv[k - 1] != "--gpus")]  # --gpus L
-    procs = [subprocess.Popen([sys.executable, script, *rest, "--table-worker", claims],
+    procs = [subprocess.Popen([sys.executable, script, *argv, "--table-worker", claims],
                               env={**os.environ, "CUDA_VISIBLE_DEVICES": device})
              for device in args.gpus.split(",")]
-    failed = [p.args for p in procs if p.wait() != 0]
+    failed = [p for p in procs if p.wait() != 0]
     if failed:
         raise ValueError(f"{len(failed)} of the --gpus processes failed (their output is above); run the same command "
                          "again to continue")

@@ -38,6 +38,7 @@ class Table:
     cells: dict = field(hash=False)  # (row, column) -> Cell
     extra: tuple = ()
     figure: str | None = None        # a sweep: how its figure plots it ("lines": a line per row over the columns)
+    params: bool = False             # a row per method: a # Params column (the adapter's parameters)
 
 
 @dataclass(frozen=True)
@@ -174,14 +175,14 @@ def table_1(family, n_train):
             "FV": lambda t: Cell(t, ("--vector", "fv")), "TV": lambda t: Cell(t, ("--vector", "tv")),
             **{m: (lambda t, f=f: Cell(t, train=f)) for m, f in TRAINED.items()}}
     return Table("Table 1", "Results of VQAv2, OK-VQA, and COCO", tuple(rows), T1,
-                 {(r, t): make(t) for r, make in rows.items() for t in T1}, extra=("HiFICL",))
+                 {(r, t): make(t) for r, make in rows.items() for t in T1}, extra=("HiFICL",), params=True)
 
 
 def table_2(family, n_train):
     rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), "ICL": lambda t: icl(t, family),
             "Hyper-ICL": lambda t: Cell(t, train=())}
     return Table("Table 2", "Results evaluated on more challenging tasks", tuple(rows), T2,
-                 {(r, t): make(t) for r, make in rows.items() for t in T2})
+                 {(r, t): make(t) for r, make in rows.items() for t in T2}, params=True)
 
 
 def table_3(family, n_train):
@@ -207,7 +208,7 @@ def table_7(family, n_train):
             lambda t: icl(t, family), "MimIC": lambda t: Cell(t, train=TRAINED["MimIC"]),
             "Hyper-ICL": lambda t: Cell(t, train=())}
     return Table("Table 7", "Results evaluated on additional MLLMs", tuple(rows), T1[:2],
-                 {(r, t): make(t) for r, make in rows.items() for t in T1[:2]})
+                 {(r, t): make(t) for r, make in rows.items() for t in T1[:2]}, params=True)
 
 
 def table_8(family, n_train):
@@ -224,7 +225,7 @@ def table_8(family, n_train):
 def table_11(family, n_train):
     rows = {"Intervention on O": ("--method", "output-level"), "Hyper-ICL": ()}
     return Table("Table 11", "The module on the attention output O vs on the logits (Hyper-ICL)", tuple(rows),
-                 T1[:2], {(r, t): Cell(t, train=f) for r, f in rows.items() for t in T1[:2]})
+                 T1[:2], {(r, t): Cell(t, train=f) for r, f in rows.items() for t in T1[:2]}, params=True)
 
 
 def table_figure_2(family, n_train):
