@@ -26,24 +26,24 @@ from lab.studies import plan, vectors
 ACCELERATOR = "an H200 (~989 TFLOP/s dense bf16) at ~40% of its peak"
 
 
-def module_params(module, names):
-    """Parameters of the children of `module` named in `names` (those it has)."""
-    return sum(p.numel() for n, child in module.named_children() if n in names for p in child.parameters())
+VISION_PARTS = ("vision", "visual", "connector", "projector", "resampler")  # the image side's modules, by name
 
 
 def flop_model(model):
-    """What forward_flops needs of a model (meta device is enough): decoder-layer parameters, attention and vision
-    sizes, the LM head's width x vocabulary."""
-    text, inner = model.config.get_text_config(), model.model
+    """What forward_flops needs of a model (meta device is enough): decoder-layer parameters, attention sizes, the LM
+    head's width x vocabulary, the image side's parameters (the children of model.model named by VISION_PARTS) and
+    its layers, width and patches (the config's image size)."""
+    text, vision = model.config.get_text_config(), model.config.vision_config
     layers, heads, head_dim = M.attention_shape(model)
-    decoder = model.get_decoder()
-    vision = getattr(model.config, "vision_config", None)
-    return {"decoder": module_params(decoder, ("layers", "gated_cross_attn_layers")), "layers": layers,
-            "heads": heads, "attention": layers * heads * head_dim, "head": text.hidden_size * text.vocab_size,
-            "vision": module_params(inner, ("vision_model", "vision_tower", "connector", "multi_modal_projector",
-                                            "perceiver_resampler")),
-            "vision_attention": vision.num_hidden_layers * vision.hidden_size,
-            "patches": (vision.image_size // vision.patch_size) ** 2}
+    count = lambda named: sum(p.numel() for n, child in named for p in child.parameters())
+    image = [(n, c) for n, c in model.model.named_children() if any(part in n for part in VISION_PARTS)]
+    return {"decoder": count((n, c) for n, c in model.get_decoder().named_children()
+                             if n in ("layers", "gated_cross_attn_layers")),
+            "layers": layers, "heads": heads, "attention": layers * heads * head_dim,
+            "head": text.hidden_size * text.vocab_size, "vision": count(image),
+            "vision_attention": (getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)) *
+            (getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)),
+            "patches": (getattr(vision, "image_size", 0) // vision.patch_size) ** 2}
 
 
 def forward_flops(f, tokens, images, logits=1, patches=None):
