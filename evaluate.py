@@ -11,7 +11,8 @@ instead (option_logliks). evaluate() writes the predictions and the metrics; the
 The other modes are lab's, entered from main: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors
 (--vector, lab/studies/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/studies/table6.py,
 Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/studies/analyses.py, Tables 10 and 9),
-learning curves (--curve, lab/studies/curves.py). The flags are Config's fields.
+learning curves (--curve, lab/studies/curves.py), and the paper's tables, every cell once (--table, --figure,
+lab/studies/table_runs.py). The flags are Config's fields.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -24,6 +25,8 @@ learning curves (--curve, lab/studies/curves.py). The flags are Config's fields.
     python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
     python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
     python evaluate.py --curve                           every method on the toy world, tuned: learning curves
+    python evaluate.py --table 1 --model idefics2 --data-root D [--plan | --gpus 0,1 | --print-commands | --print]
+                                                         a paper table: every cell run once, beside the paper's
 """
 import contextlib
 import functools
@@ -31,7 +34,6 @@ import hashlib
 import os
 import re
 import sys
-from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
@@ -46,7 +48,7 @@ from lab.datasets import api_checks, mme_seed, readers, rices, tasks
 from lab.models import backbones, chunks, families, published
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
-from lab.studies import analyses, curves, plan, table6, vectors
+from lab.studies import analyses, curves, plan, table6, table_runs, vectors
 from lab.cli import eval_cli
 from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
@@ -60,6 +62,7 @@ class Config:
     checkpoint: Optional[str] = None  # adapter; None: runs/<model>-<task>-hyper-icl/'s if it exists and no --shots
     shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    icd_task: Optional[str] = None    # --shots' ICDs from this task's training split (Table 8), the queries --task's
     rices_encoder: Optional[str] = None  # RICES's image encoder, a CLIP hub id or path (None: the backbone's own)
     rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
     split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
@@ -67,6 +70,7 @@ class Config:
     seed: int = 0                     # the demonstration draw
     seed_protocol: Optional[Literal["generate", "likelihood"]] = None  # SEED: None: generate; likelihood: official
     force: bool = False               # load a --checkpoint of another backbone of the same shape (with a warning)
+    again: bool = False               # evaluate even where --out holds a result of these settings (else it is read)
     # the machine and the files
     data_root: Optional[str] = None   # datasets in their official layout (docs/real-models.md; toy-icl-*: none)
     out: Optional[str] = None         # results (None: the checkpoint's folder, else runs/eval-<model>-<task>)
@@ -83,6 +87,15 @@ class Config:
     gates: bool = False               # Table 10: a Hyper-ICL checkpoint's gates and Corr(g, Delta A)
     hyperbolicity: bool = False       # Table 9: delta-hyperbolicity of teacher and student (--checkpoint) states
     curve: bool = False               # learning curves of every method, its rate tuned (lab/studies/curves.py)
+    table: Optional[Literal[tuple(map(str, range(1, 12)))]] = None  # the paper's table for --model, each cell run once
+    figure: Optional[Literal["2", "3a", "3b"]] = None  # a figure's sweep as a table of cells and its figure
+    # --table, --figure (lab/studies/tables.py): folders under --out (None: runs/tables/<model>), the cells' sizes
+    # from --n-eval and --train-args, the paper's otherwise
+    print: bool = False               # print the table from its result files, beside the paper's; run nothing
+    print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
+    gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
+    table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process
+    eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)
     # --curve
     curve_queries: list[int] = field(default_factory=lambda: list(curves.CURVE_QUERIES))  # training queries per run
     curve_seeds: int = curves.CURVE_SEEDS  # seeds per point
@@ -217,14 +230,19 @@ def evaluate(backbone, args, items, setting, vector=None):
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
         with open(args.checkpoint, "rb") as f:
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
+        metrics |= {"params": sum(p.numel() for p in M.adapter_modules(backbone.model).parameters()),
+                    "run": checkpoints.read_record(args.checkpoint)}  # what made the adapter: a table's column
     if kind == "choice":
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
     if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
         test_server.check_replaceable(args, setting, stem)
+    elif not args.again and results.same_result(stem, kind, metrics):  # evaluated before: read, not redone
+        print(f"{args.model} {args.task}/{args.split} {setting}: read {stem}.metrics.json (the same settings)")
+        return results.same_result(stem, kind, metrics)
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
-        support = tasks.load_task(args.task, "train", args.data_root)
+        support = tasks.icd_support(args)
         icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
     with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
@@ -236,7 +254,8 @@ def evaluate(backbone, args, items, setting, vector=None):
         return metrics
     metric, value = score(kind, items, predictions)
     extra = chair.chair_metrics(items, predictions, args.chair) if args.chair else {}
-    metrics |= {metric: value, **extra}
+    metrics |= {metric: value, "interval95": results.item_interval(kind, items, predictions),
+                "chance": results.chance(items), **extra}
     if kind == "yes-no":
         metrics["mme"] = mme_scores(items, predictions)
     elif kind == "choice":
@@ -266,8 +285,7 @@ def evaluate_with_baselines(backbone, args, items, setting):
         done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric, icl, verdict = results.headline_metric(done[0]), done[1], ""
-    chance = 100 * max(Counter(it.target for it in items).values()) / len(items)
+    metric, icl, verdict, chance = results.headline_metric(done[0]), done[1], "", results.chance(items)
     if metric != "cider" and icl[metric] <= chance + 5:
         verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
                    "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
@@ -285,10 +303,16 @@ def parse_args(argv=None):
     return eval_cli.parse_args(argv, __doc__, Config(), train.parse_args)
 
 
-def main(argv=None):
+def main(argv=None, load=None):
     """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]. Under
-    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes)."""
+    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes). load:
+    what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all
+    its cells)."""
     args = parse_args(argv)
+    if args.table or args.figure:  # the paper's tables: lab/studies/table_runs.py
+        return table_runs.run_table(args, sys.argv[1:] if argv is None else list(argv),
+                                    {"train.py": train.main, "evaluate.py": main}, (train.parse_args, parse_args),
+                                    os.path.abspath(__file__))
     if args.plan:  # before any folder is made or weights load
         return plan.plan(args, queries=tasks.eval_items(args))
     one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None
@@ -310,8 +334,8 @@ def main(argv=None):
         if args.random_weights:
             backbone = published.random_backbone(args.model, args.random_weights)
         else:
-            backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting,
-                                               image_memory=args.image_memory * 1e9)
+            backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
+                                                         image_memory=args.image_memory * 1e9)
             if backbone.images:
                 print(backbone.images)
         setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")

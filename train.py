@@ -54,6 +54,7 @@ class Config:
     anchor: Optional[Literal["hyperbolic", "euclidean", "mse", "kl", "none"]] = None  # None: the method's (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    icd_task: Optional[str] = None    # the teacher's ICDs from this task's training split, the queries --task's
     # not stated in the paper
     n_heldout: int = 32               # queries held out of the training pool to pick the best epoch
     epochs: int = 3                   # passes over the training queries (the best epoch is kept)
@@ -77,6 +78,7 @@ class Config:
     save_every: int = 50               # checkpoint every this many steps (and every epoch)
     max_steps: Optional[int] = None    # stop after this many steps (the schedule spans every epoch; --resume goes on)
     resume: bool = False               # continue from <out>/last.pt
+    proceed: bool = False              # start, continue (--resume) or, finished, skip: one command whatever --out holds
     overwrite: bool = False            # replace the run in --out (without it a folder holding a run is refused)
     # the machine, and the other modes
     threads: Optional[int] = None      # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
@@ -153,16 +155,18 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
 
 # --------------------------------------------------------------------------------------------------------- the loop
 
-def train(cfg):
+def train(cfg, load=None):
     """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
     cosine decay, --epochs passes over the training queries, the best epoch (held-out loss) kept. Ctrl-C or SIGTERM
-    saves the run, and --resume continues it exactly (lab/run/runs.py). Returns the final adapter's parameters."""
+    saves the run, and --resume continues it exactly (lab/run/runs.py). Returns the final adapter's parameters.
+    load: what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once
+    for all its runs)."""
     # the data (first: it fails fast), the backbone, each training query's demonstrations (fixed for the run)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
     queries, heldout, pool, shots = tasks.split_pool(cfg, families.family_of(cfg.model))
-    backbone = backbones.load_backbone(cfg.model, device=device, image_splitting=cfg.image_splitting,
-                                       image_memory=cfg.image_memory * 1e9)
+    backbone = (load or backbones.load_backbone)(cfg.model, device=device, image_splitting=cfg.image_splitting,
+                                                 image_memory=cfg.image_memory * 1e9)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
@@ -200,7 +204,7 @@ def parse_args(argv=None):
     return train_cli.parse_args(argv, __doc__, Config()).filled()
 
 
-def main(argv=None):
+def main(argv=None, load=None):
     cfg = parse_args(argv)
     if cfg.build_toy:  # a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)
         train_cli.check_build_out(cfg.out, cfg.overwrite)
@@ -212,8 +216,12 @@ def main(argv=None):
     if cfg.benchmark:
         return train_cli.benchmark(cfg, train)
     with torchrun.process_group(), checkpoints.locked(cfg.out):
-        checkpoints.claim(cfg)
-        return train(cfg)
+        run = checkpoints.proceeding(cfg) if cfg.proceed else cfg
+        if run is None:  # --proceed, and the run is finished
+            print(f"{cfg.out}: a finished run of these settings (its last.pt, history.json); nothing to train")
+            return checkpoints.read_tensors(os.path.join(cfg.out, "adapter.safetensors"))
+        checkpoints.claim(run)
+        return train(run, load)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ def torchrun(script, *args):
                            script, *args], cwd=ROOT, capture_output=True, text=True, env=env)
 
 
+def test_torchrun_with_too_small_a_batch_is_refused_before_anything_loads(monkeypatch, capsys):
+    """The README's eight processes at train.py's default --batch-size 4: refused by the parser, naming the flag."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "idefics2", "--task", "vqav2"])
+    assert "--batch-size 4 with --n-train 1000 gives 4: give --batch-size 8" in capsys.readouterr().err
+    assert train.parse_args(["--model", "idefics2", "--task", "vqav2", "--batch-size", "8"]).batch_size == 8
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """An uninterrupted 2-process run."""

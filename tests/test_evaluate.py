@@ -275,18 +275,22 @@ def test_answer_measures_against_the_models_own_logits():
     assert curves.answer_measures(backbone, "vqa", items, shifted, batch_size=5)["teacher_kl"] > 1e-3
 
 
-def test_curve_trains_every_row_budget_and_seed(tmp_path):
+def test_curve_trains_every_row_budget_and_seed_and_continues_where_it_stopped(tmp_path, monkeypatch):
     out = tmp_path / "curve"
-    runs, levels = E.main(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "6",
-                           "--batch-size", "6", "--curve-queries", "4", "8", "--curve-seeds", "2",
-                           "--curve-methods", "hyper-icl", "hificl", "--no-tune",
-                           "--train-args", "--epochs 1 --n-heldout 2 --batch-size 4", "--out", str(out)])
+    flags = ["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "6", "--batch-size", "6",
+             "--curve-queries", "4", "8", "--curve-seeds", "2", "--curve-methods", "hyper-icl", "hificl", "--no-tune",
+             "--train-args", "--epochs 1 --n-heldout 2 --batch-size 4", "--out", str(out)]
+    runs, levels = E.main(flags)
     assert sorted((r["setting"], r["queries"], r["seed"]) for r in runs) == sorted(
         (s, n, k) for s in ("hyper-icl", "hificl") for n in (4, 8) for k in (0, 1))
     assert set(levels) == {f"{n}-shot ICL" for n in curves.ICL_LEVELS} and "teacher_kl" in levels["0-shot ICL"]
     table = (out / "curve.md").read_text()
     assert table.count("| hificl |") == 4 and "N = 8" in table and "| hificl | `--method hificl` |" in table
     assert (out / "curve.png").stat().st_size > 0
+    steps = []
+    monkeypatch.setattr(E, "predict", lambda *a, **k: steps.append("evaluated"))
+    monkeypatch.setattr(train, "train", lambda *a, **k: steps.append("trained"))
+    assert E.main(flags) == (runs, levels) and steps == []  # the same command again: every run read, none redone
 
 
 def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tmp_path, monkeypatch):

@@ -352,7 +352,7 @@ def test_a_prompt_longer_than_the_context_names_its_item():
 # ============================================================================ part 2: the newer surface (issue 24)
 # ---------------------------------------------------------------------------------------------- one run a folder
 
-HOLD = "import pathlib, sys, time, train; train.train = lambda args: (pathlib.Path(sys.argv[1]).touch(), " \
+HOLD = "import pathlib, sys, time, train; train.train = lambda args, *_: (pathlib.Path(sys.argv[1]).touch(), " \
        "time.sleep(120)); train.main(sys.argv[2:])"
 
 
@@ -402,7 +402,8 @@ def test_metrics_name_their_predictions_and_a_kill_while_writing_leaves_the_old_
     metrics, predictions = read_result(tmp_path, name)
     assert metrics["predictions"] == f"{name}.predictions.jsonl"
     assert metrics["predictions_sha256"] == hashlib.sha256(predictions).hexdigest()
-    killed = subprocess.run([sys.executable, "-c", KILL_AT_FIRST_PREDICTION, *EVAL, "--out", str(tmp_path)], cwd=ROOT)
+    killed = subprocess.run([sys.executable, "-c", KILL_AT_FIRST_PREDICTION, *EVAL, "--out", str(tmp_path), "--again"],
+                            cwd=ROOT)
     assert killed.returncode == -signal.SIGKILL
     assert read_result(tmp_path, name) == (metrics, predictions)             # the old pair, whole and together
 
@@ -780,7 +781,7 @@ def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path
         raise KeyboardInterrupt
     monkeypatch.setattr(files, "write_json", killed)
     with pytest.raises(KeyboardInterrupt):
-        evaluate.main([*EVAL, "--out", str(tmp_path)])
+        evaluate.main([*EVAL, "--out", str(tmp_path), "--again"])
     assert (tmp_path / f"{name}.predictions.jsonl").exists() and not (tmp_path / f"{name}.metrics.json").exists()
 
 

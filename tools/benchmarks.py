@@ -1,16 +1,18 @@
 """Small benchmarks in the official layouts, for the tests: VQAv2 and COCO (images, Karpathy captions, instance
-annotations), MME (all fourteen subtasks), SEED-Bench-1 and SEED-Bench-2, drawn with Pillow from fixed seeds.
+annotations), OK-VQA (on the COCO images), Flickr30k (its Karpathy file and images), MME (all fourteen subtasks),
+SEED-Bench-1 and SEED-Bench-2, drawn with Pillow from fixed seeds.
 
 They are read by the project's own readers (lab/datasets/readers.py, lab/datasets/mme_seed.py) under the real task
-names: `--task vqav2 --data-root benchmarks.ROOT` (also coco, mme, seed, seed2). ROOT is written once (conftest.py calls
-`generate`) to a folder whose name holds a hash of this file and of the lab files it writes with, so a changed fixture
-is never read from a stale folder; files.generated makes the write atomic.
+names: `--task vqav2 --data-root benchmarks.ROOT` (also ok-vqa, coco, flickr30k, mme, seed, seed2). ROOT is written
+once (conftest.py calls `generate`) to a folder whose name holds a hash of this file and of the lab files it writes
+with, so a changed fixture is never read from a stale folder; files.generated makes the write atomic.
 """
 import hashlib
 import os
 import pathlib
 import random
 import shutil
+import sys
 import tempfile
 from collections import Counter
 
@@ -24,6 +26,8 @@ WRITERS = (__file__, D.__file__, files.__file__, mme_seed.__file__, readers.__fi
 SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in WRITERS)  # this file and the code it writes with
 ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
+OKVQA_SIZES = {"train": 160, "val": 40}  # OK-VQA questions per split, one on each of the first COCO images
+FLICKR_SIZES = {"train": 60, "test": 20}  # Flickr30k images per Karpathy split, five captions each
 MME_IMAGES = 12                          # per subtask, two questions each
 SEED_IMAGES = 150                        # SEED-Bench-1 and -2 each
 SEED = 0                                 # each writer draws from random.Random(SEED)
@@ -49,7 +53,8 @@ def copy(dest, *folders):
 
 
 def write(root):
-    write_coco(root)
+    write_okvqa(root, write_coco(root))
+    write_flickr30k(root)
     write_mme(root)
     write_seed(root)
     write_seed2(root)
@@ -136,12 +141,13 @@ def instances(scene, image_id, first_id):
 
 def write_coco(root):
     """COCO 2014 images, the VQAv2 questions and annotations, the Karpathy split file (the val images form its
-    "test" split) and the instances files."""
-    rng, karpathy = random.Random(SEED), []
+    "test" split) and the instances files. Returns each split's scenes by image id (OK-VQA asks about them)."""
+    rng, karpathy, scenes = random.Random(SEED), [], {}
     for split, n_images in COCO_SIZES.items():
         questions, annotations, images, objects = [], [], [], []
         for i in range(n_images):
             image_id, s = (i + 1 if split == "train" else 100_000 + i), scene(rng)
+            scenes.setdefault(split, {})[image_id] = s
             path = readers.coco_image(root, split, image_id)
             save(s, path, quality=90)
             question, answer, wrong, answer_type = vqa_question(s, rng)
@@ -164,6 +170,47 @@ def write_coco(root):
                                                    for s, i in CATEGORIES.items()]})
         toy_world.write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
     files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
+    return scenes
+
+
+def write_okvqa(root, scenes):
+    """OK-VQA as released: ok-vqa/OpenEnded_mscoco_<split>2014_questions.json and mscoco_<split>2014_annotations.json
+    (ten answers a question, no multiple-choice answer: the reader takes the most frequent), on the COCO images."""
+    rng, (_, qfile, afile) = random.Random(SEED + 1), readers.VQA_FILES["ok-vqa"]
+    for split, n in OKVQA_SIZES.items():
+        questions, annotations = [], []
+        for image_id, s in list(scenes[split].items())[:n]:
+            question, answer, wrong = rng.choice([
+                ("What would you call this shape?", s["shape"], SHAPES[s["shape"]]),
+                ("What colour would you paint to match these?", s["colour"], NEAR_COLOUR[s["colour"]])])
+            answers, qid = [answer] * 10, image_id * 10 + 3  # OK-VQA's ids: the image's id and one digit
+            for k in rng.sample(range(10), rng.randint(0, 4)):
+                answers[k] = wrong
+            questions.append({"image_id": image_id, "question": question, "question_id": qid})
+            annotations.append({"image_id": image_id, "question_id": qid, "question_type": "other",
+                                "answer_type": "other", "confidence": 3,
+                                "answers": [{"answer": a, "raw_answer": a, "answer_confidence": "yes",
+                                             "answer_id": k + 1} for k, a in enumerate(answers)]})
+        header = {"info": {"description": "hyper-icl toy OK-VQA"}, "license": {}, "data_subtype": f"{split}2014"}
+        files.write_json(os.path.join(root, "ok-vqa", qfile.format(split)), {**header, "questions": questions})
+        files.write_json(os.path.join(root, "ok-vqa", afile.format(split)), {**header, "annotations": annotations})
+
+
+def write_flickr30k(root):
+    """Flickr30k as Karpathy released it: flickr30k/dataset_flickr30k.json (an image's id its imgid) and the images
+    in flickr30k/flickr30k-images/."""
+    rng, images = random.Random(SEED + 2), []
+    for split, n in FLICKR_SIZES.items():
+        for _ in range(n):
+            s, imgid = scene(rng), len(images)
+            filename = f"{1_000_000 + rng.randrange(10**8)}.jpg"
+            save(s, os.path.join(root, "flickr30k", "flickr30k-images", filename), quality=90)
+            sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
+                         for k, c in enumerate(captions(s))]
+            images.append({"filename": filename, "imgid": imgid, "split": split, "sentences": sentences,
+                           "sentids": [x["sentid"] for x in sentences]})
+    files.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"), {"images": images,
+                                                                                 "dataset": "flickr30k"})
 
 # ------------------------------------------------------------------------------------------------- MME (Table 2)
 
@@ -296,3 +343,43 @@ def write_seed2(root):
         per_dimension[q["question_type_id"]] += 1
     types = {name: k + 1 for k, name in enumerate(SEED_V2_DIMENSIONS)}
     files.write_json(os.path.join(base, mme_seed.SEED2_FILE), {"questions": questions, "question_type": types})
+
+# --------------------------------------------------------------- the paper's sizes, for a plan (not for the tests)
+
+PAPER_SIZES = {"vqav2": (2_000, 10_000), "ok-vqa": (9_009, 5_046), "coco": (2_000, 5_000)}  # training pool, evaluation
+PAPER_IMAGES = 64  # drawn images a split, shared round-robin by its questions and captions
+
+
+def paper_sized(root):
+    """VQAv2, OK-VQA and COCO's Karpathy split in their official layouts at the sizes Table 1 reads (VQAv2's 10,000
+    evaluation questions, OK-VQA's 5,046, COCO's 5,000 test images; training pools past the 1,000 queries + 32 held
+    out, OK-VQA's whole 9,009), the questions and captions of the toy scenes above (short, like the real ones), the
+    images PAPER_IMAGES drawn ones shared: for `evaluate.py --table 1 --plan`, which reads the texts of every item and
+    the images of a sample only."""
+    rng, karpathy = random.Random(SEED), []
+    for k, (split, folder) in enumerate((("train", "train"), ("val", "val"))):
+        scenes = [scene(rng) for _ in range(PAPER_IMAGES)]
+        for i, s in enumerate(scenes):
+            save(s, readers.coco_image(root, split, i + 1), quality=90)
+        for task, sizes in PAPER_SIZES.items():
+            if task == "coco":
+                karpathy += [{"filepath": f"{folder}2014", "filename": os.path.basename(readers.coco_image(
+                    root, split, i % PAPER_IMAGES + 1)), "cocoid": 10_000_000 * (k + 1) + i, "imgid": len(karpathy),
+                    "split": "train" if split == "train" else "test",
+                    "sentences": [{"raw": c} for c in captions(scenes[i % PAPER_IMAGES])]} for i in range(sizes[k])]
+                continue
+            questions, annotations = [], []
+            for i in range(sizes[k]):
+                image_id, s = i % PAPER_IMAGES + 1, scenes[i % PAPER_IMAGES]
+                question, answer, _, answer_type = vqa_question(s, rng)
+                toy_world.add_vqa(questions, annotations, image_id, question, [answer] * 10, answer_type)
+                questions[-1]["question_id"] = annotations[-1]["question_id"] = i + 1
+            _, qfile, afile = readers.VQA_FILES[task]
+            files.write_json(os.path.join(root, task, qfile.format(split)), {"questions": questions})
+            files.write_json(os.path.join(root, task, afile.format(split)), {"annotations": annotations})
+    files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
+    return root
+
+
+if __name__ == "__main__":  # python -m tools.benchmarks [--paper-sized DIR]: write, and print the folder
+    print(paper_sized(sys.argv[2]) if sys.argv[1:2] == ["--paper-sized"] else generate())

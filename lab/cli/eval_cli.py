@@ -35,6 +35,8 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
                                                                              "vector_heldout")},
     "fv_heads": ("with --vector fv", lambda a: a.vector == "fv"),
     "fv_trials": ("with --vector fv", lambda a: a.vector == "fv"),
+    **{name: ("with --table or --figure", lambda a: a.table or a.figure) for name in ("print", "print_commands", "gpus",
+                                                                                     "table_worker")},
 }
 
 
@@ -42,7 +44,8 @@ def parse_args(argv, doc, defaults, train_parse):
     """evaluate.py's flags, one a field of `defaults` (evaluate.py's Config: lab/cli/flags.py:parser); returns that
     Config with the parsed values, checked, and the default checkpoint and the output folder filled in. train_parse:
     train.py's parse_args, which checks --train-args."""
-    p = flags.parser(doc, defaults, exclusive=[("benchmark", "benchmark_attention", "gates", "hyperbolicity", "curve")])
+    p = flags.parser(doc, defaults, exclusive=[("benchmark", "benchmark_attention", "gates", "hyperbolicity", "curve",
+                                                "table", "figure"), ("print", "print_commands", "gpus")])
     # `--train-args VALUE` as `--train-args=VALUE`: a value starting with '-' ("--resume") is the flag's, not a flag
     argv = list(sys.argv[1:] if argv is None else argv)
     for k in range(len(argv) - 1):
@@ -62,10 +65,11 @@ def parse_args(argv, doc, defaults, train_parse):
             p.error(f"--curve-methods: unknown {sorted(unknown)}; choose from {[n for n, _ in curves.curve_runs()]}")
         if not 2 <= args.curve_seeds <= len(curves.T_975) + 1:
             p.error(f"--curve-seeds must be in [2, {len(curves.T_975) + 1}] for an interval (got {args.curve_seeds})")
+    if args.curve or args.table or args.figure:
         try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 train_parse(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                             "--overwrite"])
+                             "--proceed"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
         except SystemExit:
@@ -78,15 +82,20 @@ def parse_args(argv, doc, defaults, train_parse):
     if readers.server_split(args.task, args.split) and (args.curve or args.gates or args.hyperbolicity):
         p.error(f"--split {args.split} has no answers: it is for an evaluation (the test server's file), not "
                 "--curve, --gates or --hyperbolicity")
+    if args.icd_task and not args.shots:
+        p.error("--icd-task draws the ICDs of n-shot ICL: give their number with --shots N")
+    if tasks.check_icd_task(args.task, args.icd_task):
+        p.error(tasks.check_icd_task(args.task, args.icd_task))
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
+    check_table(p, args)
     default = results.default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
-    chosen = args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector) and \
-        os.path.isfile(default)
+    chosen = args.checkpoint is None and args.shots is None and not (args.benchmark or args.vector or args.table or
+                                                                     args.figure) and os.path.isfile(default)
     args.checkpoint = default if chosen else args.checkpoint
     if args.checkpoint and not os.path.isfile(args.checkpoint) and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint {args.checkpoint}: no such file")
@@ -100,9 +109,24 @@ def parse_args(argv, doc, defaults, train_parse):
     name = os.path.basename(args.model.rstrip("/")) + (f"-random-weights-{args.random_weights}"
                                                        if args.random_weights else "")
     task = tasks.file_name(args.task)
-    args.out = args.out or (f"runs/curve-{name}-{task}" if args.curve else os.path.dirname(args.checkpoint)
-                            or "." if args.checkpoint else f"runs/eval-{name}-{task}")
+    args.out = args.out or (f"runs/curve-{name}-{task}" if args.curve else f"runs/tables/{name}" if args.table or
+                            args.figure else os.path.dirname(args.checkpoint) or "." if args.checkpoint else
+                            f"runs/eval-{name}-{task}")
     flags.check_folders(p, {"--out": args.out, "--rices-cache": args.rices_cache})
     flags.check_applies(p, args, defaults, APPLIES)
     args.seed_protocol = args.seed_protocol or "generate"
     return args
+
+
+def check_table(p, args):
+    """The checks of --table and --figure (their own flags only with one of them: APPLIES): --gpus a list of device
+    numbers; no flag of a single evaluation (each cell has its own); the train.py flags of --train-args (parsed by
+    curve's check)."""
+    if not (args.table or args.figure):
+        return
+    if args.gpus and not all(d.isdigit() for d in args.gpus.split(",")):
+        p.error(f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {args.gpus!r})")
+    given = [f for f in ("checkpoint", "shots", "vector", "icd_task", "chair") if getattr(args, f) is not None]
+    if given:
+        p.error(f"--{given[0].replace('_', '-')}: a table's cells choose their own (lab/studies/tables.py)")
+

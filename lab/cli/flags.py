@@ -87,9 +87,9 @@ def check_applies(p, args, defaults, applies, view=None):
 # what a field's type does not say: a name checked by a function, a flag that may go without its value (nargs "?" and
 # the value it then takes), a list that may be empty
 HERE = "cuda" if torch.cuda.is_available() else "cpu"  # --plan without a value: the run's own device
-SPELLING = {"task": dict(type=tasks.task_arg), "plan": dict(nargs="?", const=HERE),
-            "chair": dict(nargs="?", const="chair.py"), "random_weights": dict(nargs="?", const="published"),
-            "bench_shots": dict(nargs="*")}
+SPELLING = {"task": dict(type=tasks.task_arg), "icd_task": dict(type=tasks.task_arg),
+            "plan": dict(nargs="?", const=HERE), "chair": dict(nargs="?", const="chair.py"),
+            "random_weights": dict(nargs="?", const="published"), "bench_shots": dict(nargs="*")}
 
 
 class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

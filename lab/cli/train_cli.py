@@ -5,6 +5,7 @@ import tempfile
 import time
 
 from lab.disk import files
+from lab.datasets import tasks
 from lab.models import families, toy_backbone
 from lab.run import checkpoints
 from lab.cli import flags
@@ -27,7 +28,7 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
 def parse_args(argv, doc, defaults):
     """train.py's flags, one a field of `defaults` (train.py's Config: lab/cli/flags.py:parser); returns that Config
     with the parsed values, checked, and --out and --teacher-cache filled in."""
-    p = flags.parser(doc, defaults, exclusive=[("resume", "overwrite")])
+    p = flags.parser(doc, defaults, exclusive=[("resume", "overwrite", "proceed")])
     args = dataclasses.replace(defaults, **vars(p.parse_args(argv)))
     flags.check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                                    "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
@@ -36,6 +37,9 @@ def parse_args(argv, doc, defaults):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
+    check_world(p, args)
+    if tasks.check_icd_task(args.task, args.icd_task):
+        p.error(tasks.check_icd_task(args.task, args.icd_task))
     flags.check_image_memory(p, args.image_memory)
     flags.check_applies(p, args, defaults, APPLIES, args.filled())
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else
@@ -44,6 +48,18 @@ def parse_args(argv, doc, defaults):
     flags.check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
                             "--rices-cache": args.rices_cache})
     return args
+
+
+def check_world(p, args):
+    """Under torchrun (WORLD_SIZE), a parser error naming --batch-size before any backbone loads when a micro-batch
+    would leave a process without a query: every micro-batch of --batch-size queries (the last one --n-train's
+    remainder) must give each of the N processes at least one (torchrun.data_parallel checks the queries there are)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    smallest = min(args.batch_size, args.n_train % args.batch_size or args.batch_size)
+    if smallest < world:
+        p.error(f"torchrun's {world} processes need at least {world} queries in every micro-batch; --batch-size "
+                f"{args.batch_size} with --n-train {args.n_train} gives {smallest}: give --batch-size {world} (or a "
+                "multiple of it that divides --n-train)")
 
 
 def benchmark(args, train):

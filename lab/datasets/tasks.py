@@ -5,6 +5,7 @@ import hashlib
 import math
 import os
 import random
+from dataclasses import replace
 
 import data
 from lab.datasets import mme_seed, own_task, parquet, readers, toy_world
@@ -189,15 +190,36 @@ def split_pool(args, family):
               f"(+{len(heldout)} held out)")
     shots = args.shots if args.shots is not None else data.default_shots(spec(args.task), family)
     held = {it.id for it in heldout}
-    return train, heldout, [it for it in pool if it.id not in held], shots
+    return train, heldout, icd_support(args) if args.icd_task else [it for it in pool if it.id not in held], shots
+
+
+def icd_support(args):
+    """The items a query's ICDs are drawn from: --task's training split, or --icd-task's (Table 8: demonstrations from
+    another task), each of its ids then prefixed with that task's name ("vqav2:1000"), so that ids stay apart: no ICD
+    is taken for the query it shares a number with, and no cache key or RICES row confuses the two."""
+    if not args.icd_task or args.icd_task == args.task:
+        return load_task(args.task, "train", args.data_root)
+    return [replace(it, id=f"{args.icd_task}:{it.id}") for it in load_task(args.icd_task, "train", args.data_root)]
+
+
+def check_icd_task(task, icd_task):
+    """The reason --icd-task cannot give --task's queries their ICDs (None if it can): a task of another kind."""
+    if icd_task and spec(icd_task).kind != spec(task).kind:
+        return (f"--icd-task {icd_task} is a {spec(icd_task).kind} task and --task {task} a {spec(task).kind} one; "
+                "their ICDs and queries must be of one kind")
+    return None
 
 
 def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
-    stratified by subtask / dimension, stratified_subset; otherwise the first N). VQAv2's test-dev and test have no
+    stratified by subtask / dimension, stratified_subset; otherwise the first N, or with --eval-draw seeded N drawn
+    with --seed, kept in the split's order). VQAv2's test-dev and test have no
     answers (lab/scores/test_server.py)."""
     items = readers.read_test(args.data_root, args.split) if readers.server_split(args.task, args.split) else \
         load_task(args.task, args.split, args.data_root)
     if args.n_eval and spec(args.task).kind in ("yes-no", "choice"):
         return stratified_subset(items, args.n_eval, args.seed)
+    if args.n_eval and args.eval_draw == "seeded" and args.n_eval < len(items):  # VQAv2's 10,000 (a table's)
+        kept = set(random.Random(f"n-eval:{args.seed}").sample(range(len(items)), args.n_eval))
+        return [it for k, it in enumerate(items) if k in kept]
     return items[:args.n_eval]

@@ -1,6 +1,7 @@
 """Checkpoints: adapter files (safetensors holding only the adapter and its settings), the run's last.pt
 (resume), run folders claimed and locked by one process at a time."""
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import functools
@@ -54,12 +55,14 @@ def save_adapter(path, backbone, run=None):
 
 
 def run_record(cfg, queries, heldout, icds):
-    """What made a run's adapter, as a plain dict: train.py's settings of RESUME_MUST_MATCH (the task as tasks.task_id:
-    a task of one's own by its real path), the data's folder (real path), `data`: data_fingerprint of its queries and
-    ICDs, and `pool`: a single-file task's training pool (its ids' hash), which its evaluation half must not hold.
+    """What made a run's adapter, as a plain dict: train.py's settings of RESUME_MUST_MATCH (the method, anchor, lambda,
+    kappa, rank, ICDs and their task...: a table's column; the task as tasks.task_id: a task of one's own by its real
+    path; the shots as the ICDs a query had where --shots left them to the default), the data's folder (real path),
+    `data`: data_fingerprint of its queries and ICDs, and `pool`: a single-file task's training pool (its ids' hash),
+    which its evaluation half must not hold.
     last.pt and the adapter file keep it; --resume and evaluate.py compare it (restore, check_task)."""
-    pool = tasks.pool_ids(cfg.task)
-    return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "task": tasks.task_id(cfg.task),
+    pool, shots = tasks.pool_ids(cfg.task), cfg.shots if cfg.shots is not None or not queries else len(icds[queries[0].id])
+    return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "task": tasks.task_id(cfg.task), "shots": shots,
             "data_root": cfg.data_root and os.path.realpath(cfg.data_root),
             "data": data_fingerprint(queries, heldout, icds), "pool": pool and short_hash(sorted(map(str, pool)))}
 
@@ -222,7 +225,7 @@ def save_run(run):
 
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
                      "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
-                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed")
+                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed", "icd_task")
 
 
 def restore(args, backbone, optimizer, scheduler, record):
@@ -256,6 +259,31 @@ def restore(args, backbone, optimizer, scheduler, record):
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state["progress"]
+
+
+def differences(state, args):
+    """The settings of RESUME_MUST_MATCH in which a saved run's state (read_run) differs from args, as flags."""
+    return [f"--{k.replace('_', '-')} {state['args'].get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
+            if state["args"].get(k) != getattr(args, k)]
+
+
+def proceeding(args):
+    """What --proceed does with --out: None if it holds this run finished (last.pt of these settings, every epoch
+    scored or --max-steps taken, history.json written): nothing to do; args with --resume if it holds this run
+    stopped; args with --overwrite if it holds none, or one stopped before its first save. A run of other settings
+    is refused (a ValueError naming them), as --resume refuses it."""
+    path = os.path.join(args.out, "last.pt")
+    if not os.path.exists(path):
+        return dataclasses.replace(args, overwrite=True)
+    state = read_run(path)
+    if differences(state, args):
+        raise ValueError(f"--proceed: {path} was made with " + ", ".join(differences(state, args)) + "; give another "
+                         "--out, or --overwrite to replace it")
+    step, scored = state["progress"]["step"], len(state["progress"]["history"])
+    if (scored == args.epochs or args.max_steps is not None and step >= args.max_steps) and \
+            all(os.path.exists(os.path.join(args.out, f)) for f in ("history.json", "adapter.safetensors")):
+        return None
+    return dataclasses.replace(args, resume=True)
 
 
 def read_run(path):

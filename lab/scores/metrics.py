@@ -51,6 +51,10 @@ _COMMA_STRIP = re.compile(r"(\d)(,)(\d)")
 # lookbehind, so in effect it deletes every '.' that is not followed by a digit ("5." -> "5", "2.5" kept).
 _PERIOD_STRIP = re.compile(r"(?!<=\d)(\.)(?!\d)")
 
+# t(0.975, df) of Student's t for df = 1..30: the half-width of a two-sided 95% interval of a mean, in standard errors
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
 
 def _clean_whitespace(s):
     return s.replace("\n", " ").replace("\t", " ").strip()

@@ -2,16 +2,21 @@
 evaluation's predictions and metrics, MME's results folder."""
 import hashlib
 import json
+import math
 import os
+import statistics
+from collections import Counter
 
 from lab.disk import files
 from lab.datasets import tasks
 from lab.run import checkpoints, teacher_cache
+from lab.scores.metrics import T_975, multiple_choice_accuracy, vqa_accuracy
 
 
 def result_name(args, setting, n, vector_info):
     """The file name (no extension) of an evaluation's results, naming what besides the folder a user varies:
-    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-splitting-on|off][-<RICES encoder>]
+    <task>-<split>-<setting: method or n-shot, -rices>[-<SEED protocol>][-splitting-on|off][-icds-<--icd-task>]
+    [-<RICES encoder>]
     [-<vector layer and file key>][-chair[-corrected]][-<checkpoint key: a hash of its path, if it is not the folder's
     adapter.safetensors>]-seed<seed>-n<items>. What else changes a result (the backbone, --data-root, --n-eval) is in
     the metrics, and check_replaceable keeps a file of other settings from being replaced."""
@@ -21,6 +26,8 @@ def result_name(args, setting, n, vector_info):
         parts.append(args.seed_protocol)
     if args.image_splitting != "checkpoint":
         parts.append("splitting-" + args.image_splitting)
+    if args.icd_task and args.shots:
+        parts.append("icds-" + tasks.file_name(args.icd_task))
     if args.icds == "rices" and args.shots and args.rices_encoder:
         parts.append("encoder-" + short(args.rices_encoder))
     if vector_info:
@@ -75,6 +82,26 @@ def write_mme_results(folder, items, predictions):
     files.replaced(folder, write)
 
 
+def chance(items):
+    """What always giving the most frequent target scores, in percent of the items: where n-shot ICL scores no more
+    (+ 5), the backbone does not learn in context (evaluate_with_baselines, a table's marks)."""
+    return 100 * max(Counter(it.target for it in items).values()) / len(items)
+
+
+def item_interval(kind, items, predictions):
+    """[low, high]: the two-sided 95% interval of the reported metric as a mean over items, mean +- t s / sqrt(n), t
+    Student's t(0.975, n - 1) (metrics.T_975; 1.96 past 31 items), s the items' standard deviation; each item scored
+    as the metric scores it (VQA accuracy, or a right yes/no or option letter) x 100. None for CIDEr (a score of the
+    whole set, not a mean over items) and under two items."""
+    if kind == "caption" or len(items) < 2:
+        return None
+    scores = [100 * (vqa_accuracy(p, it.answers) if kind == "vqa" else multiple_choice_accuracy([p], [it.target]))
+              for it, p in zip(items, predictions)]
+    t = T_975[len(scores) - 2] if len(scores) - 1 <= len(T_975) else 1.96
+    mean, half = statistics.fmean(scores), t * statistics.stdev(scores) / math.sqrt(len(scores))
+    return [mean - half, mean + half]
+
+
 def headline_metric(metrics):
     """The name of the metric an evaluation reports first: VQA accuracy, CIDEr, or (MME, SEED-Bench) accuracy."""
     return next(k for k in ("vqa_accuracy", "cider", "accuracy") if k in metrics)
@@ -83,7 +110,7 @@ def headline_metric(metrics):
 # Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
 RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
                    "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer",
-                   "new_tokens")
+                   "new_tokens", "icd_task")
 
 
 def result_settings(backbone, args, setting, items):
@@ -96,7 +123,8 @@ def result_settings(backbone, args, setting, items):
     return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
             "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
             "setting": setting, "checkpoint": args.checkpoint, "shots": args.shots or 0,
-            "icds": args.icds if args.shots else None, "rices_encoder": args.rices_encoder if rices else None,
+            "icds": args.icds if args.shots else None, "icd_task": args.icd_task if args.shots else None,
+            "rices_encoder": args.rices_encoder if rices else None,
             "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
             "new_tokens": args.new_tokens or tasks.spec(args.task).max_new_tokens,
             "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16]}
@@ -120,6 +148,21 @@ def check_replaceable(path, settings):
     if differ:
         raise ValueError(f"{path} holds the result of other settings: {', '.join(differ)}; it is kept. Give another "
                          "--out, or remove the file to replace it")
+
+
+def same_result(stem, kind, settings):
+    """The metrics of an evaluation done before under this name with these settings (every key of `settings` as
+    recorded, --n-eval aside: the items' ids are compared), whose predictions file is the one they score (and MME's
+    results folder is there); None otherwise (it is evaluated, and written, again)."""
+    try:
+        with open(stem + ".metrics.json", encoding="utf-8") as f:
+            old = json.load(f)
+        with open(stem + ".predictions.jsonl", "rb") as f:
+            scored = hashlib.sha256(f.read()).hexdigest() == old["predictions_sha256"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    same = all(old.get(k) == v for k, v in settings.items() if k != "n_eval")
+    return old if same and scored and (kind != "yes-no" or os.path.isdir(stem + ".mme")) else None
 
 
 def default_checkpoint(model, task):

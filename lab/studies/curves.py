@@ -23,6 +23,7 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints
 from lab.scores import results
+from lab.scores.metrics import T_975  # Student's t at 0.975, by degrees of freedom
 
 CURVE_QUERIES = (4, 8, 16, 32)  # training queries per run: the x axis (Fig 2: training sample size)
 
@@ -31,9 +32,6 @@ CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query d
 CURVE_TRAIN_ARGS = "--epochs 16 --n-heldout 8"  # 16 passes: N queries take 4 N steps at batch size 4
 
 ICL_LEVELS = (0, 1, 2, 4, 8)     # n-shot ICL, the horizontal lines of the figure (Fig 2's x axis)
-
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
 def mean_interval(values):
@@ -114,7 +112,7 @@ def tune(out, flags, methods, train_main, paper_lam):
         def score(lr, lam=None):
             run = os.path.join(out, "tune", method, f"lr{lr:g}" + ("" if lam is None else f"-lam{lam:g}"))
             train_main(flags + tune_flags(lr, lam) + [
-                "--method", method, "--out", run, "--overwrite", "--teacher-cache", os.path.join(out, "teacher")])
+                "--method", method, "--out", run, "--proceed", "--teacher-cache", os.path.join(out, "teacher")])
             with open(os.path.join(run, "history.json")) as f:
                 runs.append({"method": method, "lr": lr, "lam": lam,
                              "heldout_loss": min(h["heldout_loss"] for h in json.load(f))})
@@ -156,7 +154,9 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
     (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
     and budget), curve.json (every run), curve.png and tune.json. One thread on CPU unless --threads (main): on a
-    shared machine that was about 10x faster than two, and deterministic. Handed in by evaluate.py: train_main
+    shared machine that was about 10x faster than two, and deterministic. Stopped, the same command continues it:
+    each run trains with train.py --proceed (a finished one is skipped, a stopped one resumed) and each evaluation
+    of the same settings is read. Handed in by evaluate.py: train_main
     (train.py's main), run_teacher (train.run_teacher), scored(backbone, flags, items, setting) (evaluate.py's
     evaluation of its flags) and paper_lam (train.py's default lambda)."""
     settings = curve_settings(args)
@@ -185,7 +185,7 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     for (name, flags), n, seed in tqdm(plan, desc="learning curves", unit="run"):
         out = os.path.join(args.out, re.sub(r"[^a-z0-9.]+", "-", name.lower()), f"n{n}-seed{seed}")
         row = row_flags(flags, chosen)
-        adapter = train_main(training + row + ["--n-train", str(n), "--seed", str(seed), "--out", out, "--overwrite",
+        adapter = train_main(training + row + ["--n-train", str(n), "--seed", str(seed), "--out", out, "--proceed",
                                                "--teacher-cache", os.path.join(args.out, "teacher")])
         checkpoint = os.path.join(out, "adapter.safetensors")
         method = checkpoints.load_adapter(checkpoint, backbone)["method"]

@@ -158,7 +158,7 @@ def plan(args, queries=None):
         queries, _, pool, shots = tasks.split_pool(args, family)
     else:
         shots = args.shots if args.shots else data.default_shots(tasks.spec(args.task), family)
-        pool = tasks.load_task(args.task, "train", args.data_root)
+        pool = tasks.icd_support(args)
     processor, model, images, source, file_dtype = plan_backbone(args.model, family, args.image_splitting,
                                                                  args.processor)
     sample = queries[:PLAN_SAMPLE]

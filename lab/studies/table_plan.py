@@ -1,0 +1,244 @@
+"""The cost of a table before it runs (evaluate.py --table N --plan [cuda]): each job's work counted once (teacher
+passes, training steps, held-out forwards, evaluation items, prompt and generated tokens, the training vectors'
+forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on an H200 from the FLOPs of that
+work (forward_flops) at plan.ACCELERATOR_TFLOPS, in total and per --gpus. No weights are read: the processor and a
+meta-device model (plan.plan_backbone), the data's files and one image for the tokens an image stands for.
+
+Time model (stated in the output): a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers,
+4 x layers x heads x head size x T^2 for attention (as torch's FLOP counter counts SDPA, unmasked), 2 x width x
+vocabulary at each position whose logits are computed, and per image 2 x (vision tower and connector parameters) x
+patches + 4 x vision layers x width x patches^2; a training step's student is a forward and a backward of about the
+same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
+cache. Checked against torch.utils.flop_counter on the tiny twins (tests/test_tables.py)."""
+import math
+import os
+
+import torch
+
+import data
+import model as M
+from lab.disk.files import size
+from lab.datasets import tasks
+from lab.models import families
+from lab.run import runs, teacher_cache
+from lab.studies import plan, vectors
+
+ACCELERATOR = "an H200 (~989 TFLOP/s dense bf16) at ~40% of its peak"
+
+
+VISION_PARTS = ("vision", "visual", "connector", "projector", "resampler")  # the image side's modules, by name
+
+
+def flop_model(model):
+    """What forward_flops needs of a model (meta device is enough): decoder-layer parameters, attention sizes, the LM
+    head's width x vocabulary, the image side's parameters (the children of model.model named by VISION_PARTS) and
+    its layers, width and patches (the config's image size)."""
+    text, vision = model.config.get_text_config(), model.config.vision_config
+    layers, heads, head_dim = M.attention_shape(model)
+    count = lambda named: sum(p.numel() for n, child in named for p in child.parameters())
+    image = [(n, c) for n, c in model.model.named_children() if any(part in n for part in VISION_PARTS)]
+    return {"decoder": count((n, c) for n, c in model.get_decoder().named_children()
+                             if n in ("layers", "gated_cross_attn_layers")),
+            "layers": layers, "heads": heads, "attention": layers * heads * head_dim,
+            "head": text.hidden_size * text.vocab_size, "vision": count(image),
+            "vision_attention": (getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)) *
+            (getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)),
+            "patches": (getattr(vision, "image_size", 0) // vision.patch_size) ** 2}
+
+
+def forward_flops(f, tokens, images, logits=1, patches=None):
+    """FLOPs of one forward over `tokens` tokens holding `images` images of `patches` patches each (None: the
+    config's image size), computing logits at `logits` positions (the time model in the module's docstring)."""
+    patches = patches or f["patches"]
+    image = 2 * f["vision"] * patches + 4 * f["vision_attention"] * patches ** 2
+    return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + images * image
+
+
+def generate_flops(f, prompt, images, new, patches=None):
+    """FLOPs of answering one prompt: its forward, then `new` tokens, each a one-token forward over the cache."""
+    step = lambda k: 2 * f["decoder"] + 4 * f["attention"] * (prompt + k) + 2 * f["head"]
+    return forward_flops(f, prompt, images, 1, patches) + sum(step(k) for k in range(new))
+
+
+class Tokens:
+    """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
+    token) plus what an image adds beyond it (one query encoded in full: teacher_cache.query_tokens' count), and
+    the vision tower's patches of that image (its crops as the processor makes them; `patch`: the patch size)."""
+
+    def __init__(self, processor, family, kind, reference, patch):
+        self.processor, self.family, self.kind, self.counted = processor, family, kind, {}
+        piece, = data.query_pieces(processor, family, kind, [reference])
+        (whole, _), = teacher_cache.query_sizes([piece])
+        self.image = whole - self.count(data.prompt_text(kind, reference) + self.answer(reference))
+        crops = piece["images"]["pixel_values"]
+        crops = crops.reshape(-1, *crops.shape[-3:]) if torch.is_tensor(crops) else crops  # Idefics: one tensor
+        self.patches = sum((c.shape[-2] // patch) * (c.shape[-1] // patch) for c in crops)
+        tok = processor.tokenizer
+        self.prefix = (tok.bos_token_id is not None) + self.count(data.PROMPTS[kind]["instruction"])
+
+    def count(self, text):
+        """Tokens of a text (each text counted once: an ICD is shown to many queries)."""
+        if text not in self.counted:
+            self.counted[text] = len(self.processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.counted[text]
+
+    def answer(self, item):
+        return data.answer_text(self.processor, self.family, self.kind, item.target)
+
+    def row(self, query, icds, target):
+        """Tokens of [instruction, ICDs, query (+ its target)]: data.encode's row."""
+        shown = sum(self.count(data.prompt_text(self.kind, d) + self.answer(d) + data.SEPARATOR) + self.image
+                    for d in icds)
+        return self.prefix + shown + self.count(data.prompt_text(self.kind, query) + (self.answer(query) if target
+                                                                                       else "")) + self.image
+
+
+class Work:
+    """What a plan reads once for all its jobs: each task's rows' tokens (Tokens), each training's queries and ICDs
+    (tasks.split_pool), each evaluation's items and ICD pool, each method's adapter size, each kind of cell's peak
+    memory (plan.memory)."""
+
+    def __init__(self, args, family):
+        self.args, self.family, self.memo = args, family, {}
+        self.processor, self.model, self.images, self.source, _ = plan.plan_backbone(
+            args.model, family, args.image_splitting, args.processor)
+        self.f, self.params = flop_model(self.model), sum(p.numel() for p in self.model.parameters())
+        self.dtype = plan.backbones.autocast_dtype(args.plan)
+
+    def once(self, key, make):
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
+    def tokens(self, task):
+        return self.once(("tokens", task), lambda: Tokens(self.processor, self.family, tasks.spec(task).kind,
+                                                          tasks.load_task(task, "val", self.args.data_root)[0],
+                                                          self.model.config.vision_config.patch_size))
+
+    def split(self, cfg):
+        """(queries, held-out queries, ICD pool, shots) of a training, and each query's ICDs."""
+        def make():
+            queries, heldout, support, shots = tasks.split_pool(cfg, self.family)
+            return queries, heldout, support, shots, data.demonstrations([q.id for q in queries], support, shots,
+                                                                         cfg.seed)
+        return self.once(("split", cfg.task, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout, cfg.shots), make)
+
+    def items(self, a):
+        """An evaluation's items and the pool its ICDs are drawn from."""
+        return self.once(("items", a.task, a.split, a.n_eval, a.eval_draw, a.seed, a.icd_task),
+                         lambda: (tasks.eval_items(a), tasks.icd_support(a)))
+
+    def adapter(self, cfg):
+        """Parameters of cfg's adapter (attached to the meta-device model, then detached)."""
+        def make():
+            count = sum(p.numel() for p in M.attach(self.model, cfg.method, **runs.method_sizes(cfg)).parameters())
+            M.detach(self.model)
+            return count
+        return self.once(("adapter", cfg.method, tuple(runs.method_sizes(cfg).items())), make)
+
+    def memory(self, a, training):
+        """Peak accelerator memory of a job: plan.memory on a sample of its rows (training, evaluation zero-shot or
+        with the adapter, n-shot ICL), once per task, shots and method."""
+        shots = a.shots or 0
+
+        def encoded():  # the sampled rows of the task and shots, encoded once for every method
+            queries, support = (self.split(a)[0], self.split(a)[2]) if training else self.items(a)
+            sample = queries[:plan.PLAN_SAMPLE]
+            icds = data.demonstrations([q.id for q in sample], support, shots or
+                                       data.default_shots(tasks.spec(a.task), self.family), a.seed)
+            batch = min(a.batch_size, len(sample))
+            return plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch), batch
+
+        def make():
+            rows, batch = self.once(("rows", a.task, shots, training, a.batch_size), encoded)
+            mem = plan.memory(self.model.config, self.params, self.adapter(a) if training else 0, rows, batch,
+                              self.dtype, tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype,
+                              self.args.image_memory * 1e9)
+            return mem["train"] if training else mem["eval_icl" if shots else "eval_adapter"]
+        return self.once(("memory", a.task, shots, getattr(a, "method", None) if training else bool(shots)), make)
+
+
+def train_work(cfg, w, computes_teacher):
+    """One training job's work: steps, teacher passes (if it is the run that computes its teacher: the others read
+    it) and their tokens, held-out forwards, FLOPs, the teacher cache's and the adapter's bytes."""
+    queries, heldout, _, shots, icds = w.split(cfg)
+    tokens, f = w.tokens(cfg.task), w.f
+    student = [tokens.row(q, [], True) for q in queries]
+    teacher = [tokens.row(q, d, True) for q, d in zip(queries, icds)] if computes_teacher else []
+    per_epoch = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum)
+    steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    epochs = math.ceil(steps / per_epoch)
+    p = tokens.patches
+    flops = sum(forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
+        2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
+    flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
+    cache = teacher_cache.cache_file_bytes(cfg.anchor, w.model.config, teacher_cache.query_tokens(
+        w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
+    return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher),
+            "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries),
+            "teacher_cache_bytes": cache, "adapter_bytes": 4 * w.adapter(cfg)}
+
+
+def eval_work(a, w):
+    """One evaluation job's work: items, prompt tokens (ICDs drawn as the evaluation draws random ones; RICES's as
+    random ones), generated tokens at most, FLOPs (a task or function vector's extraction estimated: its ICL prompts
+    as long as the first item's, the layer choice's and the indirect effects' forwards as many as vectors.py runs)."""
+    (items, support), tokens, new, f = w.items(a), w.tokens(a.task), tasks.spec(a.task).max_new_tokens, w.f
+    icds = data.demonstrations([it.id for it in items], support, a.shots, a.seed) if a.shots else [[] for _ in items]
+    prompts = [tokens.row(it, d, False) for it, d in zip(items, icds)]
+    flops = sum(generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
+    if a.vector:
+        shots = data.default_shots(tasks.spec(a.task), w.family)
+        icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
+        forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
+        flops += forwards * forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * f["layers"] * \
+            forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
+    return {"items": len(items), "prompt_tokens": sum(prompts), "generated_at_most": new * len(items),
+            "flops": flops}
+
+
+def plan_table(args, table, jobs, parsers):
+    """Print and return a table's plan: per job its work and peak memory, then the totals (jobs, backbone loads, the
+    counts, disk, FLOPs) and the time on ACCELERATOR, in total and per --gpus (the slower of the work shared out
+    and the longest chain of jobs that wait for each other). parsers: train.py's and evaluate.py's parse_args."""
+    w = Work(args, families.family_of(args.model))
+    print(f"plan of {table.name} for {args.model}: {len(jobs)} jobs; {w.source}" + (f"; {w.images}" if w.images
+                                                                                      else ""))
+    total = dict.fromkeys(("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens",
+                           "generated_at_most", "flops", "teacher_cache_bytes", "adapter_bytes"), 0)
+    hours, chain = {}, {}
+    for job in jobs:
+        a, training = job.args(parsers), job.script == "train.py"
+        if training:
+            owner = a.anchor != "none" and not job.after
+            work = train_work(a, w, owner)
+            mean = work["teacher_tokens"] / max(1, work["teacher_passes"])
+            what = (f"{a.method} on {a.task}: {work['queries']:,} queries, {work['steps']:,} steps, teacher " +
+                    (f"{work['teacher_passes']:,} passes ({mean:.0f} tokens a row)" if owner else
+                     "read from the first run's cache" if a.anchor != "none" else "none"))
+        else:
+            work = eval_work(a, w)
+            icl = f"{a.shots or 0}-shot" + ("-rices" if a.shots and a.icds == "rices" else "")
+            what = (f"{a.task} " + (f"adapter {os.path.relpath(a.checkpoint, args.out)}" if a.checkpoint else
+                                    a.vector or icl) +
+                    f": {work['items']:,} items, {work['prompt_tokens']:,} prompt tokens, <= "
+                    f"{work['generated_at_most']:,} generated")
+        hours[job.argv] = work["flops"] / (plan.ACCELERATOR_TFLOPS * 1e12) / 3600
+        chain[job.argv] = hours[job.argv] + max((chain[x] for x in job.after), default=0)
+        for k in total:
+            total[k] += work.get(k, 0)
+        print(f"  {job.script} {what}; peak ~{size(w.memory(a, training))}; {work['flops']:.3g} FLOPs = "
+              f"{hours[job.argv]:.3g} h")
+    gpus = len(args.gpus.split(",")) if args.gpus else 1
+    loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values())
+    wall = max(gpu_hours / gpus, max(chain.values(), default=0))
+    total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours, "wall_hours": wall, "gpus": gpus}
+    print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process); teacher "
+          f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training "
+          f"steps, {total['heldout_forwards']:,} held-out forwards; {total['items']:,} evaluation items, "
+          f"{total['prompt_tokens']:,} prompt tokens, <= {total['generated_at_most']:,} generated")
+    print(f"disk: teacher caches {size(total['teacher_cache_bytes'])}, adapters {size(total['adapter_bytes'])}")
+    print(f"time: {total['flops']:.3g} FLOPs = {gpu_hours:.3g} GPU-hours on {ACCELERATOR} "
+          f"({plan.ACCELERATOR_TFLOPS} TFLOP/s); on {gpus} GPU(s) ~{wall:.3g} h (the work shared out, or the longest "
+          "chain of jobs waiting for each other); time model: lab/studies/table_plan.py")
+    return total

@@ -1,0 +1,136 @@
+"""A table beside the paper's (evaluate.py --table N [--print]): each cell assembled from its result file alone (our
+number, its 95% interval where the metric allows one, the items scored, the adapter's parameters and the run that
+made it), the paper's number and the difference, marks on what is not a result; written as Markdown and JSON (and a
+figure for a sweep) in the backbone's folder."""
+import glob
+import json
+import os
+
+from lab.disk import files
+from lab.models import families
+from lab.scores import results
+from lab.studies import tables
+
+MARKS = {  # what a mark on a cell says
+    "chance": "not a result: n-shot ICL at chance (at most the most frequent answer's share + 5 points): the backbone "
+              "does not learn in context here, so nothing distilled from it can show anything",
+    "subset": "a subset smaller than the paper's evaluation (items: ours / the paper's)",
+    "queries": "the adapter trained on fewer queries than the paper's 1,000",
+    "missing": "no result yet: run the table's command (it continues where it stopped)",
+    "extra": "a row the paper does not hold (the project's)"}
+SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "extra": "*"}
+
+
+def found(job, parsers):
+    """The metrics file of an evaluation job, found among its folder's files by the settings it records (None if it
+    is not there): task, split, seed, --n-eval, shots, ICDs and their task, vector, adapter file."""
+    a = job.args(parsers)
+    want = {"task": a.task, "split": a.split, "seed": a.seed, "n_eval": a.n_eval, "shots": a.shots or 0,
+            "icds": a.icds if a.shots else None, "icd_task": a.icd_task if a.shots else None}
+    checkpoint = a.checkpoint and os.path.realpath(a.checkpoint)
+    for path in sorted(glob.glob(os.path.join(glob.escape(a.out), "*.metrics.json"))):
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+        if all(m.get(k) == v for k, v in want.items()) and m.get("vector") == a.vector and \
+                (m.get("checkpoint") and os.path.realpath(m["checkpoint"])) == checkpoint:
+            return path, m
+    return None, None
+
+
+def cell_record(args, name, family, table, key, job, parsers):
+    """One cell: ours, the paper's, the difference, items (ours, the paper's), interval, parameters, marks."""
+    (row, column), cell = key, table.cells[key]
+    path, m = found(job, parsers)
+    paper = tables.published(name, family, row, column)
+    record = {"row": row, "column": column, "paper": paper, "paper_items": tables.PAPER_ITEMS.get(cell.task),
+              "marks": ["extra"] if row in table.extra else []}
+    if m is None:
+        return record | {"ours": None, "marks": record["marks"] + ["missing"]}
+    metric = results.headline_metric(m)
+    record |= {"metric": metric, "ours": m[metric], "items": m["n"], "interval95": m.get("interval95"),
+               "params": m.get("params"), "difference": None if paper is None else m[metric] - paper,
+               "result": os.path.relpath(path, args.out)}
+    if cell.train is None and m["shots"] and metric != "cider" and "chance" in m and m[metric] <= m["chance"] + 5:
+        record["marks"].append("chance")
+    if record["paper_items"] and m["n"] < record["paper_items"]:
+        record["marks"].append("subset")
+    if (m.get("run") or {}).get("n_train", 1000) < 1000:
+        record["marks"].append("queries")
+    return record
+
+
+def text(record):
+    """A cell as the Markdown table shows it: ours [interval] / the paper's (difference), items, marks."""
+    if record["ours"] is None:
+        ours = "-"
+    else:
+        interval = record.get("interval95")
+        ours = f"{record['ours']:.2f}" + (f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else "") + \
+            f", {record['items']:,}" + (f"/{record['paper_items']:,}" if record["paper_items"] else "") + " items"
+    paper = "" if record["paper"] is None else f" / {record['paper']:.2f}" + (
+        "" if record["ours"] is None else f" ({record['difference']:+.2f})")
+    return ours + paper + "".join(SYMBOLS[m] for m in record["marks"])
+
+
+def params_text(table, records, family, row):
+    """The # Params cell of a row: the adapter's parameters (ours, from its result file) / the paper's (millions)."""
+    ours = next((r["params"] for r in records if r["row"] == row and r.get("params")), None)
+    paper = tables.PARAMS.get(family, {}).get(row) if table.name == "Table 1" else None
+    return ("-" if ours is None else f"{ours:,}") + ("" if paper is None else f" / {paper} M")
+
+
+def write(args, name, table, of_cell, parsers):
+    """Assemble the table from its result files and write <out>/<name>.md and .json (and .png for a sweep); print
+    the Markdown. Returns the JSON's dict. parsers: train.py's and evaluate.py's parse_args."""
+    family = families.family_of(args.model)
+    records = [cell_record(args, name, family, table, key, of_cell[key], parsers) for key in table.cells]
+    by_key = {(r["row"], r["column"]): r for r in records}
+    paper = tables.FAMILY_NAMES.get(family) if name in tables.PAPER and family in tables.PAPER[name] else None
+    random_weights = args.model.startswith("tiny-")
+    head = (f"{table.name} of {args.model}" + (" (random weights)" if random_weights else "") +
+            f": {table.caption}. Each cell: ours [95% interval], items" +
+            (f" / the paper's {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
+    show_params = table.params
+    lines = [head, "", "| | " + ("# Params (ours / paper) | " if show_params else "") +
+             " | ".join(tables.TASK_NAMES.get(c, c) for c in table.columns) + " |",
+             "|---|" + ("---:|" if show_params else "") + "---:|" * len(table.columns)]
+    for row in table.rows:
+        cells = [text(by_key[row, c]) if (row, c) in by_key else "" for c in table.columns]
+        lines.append(f"| {tables.TASK_NAMES.get(row, row)} | " +
+                     (params_text(table, records, family, row) + " | " if show_params else "") +
+                     " | ".join(cells) + " |")
+    used = dict.fromkeys(m for r in records for m in r["marks"])
+    lines += [""] + [f"{SYMBOLS[m]} {MARKS[m]}" for m in used]
+    out = os.path.join(args.out, name if name.startswith("figure") else f"table-{name}")
+    markdown = "\n".join(lines) + "\n"
+    summary = {"table": table.name, "model": args.model, "family": family, "paper_backbone": paper,
+               "random_weights": random_weights, "rows": list(table.rows), "columns": list(table.columns),
+               "cells": records, "marks": {m: MARKS[m] for m in used}}
+    files.atomic_write(out + ".md", lambda f: f.write(markdown.encode()))
+    files.write_json(out + ".json", summary, indent=1)
+    if table.figure:
+        draw(table, by_key, out + ".png")
+    print(markdown + f"-> {out}.md, {out}.json" + (f", {out}.png" if table.figure else ""))
+    return summary
+
+
+def draw(table, by_key, path):
+    """A sweep's figure: a line per row over the columns (ours solid, the paper's dotted where it has numbers)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    x = list(range(len(table.columns)))
+    for i, row in enumerate(table.rows):
+        color = plt.cm.tab10(i % 10)
+        ours = [by_key[row, c]["ours"] for c in table.columns]
+        paper = [by_key[row, c]["paper"] for c in table.columns]
+        ax.plot(x, [float("nan") if v is None else v for v in ours], "o-", color=color, label=row)
+        if any(v is not None for v in paper):
+            ax.plot(x, [float("nan") if v is None else v for v in paper], "s:", color=color, label=f"{row} (paper)")
+    ax.set_xticks(x, table.columns)
+    ax.set(title=f"{table.name}: {table.caption}", ylabel="score")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    files.atomic_write(path, lambda f: fig.savefig(f, format="png", metadata={"Software": None}))
+    plt.close(fig)

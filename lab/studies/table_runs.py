@@ -1,0 +1,224 @@
+"""A table's work (evaluate.py --table N, --figure N): each cell's single commands (tables.py) as jobs, each piece of
+work once, in one process that loads the backbone once; resumed by running the same command again; --gpus: one such
+process per device taking the next job; --print-commands: the jobs as shell lines for any launcher.
+
+Once each: a job is one train.py or evaluate.py command, and cells that need the same command share its job (Table
+4's zero-shot is Table 1's, Table 8's adapter is Table 1's run). Every run of a task reads and writes one teacher
+cache, <out>/teacher/<task>, so the teacher's states of a (backbone, task, queries, ICDs) are computed by the first
+run that distils from them and read by the others (LIVE's teacher logits are a second pass: another tensor). A
+finished training is skipped (train.py --proceed), a stopped one continued, an evaluation of the same settings read
+(evaluate.py), so the same command after Ctrl-C, kill -9 or a lost node finishes with the table one run gives."""
+import contextlib
+import hashlib
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import torch
+
+import model as M
+from lab.disk import files
+from lab.datasets import tasks
+from lab.models import backbones, families
+from lab.run import checkpoints, teacher_cache
+from lab.studies import table_plan, table_print, tables
+
+# evaluate.py's flags a table hands on to each cell's commands where they are not the defaults: to train.py (the
+# machine, the images, RICES, the seed), and to evaluate.py (those and the evaluations' own)
+TRAIN_FLAGS = ("threads", "workers", "image_splitting", "image_memory", "rices_encoder", "rices_cache", "seed")
+EVAL_FLAGS = TRAIN_FLAGS + ("batch_size", "vector_sets", "vector_heldout", "fv_heads", "fv_trials")
+
+
+def handed_on(args, defaults, names):
+    """--flag value for each of `names` where args differs from the evaluate.py defaults."""
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        if value != getattr(defaults, name):
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def eval_size(args, task):
+    """The evaluation's --n-eval flags: the paper's items (VQAv2's 10,000, drawn with --seed; the other tasks'
+    whole splits), at most --n-eval."""
+    paper = tables.PAPER_ITEMS["vqav2"] if task == "vqav2" else None
+    n = min(v for v in (paper, args.n_eval) if v) if paper or args.n_eval else None
+    return ([] if n is None else ["--n-eval", str(n)]) + (["--eval-draw", "seeded"] if task == "vqav2" else [])
+
+
+def run_name(flags):
+    """A training's folder name: its method, then its other flags ("hyper-icl-anchor-none", "mimic")."""
+    named = dict(zip(flags[::2], flags[1::2]))  # a cell's train.py flags come in pairs
+    method = named.pop("--method", "hyper-icl")
+    return "-".join([method, *(part for flag, value in named.items() for part in (flag.removeprefix("--"), value))])
+
+
+def table_jobs(args, defaults, train_parse, table):
+    """The jobs of a table's cells in the order the table reads (each training before its evaluation), once each:
+    {cell: its evaluation job} and the list of jobs. train_parse: train.py's parse_args (each run's anchor and
+    teacher)."""
+    root = ["--model", args.model] + (["--data-root", args.data_root] if args.data_root else [])
+    jobs, teachers, of_cell = {}, {}, {}
+    for key, cell in table.cells.items():
+        after, folder, evaluate = (), os.path.join(args.out, "eval", tasks.file_name(cell.task)), list(cell.evaluate)
+        if cell.train is not None:
+            task = tasks.file_name(cell.trained_on)
+            folder = os.path.join(args.out, "train", task, run_name(cell.train))
+            argv = (*root, "--task", cell.trained_on, "--out", folder, "--teacher-cache",
+                    os.path.join(args.out, "teacher", task), "--proceed", *handed_on(args, defaults, TRAIN_FLAGS),
+                    *shlex.split(args.train_args), *cell.train)
+            cfg = train_parse(list(argv))
+            teacher = None if cfg.anchor == "none" else (  # what the teacher's cached tensors depend on
+                cfg.task, cfg.shots, cfg.icds, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout,
+                teacher_cache.teacher_output(cfg.anchor))
+            first = teachers.setdefault(teacher, argv) if teacher else argv  # the run that computes it
+            jobs.setdefault(argv, tables.Job("train.py", argv, () if first == argv else (first,)))
+            after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *evaluate]
+        protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
+        argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args, cell.task),
+                *handed_on(args, defaults, EVAL_FLAGS), *protocol, *evaluate)
+        of_cell[key] = jobs.setdefault(argv, tables.Job("evaluate.py", argv, after))
+    trainings = [j for j in jobs.values() if j.script == "train.py"]  # first: one backbone state for all of them
+    return of_cell, trainings + [j for j in jobs.values() if j.script == "evaluate.py"]
+
+
+class Shared:
+    """load_backbone for every job of one process, which loads the backbone once. A training draws its adapter's
+    first values from torch's generators after the load, and a load may draw from them (the toy backbone's init) or
+    seed them (a tiny twin's builder), so before a training the generators are set where a fresh load from their
+    present state leaves them: recorded at the load for that state, exact (a state not seen loads again; an
+    evaluation that loads first does so from the state train.py seeds, --seed's, so its trainings need no other).
+    Every job gets the backbone without an adapter, on the device train.py trains on (the accelerator, if any)."""
+
+    def __init__(self, seed=0):
+        self.backbone, self.key, self.after, self.loads, self.jobs, self.seed = None, None, {}, 0, 0, seed
+
+    @staticmethod
+    def state():
+        """torch's generators: CPU and, where there is one, CUDA."""
+        return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+
+    @staticmethod
+    def digest(state):
+        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in [state[0], *state[1]])).hexdigest()
+
+    def load(self, name, image_splitting, image_memory):
+        before = self.digest(self.state())
+        self.backbone = backbones.load_backbone(name, "cuda" if torch.cuda.is_available() else "cpu",
+                                                image_splitting=image_splitting, image_memory=image_memory)
+        self.key, self.loads = (name, image_splitting, image_memory), self.loads + 1
+        self.after[before] = self.state()
+
+    def training(self, name, device=None, image_splitting="checkpoint", image_memory=None):
+        """train.train's `load`."""
+        before = self.digest(self.state())
+        if self.key != (name, image_splitting, image_memory) or before not in self.after:
+            self.load(name, image_splitting, image_memory)
+        cpu, cuda = self.after[before]
+        torch.set_rng_state(cpu)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+        return self.backbone
+
+    def evaluation(self, name, image_splitting="checkpoint", image_memory=None):
+        """evaluate.main's `load` (an evaluation draws nothing at random)."""
+        if self.key != (name, image_splitting, image_memory):
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed)
+                self.load(name, image_splitting, image_memory)
+        return self.backbone
+
+    def clean(self):
+        """The backbone without the adapter a job attached."""
+        if self.backbone is not None and hasattr(self.backbone.model, "icl_settings"):
+            M.detach(self.backbone.model)
+
+
+def run_jobs(jobs, mains, claims=None, seed=0):
+    """Run the jobs in order in this process (mains: {"train.py": train.main, "evaluate.py": evaluate.main}), the
+    backbone loaded once (Shared; seed: the runs' --seed). claims: under --gpus, the folder where the processes
+    claim jobs and mark them done: a job waits for the jobs before it and is left to the process that holds it.
+    Returns the Shared loader."""
+    shared, done = Shared(seed), set()
+    while len(done) < len(jobs):
+        done |= {j.argv for j in jobs if claims and marked(claims, j)}
+        for job in [j for j in jobs if j.argv not in done and all(a in done for a in j.after)]:
+            with claimed(claims, job) as mine:
+                if mine:
+                    print(f"[{len(done) + 1}/{len(jobs)}] {job.line()}", flush=True)
+                    shared.jobs += 1
+                    try:
+                        mains[job.script](list(job.argv), load=shared.training if job.script == "train.py" else
+                                          shared.evaluation)
+                    finally:
+                        shared.clean()
+                    if claims:
+                        files.write_json(os.path.join(claims, job.key() + ".done"), job.line())
+            if mine:
+                done.add(job.argv)
+                break
+        else:  # every job that may start is another process's, or waits for one
+            time.sleep(1)
+    return shared
+
+
+def marked(claims, job):
+    """Whether `job` is done in this --gpus run."""
+    return os.path.exists(os.path.join(claims, job.key() + ".done"))
+
+
+@contextlib.contextmanager
+def claimed(claims, job):
+    """Hold `job` for this process (True), or not if another process holds it (False); always without --gpus."""
+    if claims is None:
+        yield True
+        return
+    try:
+        with checkpoints.locked(os.path.join(claims, job.key())):
+            yield not marked(claims, job)
+    except ValueError:  # held by another process
+        yield False
+
+
+def on_devices(args, argv, script):
+    """--gpus: one process per device (CUDA_VISIBLE_DEVICES), each running `script` with argv and --table-worker
+    (which makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of
+    this run live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips
+    what is done)."""
+    claims = os.path.join(args.out, "claims", f"{files.this_host()}-{os.getpid()}")
+    os.makedirs(claims, exist_ok=True)
+    procs = [subprocess.Popen([sys.executable, script, *argv, "--table-worker", claims],
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": device})
+             for device in args.gpus.split(",")]
+    failed = [p for p in procs if p.wait() != 0]
+    if failed:
+        raise ValueError(f"{len(failed)} of the --gpus processes failed (their output is above); run the same command "
+                         "again to continue")
+
+
+def run_table(args, argv, mains, parsers, script):
+    """evaluate.py --table N / --figure N: the table's jobs run (or with --print-commands printed, with --plan
+    planned), then the table printed beside the paper's numbers (table_print.write; --print: that alone). mains:
+    {"train.py": train.main, "evaluate.py": evaluate.main}; parsers: (train.py's, evaluate.py's parse_args); script:
+    evaluate.py's path (--gpus starts it once per device); argv: this command's flags."""
+    train_parse, eval_parse = parsers
+    name = args.table or f"figure-{args.figure}"
+    table = tables.layout(name, families.family_of(args.model), train_parse(shlex.split(args.train_args)).n_train)
+    of_cell, jobs = table_jobs(args, eval_parse([]), train_parse, table)
+    if args.plan:
+        return table_plan.plan_table(args, table, jobs, parsers)
+    if args.print_commands:
+        table_line = ["python", os.path.basename(script), *(a for a in argv if a != "--print-commands"), "--print"]
+        lines = [j.line() for j in jobs] + [shlex.join(table_line)]
+        print("\n".join(lines))
+        return lines
+    if args.gpus and not args.table_worker:
+        on_devices(args, argv, script)
+    elif not args.print:
+        shared = run_jobs(jobs, mains, args.table_worker, args.seed)
+        print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
+              f"{shared.loads} time(s)")
+    return None if args.table_worker else table_print.write(args, name, table, of_cell, parsers)

@@ -1,0 +1,263 @@
+"""The paper's tables as data (Tables 1-4, 7, 8, 11 and the sweeps of Figures 2, 3a, 3b): for a backbone family,
+each table's rows and columns as the paper lays them out and each cell's single commands (the train.py run it scores,
+if any, and the evaluate.py flags that score it), and the paper's published numbers (PAPER, PARAMS), which
+tests/test_tables.py checks against the paper's own table text (paper-tables.txt beside this file). Running, printing
+and planning a table: table_runs.py, table_print.py, table_plan.py."""
+import hashlib
+import shlex
+from dataclasses import dataclass, field, replace
+
+import data
+from lab.datasets import tasks
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One number of a table: the task it is scored on, evaluate.py's flags beyond every cell's (--shots 8, --icds
+    rices, --vector tv, --icd-task vqav2), and the train.py run whose adapter it scores (its flags beyond every
+    run's; None: no adapter) on `train_task` (None: `task`; Table 8: the source task)."""
+    task: str
+    evaluate: tuple = ()
+    train: tuple | None = None
+    train_task: str | None = None
+
+    @property
+    def trained_on(self):
+        """The task the cell's adapter trains on."""
+        return self.train_task or self.task
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table for one backbone family: its rows and columns in the paper's order, each cell, and the rows that the
+    paper does not hold (HiFICL: the project's second method, shown beside Table 1's rows)."""
+    name: str
+    caption: str
+    rows: tuple
+    columns: tuple
+    cells: dict = field(hash=False)  # (row, column) -> Cell
+    extra: tuple = ()
+    figure: str | None = None        # a sweep: how its figure plots it ("lines": a line per row over the columns)
+    params: bool = False             # a row per method: a # Params column (the adapter's parameters)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One command of a table: train.py or evaluate.py and its flags, and the jobs that must be done before it (the
+    training whose adapter it scores; the first run that computes the teacher it distils from)."""
+    script: str
+    argv: tuple
+    after: tuple = ()
+
+    def line(self):
+        """The job as one idempotent shell line."""
+        return shlex.join(["python", self.script, *self.argv])
+
+    def args(self, parsers):
+        """The job's flags parsed by its script's parse_args (parsers: train.py's, evaluate.py's), before it runs: an
+        adapter that is not trained yet is named, not checked."""
+        if self.script == "train.py":
+            return parsers[0](list(self.argv))
+        k = self.argv.index("--checkpoint") if "--checkpoint" in self.argv else None
+        args = parsers[1](list(self.argv if k is None else self.argv[:k] + self.argv[k + 2:]))
+        return args if k is None else replace(args, checkpoint=self.argv[k + 1])
+
+    def key(self):
+        """A short name of the job (its claim and done marks under --gpus)."""
+        return hashlib.sha256(self.line().encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------- the paper's numbers (paper-tables.txt)
+
+FAMILY_NAMES = {"idefics": "Idefics-9b", "idefics2": "Idefics2-8b", "llava-interleave": "LLaVA-Interleave-7B",
+                "llava-onevision": "LLaVA-OneVision (Qwen2-7B)"}
+
+TASK_NAMES = {"vqav2": "VQAv2", "ok-vqa": "OK-VQA", "coco": "COCO", "flickr30k": "Flickr30k", "mme": "MME",
+              "seed": "SEED"}
+
+
+def grid(columns, rows):
+    """{(row, column): value} of {row: its values in the order of `columns`}."""
+    return {(r, c): v for r, values in rows.items() for c, v in zip(columns, values, strict=True)}
+
+
+T1, T2, T3 = ("vqav2", "ok-vqa", "coco"), ("flickr30k", "mme", "seed"), ("4", "8", "16", "32", "48", "64")
+T4 = ("Zero-shot", "L_sup", "L_sup + L_L2-anchor", "L_H-anchor", "L_sup + L_H-anchor")
+T8 = ("Zero-shot", "8-shot ICL", "Hyper-ICL")
+
+PAPER = {  # table -> backbone family -> {(row, column): the published number}
+    "1": {"idefics": grid(T1, {
+              "Zero-shot": (29.25, 30.54, 63.06), "32-shot ICL": (56.18, 48.48, 105.89),
+              "RICES": (58.07, 51.11, 110.64), "FV": (30.21, 31.02, 74.01), "TV": (43.68, 32.68, 84.72),
+              "LoRA": (55.60, 47.06, 97.75), "LIVE": (53.71, 46.05, 112.76), "MimIC": (59.64, 52.05, 114.89),
+              "Hyper-ICL": (62.08, 55.31, 117.44)}),
+          "idefics2": grid(T1, {
+              "Zero-shot": (55.39, 43.08, 40.00), "8-shot ICL": (66.20, 57.68, 122.51),
+              "RICES": (66.44, 55.73, 111.44), "FV": (36.47, 34.58, 75.24), "TV": (47.12, 38.27, 87.61),
+              "LoRA": (66.54, 55.05, 116.69), "LIVE": (67.60, 54.86, 126.04), "MimIC": (69.29, 58.74, 132.87),
+              "Hyper-ICL": (71.17, 62.24, 135.66)})},
+    "2": {"idefics": grid(T2, {"Zero-shot": (49.17, 55.36, 27.56), "ICL": (63.41, 52.11, 28.30),
+                               "Hyper-ICL": (75.96, 65.46, 31.87)}),
+          "idefics2": grid(T2, {"Zero-shot": (53.04, 74.80, 12.91), "ICL": (84.57, 71.10, 47.90),
+                                "Hyper-ICL": (93.79, 82.13, 48.31)})},
+    "3": {"idefics": grid(T3, {"VQAv2 ICL": (53.72, 54.24, 55.70, 56.18, 56.67, 56.71),
+                               "VQAv2 Hyper-ICL": (57.87, 58.81, 59.73, 62.08, 62.61, 62.90),
+                               "OK-VQA ICL": (46.11, 46.79, 47.70, 48.48, 48.68, 48.60),
+                               "OK-VQA Hyper-ICL": (50.21, 51.79, 53.22, 55.31, 55.53, 55.26)})},
+    "4": {"idefics": grid(T4, {"vqav2": (29.25, 57.11, 59.64, 60.53, 62.08),
+                               "ok-vqa": (30.54, 49.23, 53.76, 53.78, 55.31)})},
+    "7": {"llava-interleave": grid(T1[:2], {"Zero-shot": (13.02, 5.10), "8-shot ICL": (68.19, 43.84),
+                                            "MimIC": (74.40, 52.29), "Hyper-ICL": (76.51, 56.77)}),
+          "llava-onevision": grid(T1[:2], {"Zero-shot": (71.75, 48.19), "8-shot ICL": (78.70, 66.59),
+                                           "MimIC": (81.22, 69.43), "Hyper-ICL": (82.24, 75.32)})},
+    "8": {"idefics2": grid(T8, {"coco -> flickr30k": (53.04, 73.26, 87.42),
+                                "vqav2 -> ok-vqa": (43.08, 51.43, 59.11)})},
+    "11": {"idefics": grid(T1[:2], {"Intervention on O": (58.42, 50.18), "Hyper-ICL": (62.08, 55.31)})},
+}
+
+PARAMS = {  # Table 1's # Params (M), per backbone family and row
+    "idefics": {"LoRA": 25.0, "LIVE": 0.13, "MimIC": 0.26, "Hyper-ICL": 1.18},
+    "idefics2": {"LoRA": 17.6, "LIVE": 0.13, "MimIC": 0.26, "Hyper-ICL": 1.18}}
+
+PAPER_ITEMS = {  # items the paper scores a task on (Section 4.1): VQAv2's 10,000 validation questions; the full
+    # OK-VQA val and Karpathy test splits; MME's 2,374 questions; SEED-Bench-1's 14,233 image questions
+    "vqav2": 10_000, "ok-vqa": 5_046, "coco": 5_000, "flickr30k": 1_000, "mme": 2_374, "seed": 14_233}
+
+# ------------------------------------------------------------------------------------------- the tables' cells
+
+TRAINED = {"LoRA": ("--method", "lora"), "LIVE": ("--method", "live"), "MimIC": ("--method", "mimic"),
+           "Hyper-ICL": (), "HiFICL": ("--method", "hificl")}  # Table 1's learnable rows: train.py flags
+
+FIGURE_METHODS = ("LoRA", "LIVE", "MimIC", "Hyper-ICL")  # Figure 2's lines
+
+FIGURE_SIZES = (0.1, 0.25, 0.5, 1.0)  # Figure 2's training sizes, shares of the runs' --n-train (the paper's 1,000;
+# the figure's axis values are not in its text)
+
+RANKS, GATES = ("2", "4", "8"), {"Hyper-ICL": "hyper-icl", "static, layer-wise": "static-layer",
+                                 "static, layer & head-wise": "static-layer-head"}  # Figure 3a
+
+KAPPAS, LAMBDAS = ("0.01", "0.1", "1"), ("0.25", "0.5", "1")  # Figure 3b (the paper's lambdas are not in its text)
+
+OTHER_MODES = {"5": "evaluate.py --task coco --chair ... (CHAIR, beside any evaluation)",
+               "6": "evaluate.py --benchmark [--random-weights]", "9": "evaluate.py --hyperbolicity --checkpoint ...",
+               "10": "evaluate.py --gates --checkpoint ..."}
+
+
+def shots_of(task, family):
+    """The ICDs of the paper's n-shot ICL and teacher for a task on a family (data.default_shots)."""
+    return data.default_shots(tasks.spec(task), family)
+
+
+def unless(flag, value, default):
+    """(flag, value), or () where value is the default: a run of default settings is named and shared as one."""
+    return () if str(value) == str(default) else (flag, str(value))
+
+
+def layout(name, family, n_train=1000):
+    """The Table `name` ("1", ..., "11", "figure-2", "figure-3a", "figure-3b") for a backbone family; n_train: the
+    runs' training queries (Figure 2's sizes are shares of it)."""
+    if name in OTHER_MODES:
+        raise ValueError(f"Table {name} is another mode of evaluate.py: {OTHER_MODES[name]}")
+    if name not in LAYOUTS:
+        raise ValueError(f"no table {name!r}; choose from {', '.join(LAYOUTS)}")
+    return LAYOUTS[name](family, n_train)
+
+
+def icl(task, family, source=None):
+    """The n-shot ICL cell of a task (ICDs from `source`'s training split: Table 8)."""
+    return Cell(task, ("--shots", str(shots_of(source or task, family))) + (("--icd-task", source) if source else ()))
+
+
+def table_1(family, n_train):
+    n = shots_of("vqav2", family)
+    rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), f"{n}-shot ICL": lambda t: icl(t, family),
+            "RICES": lambda t: Cell(t, ("--shots", str(shots_of(t, family)), "--icds", "rices")),
+            "FV": lambda t: Cell(t, ("--vector", "fv")), "TV": lambda t: Cell(t, ("--vector", "tv")),
+            **{m: (lambda t, f=f: Cell(t, train=f)) for m, f in TRAINED.items()}}
+    return Table("Table 1", "Results of VQAv2, OK-VQA, and COCO", tuple(rows), T1,
+                 {(r, t): make(t) for r, make in rows.items() for t in T1}, extra=("HiFICL",), params=True)
+
+
+def table_2(family, n_train):
+    rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), "ICL": lambda t: icl(t, family),
+            "Hyper-ICL": lambda t: Cell(t, train=())}
+    return Table("Table 2", "Results evaluated on more challenging tasks", tuple(rows), T2,
+                 {(r, t): make(t) for r, make in rows.items() for t in T2}, params=True)
+
+
+def table_3(family, n_train):
+    cells = {}
+    for task in T1[:2]:
+        default = shots_of(task, family)
+        for n in T3:
+            cells[f"{TASK_NAMES[task]} ICL", n] = Cell(task, ("--shots", n))
+            cells[f"{TASK_NAMES[task]} Hyper-ICL", n] = Cell(task, train=unless("--shots", n, default))
+    return Table("Table 3", "Effect of the number of demonstrations", tuple(dict.fromkeys(r for r, _ in cells)),
+                 T3, cells, figure="lines")
+
+
+def table_4(family, n_train):
+    objectives = dict(zip(T4[1:], (("--anchor", "none"), ("--anchor", "euclidean"), ("--lam", "0"), ())))
+    cells = {(t, "Zero-shot"): Cell(t, ("--shots", "0")) for t in T1[:2]}
+    cells |= {(t, o): Cell(t, train=f) for t in T1[:2] for o, f in objectives.items()}
+    return Table("Table 4", "Ablation of Hyper-ICL training objectives", T1[:2], T4, cells)
+
+
+def table_7(family, n_train):
+    rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), f"{shots_of('vqav2', family)}-shot ICL":
+            lambda t: icl(t, family), "MimIC": lambda t: Cell(t, train=TRAINED["MimIC"]),
+            "Hyper-ICL": lambda t: Cell(t, train=())}
+    return Table("Table 7", "Results evaluated on additional MLLMs", tuple(rows), T1[:2],
+                 {(r, t): make(t) for r, make in rows.items() for t in T1[:2]}, params=True)
+
+
+def table_8(family, n_train):
+    cells = {}
+    for source, target in (("coco", "flickr30k"), ("vqav2", "ok-vqa")):
+        row = f"{source} -> {target}"
+        cells |= {(row, "Zero-shot"): Cell(target, ("--shots", "0")),
+                  (row, "8-shot ICL"): icl(target, family, source),
+                  (row, "Hyper-ICL"): Cell(target, train=(), train_task=source)}
+    return Table("Table 8", "Held-out benchmark transfer (train -> test)", ("coco -> flickr30k", "vqav2 -> ok-vqa"),
+                 T8, cells)
+
+
+def table_11(family, n_train):
+    rows = {"Intervention on O": ("--method", "output-level"), "Hyper-ICL": ()}
+    return Table("Table 11", "The module on the attention output O vs on the logits (Hyper-ICL)", tuple(rows),
+                 T1[:2], {(r, t): Cell(t, train=f) for r, f in rows.items() for t in T1[:2]}, params=True)
+
+
+def table_figure_2(family, n_train):
+    sizes = tuple(dict.fromkeys(max(1, round(share * n_train)) for share in FIGURE_SIZES))
+    cells = {}
+    for task in T1[:2]:
+        for n in sizes:
+            cells |= {(f"{TASK_NAMES[task]} {m}", str(n)): Cell(task, train=TRAINED[m] + unless("--n-train", n,
+                                                                                                  n_train))
+                      for m in FIGURE_METHODS}
+            cells[f"{TASK_NAMES[task]} {shots_of(task, family)}-shot ICL", str(n)] = icl(task, family)
+    return Table("Figure 2", "Accuracy against training queries (ICL: the same at every size)",
+                 tuple(dict.fromkeys(r for r, _ in cells)), tuple(map(str, sizes)), cells, figure="lines")
+
+
+def table_figure_3a(family, n_train):
+    cells = {(g, r): Cell("vqav2", train=unless("--method", m, "hyper-icl") + unless("--rank", r, 4))
+             for g, m in GATES.items() for r in RANKS}
+    return Table("Figure 3a", "Rank r and static gates (VQAv2)", tuple(GATES), RANKS, cells, figure="lines")
+
+
+def table_figure_3b(family, n_train):
+    cells = {(k, lam): Cell("vqav2", train=unless("--kappa", k, "0.1") + unless("--lam", lam, "0.5"))
+             for k in KAPPAS for lam in LAMBDAS}
+    return Table("Figure 3b", "Curvature kappa (rows) and lambda (columns) (VQAv2)", KAPPAS, LAMBDAS, cells,
+                 figure="lines")
+
+
+LAYOUTS = {"1": table_1, "2": table_2, "3": table_3, "4": table_4, "7": table_7, "8": table_8, "11": table_11,
+           "figure-2": table_figure_2, "figure-3a": table_figure_3a, "figure-3b": table_figure_3b}
+
+
+def published(name, family, row, column):
+    """The paper's number of a cell (None where the paper has none: another backbone, a row of ours)."""
+    return PAPER.get(name, {}).get(family, {}).get((row, column))
