@@ -29,12 +29,12 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "attention_tokens": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
     "rounds": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
     "bench_shots": ("with --benchmark", lambda a: a.benchmark),
-    **{name: (CURVE, lambda a: a.curve) for name in ("curve_queries", "curve_seeds", "curve_methods", "no_tune",
-                                                      "train_args")},
-    **{name: ("with --vector", lambda a: a.vector is not None) for name in ("vector_layer", "vector_sets",
-                                                                             "vector_heldout")},
-    "fv_heads": ("with --vector fv", lambda a: a.vector == "fv"),
-    "fv_trials": ("with --vector fv", lambda a: a.vector == "fv"),
+    **{name: (CURVE, lambda a: a.curve) for name in ("curve_queries", "curve_seeds", "curve_methods", "no_tune")},
+    "train_args": ("with --curve, --table or --figure", lambda a: a.curve or a.table or a.figure),
+    **{name: ("with --vector or a table's TV and FV rows (--table, --figure)", lambda a: a.vector is not None or
+              a.table or a.figure) for name in ("vector_layer", "vector_sets", "vector_heldout")},
+    **{name: ("with --vector fv or a table's FV row (--table, --figure)", lambda a: a.vector == "fv" or a.table or
+              a.figure) for name in ("fv_heads", "fv_trials")},
     **{name: ("with --table or --figure", lambda a: a.table or a.figure) for name in ("print", "print_commands", "gpus",
                                                                                      "table_worker")},
 }

@@ -59,9 +59,10 @@ def run_record(cfg, queries, heldout, icds):
     kappa, rank, ICDs and their task...: a table's column; the task as tasks.task_id: a task of one's own by its real
     path; the shots as the ICDs a query had where --shots left them to the default), the data's folder (real path),
     `data`: data_fingerprint of its queries and ICDs, and `pool`: a single-file task's training pool (its ids' hash),
-    which its evaluation half must not hold.
-    last.pt and the adapter file keep it; --resume and evaluate.py compare it (restore, check_task)."""
-    pool, shots = tasks.pool_ids(cfg.task), cfg.shots if cfg.shots is not None or not queries else len(icds[queries[0].id])
+    which its evaluation half must not hold. last.pt and the adapter file keep it; --resume and evaluate.py compare it
+    (restore, check_task)."""
+    shots = cfg.shots if cfg.shots is not None or not queries else len(icds[queries[0].id])
+    pool = tasks.pool_ids(cfg.task)
     return {**{k: getattr(cfg, k) for k in RESUME_MUST_MATCH}, "task": tasks.task_id(cfg.task), "shots": shots,
             "data_root": cfg.data_root and os.path.realpath(cfg.data_root),
             "data": data_fingerprint(queries, heldout, icds), "pool": pool and short_hash(sorted(map(str, pool)))}

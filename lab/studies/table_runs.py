@@ -29,14 +29,17 @@ from lab.studies import table_plan, table_print, tables
 # machine, the images, RICES, the seed), and to evaluate.py (those and the evaluations' own)
 TRAIN_FLAGS = ("threads", "workers", "image_splitting", "image_memory", "rices_encoder", "rices_cache", "seed")
 EVAL_FLAGS = TRAIN_FLAGS + ("batch_size", "vector_sets", "vector_heldout", "fv_heads", "fv_trials")
+ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_sets": "--vector", "vector_heldout": "--vector",
+             "fv_heads": "fv", "fv_trials": "fv"}  # flags handed on only to the cells whose own flags hold the word
 
 
-def handed_on(args, defaults, names):
-    """--flag value for each of `names` where args differs from the evaluate.py defaults."""
+def handed_on(args, defaults, names, cell_flags):
+    """--flag value for each of `names` where args differs from the evaluate.py defaults, and where it applies to the
+    cell of `cell_flags` (ONLY_WITH: the RICES, vector and FV flags only to their cells)."""
     out = []
     for name in names:
         value = getattr(args, name)
-        if value != getattr(defaults, name):
+        if value != getattr(defaults, name) and ONLY_WITH.get(name, "") in ("", *cell_flags):
             out += [f"--{name.replace('_', '-')}", str(value)]
     return out
 
@@ -68,7 +71,8 @@ def table_jobs(args, defaults, train_parse, table):
             task = tasks.file_name(cell.trained_on)
             folder = os.path.join(args.out, "train", task, run_name(cell.train))
             argv = (*root, "--task", cell.trained_on, "--out", folder, "--teacher-cache",
-                    os.path.join(args.out, "teacher", task), "--proceed", *handed_on(args, defaults, TRAIN_FLAGS),
+                    os.path.join(args.out, "teacher", task), "--proceed",
+                    *handed_on(args, defaults, TRAIN_FLAGS, cell.train),
                     *shlex.split(args.train_args), *cell.train)
             cfg = train_parse(list(argv))
             teacher = None if cfg.anchor == "none" else (  # what the teacher's cached tensors depend on
@@ -79,7 +83,7 @@ def table_jobs(args, defaults, train_parse, table):
             after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *evaluate]
         protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
         argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args, cell.task),
-                *handed_on(args, defaults, EVAL_FLAGS), *protocol, *evaluate)
+                *handed_on(args, defaults, EVAL_FLAGS, evaluate), *protocol, *evaluate)
         of_cell[key] = jobs.setdefault(argv, tables.Job("evaluate.py", argv, after))
     trainings = [j for j in jobs.values() if j.script == "train.py"]  # first: one backbone state for all of them
     return of_cell, trainings + [j for j in jobs.values() if j.script == "evaluate.py"]
