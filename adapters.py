@@ -6,7 +6,8 @@ heads h of one group share key/value head h // (H / H_kv), never copied), mask: 
 attend) or None for plain causal attention, scaling = 1/sqrt(d_h). Symbols as in the paper: S the logits, K and V
 the keys and values, A = Q U_q, B = K U_k, g the gate (w, b); T queries attend T_k keys. A method's `reference`
 writes its equations out (T x T_k logits): the tests hold its fused `forward`, the form that runs, to it.
-First Eq 1-2 (the decomposition), then Hyper-ICL, HiFICL, the baselines and METHODS; the kernel helpers last.
+First Eq 1-2 (the decomposition), then Hyper-ICL, HiFICL and the paper's ablations of Hyper-ICL; the kernel helpers
+last. The baselines (MimIC, LIVE, LoRA) and every method by name: lab/methods/.
 """
 import math
 
@@ -156,7 +157,7 @@ class HiFICL(nn.Module):
         return torch.lerp(SA.to(SA_D.dtype), SA_D, mu).to(q.dtype)             # Eq 2: (1 - mu) SA + mu SA_D
 
 
-# ------------------------------------------------------------- baselines: static gates, output level, MimIC, LIVE
+# ----------------------------------------------- the paper's ablations: static gates (Fig 3a), output level (Table 11)
 
 class StaticGate(HyperICL):
     """Hyper-ICL with the query-adaptive gate of Eq 9 replaced by a learned constant g = sigmoid(c) (Fig 3a, static
@@ -196,88 +197,6 @@ class OutputLevel(HyperICL):
         return sdpa(q, k, v, mask, scale=scaling) + offset
 
     reference = None  # no logit bias, hence no T x T_k form: forward is plain fused attention plus an offset
-
-
-class MimIC(nn.Module):
-    """MimIC (Jiang et al. 2025): per head a shift s and log Z1 = w.q + b (MimIC's w, b), the head's output becomes
-
-        SA(q, K, V) + mu s,   mu = Z1 / (Z1 + Z2),   Z2 = sum over the keys the token may see of exp(q.k scaling).
-
-    Masked: Z2 covers exactly the keys of the model's causal and padding mask (MimIC's public code sums over all keys).
-    Initialised as in MimIC's code: s ~ N(0, 1e-3^2), w ~ N(0, 0.02^2), b = 0. Parameters per head: 2 d_h + 1.
-    """
-
-    def __init__(self, num_heads, head_dim):
-        super().__init__()
-        self.s = nn.Parameter(torch.randn(num_heads, head_dim) * 1e-3)
-        self.w = nn.Parameter(torch.randn(num_heads, head_dim) * 0.02)
-        self.b = nn.Parameter(torch.zeros(num_heads))
-
-    def log_Z1(self, q):
-        """log Z1 = w.q + b per query token and head: [batch, H, T, 1] in float32 (or float64)."""
-        dtype = torch.promote_types(q.dtype, torch.float32)
-        return (torch.einsum("bhtd,hd->bht", q.to(dtype), self.w.to(dtype)) + self.b.to(dtype)[:, None])[..., None]
-
-    def reference(self, q, k, v, mask, scaling):
-        """MimIC as written: SA(q, K, V) + mu s with Z2 summed over the keys each token may see, with the T x T_k
-        logits: the reference the tests hold forward (what runs) to. A token that sees no key (padding): SA = 0."""
-        k, v = (per_query_head(x, q.shape[1]) for x in (k, v))
-        seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
-        logits = (q @ k.transpose(-1, -2) * scaling).masked_fill(~seen, -math.inf)
-        mu = torch.sigmoid(self.log_Z1(q) - torch.logsumexp(logits, -1, keepdim=True))       # Z1 / (Z1 + Z2)
-        SA = (logits.softmax(-1) @ v).nan_to_num(0)
-        return SA + mu.to(q.dtype) * self.s.to(q.dtype)[:, None]
-
-    def forward(self, q, k, v, mask, scaling):
-        """What runs: the reference without a T x T_k tensor and without a copy of K or V (same function): SA and
-        log Z2 from the model's K and V as it keeps them (attention_lse); a token that sees no key gets SA = 0 and
-        mu = 1, as in the reference."""
-        SA, log_Z2 = attention_lse(q, k, v, mask, scaling)
-        mu = torch.sigmoid(self.log_Z1(q) - log_Z2)                             # Z1 / (Z1 + Z2)
-        return torch.addcmul(SA, mu.to(q.dtype), self.s.to(q.dtype)[:, None])  # SA + mu s
-
-
-class LIVE(nn.Module):
-    """LIVE (Peng et al. 2024): one vector v (LIVE's, size d) and scale alpha per decoder layer, added to the output
-    h of the layer's MLP and renormalised to its norm: h' = (h + alpha v) |h| / |h + alpha v|.
-
-    Initialised as in LIVE's public runs: alpha = 0.1 (their alpha_init_value), v ~ N(0, 0.01^2). Parameters per
-    layer: d + 1. Runs as a forward hook on the MLP (model.attach), not inside attention.
-    """
-
-    def __init__(self, hidden_size):
-        super().__init__()
-        self.v = nn.Parameter(torch.randn(hidden_size) * 0.01)
-        self.alpha = nn.Parameter(torch.tensor(0.1))
-
-    def forward(self, h):
-        """h' = (h + alpha v) |h| / |h + alpha v| over the last axis, computed in float32 (or float64)."""
-        x = h.to(torch.promote_types(h.dtype, torch.float32))
-        shifted = x + self.alpha.to(x.dtype) * self.v.to(x.dtype)
-        return (shifted * (x.norm(dim=-1, keepdim=True) / shifted.norm(dim=-1, keepdim=True))).to(h.dtype)
-
-
-# ----------------------------------------------------------------------------- LoRA, and every method by name
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # matched as module-name suffixes, as peft does
-
-
-def lora_config(rank=16):
-    """LoRA (Hu et al. 2022) as the paper's baseline: rank 16, alpha = 2 r, on every module named q/k/v/o_proj,
-    i.e. the attention layers of the vision encoder (whose out_proj is not so named), the perceiver and the text
-    decoder (self- and Idefics' cross-attention). These are MimIC's public LoRA settings (src/config/peft/lora.yaml),
-    and give the paper's counts: 17.6 M on Idefics2-8B, 25.0 M on Idefics-9B. No dropout (the backbone runs in eval
-    mode for every method). lora_B = 0 at initialisation: the base model.
-    """
-    from peft import LoraConfig  # imported here: peft takes seconds to import and only LoRA needs it
-    return LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS)
-
-
-# Every learnable method, by --method name: a class (or, for LoRA, a config builder) taking the method's sizes.
-# Attention-level methods sit on the decoder's self-attention (model.calibrated_attention), LIVE on its MLPs (a forward
-# hook), LoRA on the linear layers named in LORA_TARGETS (peft).
-METHODS = {"hyper-icl": HyperICL, "hificl": HiFICL, "static-layer": StaticGate, "static-layer-head": StaticGateHead,
-           "output-level": OutputLevel, "mimic": MimIC, "live": LIVE, "lora": lora_config}
 
 
 # ------------------------------------ kernel helpers (optimisations): masks, SDPA, SDPA with its log-sum-exp

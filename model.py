@@ -6,7 +6,8 @@ They reach it through transformers' attention-function registry: we register one
 `calibrated_attention`, under the name "icl" (with the stock SDPA mask builder, without which transformers would
 silently pass no padding mask), switch the decoder's config to it, and hang one adapter on each self-attention
 module. The function hands the module's (rotary-embedded) queries, keys and values to the module's adapter; every
-other module falls through to the stock SDPA forward. No transformers forward is copied.
+other module falls through to the stock SDPA forward. No transformers forward is copied. A method that sits elsewhere
+(LIVE on the MLPs, LoRA on linear layers) brings its own Plug (lab/methods/).
 
 A backbone is loaded by name in lab/models/ (lab/models/backbones.py:load_backbone).
 """
@@ -19,7 +20,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import data
-from adapters import LIVE, METHODS, lora_config
 
 ATTN_NAME = "icl"  # the attention implementation name our adapters run under
 
@@ -58,84 +58,58 @@ def attention_shape(model):
     return len(attns), cfg.num_attention_heads, head_dim
 
 
-def attach(model, method="hyper-icl", **sizes):
-    """Attach a fresh `method` adapter (replacing any attached one) and route the backbone through it.
+class Plug:
+    """Where a method's adapter sits in a backbone, and how it is put in, bypassed and taken out. This one is the
+    paper's: one adapter on each decoder self-attention, reached through calibrated_attention (Eq 5). A method that
+    sits elsewhere brings its own (lab/methods: LIVE's on the MLPs, LoRA's on linear layers); model.icl_plug holds
+    the attached method's."""
 
-    sizes: the method's sizes (rank=..., and n=... for HiFICL; none for MimIC and LIVE). Returns adapter_modules(model).
-    Attention-level methods: one adapter per decoder self-attention, reached through calibrated_attention. LIVE: one
-    per decoder layer, a forward hook on its MLP. LoRA: peft's layers injected in place of adapters.LORA_TARGETS.
-    """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    def put(self, model, adapter, **sizes):
+        """adapter(heads, head_dim, **sizes) on each decoder self-attention; transformers then calls
+        calibrated_attention from each (the registry's ATTN_NAME)."""
+        _, heads, head_dim = attention_shape(model)
+        device = next(model.parameters()).device
+        for attn in decoder_self_attentions(model):
+            attn.icl_adapter = adapter(heads, head_dim, **sizes).to(device)
+        decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
+
+    def modules(self, model):
+        """The adapters, one per decoder self-attention."""
+        return torch.nn.ModuleList(attn.icl_adapter for attn in decoder_self_attentions(model))
+
+    def bypassed(self, model):
+        """A context manager: the stock SDPA attention, the adapters in place but not called."""
+        return attention_as(model, "sdpa")
+
+    def remove(self, model):
+        """Take the adapters out; the stock SDPA attention again."""
+        attns = decoder_self_attentions(model)
+        for attn in attns:
+            del attn.icl_adapter
+        attns[0].config._attn_implementation = "sdpa"
+
+
+def attach(model, method, adapter, plug=Plug(), **sizes):
+    """Attach a fresh adapter (replacing any attached one) and route the backbone through it: by default (`plug`)
+    adapter(heads, head_dim, **sizes) on each decoder self-attention (Eq 5-9: adapters.HyperICL, adapters.HiFICL).
+    method: its name, kept with its sizes in model.icl_settings (what a checkpoint records). Returns
+    adapter_modules(model), trainable. The methods by name, with their plugs and sizes: lab/methods/registry.py."""
     if hasattr(model, "icl_settings"):
         detach(model)
-    device = next(model.parameters()).device
-    if method == "lora":
-        from peft import inject_adapter_in_model
-        inject_adapter_in_model(lora_config(**sizes), model)
-        model.requires_grad_(False)
-    elif method == "live":
-        for layer in model.get_decoder().layers:
-            layer.mlp.icl_adapter = LIVE(model.config.get_text_config().hidden_size, **sizes).to(device)
-        hook_live(model)
-    else:
-        _, heads, head_dim = attention_shape(model)
-        for attn in decoder_self_attentions(model):
-            attn.icl_adapter = METHODS[method](heads, head_dim, **sizes).to(device)
-        # transformers now calls calibrated_attention from each decoder self-attention (the registry's ATTN_NAME)
-        decoder_self_attentions(model)[0].config._attn_implementation = ATTN_NAME
-    model.icl_settings = {"method": method, **sizes}
+    plug.put(model, adapter, **sizes)
+    model.icl_plug, model.icl_settings = plug, {"method": method, **sizes}
     return adapter_modules(model).requires_grad_(True)
 
 
 def detach(model):
     """Remove the adapter and restore the backbone exactly as it was (stock SDPA attention, original modules)."""
-    method = model.icl_settings["method"]
-    if method == "lora":
-        for name, layer in lora_layers(model):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, layer.get_base_layer())
-        if hasattr(model, "peft_config"):
-            del model.peft_config
-    elif method == "live":
-        unhook_live(model)
-        for layer in model.get_decoder().layers:
-            del layer.mlp.icl_adapter
-    else:
-        attns = decoder_self_attentions(model)
-        for attn in attns:
-            del attn.icl_adapter
-        attns[0].config._attn_implementation = "sdpa"
-    del model.icl_settings
+    model.icl_plug.remove(model)
+    del model.icl_settings, model.icl_plug
 
 
 def adapter_modules(model):
     """The attached adapter: a Module holding exactly its trainable parameters (one entry per adapted module)."""
-    method = model.icl_settings["method"]
-    if method == "lora":
-        return torch.nn.ModuleList(torch.nn.ModuleList([m.lora_A, m.lora_B]) for _, m in lora_layers(model))
-    if method == "live":
-        return torch.nn.ModuleList(layer.mlp.icl_adapter for layer in model.get_decoder().layers)
-    return torch.nn.ModuleList(attn.icl_adapter for attn in decoder_self_attentions(model))
-
-
-def hook_live(model):
-    """Run each decoder MLP's output through its LIVE adapter (a forward hook, its handle kept on the MLP)."""
-    for layer in model.get_decoder().layers:
-        layer.mlp.icl_hook = layer.mlp.register_forward_hook(lambda mlp, args, out: mlp.icl_adapter(out))
-
-
-def unhook_live(model):
-    """Remove the LIVE hooks (the adapters stay attached)."""
-    for layer in model.get_decoder().layers:
-        layer.mlp.icl_hook.remove()
-        del layer.mlp.icl_hook
-
-
-def lora_layers(model):
-    """The (name, module) pairs of peft's LoRA layers in the model, in module order."""
-    from peft.tuners.lora import LoraLayer
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    return model.icl_plug.modules(model)
 
 
 @contextlib.contextmanager
@@ -153,17 +127,7 @@ def attention_as(model, implementation):
 @contextlib.contextmanager
 def without_adapter(model):
     """The backbone as it was, the adapter of any method bypassed (the teacher's forward): a context manager."""
-    method = getattr(model, "icl_settings", {}).get("method")
-    with contextlib.ExitStack() as undo:
-        if method == "lora":
-            for _, m in lora_layers(model):
-                m.enable_adapters(False)
-                undo.callback(m.enable_adapters, True)
-        elif method == "live":
-            unhook_live(model)
-            undo.callback(hook_live, model)
-        else:
-            undo.enter_context(attention_as(model, "sdpa"))
+    with (model.icl_plug.bypassed(model) if hasattr(model, "icl_plug") else attention_as(model, "sdpa")):
         yield model
 
 

@@ -22,16 +22,16 @@ import functools
 import os
 import sys
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
 import data
 import model as M
-from lorentz import hyperbolic_anchor_loss
 from lab.datasets import rices, tasks
 from lab.models import backbones, chunks, families, toy_backbone
+from lab.methods import registry
 from lab.run import anchors, checkpoints, feed, runs, torchrun
 from lab.studies import plan
 from lab.cli import train_cli
@@ -43,7 +43,8 @@ class Config:
     # what is trained, on what
     model: str = "toy-idefics2"       # backbone: a name (lab/models/published.py, tiny-*, toy-idefics2), file, folder
     task: str = "toy-icl-colour"      # data.TASKS, or one's own: a .jsonl, a folder, a LLaVA .json (README)
-    method: Literal[tuple(M.METHODS)] = "hyper-icl"  # what is learned (adapters.py); each trains with its own --anchor
+    method: Literal[tuple(registry.METHODS)] = "hyper-icl"  # what is learned (adapters.py); each trains with its
+                                                           # own --anchor
     # the paper's settings (Section 4.1)
     n_train: int = 1000               # training queries
     lr: float = 5e-3                  # AdamW, every method (the baselines' code: MimIC 1e-5, LoRA 5e-4, LIVE 1e-3)
@@ -51,7 +52,7 @@ class Config:
     kappa: float = 0.1                # curvature magnitude of the Lorentz model (Eq 10)
     lam: float = 0.5                  # lambda: the weight of L_sup beside the anchor's 1 (Eq 17; MimIC, LIVE: 0.5)
     rank: Optional[int] = None        # r of U_q, U_k (Eq 6): 4; None: the method's own (RANKS, filled())
-    anchor: Optional[Literal["hyperbolic", "euclidean", "mse", "kl", "none"]] = None  # None: the method's (ANCHORS)
+    anchor: Optional[Literal[tuple(registry.ANCHORS)]] = None  # None: the method's (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
     icd_task: Optional[str] = None    # the teacher's ICDs from this task's training split, the queries --task's
@@ -88,48 +89,51 @@ class Config:
     benchmark: bool = False            # time the run with and without teacher reuse
     build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
     build_tries: int = 3               # its seeds to try (--seed, --seed + 1, ...)
-    # the method's own rank and anchor, filled in where none is given (filled)
-    RANKS: ClassVar[dict] = {"hificl": 8, "lora": 16}  # else 4; LoRA: rank 16, MimIC's public setting
-    ANCHORS: ClassVar[dict] = {"hificl": "none", "lora": "none", "mimic": "mse", "live": "kl"}  # else hyperbolic
 
     def filled(self):
-        """This config with the method's own rank and anchor where none is given: each method trains with its own
-        loss (HiFICL and LoRA the task loss only, MimIC its layer-wise MSE, LIVE its KL; the rest Eq 16)."""
-        return replace(self, rank=self.RANKS.get(self.method, 4) if self.rank is None else self.rank,
-                       anchor=self.anchor or self.ANCHORS.get(self.method, "hyperbolic"))
+        """This config with the method's own rank and anchor where none is given (lab/methods/registry.py): each
+        method trains with its own loss (HiFICL and LoRA the task loss only, MimIC its layer-wise MSE, LIVE its KL;
+        the rest Eq 16)."""
+        own = registry.METHODS[self.method]
+        return replace(self, rank=own.rank if self.rank is None else self.rank, anchor=self.anchor or own.anchor)
 
 
 # ---------------------------------------------------------------------------------------------- the loss (Eq 16-17)
 
-def eq17(cfg, h, h_teacher, span, logits, labels, anchor_scale=1.0):
-    """Eq 17 on one micro-batch: L = L_H-anchor + lambda L_sup. Returns {"anchor", "sup", "loss"}.
-
-    h, h_teacher: [L, B, W, d], every decoder layer's own output (model.layer_outputs) for the student (query only,
-    with the adapter) and the teacher (with the ICDs, laid at the student's positions: micro_batches.stack_teacher).
-    span: bool [B, W], the tokens Eq 16 compares: the query's and its target's (answer + end token), the tokens both
-    rows hold (data.collate). A choice: the paper says "the query tokens", and the target is part of both rows.
-    logits, labels: the student's at its answer window (model.target_logits).
-    """
-    anchor = hyperbolic_anchor_loss(h, h_teacher, span, cfg.kappa)   # Eq 16: mean d_L^2 per query, then queries
-    sup = M.supervised_loss(logits, labels)                          # L_sup: CE per target token (not in paper)
-    anchor = torchrun.share_of_global_mean(anchor, span.any(1).sum())  # torchrun: this process's share of the mean
-    sup = torchrun.share_of_global_mean(sup, M.answer_positions(labels).sum())
-    anchor = anchor / anchor_scale                                   # / 1, unless --anchor-norm first (not in paper)
-    return {"anchor": anchor, "sup": sup, "loss": anchor + cfg.lam * sup}  # Eq 17
+def eq17(anchor, sup, lam):
+    """Eq 17: L = L_H-anchor + lambda L_sup, L_H-anchor the mean squared geodesic distance of Eq 16
+    (lorentz.hyperbolic_anchor_loss) and L_sup the cross-entropy of the target tokens; another --anchor's L_anchor
+    (Table 4, the baselines) is summed the same way."""
+    return anchor + lam * sup
 
 
 def losses(backbone, cfg, student, teacher, model=None, anchor_scale=1.0):
-    """The training loss of one micro-batch (student batch, teacher tensor: micro_batches.pairs): Eq 17, or for another
-    --anchor the baseline's own (lab/run/anchors.py). model: what runs the student (the DistributedDataParallel wrapper
-    under torchrun; default backbone.model). anchor_scale: what the anchor is divided by (the paper: 1)."""
-    run = lambda: M.target_logits(model or backbone.model, student)     # the LM head at the answer window only
+    """The loss of one micro-batch (student batch, teacher tensor: micro_batches.pairs), assembled: the student's
+    forward with the adapter; L_anchor, Eq 16 or --anchor's own (lab/methods/registry.py: Table 4's Euclidean,
+    MimIC's MSE, LIVE's KL; none: L = L_sup, HiFICL's and LoRA's); L_sup; under torchrun each as this process's share
+    of the global micro-batch's mean; L_anchor over anchor_scale (--anchor-norm first, not in the paper; else 1);
+    Eq 17. model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
+
+    Eq 16 compares h^(l), every decoder layer's own output (model.layer_outputs), of the student (query only, with the
+    adapter) and the teacher (with the ICDs, laid at the student's positions: micro_batches.stack_teacher) at
+    query_target, the query's and its target's tokens (answer + end token), which both rows hold (data.collate). A
+    choice: the paper says "the query tokens", and the target is part of both rows."""
+    anchor = registry.ANCHORS[cfg.anchor]
+    forward = lambda: M.target_logits(model or backbone.model, student)  # the LM head at the answer window only
     with backbones.autocast(student["input_ids"].device):
-        (logits, labels), h = (M.layer_outputs(backbone.model, run) if cfg.anchor in anchors.LAYER_ANCHORS
-                               else (run(), None))
-    h = None if h is None else torch.stack(h)                           # h^(l) with the adapter: [L, B, W, d]
-    if cfg.anchor == "hyperbolic":
-        return eq17(cfg, h, teacher, student["query_target"], logits, labels, anchor_scale)
-    return anchors.baseline_loss(cfg, logits, labels, h, teacher, student["query_target"], anchor_scale)
+        (logits, labels), h = M.layer_outputs(backbone.model, forward) if anchor.teacher == "states" else \
+            (forward(), None)
+    answers = M.answer_positions(labels)                                 # [B, K] bool: predicts a target token
+    sup = torchrun.share_of_global_mean(M.supervised_loss(logits, labels), answers.sum())  # L_sup, per target token
+    if anchor.loss is None:
+        return {"sup": sup, "loss": sup}
+    reads, query_target = {k: getattr(cfg, k) for k in anchor.reads}, student["query_target"]
+    if anchor.teacher == "states":  # h^(l) with the adapter, [L, B, W, d]: Eq 16, mean d_L^2 per query, then queries
+        L_anchor, n = anchor.loss(torch.stack(h), teacher, query_target, **reads), query_target.any(1).sum()
+    else:                           # the answer positions' logits (LIVE's KL): the mean over them
+        L_anchor, n = anchor.loss(logits[answers], teacher, **reads), answers.sum()
+    L_anchor = torchrun.share_of_global_mean(L_anchor, n) / anchor_scale
+    return {"anchor": L_anchor, "sup": sup, "loss": eq17(L_anchor, sup, cfg.lam)}
 
 
 # ------------------------------------------------------------------------------------------------------ the teacher

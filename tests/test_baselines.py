@@ -1,7 +1,11 @@
 """The baselines (static gates, output level, MimIC, LIVE, LoRA) against independent formulas and inside the tiny
 Idefics2 twin: counts on the published configs, identity at init, masks, caching, gradients, saving, training."""
+import ast
+import glob
 import json
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -11,12 +15,15 @@ import data
 import evaluate
 import model as M
 import train
-from adapters import LIVE, MimIC, OutputLevel, StaticGate, StaticGateHead
+from adapters import OutputLevel, StaticGate, StaticGateHead
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
 from test_train import micro_batch
 from lab.datasets import tasks
 from lab.models import backbones, published
-from lab.run import anchors, checkpoints, runs
+from lab.methods import live, registry
+from lab.methods.live import LIVE
+from lab.methods.mimic import MimIC
+from lab.run import checkpoints
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
@@ -131,7 +138,7 @@ def hyper_icl_count(L, H, d_h, r):
 def test_parameter_counts_on_published_configs(family, counts):
     model = published.published_model(family)
     for method, count in counts.items():
-        assert sum(p.numel() for p in M.attach(model, method).parameters()) == count, method
+        assert sum(p.numel() for p in registry.attach(model, method).parameters()) == count, method
         assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count, method
         M.detach(model)
 
@@ -157,7 +164,7 @@ def test_identity_at_initialisation(plain, method):
     real = batch["attention_mask"].bool()
     with torch.no_grad():
         base = plain.model(**batch).logits
-        M.attach(plain.model, method, **SIZES[method])
+        registry.attach(plain.model, method, **SIZES[method])
         ours = plain.model(**batch).logits
     assert (ours - base)[real].abs().max() <= 1e-5
 
@@ -168,7 +175,7 @@ def test_without_adapter_and_detach_restore_the_backbone(plain, method):
     keys = set(plain.model.state_dict())
     with torch.no_grad():
         base = plain.model(**batch).logits
-        M.attach(plain.model, method, **SIZES[method])
+        registry.attach(plain.model, method, **SIZES[method])
         perturb(plain.model)
         ours = plain.model(**batch).logits
         with M.without_adapter(plain.model):
@@ -185,7 +192,7 @@ def test_without_adapter_and_detach_restore_the_backbone(plain, method):
 
 @pytest.mark.parametrize("method", ["mimic", "live", "lora"])
 def test_padding_invariance(plain, method):
-    M.attach(plain.model, method, **SIZES[method])
+    registry.attach(plain.model, method, **SIZES[method])
     perturb(plain.model)
     with torch.no_grad():
         together = plain.model(**prompts(plain, TEXTS)).logits
@@ -196,14 +203,14 @@ def test_padding_invariance(plain, method):
 
 @pytest.mark.parametrize("method", BASELINES)
 def test_cached_decoding_equals_full_forward(plain, method):
-    M.attach(plain.model, method, **SIZES[method])
+    registry.attach(plain.model, method, **SIZES[method])
     perturb(plain.model, seed=1)
     assert_cached_decoding_equals_full_forward(plain, new_tokens=3)
 
 
 @pytest.mark.parametrize("method", BASELINES)
 def test_only_the_methods_parameters_get_gradients(plain, method):
-    adapted = M.attach(plain.model, method, **SIZES[method])
+    adapted = registry.attach(plain.model, method, **SIZES[method])
     perturb(plain.model)
     plain.model(**prompts(plain, TEXTS)).logits.logsumexp(-1).mean().backward()
     own = {id(p) for p in adapted.parameters()}
@@ -217,7 +224,7 @@ def test_only_the_methods_parameters_get_gradients(plain, method):
 def test_save_load_roundtrip_and_wrong_method_refused(plain, method, tmp_path):
     path = str(tmp_path / "adapter.safetensors")
     batch = prompts(plain, TEXTS)
-    M.attach(plain.model, method, **SIZES[method])
+    registry.attach(plain.model, method, **SIZES[method])
     perturb(plain.model, seed=2)
     with torch.no_grad():
         saved = plain.model(**batch).logits
@@ -235,8 +242,8 @@ def test_answer_kl_is_lives_tempered_kl():
     T = 2.0
     p, q = torch.softmax(t / T, -1), torch.softmax(s / T, -1)
     want = T ** 2 * (p * (p.log() - q.log())).sum(-1).mean()
-    torch.testing.assert_close(anchors.answer_kl(s, t, T), want.float(), rtol=1e-6, atol=1e-6)
-    assert anchors.answer_kl(t, t, T).abs() < 1e-6
+    torch.testing.assert_close(live.answer_kl(s, t, T), want.float(), rtol=1e-6, atol=1e-6)
+    assert live.answer_kl(t, t, T).abs() < 1e-6
 
 
 @pytest.mark.parametrize("method", BASELINES)
@@ -260,7 +267,7 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     pool = tasks.load_task(args.task, "train", args.data_root)
     queries = pool[:3]
     icds = data.demonstrations([q.id for q in queries], pool, 1, args.seed)
-    M.attach(plain.model, method, **runs.method_sizes(args))
+    registry.attach(plain.model, method, **registry.sizes(args.method, args.rank, args.virtual_tokens))
     cache = {"id": checkpoints.fingerprint(plain), "hits": 0, "misses": 0}
     student, teacher = micro_batch(plain, args, queries, icds, cache)
     parts = train.losses(plain, args, student, teacher)
@@ -276,3 +283,33 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     if anchor == "kl":
         assert teacher.shape == own.shape  # one row per answer position, in the student's order
     assert parts["anchor"] > 0 and train.losses(plain, args, student, own)["anchor"].abs() < 1e-6
+
+
+def named_in_comparisons(source):
+    """The lines of a Python source that compare with a method's or an anchor's name (== "lora", in ("mimic",
+    "live"), != "none" beside an --anchor)."""
+    names = (set(registry.METHODS) | set(registry.ANCHORS)) - {"none"}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            words = {n.value for side in sides for n in ast.walk(side) if isinstance(n, ast.Constant)}
+            anchor = any(re.search(r"\banchor\b", ast.unparse(side)) for side in sides)
+            if words & names or "none" in words and anchor:
+                found.append(node.lineno)
+    return found
+
+
+def test_no_method_or_anchor_is_compared_by_name_outside_the_registry():
+    """Methods are plug-ins: a method's or an anchor's name is compared nowhere in the six files and lab/ but in
+    lab/methods/registry.py; what differs between methods is read from their records."""
+    compared = 'a = cfg.method == "lora"\nb = a.anchor != "none"\nc = m in ("mimic", "x")'
+    assert named_in_comparisons(compared) == [1, 2, 3]
+    assert named_in_comparisons('y = args.anchor_norm != "none"\nz = checkpoint in ("none", "")') == []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [f"{m}.py" for m in ("adapters", "lorentz", "model", "data", "train", "evaluate")] + \
+        sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "lab", "**", "*.py"), recursive=True))
+    assert len(paths) > 40 and "lab/methods/registry.py" in paths
+    found = {p: lines for p in paths if p != "lab/methods/registry.py"
+             if (lines := named_in_comparisons(open(os.path.join(root, p), encoding="utf-8").read()))}
+    assert found == {}

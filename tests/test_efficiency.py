@@ -7,8 +7,10 @@ import benchmarks
 import adapters
 import evaluate as E
 import model as M
-from adapters import HiFICL, MimIC
+from adapters import HiFICL
 from lab.models import backbones, published
+from lab.methods import registry
+from lab.methods.mimic import MimIC
 from lab.studies import table6
 
 
@@ -53,15 +55,15 @@ class Extra(HiFICL):
 
 
 def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
-    monkeypatch.setattr(M, "METHODS", {**M.METHODS, "extra": Extra})
+    monkeypatch.setattr(registry, "METHODS", {**registry.METHODS, "extra": registry.Method(Extra)})
     rows = E.main(["--benchmark", "--rounds", "1", "--model", "tiny-idefics2", "--task", "vqav2",
                    "--data-root", benchmarks.ROOT, "--bench-shots", "--out", str(tmp_path)])
-    assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS]
+    assert [r["setting"] for r in rows] == ["zero-shot", *registry.METHODS]
     # each row really ran its adapter (LIVE's elementwise shift has no FLOPs FlopCounterMode counts)
     assert all(r["tflops_ratio"] > 1 for r in rows[1:] if r["setting"] != "live")
     assert not hasattr(backbones.load_backbone("tiny-idefics2").model, "icl_settings")
     ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=8, rounds=1)
-    assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"]
+    assert list(ms) == ["sdpa", *registry.METHODS, "hyper-icl reference"]
 
 
 def test_peak_memory_counts_allocations():

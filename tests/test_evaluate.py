@@ -19,6 +19,7 @@ from lab.datasets import mme_seed, tasks
 from lab.models import backbones, families, published
 from lab.run import checkpoints
 from lab.studies import analyses, curves, table6
+from lab.methods import registry
 
 N_EVAL = 6
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
@@ -29,7 +30,7 @@ TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks
 def checkpoint(tmp_path_factory):
     """A Hyper-ICL checkpoint for tiny-idefics2 with random (non-identity) weights, so the gate varies."""
     backbone = backbones.load_backbone("tiny-idefics2")
-    M.attach(backbone.model, "hyper-icl", rank=4)
+    registry.attach(backbone.model, "hyper-icl", rank=4)
     torch.manual_seed(0)
     for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -136,14 +137,14 @@ def test_batched_generation_matches_one_at_a_time(family):
 def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, capsys):
     rows = E.main([*TINY, "--benchmark", "--rounds", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
-    names = ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
+    names = ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
     assert [r["setting"] for r in rows] == names
     for r in rows:
         assert r["tflops"] > 0 and r["ms"] > 0 and r["prefill_ms"] > 0 and 0 < r["prefill_tflops"] < r["tflops"]
         assert any(line.split()[0] == r["setting"] and f"{r['tflops']:.4g}" in line for line in printed.splitlines())
     flops = {r["setting"]: r["tflops"] for r in rows}
     # the adapters cost a little (LIVE's elementwise shift no counted FLOPs at all), ICDs a lot
-    assert all(flops["zero-shot"] <= flops[m] < flops["8-shot"] for m in M.METHODS)
+    assert all(flops["zero-shot"] <= flops[m] < flops["8-shot"] for m in registry.METHODS)
     assert flops["zero-shot"] < flops["hyper-icl"] and flops["8-shot"] < flops["16-shot"] < flops["32-shot"]
     with open(tmp_path / "benchmark.json") as f:
         assert json.load(f)["rows"] == rows
@@ -173,7 +174,7 @@ def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
                         lambda family, device: backbones.load_backbone("tiny-" + family).model)
     rows = E.main(["--benchmark", "--rounds", "1", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
                    "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
-    assert [r["setting"] for r in rows] == ["zero-shot", *M.METHODS, "8-shot", "16-shot", "32-shot"]
+    assert [r["setting"] for r in rows] == ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]
     assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4)
                                                        for s in (8, 16, 32)]  # the tiny twin: 2 x 2 patches an image
     assert "llava-interleave (random weights)" in capsys.readouterr().out
@@ -239,7 +240,8 @@ def test_middle_layers():
 
 def test_attention_benchmark_runs_every_path(capsys):
     ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16, rounds=1)
-    assert list(ms) == ["sdpa", *M.METHODS, "hyper-icl reference"] and all(t > 0 and m > 0 for t, m in ms.values())
+    assert list(ms) == ["sdpa", *registry.METHODS, "hyper-icl reference"]
+    assert all(t > 0 and m > 0 for t, m in ms.values())
     assert "hyper-icl reference" in capsys.readouterr().out
 
 

@@ -22,6 +22,7 @@ from memory_twins import write_photos
 from twins import write_twin
 from lab.disk import files
 from lab.models import backbones, chunks, families, published
+from lab.methods import mimic
 from lab.run import feed, runs
 
 
@@ -136,7 +137,7 @@ def test_the_gpu_run_rehearsed_on_the_cpu(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cls", [adapters.HiFICL, adapters.MimIC])
+@pytest.mark.parametrize("cls", [adapters.HiFICL, mimic.MimIC])
 def test_hificl_and_mimic_on_cuda_equal_the_float64_reference(cls):
     """adapters.fused_attention_lse's CUDA branch (the memory-efficient kernel's log-sum-exp, the mask aligned as SDPA
     aligns it) runs nowhere else: outputs and gradients in float32 on CUDA against the float64 reference on the CPU,

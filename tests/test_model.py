@@ -11,6 +11,7 @@ from helpers import TEXTS, prompts, randomise
 from lab.disk import files
 from lab.models import backbones, families, published
 from lab.run import checkpoints
+from lab.methods import registry
 
 FAMILIES = sorted(families.FAMILIES)
 
@@ -21,7 +22,7 @@ def backbone(request):
 
 
 def test_the_adapter_is_in_the_text_decoder_only(plain):
-    M.attach(plain.model, "hyper-icl", rank=2)
+    registry.attach(plain.model, "hyper-icl", rank=2)
     owners = [name for name, module in plain.model.named_modules() if hasattr(module, "icl_adapter")]
     decoder_layers = plain.model.get_decoder().layers
     assert len(owners) == len(decoder_layers)
@@ -33,7 +34,7 @@ def test_adapter_changes_logits_and_without_adapter_restores_them(plain):
     batch = prompts(plain, TEXTS)
     with torch.no_grad():
         base = plain.model(**batch).logits
-        M.attach(plain.model, "hyper-icl", rank=4)
+        registry.attach(plain.model, "hyper-icl", rank=4)
         randomise(plain.model)
         ours = plain.model(**batch).logits
         with M.without_adapter(plain.model):
@@ -43,7 +44,7 @@ def test_adapter_changes_logits_and_without_adapter_restores_them(plain):
 
 
 def test_only_adapter_parameters_train(plain):
-    M.attach(plain.model, "hyper-icl", rank=4)
+    registry.attach(plain.model, "hyper-icl", rank=4)
     before = {k: v.clone() for k, v in plain.model.state_dict().items() if "icl_adapter" not in k}
     trainable = [p for p in plain.model.parameters() if p.requires_grad]
     assert {id(p) for p in trainable} == {id(p) for p in M.adapter_modules(plain.model).parameters()}
@@ -59,7 +60,7 @@ def test_only_adapter_parameters_train(plain):
 
 
 def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
-    M.attach(plain.model, "hificl", n=2, rank=3)
+    registry.attach(plain.model, "hificl", n=2, rank=3)
     randomise(plain.model)
     batch = prompts(plain, TEXTS)
     with torch.no_grad():

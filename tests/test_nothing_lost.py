@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 
 import benchmarks
 import evaluate
-import model as M
 import train
 from lab.datasets import mme_seed, readers, tasks
 from lab.models import backbones
+from lab.methods import registry
 from lab.run import anchors, checkpoints, feed
 from lab.scores import results
 from lab.studies import analyses
@@ -214,7 +214,7 @@ def adapter(tmp_path_factory):
     """A Hyper-ICL adapter file of the tiny twin (untrained), its tensors and its metadata."""
     path = str(tmp_path_factory.mktemp("adapter") / "adapter.safetensors")
     backbone = backbones.load_backbone("tiny-idefics2")
-    M.attach(backbone.model, "hyper-icl", rank=4)
+    registry.attach(backbone.model, "hyper-icl", rank=4)
     checkpoints.save_adapter(path, backbone)
     with safe_open(path, "pt") as f:
         return path, load_file(path), f.metadata()

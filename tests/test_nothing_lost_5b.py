@@ -21,6 +21,7 @@ import train
 from lab.datasets import mme_seed, readers, rices, tasks
 from lab.models import backbones
 from lab.run import checkpoints, feed
+from lab.methods import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EVAL = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0"]
@@ -293,7 +294,7 @@ def test_a_folder_with_auto_map_loads_without_asking_or_running_its_code(tmp_pat
 def test_a_refused_adapter_file_leaves_the_attached_adapter_in_place(tmp_path, backbone):
     from safetensors.torch import load_file, save
     from safetensors import safe_open
-    M.attach(backbone.model, "hyper-icl", rank=4)
+    registry.attach(backbone.model, "hyper-icl", rank=4)
     torch.manual_seed(1)
     for p in M.adapter_modules(backbone.model).parameters():
         p.data.normal_()

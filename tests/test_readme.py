@@ -19,7 +19,7 @@ DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 MAP = "\n".join([README] + [open(path, encoding="utf-8").read() for path in DOCS])  # the README and what it links
 DOC_FILES = ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]
 PAPER = ["adapters", "lorentz", "model", "data", "train", "evaluate"]  # the six files, in reading order
-WINGS = ["disk", "datasets", "models", "run", "scores", "studies", "cli"]  # lab/'s wings, bottom first
+WINGS = ["disk", "datasets", "models", "methods", "run", "scores", "studies", "cli"]  # lab/'s wings, bottom first
 LAB = sorted(os.path.relpath(p, os.path.join(ROOT, "lab"))[:-3].replace(os.sep, ".")
              for p in glob.glob(os.path.join(ROOT, "lab", "*", "*.py")) if not p.endswith("__init__.py"))
 
@@ -261,10 +261,11 @@ def test_the_readme_python_example_runs(tmp_path):
     code = readme_example()
     path = re.search(r'"(runs/[^"]+\.safetensors)"', code).group(1)
     import model as M
+    from lab.methods import registry
     from lab.models import backbones
     from lab.run import checkpoints
     backbone = backbones.load_backbone("toy-idefics2")
-    M.attach(backbone.model, "hyper-icl", rank=4)
+    registry.attach(backbone.model, "hyper-icl", rank=4)
     for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.1)
     os.makedirs(tmp_path / os.path.dirname(path))

@@ -16,6 +16,7 @@ from test_reliability import teacher_states
 from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints, feed, micro_batches, teacher_cache
+from lab.methods import registry
 
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
 TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
@@ -49,7 +50,7 @@ def setup():
 def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args, backbone, queries, icds = setup
     args = train.parse_args([*TINY, "--method", method, "--teacher-cache", str(tmp_path)])
-    M.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
+    registry.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
         cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
         student, teacher = micro_batch(backbone, args, queries, icds, cache)
@@ -73,7 +74,7 @@ def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeyp
     seen = []
     forward = backbone.model.forward
     monkeypatch.setattr(backbone.model, "forward", lambda **kw: seen.append(kw["input_ids"]) or forward(**kw))
-    M.attach(backbone.model, "hyper-icl", rank=2)
+    registry.attach(backbone.model, "hyper-icl", rank=2)
     try:
         cache = {"id": "x", "hits": 0, "misses": 0}
         student, teacher = micro_batch(backbone, args, queries, icds, cache)
@@ -94,7 +95,7 @@ def attached_batch(setup, tmp_path, cache_id):
     """A fresh rank-2 Hyper-ICL on the tiny twin and the setup's micro-batch (student, teacher), detached after."""
     args, backbone, queries, icds = setup
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
-    M.attach(backbone.model, "hyper-icl", rank=2)
+    registry.attach(backbone.model, "hyper-icl", rank=2)
     try:
         cache = {"id": cache_id, "hits": 0, "misses": 0}
         yield micro_batch(backbone, args, queries, icds, cache)
@@ -205,13 +206,13 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path, monkeypatch):
 
 
 def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    anchor = train.hyperbolic_anchor_loss
-    calls = []
+    losses, calls = train.losses, []
 
-    def poisoned(*a):
+    def poisoned(*a, **k):
         calls.append(1)
-        return anchor(*a) * (float("nan") if len(calls) == 3 else 1)
-    monkeypatch.setattr(train, "hyperbolic_anchor_loss", poisoned)
+        part = losses(*a, **k)
+        return part | {"anchor": part["anchor"] * (float("nan") if len(calls) == 3 else 1)}
+    monkeypatch.setattr(train, "losses", poisoned)
     with pytest.raises(FloatingPointError, match="step 3: loss part 'anchor' is nan"):
         train.main(run(tmp_path))
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
@@ -242,7 +243,7 @@ def test_the_teacher_runs_without_the_adapter(method):
     icds = data.demonstrations([q.id for q in queries], pool, 2, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     plain = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
-    M.attach(backbone.model, method, **({"rank": 2} if method != "live" else {}))
+    registry.attach(backbone.model, method, **({"rank": 2} if method != "live" else {}))
     torch.manual_seed(0)
     for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.3)

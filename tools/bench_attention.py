@@ -9,7 +9,7 @@ The first decoder self-attention of a one-layer model with Idefics2-8B's attenti
 heads of 128; lab/studies/table6.py:attention_model, --random-weights published), batch 1, float32, one thread
 (--threads), random q, k, v. A decoding step: one query token against a cache of T keys (--tokens), no mask, as
 generate() runs it; a prefill: T query tokens over T keys, causal (--prefill-tokens; at 16,384 tokens one call takes
-about a minute on one core). Every attention-level method of model.METHODS (or --methods) runs through
+about a minute on one core). Every attention-level method of lab/methods/registry.py (or --methods) runs through
 model.calibrated_attention with every parameter drawn at random (table6.run_as's N(0, 0.02^2)) and, with --before,
 the same methods of that folder's adapters.py as "<method> (before)", with the same parameters: all in one paired
 run (table6.paired_latency: each run between two SDPA runs, the median over the rounds of its time over theirs).
@@ -29,9 +29,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 import torch  # noqa: E402
 
 import model as M  # noqa: E402
+from lab.methods import registry  # noqa: E402
 from lab.studies import table6  # noqa: E402
 
-OUTSIDE_ATTENTION = ("live", "lora")  # model.METHODS that never reach calibrated_attention
+ATTENTION = [m for m, own in registry.METHODS.items() if type(own.plug) is M.Plug]  # through calibrated_attention
 
 
 def adapters_of(folder):
@@ -49,12 +50,12 @@ def adapters_for(methods, attn, before=None, seed=0):
     rows = {}
     for name in methods:
         torch.manual_seed(seed)
-        rows[name] = M.METHODS[name](heads, head_dim)
+        rows[name] = registry.METHODS[name].adapter(heads, head_dim)
         with torch.no_grad():
             for p in rows[name].parameters():
                 p.normal_(0, 0.02)
         if before is not None:
-            rows[f"{name} (before)"] = getattr(before, M.METHODS[name].__name__)(heads, head_dim)
+            rows[f"{name} (before)"] = getattr(before, registry.METHODS[name].adapter.__name__)(heads, head_dim)
             rows[f"{name} (before)"].load_state_dict(rows[name].state_dict())
     return rows
 
@@ -88,8 +89,7 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=int, nargs="*", default=[512, 4096], help="prompt lengths to prefill")
     ap.add_argument("--rounds", type=int, default=31, help="paired rounds a setting")
     ap.add_argument("--prefill-rounds", type=int, default=7, help="paired rounds a prefill setting")
-    ap.add_argument("--methods", nargs="+", default=[m for m in M.METHODS if m not in OUTSIDE_ATTENTION],
-                    choices=[m for m in M.METHODS if m not in OUTSIDE_ATTENTION])
+    ap.add_argument("--methods", nargs="+", default=ATTENTION, choices=ATTENTION)
     ap.add_argument("--before", help="a folder holding an older adapters.py, timed beside this one")
     ap.add_argument("--min-ms", type=float, default=50, help="each timed run repeats a call for at least this long")
     ap.add_argument("--threads", type=int, default=1)

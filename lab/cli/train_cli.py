@@ -7,18 +7,26 @@ import time
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import families, toy_backbone
+from lab.methods import registry
 from lab.run import checkpoints
 from lab.cli import flags
 
 
+ANCHORS, METHODS = registry.ANCHORS, registry.METHODS
+# the methods that take a size (has=False: that do not), the anchors that read a flag: as the where of APPLIES
+taking = lambda size, has=True: " or ".join(m for m, own in METHODS.items() if (size in own.sizes) == has)
+reading = lambda flag: " or ".join(a for a, own in ANCHORS.items() if flag in own.reads)
 APPLIES = {  # flag: (where it applies, whether it does with these flags); flags.check_applies
-    "temperature": ("with --anchor kl (LIVE's KL)", lambda a: a.anchor == "kl"),
-    "kappa": ("with --anchor hyperbolic", lambda a: a.anchor == "hyperbolic"),
-    "virtual_tokens": ("to --method hificl", lambda a: a.method == "hificl"),
-    "rank": ("to a method with a rank (not mimic or live)", lambda a: a.method not in ("mimic", "live")),
-    "anchor_norm": ("with an anchor (not --anchor none, the loss of hificl and lora)", lambda a: a.anchor != "none"),
+    "temperature": (f"with --anchor {reading('temperature')} (LIVE's KL)",
+                    lambda a: "temperature" in ANCHORS[a.anchor].reads),
+    "kappa": (f"with --anchor {reading('kappa')}", lambda a: "kappa" in ANCHORS[a.anchor].reads),
+    "virtual_tokens": (f"to --method {taking('n')}", lambda a: "n" in METHODS[a.method].sizes),
+    "rank": (f"to a method with a rank (not {taking('rank', has=False)})", lambda a: "rank" in METHODS[a.method].sizes),
+    "anchor_norm": ("with an anchor (not --anchor none, the loss of hificl and lora)",
+                    lambda a: ANCHORS[a.anchor].loss is not None),
     "teacher_cache": ("without --no-teacher-cache", lambda a: not a.no_teacher_cache),
-    "no_teacher_cache": ("where a teacher runs (an --anchor other than none)", lambda a: a.anchor != "none"),
+    "no_teacher_cache": ("where a teacher runs (an --anchor other than none)",
+                         lambda a: ANCHORS[a.anchor].teacher is not None),
     "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
     "build_tries": ("with --build-toy", lambda a: a.build_toy),

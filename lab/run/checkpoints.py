@@ -17,6 +17,7 @@ import torch
 import model as M
 from lab.disk import files
 from lab.datasets import tasks
+from lab.methods import registry
 from lab.run import torchrun
 
 
@@ -159,7 +160,7 @@ def load_adapter(path, backbone, method=None, force=False):
     tensors, previous = read_tensors(path), attached(backbone.model)  # read before any adapter is detached
     try:
         try:
-            M.attach(backbone.model, saved["method"], **sizes)
+            registry.attach(backbone.model, saved["method"], **sizes)
         except (ValueError, TypeError, RuntimeError) as e:  # an unknown method, sizes it does not take or cannot make
             raise ValueError(f"{path}: its settings (method {saved['method']!r}, sizes {sizes}) do not make an "
                              f"adapter ({e})") from e
@@ -191,7 +192,7 @@ def reattach(model, previous):
         M.detach(model)
     if previous is not None:
         settings, tensors = previous
-        M.attach(model, settings["method"], **{k: v for k, v in settings.items() if k != "method"})
+        registry.attach(model, settings["method"], **{k: v for k, v in settings.items() if k != "method"})
         M.adapter_modules(model).load_state_dict(tensors)
 
 

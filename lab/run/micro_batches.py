@@ -10,6 +10,7 @@ import torch
 import data
 from lab.disk import files
 from lab.models import backbones
+from lab.methods import registry
 from lab.run import feed, teacher_cache
 
 
@@ -39,7 +40,7 @@ def prepared_micro_batch(setup, spec):
     (queries, icds), s = spec, setup
     pieces = data.query_pieces(s.processor, s.family, s.kind, queries)
     out = {"student": data.student_batch(s.processor, s.family, s.kind, pieces), "queries": queries, "icds": icds}
-    if s.cfg.anchor == "none":
+    if registry.ANCHORS[s.cfg.anchor].teacher is None:
         return out
     found = teacher_cache.cached_states(s.cfg, s.cache, s.shape, queries, icds, pieces)
     missing = [i for i, state in enumerate(found["states"]) if state is None]
@@ -54,7 +55,7 @@ def pairs(run, specs, workers):
     then finished (finished), what the cache lacks computed by run.teacher (train.py's run_teacher, handed in),
     bound here once to the run's backbone, task and device."""
     cfg, device, setup = run.cfg, run.device, Setup.of(run.backbone, run.kind, run.cfg, run.cache)
-    output = teacher_cache.teacher_output(cfg.anchor)
+    output = registry.ANCHORS[cfg.anchor].teacher
     teacher = functools.partial(run.teacher, run.backbone, run.kind, pieces=None, device=device, output=output)
     for prepared in feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, device):
         yield finished(cfg, prepared, device, run.cache, teacher)
@@ -66,10 +67,10 @@ def finished(cfg, prepared, device, cache, teacher):
     aligned positions (stack_teacher)."""
     student = {**backbones.to_device(prepared["student"], device),
                "window": data.answer_window(prepared["student"]["labels"])}
-    if cfg.anchor == "none":
+    if registry.ANCHORS[cfg.anchor].teacher is None:
         return student, None
     states = completed_states(cfg, prepared, device, cache, teacher)
-    if cfg.anchor == "kl":
+    if registry.ANCHORS[cfg.anchor].teacher == "logits":
         return student, torch.cat(states)  # answer logits, in the order of answer_positions
     return student, stack_teacher(states, student["query_target"])
 
@@ -79,7 +80,7 @@ def completed_states(cfg, prepared, device, cache, teacher):
     teacher(queries, icds, batch=their teacher batch, prepared["teacher"]) and stored. The hits and misses are counted
     in `cache`."""
     queries, icds, found, batch = prepared["queries"], prepared["icds"], prepared["found"], prepared["teacher"]
-    output = teacher_cache.teacher_output(cfg.anchor)
+    output = registry.ANCHORS[cfg.anchor].teacher
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
     fresh = teacher([queries[i] for i in missing], [icds[i] for i in missing], batch=batch) if missing else []
     cache["misses"] += len(missing)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 import model as M
 from lab.disk import files
 from lab.models import backbones, families
+from lab.methods import registry
 from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
 
 
@@ -51,10 +52,11 @@ class Run:
 def attached(backbone, cfg):
     """The parameters of a fresh cfg.method adapter attached to the backbone; one too large for memory is a
     ValueError naming --rank and --virtual-tokens."""
+    sizes = registry.sizes(cfg.method, cfg.rank, cfg.virtual_tokens)
     try:
-        return M.attach(backbone.model, cfg.method, **method_sizes(cfg)).parameters()
+        return registry.attach(backbone.model, cfg.method, **sizes).parameters()
     except RuntimeError as e:  # torch.OutOfMemoryError too: a --rank or --virtual-tokens too large for memory
-        raise ValueError(f"the {cfg.method} adapter of {method_sizes(cfg)} does not fit in memory "
+        raise ValueError(f"the {cfg.method} adapter of {sizes} does not fit in memory "
                          f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
 
 
@@ -72,7 +74,7 @@ def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0,
              "images": teacher_cache.image_key(backbone.processor),
              "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
-    if cfg.anchor != "none" and not cfg.no_teacher_cache:
+    if registry.ANCHORS[cfg.anchor].teacher and not cfg.no_teacher_cache:
         teacher_cache.check_cache_room(backbone, cfg, kind, queries, icds, cache)
     return Run(cfg, backbone, queries, heldout, icds, kind, device, optimizer, scheduler, student_model, cache, teacher,
                progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum), record=record)
@@ -257,14 +259,8 @@ def finish(run):
     return {k: v.detach().clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()}
 
 
-def method_sizes(args):
-    """The sizes of args.method for model.attach: none for MimIC and LIVE; the rank, and HiFICL's n pairs."""
-    sizes = {} if args.method in ("mimic", "live") else {"rank": args.rank}
-    return sizes | ({"n": args.virtual_tokens} if args.method == "hificl" else {})
-
-
 def diverging(args):
     """The settings of this run that can make its loss NaN or inf, with their values, as the stop names them."""
-    names = ["lr", "weight_decay", "clip", "lam"] + (["kappa"] if args.anchor == "hyperbolic" else []) + \
-        (["temperature"] if args.anchor == "kl" else []) + (["anchor_norm"] if args.anchor_norm != "none" else [])
+    names = ["lr", "weight_decay", "clip", "lam", *registry.ANCHORS[args.anchor].reads] + \
+        (["anchor_norm"] if args.anchor_norm != "none" else [])
     return ", ".join(f"--{n.replace('_', '-')} {getattr(args, n)}" for n in names)

@@ -11,6 +11,7 @@ import data
 import model as M
 from lab.disk import files
 from lab.models import backbones, families
+from lab.methods import registry
 
 
 def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
@@ -50,15 +51,10 @@ def read_teacher(path, key, shape, output="states"):
     return None if cached is None else cached[output]
 
 
-def teacher_output(anchor):
-    """What the teacher's tensor of a query is for --anchor `anchor`: LIVE's answer logits for kl, else its states."""
-    return "logits" if anchor == "kl" else "states"
-
-
 def teacher_file(args, cache, query, icds):
     """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
     key = teacher_key(cache["id"], args.task, query, icds, cache.get("images"), cache.get("processor"))
-    suffix = "-logits" if teacher_output(args.anchor) == "logits" else ""  # the states' files have none
+    suffix = "-logits" if registry.ANCHORS[args.anchor].teacher == "logits" else ""  # the states' files have none
     return key, os.path.join(args.teacher_cache, key + suffix + ".safetensors")
 
 
@@ -94,7 +90,7 @@ def cached_states(args, cache, shape, queries, icds, pieces):
     """What the cache holds for these queries, read without the model (in a DataLoader worker): {"states": each
     query's cached tensor, None where there is none or it is unusable (all None with --no-teacher-cache), "keys",
     "paths"}. shape: teacher_shape."""
-    output = teacher_output(args.anchor)
+    output = registry.ANCHORS[args.anchor].teacher
     keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
     shapes = [(answers, None) if output == "logits" else (shape[0], tokens, shape[1])
               for tokens, answers in query_sizes(pieces)]
@@ -116,7 +112,7 @@ def cache_file_bytes(anchor, config, sizes, dtype):
     """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
     [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
-    if anchor == "kl":
+    if registry.ANCHORS[anchor].teacher == "logits":
         elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
     else:
         elements = sum(tokens for tokens, _ in sizes) * text.num_hidden_layers * text.hidden_size

@@ -11,6 +11,7 @@ from tqdm import tqdm
 import data
 import lorentz
 import model as M
+from adapters import HyperICL
 from lab.disk import files
 from lab.datasets import tasks
 from lab.run import feed, torchrun
@@ -57,7 +58,7 @@ def gate_analysis(backbone, batches, n):
     tokens and the n examples of `batches` (analysis_batches). g is the adapter's (Eq 9) on the query-only prompt;
     Delta A compares the teacher's attention ([ICDs; query], no adapter) with the query-only prompt's (no adapter)."""
     model, gates = backbone.model, []
-    if model.icl_settings["method"] != "hyper-icl":
+    if type(M.adapter_modules(model)[0]) is not HyperICL:  # the gate of Eq 9, query-adaptive
         raise ValueError(f"the gate analysis needs a Hyper-ICL adapter, not {model.icl_settings['method']!r}")
     hooks = [a.register_forward_pre_hook(lambda mod, inp: gates.append(mod.gate(inp[0])[..., 0]))
              for a in M.adapter_modules(model)]

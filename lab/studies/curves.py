@@ -21,6 +21,7 @@ import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones
+from lab.methods import registry
 from lab.run import checkpoints
 from lab.scores import results
 from lab.scores.metrics import T_975  # Student's t at 0.975, by degrees of freedom
@@ -79,11 +80,9 @@ def method_of(flags):
 # rate. A run's score is its best epoch's supervised loss (-log p per answer token) on TUNE["n_heldout"] queries held
 # out of the *training* split (tasks.split_pool: never trained on in that run, never an evaluation image), at
 # TUNE["n_train"] training queries and a seed no curve run uses. Hyper-ICL's variants (Table 4, lambda, kappa) train
-# at Hyper-ICL's rate. Published rates: the papers' 5e-3 (Hyper-ICL, HiFICL, and so the gate ablations of Hyper-ICL);
-# LoRA 5e-4 and MimIC 1e-5 (MimIC's public configs, peft/lora.yaml and peft/mimic.yaml); LIVE 1e-3 (its VQAv2 runs).
-# Their cross-entropy weights (LIVE's hard_loss_weight, MimIC's ce_loss_weight) are 0.5, the paper's lambda.
-PUBLISHED_LR = {"hyper-icl": 5e-3, "hificl": 5e-3, "static-layer": 5e-3, "static-layer-head": 5e-3,
-                "output-level": 5e-3, "mimic": 1e-5, "live": 1e-3, "lora": 5e-4}
+# at Hyper-ICL's rate. Published rates: each method's record (lab/methods/registry.py). Their cross-entropy weights
+# (LIVE's hard_loss_weight, MimIC's ce_loss_weight) are 0.5, the paper's lambda.
+PUBLISHED_LR = {m: own.lr for m, own in registry.METHODS.items()}
 
 TUNE_DECADES = 3
 
@@ -138,9 +137,10 @@ def row_flags(flags, chosen):
 
 
 def curve_runs(names=None):
-    """The rows of --curve: every method of model.METHODS, Hyper-ICL's anchor ablations (Table 4), lambda and kappa
-    beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; only `names`, if given."""
-    rows = [(m, ["--method", m]) for m in M.METHODS]
+    """The rows of --curve: every method (lab/methods/registry.py), Hyper-ICL's anchor ablations (Table 4), lambda
+    and kappa beside the paper's 0.5 and 0.1 (Fig 3b), and the anchor divided by its first-step value; only `names`,
+    if given."""
+    rows = [(m, ["--method", m]) for m in registry.METHODS]
     rows += [("hyper-icl, euclidean anchor", ["--anchor", "euclidean"]), ("hyper-icl, CE only", ["--anchor", "none"]),
              ("hyper-icl, anchor only", ["--lam", "0"])]                                  # Table 4
     rows += [(f"hyper-icl, lambda {lam}", ["--lam", lam]) for lam in ("5", "50")]           # Fig 3b: lambda

@@ -11,12 +11,12 @@ import time
 import torch
 
 import data
-import model as M
 from lab.disk import files
 from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
-from lab.run import runs, teacher_cache
+from lab.methods import registry
+from lab.run import teacher_cache
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 
@@ -167,8 +167,8 @@ def plan(args, queries=None):
     rows = plan_rows(processor, family, kind, sample, icds, batch)
     dtype, on_cpu = backbones.autocast_dtype(args.plan), args.plan == "cpu"  # cuda: bf16; cpu: float32
     params = sum(p.numel() for p in model.parameters())
-    adapter = sum(p.numel() for p in M.attach(model, args.method, **runs.method_sizes(args)).parameters()) \
-        if training else 0
+    sizes = training and registry.sizes(args.method, args.rank, args.virtual_tokens)  # evaluate.py's: none
+    adapter = sum(p.numel() for p in registry.attach(model, args.method, **sizes).parameters()) if training else 0
     mem = memory(model.config, params, adapter, rows, batch, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
                  file_dtype, args.image_memory * 1e9)
     mean = lambda values: sum(values) / len(values)
@@ -204,7 +204,7 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     space of --teacher-cache (or of the nearest folder above it that exists); and, given the FLOPs of one query's
     teacher forward, whether reading a query's file back costs less than recomputing its teacher (read_or_recompute)."""
     n_queries = len(sizes)
-    if args.anchor == "none":
+    if registry.ANCHORS[args.anchor].teacher is None:
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
     per_query = teacher_cache.cache_file_bytes(args.anchor, config, sizes, dtype)
@@ -219,7 +219,7 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
               f"{n_queries}; it would take {size(total)})")
     else:
         free, text = shutil.disk_usage(folder).free, config.get_text_config()
-        tensor = "logits answer tokens x vocabulary" if args.anchor == "kl" else \
+        tensor = "logits answer tokens x vocabulary" if registry.ANCHORS[args.anchor].teacher == "logits" else \
             f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
         print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
               f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "

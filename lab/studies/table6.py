@@ -15,6 +15,7 @@ import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones, families, published
+from lab.methods import registry
 from lab.scores import results
 
 
@@ -133,7 +134,7 @@ def paired_latency(runs, device, rounds):
 @contextlib.contextmanager
 def run_as(model, method):
     """The model as one Table 6 row runs it. method None: the backbone (zero-shot, n-shot ICL); "loaded": the adapter
-    of --checkpoint; else a fresh `method` adapter of model.METHODS (its default sizes) attached through model.attach
+    of --checkpoint; else a fresh `method` adapter (lab/methods/registry.py, its default sizes) attached
     with every parameter drawn at random, so that no zero-initialised factor hides a cost, and detached after."""
     if method is None:
         with M.without_adapter(model):
@@ -142,7 +143,7 @@ def run_as(model, method):
         yield
     else:
         with torch.no_grad():
-            for p in M.attach(model, method).parameters():
+            for p in registry.attach(model, method).parameters():
                 p.normal_(0, 0.02)
         try:
             yield
@@ -161,12 +162,12 @@ def flops(backbone, inputs, new_tokens, generate):
 def benchmark(backbone, args, generate):
     """Table 6: per query, FLOPs and latency (paired_latency, --rounds rounds) of the prefill (one new token) and of
     generating --new-tokens tokens for zero-shot, each adapter (the --checkpoint's, else every method of
-    model.METHODS) and --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each adapter also
-    the peak memory of one decoder attention layer at --attention-tokens tokens (attention_call). Writes
+    lab/methods/registry.py) and --bench-shots-shot ICL, each with its ratio to zero-shot; for zero-shot and each
+    adapter also the peak memory of one decoder attention layer at --attention-tokens tokens (attention_call). Writes
     benchmark.json. generate: evaluate.generate (greedy decoding), handed in."""
     new_tokens = args.new_tokens or (8 if args.random_weights == "mid" else tasks.spec(args.task).max_new_tokens)
     loaded = getattr(backbone.model, "icl_settings", {}).get("method")
-    methods = [(loaded, "loaded")] if loaded else [(m, m) for m in M.METHODS]
+    methods = [(loaded, "loaded")] if loaded else [(m, m) for m in registry.METHODS]
     settings = [("zero-shot", None, 0)] + [(name, m, 0) for name, m in methods] + \
         [(f"{s}-shot", None, s) for s in args.bench_shots]
     path = os.path.join(args.out, "benchmark.json")
@@ -260,12 +261,12 @@ def fitting(T):
 def attention_benchmark(model, T=2048, rounds=ROUNDS):
     """One decoder self-attention of `model` at T query and key tokens (attention_call), batch 1: latency
     (paired_latency, `rounds` rounds) and peak memory (peak_memory_mb) of the stock SDPA forward, of every method of
-    model.METHODS through model.attach, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns
+    lab/methods/registry.py, and of Hyper-ICL's T x T reference; each relative to SDPA. Returns
     {name: (ms, MiB)}."""
     device, dtype = model.device, model.dtype
     forward, reference, sizes = attention_call(model, T)
-    paths = [("sdpa", None, forward)] + [(m, m, forward) for m in M.METHODS] + \
-        ([("hyper-icl reference", "hyper-icl", reference)] if "hyper-icl" in M.METHODS else [])
+    paths = [("sdpa", None, forward)] + [(m, m, forward) for m in registry.METHODS] + \
+        [("hyper-icl reference", "hyper-icl", reference)]
     runs, memory = {}, {}
     for name, method, run in paths:  # attention_call's closures run without autograd
         with run_as(model, method):

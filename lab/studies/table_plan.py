@@ -20,6 +20,7 @@ import model as M
 from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import families
+from lab.methods import registry
 from lab.run import runs, teacher_cache
 from lab.studies import plan, vectors
 
@@ -130,11 +131,13 @@ class Work:
 
     def adapter(self, cfg):
         """Parameters of cfg's adapter (attached to the meta-device model, then detached)."""
+        sizes = registry.sizes(cfg.method, cfg.rank, cfg.virtual_tokens)
+
         def make():
-            count = sum(p.numel() for p in M.attach(self.model, cfg.method, **runs.method_sizes(cfg)).parameters())
+            count = sum(p.numel() for p in registry.attach(self.model, cfg.method, **sizes).parameters())
             M.detach(self.model)
             return count
-        return self.once(("adapter", cfg.method, tuple(runs.method_sizes(cfg).items())), make)
+        return self.once(("adapter", cfg.method, tuple(sizes.items())), make)
 
     def memory(self, a, training):
         """Peak accelerator memory of a job: plan.memory on a sample of its rows (training, evaluation zero-shot or
@@ -210,12 +213,12 @@ def plan_table(args, table, jobs, parsers):
     for job in jobs:
         a, training = job.args(parsers), job.script == "train.py"
         if training:
-            owner = a.anchor != "none" and not job.after
+            owner = registry.ANCHORS[a.anchor].teacher is not None and not job.after
             work = train_work(a, w, owner)
             mean = work["teacher_tokens"] / max(1, work["teacher_passes"])
             what = (f"{a.method} on {a.task}: {work['queries']:,} queries, {work['steps']:,} steps, teacher " +
                     (f"{work['teacher_passes']:,} passes ({mean:.0f} tokens a row)" if owner else
-                     "read from the first run's cache" if a.anchor != "none" else "none"))
+                     "read from the first run's cache" if registry.ANCHORS[a.anchor].teacher else "none"))
         else:
             work = eval_work(a, w)
             icl = f"{a.shots or 0}-shot" + ("-rices" if a.shots and a.icds == "rices" else "")

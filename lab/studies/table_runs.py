@@ -22,7 +22,8 @@ import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones, families
-from lab.run import checkpoints, teacher_cache
+from lab.methods import registry
+from lab.run import checkpoints
 from lab.studies import table_plan, table_print, tables
 
 # evaluate.py's flags a table hands on to each cell's commands where they are not the defaults: to train.py (the
@@ -75,9 +76,9 @@ def table_jobs(args, defaults, train_parse, table):
                     *handed_on(args, defaults, TRAIN_FLAGS, cell.train),
                     *shlex.split(args.train_args), *cell.train)
             cfg = train_parse(list(argv))
-            teacher = None if cfg.anchor == "none" else (  # what the teacher's cached tensors depend on
-                cfg.task, cfg.shots, cfg.icds, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout,
-                teacher_cache.teacher_output(cfg.anchor))
+            output = registry.ANCHORS[cfg.anchor].teacher  # what the teacher's cached tensors depend on
+            teacher = output and (cfg.task, cfg.shots, cfg.icds, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout,
+                                  output)
             first = teachers.setdefault(teacher, argv) if teacher else argv  # the run that computes it
             jobs.setdefault(argv, tables.Job("train.py", argv, () if first == argv else (first,)))
             after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *evaluate]

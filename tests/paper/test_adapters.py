@@ -6,8 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters import (HiFICL, HyperICL, MimIC, OutputLevel, StaticGate, StaticGateHead, decompose, decompose_hificl,
+from adapters import (HiFICL, HyperICL, OutputLevel, StaticGate, StaticGateHead, decompose, decompose_hificl,
                       joint_attention)
+from lab.methods.mimic import MimIC
 
 
 def rand(*shape, seed=0, dtype=torch.float64):

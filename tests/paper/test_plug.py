@@ -10,8 +10,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import model as M
+from adapters import HyperICL
 from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts, randomise
 from lab.models import backbones, families, published
+from lab.methods import registry
 from test_adapters import explicit_hyper_icl
 
 FAMILIES = sorted(families.FAMILIES)
@@ -46,7 +48,7 @@ def test_zero_init_is_the_unmodified_model(family, method, rank, lengths, std, s
         base = backbone.model(**batch).logits
         try:
             torch.manual_seed(seed)
-            for name, p in M.attach(backbone.model, method, rank=rank).named_parameters():
+            for name, p in registry.attach(backbone.model, method, rank=rank).named_parameters():
                 torch.nn.init.zeros_(p) if name.endswith("U_k") else torch.nn.init.normal_(p, std=std)
             ours = backbone.model(**batch).logits
         finally:
@@ -61,7 +63,7 @@ def test_hyper_icl_at_init_is_the_base_model(plain):
     with torch.no_grad():
         base = plain.model(**batch).logits
         base_gen = plain.model.generate(**prompts(plain, TEXTS, positions=False), max_new_tokens=4, do_sample=False)
-        M.attach(plain.model, "hyper-icl", rank=4)
+        registry.attach(plain.model, "hyper-icl", rank=4)
         ours = plain.model(**batch).logits
         ours_gen = plain.model.generate(**prompts(plain, TEXTS, positions=False), max_new_tokens=4, do_sample=False)
     assert (ours - base)[real].abs().max() <= 1e-5
@@ -79,14 +81,14 @@ def test_attention_without_an_adapter_is_transformers_sdpa():
     batch = prompts(backbone, TEXTS)
     with torch.no_grad():
         base = backbone.model(**batch).logits
-        M.attach(backbone.model, "hyper-icl", rank=4)
+        registry.attach(backbone.model, "hyper-icl", rank=4)
         ours = backbone.model(**batch).logits
     assert (ours - base)[batch["attention_mask"].bool()].abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("method,sizes", [("hyper-icl", dict(rank=4)), ("hificl", dict(n=3, rank=2))])
 def test_padding_invariance_with_trained_adapter(plain, method, sizes):
-    M.attach(plain.model, method, **sizes)
+    registry.attach(plain.model, method, **sizes)
     randomise(plain.model)
     batch = prompts(plain, TEXTS)
     with torch.no_grad():
@@ -99,7 +101,7 @@ def test_padding_invariance_with_trained_adapter(plain, method, sizes):
 
 @pytest.mark.parametrize("method,sizes", [("hyper-icl", dict(rank=4)), ("hificl", dict(n=3, rank=2))])
 def test_cached_decoding_equals_full_forward(plain, method, sizes):
-    M.attach(plain.model, method, **sizes)
+    registry.attach(plain.model, method, **sizes)
     randomise(plain.model, seed=1)
     assert_cached_decoding_equals_full_forward(plain, new_tokens=4)
 
@@ -113,7 +115,7 @@ def test_cached_decoding_equals_full_forward(plain, method, sizes):
     ("smolvlm", "hyper-icl", dict(rank=4), 155_790), ("gemma3", "hificl", dict(n=8, rank=8), 1_148_928)])
 def test_parameter_counts_on_published_sizes(family, method, sizes, count):
     model = published.published_model(family)                      # meta device: no memory, no download
-    M.attach(model, method, **sizes)
+    registry.attach(model, method, **sizes)
     assert sum(p.numel() for p in M.adapter_modules(model).parameters()) == count
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count
 
@@ -131,14 +133,14 @@ def explicit_forward(adapter, q, k, v, mask, scaling):
 def test_fast_path_equals_reference_inside_the_model(plain, monkeypatch):
     """Fused path vs the T x S reference and vs the explicit Eq 3-9 loops, random adapter, padded batch,
     grouped-query attention (all but Idefics)."""
-    M.attach(plain.model, "hyper-icl", rank=3)
+    registry.attach(plain.model, "hyper-icl", rank=3)
     randomise(plain.model, seed=2)
     batch = prompts(plain, TEXTS)
     with torch.no_grad():
         fast = plain.model(**batch).logits
-        monkeypatch.setattr(M.METHODS["hyper-icl"], "forward", M.METHODS["hyper-icl"].reference)
+        monkeypatch.setattr(HyperICL, "forward", HyperICL.reference)
         reference = plain.model(**batch).logits
-        monkeypatch.setattr(M.METHODS["hyper-icl"], "forward", explicit_forward)
+        monkeypatch.setattr(HyperICL, "forward", explicit_forward)
         explicit = plain.model(**batch).logits
     real = batch["attention_mask"].bool()
     for want in (reference, explicit):
@@ -153,7 +155,7 @@ def test_hyper_icl_at_init_is_the_base_model_in_bf16(family):
     batch = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in prompts(backbone, TEXTS).items()}
     with torch.no_grad():
         base = backbone.model(**batch).logits
-        M.attach(backbone.model, "hyper-icl", rank=4)
+        registry.attach(backbone.model, "hyper-icl", rank=4)
         ours = backbone.model(**batch).logits
     real = batch["attention_mask"].bool()
     assert torch.equal(ours[real], base[real])
