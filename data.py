@@ -19,8 +19,8 @@ concatenations of those ids, so the query's ids are identical in teacher and stu
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
-The readers of the official formats (lab/datasets/readers.py, mme_seed.py: the layout of --data-root and their checks
-are in docs/real-models.md, "Data layout") and the toy-icl datasets (lab/datasets/toy_world.py) make the Items.
+The Items come from the readers of the official formats (lab/datasets/readers.py, mme_seed.py; --data-root's layout:
+docs/real-models.md, "Data layout") and from the toy world (lab/datasets/toy_world.py).
 """
 import hashlib
 import os
@@ -66,8 +66,7 @@ DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-one
 
 
 def default_shots(task, family):
-    """ICDs per query of a Task (TASKS' entry): its own number (MME, SEED: 2, as the paper runs them) or the
-    backbone's (paper)."""
+    """ICDs per query of a Task (TASKS' entry): its own (MME, SEED: 2, as the paper runs them), else the backbone's."""
     return task.shots if task.shots is not None else DEFAULT_SHOTS[family]
 
 
@@ -145,9 +144,8 @@ def prompt_batch(processor, family, kind, queries, icds=None):
 
 def encode_piece(processor, family, text, image, pixels=None):
     """Token ids and images of one piece of a row (text starting with `<image>`), by the family's processor:
-    {"input_ids": list[int], "images": {name: one entry an image}}. `pixels` (image_pixels of the image) are reused
-    where the caller has them, so an image shared by two pieces is processed once. Idefics (cross-attention): its
-    processor's pixel_values [1, 3, H, W] (float); the other families: image_pixels."""
+    {"input_ids": list[int], "images": {name: one entry an image}}; `pixels` (image_pixels) reused where the caller
+    has them. Idefics (cross-attention): its processor's pixel_values [1, 3, H, W] (float); the others: image_pixels."""
     if processor.row_format.images == "cross-attention":  # list format; the processor starts with BOS, the row's own
         out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
         return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
@@ -199,14 +197,12 @@ def onevision_tokens(processor):
 
 
 def onevision_piece(process, image):
-    """A LLaVA-OneVision image encoded as one of several images, the model's multi-image mode. The model tiles an
-    image at any resolution (anyres: 2,929 tokens for 640 x 480) only when its prompt holds one image; an image among
-    several is its base 384 x 384 view, num_image_tokens + 1 (newline) = 730 tokens. A teacher row holds several
-    images, so its query image is in that mode; the student's lone query image must be too, or the query's tokens
-    would differ between the rows (Eq 16 compares them token by token). So every image, in training and evaluation
-    (`image_inputs` tells the model), is padded to a square of the mean colour and resized, as the image processor
-    does for an image among several. Returns image_pixels' dict: pixel_values uint8 [1, 3, H, W] and the image's
-    "image_sizes" [1, 2]."""
+    """A LLaVA-OneVision image as one of several, the model's multi-image mode: its base 384 x 384 view,
+    num_image_tokens + 1 (newline) = 730 tokens (alone in a prompt, anyres tiles it: 2,929 tokens for 640 x 480). A
+    teacher row holds several images, so the student's lone query image must be in that mode too, or the query's tokens
+    would differ between the rows (Eq 16 compares them token by token): every image, in training and evaluation
+    (`image_inputs` tells the model), padded to a square of the mean colour and resized, as the image processor does
+    for an image among several. Returns image_pixels' dict: pixel_values uint8 [1, 3, H, W], "image_sizes" [1, 2]."""
     pixels = process.process_image(image, do_convert_rgb=True)
     square = process.pad_to_square(pixels, tuple(int(x * 255) for x in process.image_mean))
     view = process.resize(square, process.size, resample=process.resample)
@@ -230,9 +226,8 @@ def load_image(item):
 
 def encode_query(processor, family, kind, query, with_target=True):
     """The query piece, built once and shared by the query's teacher and student rows: ids, images, labels (-100 on
-    the prompt, the ids themselves on the answer + end token; the model shifts them). The answer's ids (of
-    query.target) are read off the tokenisation of the whole piece: the tokens the model would generate after the
-    prompt. The image is processed once, for both tokenisations (Idefics excepted: its processor takes both)."""
+    the prompt, the ids on the answer + end token; the model shifts them), the answer's ids read off the whole piece's
+    tokens (what the model would generate), the image processed once for both (Idefics': its processor takes both)."""
     image, prompt = load_image(query), prompt_text(kind, query)
     piece = encode_piece(processor, family, prompt, image)
     ids = piece["input_ids"]
@@ -278,9 +273,9 @@ def pad_stack(tensors):
 
 def image_inputs(rows, processor, family, input_ids):
     """The image tensors of a batch as the family's forward takes them (images in row order, row_format.images):
-    "concat", each image's along dim 0 (LLaVA-Interleave [images, 3, H, W]; Qwen's patches and grids); "canvas", a
-    row's crops on one canvas (crop_canvas); LLaVA-OneVision's multi-image mode; Idefics' [B, images, 3, H, W] and
-    which image each token cross-attends to. Raw pixels stay uint8, with "pixel_norm" for model_inputs."""
+    "concat" along dim 0 (LLaVA-Interleave [images, 3, H, W]; Qwen's patches and grids); "canvas" (crop_canvas);
+    LLaVA-OneVision's multi-image mode; Idefics' [B, images, 3, H, W] and which image each token cross-attends to.
+    Raw pixels stay uint8, with "pixel_norm" for model_inputs."""
     form = processor.row_format
     per_row = lambda: [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]  # each row's crops
     if form.images == "cross-attention":
@@ -316,8 +311,7 @@ def crop_canvas(per_row):
 def pixel_norm(process):
     """[3, 3] float32, per channel (divisor, mean, std): an image processor's rescaling and normalisation, as
     (x / divisor - mean) / std in float32. With transformers' rescale by 1/255 (in float64, then rounded to float32),
-    x / 255 in float32 is the same number for every uint8 x, so the normalised pixels are the processor's to the bit
-    (tests/test_data.py)."""
+    x / 255 in float32 is the same number for every uint8 x: the processor's pixels to the bit (tests/test_data.py)."""
     divisor = 1 / process.rescale_factor if process.do_rescale else 1.0
     mean, std = (process.image_mean, process.image_std) if process.do_normalize else (0.0, 1.0)
     return torch.stack([torch.tensor(v, dtype=torch.float32).expand(3) for v in (divisor, mean, std)], 1)
@@ -336,10 +330,9 @@ def normalised(batch):
 
 
 def collate(rows, processor, family):
-    """Left-pad rows into a batch: input_ids, attention_mask, position_ids (real tokens only: 0 on padding), labels
-    (-100 except on the answer + end token), query_target (each row's last query_len positions: the query + target,
-    which teacher and student share) and the images. A row longer than the model's context (the tokenizer's
-    model_max_length) is an error naming its item."""
+    """Left-pad rows into a batch: input_ids, attention_mask, position_ids (0 on padding), labels (-100 but on the
+    answer + end token), query_target (each row's last query_len positions: the query + target, which teacher and
+    student share) and the images. A row longer than the tokenizer's model_max_length is an error naming its item."""
     for r in rows:
         if len(r["input_ids"]) > processor.tokenizer.model_max_length:
             raise ValueError(f"item {r['id']}: its prompt has {len(r['input_ids'])} tokens, more than the model's "
@@ -355,11 +348,19 @@ def collate(rows, processor, family):
             **image_inputs(rows, processor, family, input_ids)}
 
 
+def align_teacher(states, query_target):
+    """Eq 16's alignment: per-query teacher states [L, T_q, d] laid at their student rows' query_target, [L, B, W, d]
+    (0 elsewhere). collate pads on the left, so they are each row's last T_q positions: sliced, no wait for a device."""
+    out = states[0].new_zeros(states[0].shape[0], *query_target.shape, states[0].shape[-1], device=query_target.device)
+    for b, s in enumerate(states):
+        out[:, b, query_target.shape[1] - s.shape[1]:] = s.to(query_target.device)
+    return out
+
+
 def positions(processor, input_ids, attention_mask):
     """A batch's positions (row_format.positions): "1-d", position_ids = cumsum - 1 over the real tokens (0 on
-    padding); "model", none (M-RoPE: the model makes them from the ids, token types, image grids and attention mask,
-    from each row's first real token). And the forward's per-token tensor (row_format.token_types): 1 on image tokens
-    (the processor's create_mm_token_type_ids), 0 on padding."""
+    padding); "model", none (M-RoPE: the model makes them from the ids, token types, image grids and attention mask).
+    And the forward's per-token tensor (row_format.token_types): 1 on image tokens, 0 on padding."""
     form, out = processor.row_format, {}
     if form.positions == "1-d":
         out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -370,8 +371,8 @@ def positions(processor, input_ids, attention_mask):
 
 def answer_window(labels):
     """K: the last K positions of each left-padded row hold its target tokens and the position before each, so a
-    forward with logits_to_keep=K runs the LM head there only, not over every position x the whole vocabulary
-    (152k for the Qwen models: gigabytes a row). Logits then line up with labels[:, -K:]."""
+    forward with logits_to_keep=K runs the LM head there only, not over every position x the whole vocabulary (152k
+    for the Qwen models: gigabytes a row). Logits then line up with labels[:, -K:]."""
     return int((labels != -100).sum(1).max()) + 1
 
 
@@ -385,9 +386,8 @@ def model_inputs(batch, device=None):
 # --------------------------------------------------------------------------------- demonstrations: random, or RICES
 
 def demonstrations(query_ids, support, m, seed):
-    """m ICDs per query, drawn at random from the support set, never the query itself (same id). The draw for a query
-    depends only on (seed, query id, support set), not on which other queries are drawn for or in what order, so a
-    teacher run for a query is reproducible."""
+    """m ICDs per query, drawn at random from the support set, never the query itself (same id). A query's draw depends
+    only on (seed, query id, support set), not on the other queries or their order: its teacher run is reproducible."""
     if len(support) <= m:
         raise ValueError(f"a support set of {len(support)} items is too small for {m} ICDs per query (need {m + 1}; "
                          "--shots sets the ICDs)")

@@ -18,7 +18,6 @@ without --resume or --overwrite, and one process at a time holds a folder (`lock
     python train.py --model idefics2 --task vqav2 --data-root /data
     python train.py --build-toy                       # meta-train a toy-idefics2 of your own (probed, ~5 min)
 """
-import functools
 import os
 import sys
 from dataclasses import dataclass, field, replace
@@ -32,7 +31,7 @@ import model as M
 from lab.datasets import rices, tasks
 from lab.models import backbones, chunks, families, toy_backbone
 from lab.methods import registry
-from lab.run import anchors, checkpoints, feed, runs, torchrun
+from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
 from lab.studies import plan
 from lab.cli import train_cli
 
@@ -107,17 +106,18 @@ def eq17(anchor, sup, lam):
     return anchor + lam * sup
 
 
-def losses(backbone, cfg, student, teacher, model=None, anchor_scale=1.0):
-    """The loss of one micro-batch (student batch, teacher tensor: micro_batches.pairs), assembled: the student's
+def losses(backbone, cfg, student, teacher, model=None, progress=None):
+    """The loss of one micro-batch (student batch, teacher tensor: micro_batches.pair), assembled: the student's
     forward with the adapter; L_anchor, Eq 16 or --anchor's own (lab/methods/registry.py: Table 4's Euclidean,
     MimIC's MSE, LIVE's KL; none: L = L_sup, HiFICL's and LoRA's); L_sup; under torchrun each as this process's share
-    of the global micro-batch's mean; L_anchor over anchor_scale (--anchor-norm first, not in the paper; else 1);
-    Eq 17. model: what runs the student (the DistributedDataParallel wrapper under torchrun; default backbone.model).
+    of the global micro-batch's mean; with --anchor-norm first (not in the paper), L_anchor over its value on the
+    run's first micro-batch, kept in the run's `progress`; Eq 17. model: what runs the student (the
+    DistributedDataParallel wrapper under torchrun; default backbone.model).
 
     Eq 16 compares h^(l), every decoder layer's own output (model.layer_outputs), of the student (query only, with the
-    adapter) and the teacher (with the ICDs, laid at the student's positions: micro_batches.stack_teacher) at
-    query_target, the query's and its target's tokens (answer + end token), which both rows hold (data.collate). A
-    choice: the paper says "the query tokens", and the target is part of both rows."""
+    adapter) and the teacher (with the ICDs, laid at the student's positions: data.align_teacher) at query_target,
+    the query's and its target's tokens (answer + end token), which both rows hold (data.collate). A choice: the
+    paper says "the query tokens", and the target is part of both rows."""
     anchor = registry.ANCHORS[cfg.anchor]
     forward = lambda: M.target_logits(model or backbone.model, student)  # the LM head at the answer window only
     with backbones.autocast(student["input_ids"].device):
@@ -132,7 +132,11 @@ def losses(backbone, cfg, student, teacher, model=None, anchor_scale=1.0):
         L_anchor, n = anchor.loss(torch.stack(h), teacher, query_target, **reads), query_target.any(1).sum()
     else:                           # the answer positions' logits (LIVE's KL): the mean over them
         L_anchor, n = anchor.loss(logits[answers], teacher, **reads), answers.sum()
-    L_anchor = torchrun.share_of_global_mean(L_anchor, n) / anchor_scale
+    L_anchor = torchrun.share_of_global_mean(L_anchor, n)
+    if cfg.anchor_norm == "first":  # not in the paper: the anchor over its first micro-batch's value, then kept
+        if "anchor_scale" not in progress:
+            progress["anchor_scale"] = anchors.initial_anchor(L_anchor)
+        L_anchor = L_anchor / progress["anchor_scale"]
     return {"anchor": L_anchor, "sup": sup, "loss": eq17(L_anchor, sup, cfg.lam)}
 
 
@@ -140,17 +144,18 @@ def losses(backbone, cfg, student, teacher, model=None, anchor_scale=1.0):
 
 
 @torch.no_grad()
-def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", batch=None):
-    """The frozen teacher on [ICDs; query + target], no adapter: per query, its states [L, T_q, d] at the query + target
-    tokens; output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32. They stay
-    on `device`. batch: their teacher batch, when a DataLoader worker made it already (data.teacher_batch)."""
-    batch = batch or data.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds)
+def run_teacher(backbone, batch, output="states"):
+    """The frozen teacher, no adapter, on a teacher batch [ICDs; query + target] (data.teacher_batch): per row, its
+    states [L, T_q, d] at the query + target tokens, every decoder layer's own output h'^(l) (Eq 12-16; the student
+    reads the same tokens); output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in
+    float32. On the backbone's device."""
+    device = backbone.model.device
     batch = backbones.to_device(batch, device)
     with M.without_adapter(backbone.model), backbones.autocast(device):
         if output == "logits":
             logits, labels = M.target_logits(backbone.model, batch)
             answer = M.answer_positions(labels)
-            return [logits[b, answer[b]].float() for b in range(len(queries))]
+            return [logits[b, answer[b]].float() for b in range(len(answer))]
         inputs = {**data.model_inputs(batch), "logits_to_keep": 1, "use_cache": False}  # no logits, no KV cache
         kept = M.layer_outputs(backbone.model, keep=batch["query_target"], **inputs)[1]  # L x [sum of T_q, d]
     ends = batch["query_target"].sum(1).cumsum(0).tolist()
@@ -161,10 +166,10 @@ def run_teacher(backbone, kind, queries, icds, pieces, device, output="states", 
 
 def train(cfg, load=None):
     """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
-    cosine decay, --epochs passes over the training queries, the best epoch (held-out loss) kept. Ctrl-C or SIGTERM
-    saves the run, and --resume continues it exactly (lab/run/runs.py). Returns the final adapter's parameters.
-    load: what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once
-    for all its runs)."""
+    cosine decay, --epochs passes over the training queries, the adapter of the best epoch (the lowest held-out loss)
+    kept. What is plumbing is one call away in lab/run/runs.py: Ctrl-C or SIGTERM saves the run at a step boundary,
+    --resume continues it exactly, a NaN stops it. Returns the final adapter's parameters. load: what loads the
+    backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all its runs)."""
     # the data (first: it fails fast), the backbone, each training query's demonstrations (fixed for the run)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
@@ -174,29 +179,36 @@ def train(cfg, load=None):
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
-    kind = tasks.spec(cfg.task).kind
+    kind, output = tasks.spec(cfg.task).kind, registry.ANCHORS[cfg.anchor].teacher  # output: the teacher's (or None)
     # the adapter (identity at its start: Eq 5-8), AdamW, linear warm-up then cosine decay to 0 (Section 4.1)
-    optimizer = torch.optim.AdamW(runs.attached(backbone, cfg), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    adapter = list(runs.attached(backbone, cfg))
+    optimizer = torch.optim.AdamW(adapter, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)
-    # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room (lab/run/runs.py)
-    run = runs.start(cfg, backbone, device, (queries, heldout, icds, kind), optimizer, scheduler, run_teacher)
-    # not the paper: --anchor-norm first's divisor, the anchor's scale on this backbone (lab/run/anchors.py)
-    anchors.before_training(run, functools.partial(losses, backbone, cfg))
-    runs.show_progress(run)
-    with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved, continued with --resume
+    # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room, the progress bar
+    run = runs.start(cfg, backbone, device, (queries, heldout, icds, kind), optimizer, scheduler)
+    with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved at the next step boundary, --resume continues
         for epoch in range(len(run.progress["history"]), cfg.epochs):  # an epoch counts once it is scored
             for step in runs.remaining_steps(run, epoch):  # a step's micro-batches, prepared by DataLoader workers
                 if runs.at_max_steps(run):
                     return runs.finish(run)
-                # Eq 17 on each micro-batch: the teacher's states (computed once, then cached), the student's forward
                 parts = {}
-                for student, h_teacher in step:
-                    part = losses(backbone, cfg, student, h_teacher, run.student_model, run.anchor_scale)
+                for prepared in step:  # the student's rows, the teacher's states the cache holds, a batch of the rest
+                    # the teacher: each query's states computed once, in the first epoch, then read from the cache
+                    computed = run_teacher(backbone, prepared["teacher"], output) if prepared["teacher"] else []
+                    student, h_teacher = micro_batches.pair(run, prepared, computed)  # on the device, aligned
+                    part = losses(backbone, cfg, student, h_teacher, run.student_model, run.progress)  # Eq 17
                     (part["loss"] / cfg.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.detach() / cfg.grad_accum for k, v in part.items()}
-                runs.step(run, parts)  # a NaN or inf stops it; --clip (not in the paper), AdamW, the schedule; saved
-            runs.end_of_epoch(run, epoch)  # the held-out loss keeps the best epoch's adapter; checkpointed
+                with runs.step(run, parts):  # a NaN stops the run before it; counted, shown and saved after it
+                    torch.nn.utils.clip_grad_norm_(adapter, cfg.clip)  # --clip (not in the paper)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+            loss = runs.heldout_loss(run)  # L_sup of the held-out queries
+            if loss < run.progress["best"]:  # the best epoch's adapter is the one kept (Section 4.1)
+                runs.keep_adapter(run, loss)  # <out>/adapter.safetensors
+            runs.end_of_epoch(run, epoch, loss)  # the epoch in the history, checkpointed
         return runs.finish(run)  # last.pt, history.json, the summary line
 
 

@@ -67,7 +67,7 @@ def test_the_teacher_keeps_only_the_query_positions_as_each_layer_runs(family):
         full = torch.stack(M.layer_outputs(backbone.model, **data.model_inputs(batch), logits_to_keep=1)[1])
         kept = M.layer_outputs(backbone.model, keep=keep, **data.model_inputs(batch), logits_to_keep=1)[1]
     assert [tuple(h.shape) for h in kept] == [(int(keep.sum()), full.shape[-1])] * full.shape[0]
-    states = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
+    states = train.run_teacher(backbone, batch)
     assert len(states) == len(queries)
     for b, s in enumerate(states):
         assert torch.equal(s, full[:, b, keep[b]]) and s.is_contiguous()

@@ -3,6 +3,7 @@ wherever a signal lands, a full disk named with its way out, missing weights and
 
 One test per case of a hostile run (issue 45, items 1-9 and 13): each failed before its fix. Small: the tiny twin,
 4 to 12 training queries, files written by hand in the official layouts or copied from tools/benchmarks.py's."""
+import contextlib
 import errno
 import json
 import os
@@ -147,8 +148,10 @@ def test_a_disk_full_mid_run_names_the_way_out_and_saves_the_last_completed_step
     real_tmpfs = mounted_tmpfs(teacher, 1 << 20)
     step, real_open = train.runs.step, os.open
 
+    @contextlib.contextmanager
     def then_full(run, parts):
-        step(run, parts)
+        with step(run, parts):
+            yield
         if run.progress["step"] == 1 and real_tmpfs:
             fd = os.open(teacher / "filler", os.O_WRONLY | os.O_CREAT)
             try:

@@ -17,7 +17,7 @@ import evaluate
 import train
 from lab.datasets import tasks
 from lab.models import backbones
-from lab.run import checkpoints, runs
+from lab.run import checkpoints, micro_batches, runs
 from lab.scores import results
 from lab.studies import table_runs, tables
 
@@ -160,20 +160,25 @@ class Counted:
         self.work = dict.fromkeys(("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards",
                                    "items", "prompt_tokens", "generated"), 0)
         self.teacher = {}
-        load, run_teacher, step, heldout, generate = (backbones.load_backbone, train.run_teacher, runs.step,
-                                                      runs.heldout_loss, evaluate.generate)
+        load, run_teacher, pair, step, heldout, generate = (backbones.load_backbone, train.run_teacher,
+                                                            micro_batches.pair, runs.step, runs.heldout_loss,
+                                                            evaluate.generate)
 
         def counting_load(*a, **k):
             self.work["backbone_loads"] += 1
             return load(*a, **k)
 
-        def counting_teacher(backbone, kind, queries, icds, pieces, device, output="states", batch=None):
-            batch = batch or D.teacher_batch(backbone.processor, backbone.family, kind, pieces, icds)
-            self.work["teacher_passes"] += len(queries)
+        def counting_teacher(backbone, batch, output="states"):
+            self.work["teacher_passes"] += len(batch["labels"])
             self.work["teacher_tokens"] += int(batch["attention_mask"].sum())
-            for q in queries:  # per query and tensor (states; LIVE's logits)
-                self.teacher[q.id, output] = self.teacher.get((q.id, output), 0) + 1
-            return run_teacher(backbone, kind, queries, icds, pieces, device, output, batch)
+            return run_teacher(backbone, batch, output)
+
+        def counting_pair(run, prepared, computed):
+            missing = [q for q, s in zip(prepared["queries"], prepared["found"]["states"]) if s is None] \
+                if prepared["found"] else []
+            for q in missing:  # per query and tensor (states; LIVE's logits): the teacher computed it
+                self.teacher[q.id, run.cache["output"]] = self.teacher.get((q.id, run.cache["output"]), 0) + 1
+            return pair(run, prepared, computed)
 
         def counting_step(run, parts):
             self.work["steps"] += 1
@@ -192,7 +197,8 @@ class Counted:
             self.work["generated"] += int(ends.sum())
             return tokens
         for target, name, fake in ((backbones, "load_backbone", counting_load),
-                                   (train, "run_teacher", counting_teacher), (runs, "step", counting_step),
+                                   (train, "run_teacher", counting_teacher), (micro_batches, "pair", counting_pair),
+                                   (runs, "step", counting_step),
                                    (runs, "heldout_loss", counting_heldout), (evaluate, "generate", counting_generate)):
             monkeypatch.setattr(target, name, fake)
 

@@ -1,11 +1,15 @@
 """The distillation loop on the tiny Idefics2 twin and the VQAv2 of tools/benchmarks.py (CPU): losses, teacher reuse,
 resume, failures."""
 import contextlib
+import dataclasses
+import json
+import math
 import os
 import types
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import benchmarks
 import data
@@ -15,7 +19,7 @@ import train
 from test_reliability import teacher_states
 from lab.datasets import tasks
 from lab.models import backbones
-from lab.run import checkpoints, feed, micro_batches, teacher_cache
+from lab.run import checkpoints, feed, micro_batches, runs, teacher_cache
 from lab.methods import registry
 
 # the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
@@ -25,11 +29,17 @@ SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--s
 
 
 def micro_batch(backbone, cfg, queries, icds, cache):
-    """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop gets it
-    (micro_batches.pairs), with what a run would share."""
+    """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop makes it
+    (micro_batches.prepared, train.run_teacher on what the cache lacks, micro_batches.pair), with what a run would
+    share (cache: its id and counts; the rest of its identity from cfg)."""
+    cache |= {"images": cache.get("images"), "processor": cache.get("processor"), "task": cfg.task,
+              "output": registry.ANCHORS[cfg.anchor].teacher,
+              "folder": None if cfg.no_teacher_cache else cfg.teacher_cache}
     run = types.SimpleNamespace(backbone=backbone, cfg=cfg, kind=tasks.spec(cfg.task).kind, device="cpu", cache=cache,
-                                teacher=train.run_teacher)
-    return next(micro_batches.pairs(run, [(queries, icds)], workers=0))
+                                regime=False)
+    prepared = next(micro_batches.prepared(run, [(queries, icds)], workers=0))
+    computed = train.run_teacher(backbone, prepared["teacher"], cache["output"]) if prepared["teacher"] else []
+    return micro_batches.pair(run, prepared, computed)
 
 
 def run(tmp_path, *extra, name="run"):
@@ -143,10 +153,15 @@ def test_anchor_norm_first_divides_the_anchor_by_its_first_step_value(setup, tmp
     args, backbone = setup[:2]
     with attached_batch(setup, tmp_path, "norm") as (student, teacher):
         with torch.no_grad():
-            raw = train.losses(backbone, args, student, teacher)
-            scaled = train.losses(backbone, args, student, teacher, anchor_scale=raw["anchor"].item())
+            raw, progress = train.losses(backbone, args, student, teacher), {}
+            normed = dataclasses.replace(args, anchor_norm="first")
+            scaled = train.losses(backbone, normed, student, teacher, progress=progress)  # the first micro-batch
+            later = train.losses(backbone, normed, student, teacher * 2, progress=progress)  # divided by the same
+        assert progress["anchor_scale"] == pytest.approx(raw["anchor"].item())
         torch.testing.assert_close(scaled["anchor"], torch.tensor(1.0))
         torch.testing.assert_close(scaled["loss"], 1 + args.lam * raw["sup"])
+        torch.testing.assert_close(later["anchor"], train.losses(backbone, args, student, teacher * 2)["anchor"] /
+                                   progress["anchor_scale"])
     out = tmp_path / "normed"
     train.main(run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
     scale = torch.load(out / "last.pt", weights_only=False)["progress"]["anchor_scale"]
@@ -161,7 +176,7 @@ def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
     first, again = (teacher_states(backbone, args, queries, icds, cache) for _ in range(2))
-    fresh = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
+    fresh = train.run_teacher(backbone, data.teacher_batch(backbone.processor, backbone.family, "vqa", pieces, icds))
     assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
     key = teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[0])
@@ -242,7 +257,8 @@ def test_the_teacher_runs_without_the_adapter(method):
     queries = pool[:2]
     icds = data.demonstrations([q.id for q in queries], pool, 2, 0)
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
-    plain = train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")
+    batch = data.teacher_batch(backbone.processor, backbone.family, "vqa", pieces, icds)
+    plain = train.run_teacher(backbone, batch)
     registry.attach(backbone.model, method, **({"rank": 2} if method != "live" else {}))
     torch.manual_seed(0)
     for p in M.adapter_modules(backbone.model).parameters():
@@ -252,28 +268,28 @@ def test_the_teacher_runs_without_the_adapter(method):
         adapted = M.layer_outputs(backbone.model, **student)[1][-1]
         with M.without_adapter(backbone.model):
             assert not torch.allclose(adapted, M.layer_outputs(backbone.model, **student)[1][-1])  # it is active
-    for a, b in zip(plain, train.run_teacher(backbone, "vqa", queries, icds, pieces, "cpu")):
+    for a, b in zip(plain, train.run_teacher(backbone, batch)):
         assert torch.equal(a, b)
 
 
 def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_adapter(tmp_path, monkeypatch):
     """--workers N: the micro-batches (their order, every tensor of the student batch, the teacher's states, computed
     in epoch 1 and read from the cache by the workers in epoch 2) and the trained adapter are those of --workers 0."""
-    finished, seen = micro_batches.finished, {}
+    pair, seen = micro_batches.pair, {}
 
-    def spy(cfg, prepared, device, cache, teacher):
-        student, teacher = finished(cfg, prepared, device, cache, teacher)
-        seen[cfg.workers].append(([q.id for q in prepared["queries"]], student, teacher,
-                                  [s is None for s in prepared["found"]["states"]]))
+    def spy(run, prepared, computed):
+        student, teacher = pair(run, prepared, computed)
+        seen[run.cfg.workers].append(([q.id for q in prepared["queries"]], student, teacher,
+                                      [s is None for s in prepared["found"]["states"]]))
         return student, teacher
-    monkeypatch.setattr(micro_batches, "finished", spy)
+    monkeypatch.setattr(micro_batches, "pair", spy)
     adapters = {}
     for workers in (0, 1, 2):
         seen[workers] = []
         adapters[workers] = train.main(["--out", str(tmp_path / str(workers)), "--teacher-cache",
                                         str(tmp_path / str(workers) / "teacher"), *SMALL, "--workers", str(workers)])
-    computed, read = [True] * 4, [False] * 4  # the first batch's teacher is run once before the loop (anchor_regime)
-    assert [missing for *_, missing in seen[0]] == [computed, read, computed, computed, read, read, read]
+    computed, read = [True] * 4, [False] * 4  # the teacher runs in the loop, in the first epoch only
+    assert [missing for *_, missing in seen[0]] == [computed, computed, computed, read, read, read]
     for workers in (1, 2):
         assert len(seen[workers]) == len(seen[0])
         for (ids, student, teacher, missing), (ids0, student0, teacher0, missing0) in zip(seen[workers], seen[0]):
@@ -295,3 +311,58 @@ def test_the_default_workers_are_the_cores_less_one_with_a_gpu_and_none_without(
     assert feed.default_workers() == 3                                   # 16 cores shared by 4 processes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert feed.default_workers() == 0
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """One run of the loop (4 epochs of 5 steps, --clip 1e-3, the default warm-up), traced at every AdamW step (its
+    learning rate, the adapter's gradient norm) and at every epoch's end (the adapter then), its held-out losses
+    handed in: 1, 0.5, 0.75, 2 (the second epoch the best, the last the worst)."""
+    out, heldout = tmp_path_factory.mktemp("traced"), iter([1, .5, .75, 2])
+    trace = {"lr": [], "norm": [], "adapter": []}
+
+    def at_step(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        trace["lr"].append(optimizer.param_groups[0]["lr"])
+        trace["norm"].append(torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().item())
+
+    def scored(run):
+        trace["adapter"].append({k: v.clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()})
+        return next(heldout)
+    hook = register_optimizer_step_pre_hook(at_step)  # every optimiser's, AdamW's here
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(runs, "heldout_loss", scored)
+            train.main([*TINY, "--n-train", "10", "--n-heldout", "2", "--batch-size", "2", "--shots", "1", "--epochs",
+                        "4", "--clip", "1e-3", "--out", str(out), "--teacher-cache", str(out / "teacher")])
+    finally:
+        hook.remove()
+    return trace, out
+
+
+def test_the_learning_rate_warms_up_over_a_tenth_of_the_steps_then_decays_as_a_cosine_to_0(traced):
+    """Section 4.1: linear warm-up over the first 10% of the steps, then cosine decay to 0, written out here as the
+    learning rate each of the 20 steps used (5e-3 x k / W for k < W = 2, then 5e-3 x (1 + cos(pi (k - W) / 18)) / 2).
+    Fails if the warm-up is removed, or the decay is another."""
+    lr, (total, W) = traced[0]["lr"], (20, 2)
+    want = [5e-3 * (k / W if k < W else (1 + math.cos(math.pi * (k - W) / (total - W))) / 2) for k in range(total)]
+    assert len(lr) == total and lr[0] == 0 and lr[1] == pytest.approx(2.5e-3)
+    assert lr == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_the_adapter_kept_is_the_best_epochs_not_the_last(traced):
+    """Section 4.1: "all results are reported from the best-performing epoch": adapter.safetensors is the adapter of
+    the epoch of the lowest held-out loss (the second), not the last one's, and the history holds every epoch's."""
+    trace, out = traced
+    kept = checkpoints.read_tensors(str(out / "adapter.safetensors"))
+    assert [h["heldout_loss"] for h in json.load(open(out / "history.json"))] == [1, .5, .75, 2]
+    assert kept.keys() == trace["adapter"][1].keys()
+    assert all(torch.equal(kept[k], trace["adapter"][1][k]) for k in kept)
+    assert not all(torch.equal(kept[k], trace["adapter"][3][k]) for k in kept)  # the epochs differ
+
+
+def test_every_step_clips_the_adapters_gradient_norm_to_clip(traced):
+    """--clip: AdamW sees the adapter's gradient with a norm of at most --clip (here 1e-3, below every step's own,
+    so each step's is --clip, up to clip_grad_norm_'s 1e-6 in the divisor)."""
+    norms = traced[0]["norm"]
+    assert len(norms) == 20 and all(0.999e-3 < n <= 1e-3 * (1 + 1e-6) for n in norms), norms

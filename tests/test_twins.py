@@ -179,9 +179,10 @@ def test_the_teacher_states_need_no_vocabulary_wide_logits(lm_head_positions, po
     b, seen = lm_head_positions
     queries, icds = pool[:2], D.demonstrations([q.id for q in pool[:2]], pool, 8, 0)
     pieces = D.query_pieces(b.processor, b.family, "vqa", queries)
-    states = train.run_teacher(b, "vqa", queries, icds, pieces, "cpu")
+    batch = D.teacher_batch(b.processor, b.family, "vqa", pieces, icds)
+    states = train.run_teacher(b, batch)
     assert seen == [1] and states[0].shape[1] == len(pieces[0]["input_ids"])
-    logits = train.run_teacher(b, "vqa", queries, icds, pieces, "cpu", output="logits")  # LIVE's teacher
+    logits = train.run_teacher(b, batch, output="logits")  # LIVE's teacher
     answer_tokens = [sum(t != -100 for t in p["labels"]) for p in pieces]
     assert seen[1] == max(answer_tokens) + 1 and [len(x) for x in logits] == answer_tokens
 

@@ -1,7 +1,8 @@
-"""A training run's plumbing around train.py's loop: what its wrappers share (Run), the state before the first step
-(a resumed checkpoint, the teacher cache and its room, the progress bar), each epoch's steps (resumed, torchrun's
-share, prepared by DataLoader workers), the NaN stop, the progress shown and checkpointed, the save on Ctrl-C or
-SIGTERM, the held-out score that keeps the best epoch, and the end of the run."""
+"""A training run's plumbing around train.py's loop, one call away from it: what the loop's helpers share (Run), the
+state before the first step (a resumed checkpoint, the teacher cache and its room, the progress bar), each epoch's
+steps (resumed, torchrun's share, prepared by DataLoader workers), the NaN stop, a step counted whole, the progress
+shown and checkpointed, the save on Ctrl-C or SIGTERM, the held-out loss, the best epoch's adapter written, and the
+end of the run."""
 import contextlib
 import functools
 import itertools
@@ -24,7 +25,7 @@ from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
 @dataclass
 class Run:
     """What the training loop's wrappers share; `progress` is what last.pt saves beside the adapter and AdamW."""
-    cfg: object               # train.py's Config
+    cfg: object               # train.py's Config (what plumbing reads of it: --out, --epochs, --save-every...)
     backbone: families.Backbone
     queries: list             # training queries
     heldout: list             # held-out queries, which pick the best epoch
@@ -34,19 +35,14 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: object
     student_model: object     # what runs the student: the DistributedDataParallel wrapper under torchrun, else None
-    cache: dict               # the teacher cache: backbone id, image setting, hits and misses
-    teacher: object           # the frozen teacher, train.py's run_teacher (handed in: micro_batches.pairs runs it)
+    cache: dict               # the teacher cache (teacher_cache.identity): its keys, tensor, folder; hits, misses
     progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
     steps_per_epoch: int
     record: dict = None       # what made the run (checkpoints.run_record), which last.pt and the adapter keep
     bar: tqdm = None          # the progress bar (the first process's)
     stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
-    updating: bool = False    # inside an optimiser update (step): its parameters are between two steps
-
-    @property
-    def anchor_scale(self):
-        """What the anchor is divided by: --anchor-norm first's first-step value, else 1 (the paper)."""
-        return self.progress.get("anchor_scale", 1)
+    updating: bool = False    # inside an optimiser update (updating): its parameters are between two steps
+    regime: bool = False      # the anchor's scale on the backbone is still to be shown (micro_batches.pair)
 
 
 def attached(backbone, cfg):
@@ -60,10 +56,10 @@ def attached(backbone, cfg):
                          f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
 
 
-def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
+def start(cfg, backbone, device, data_, optimizer, scheduler):
     """The run before its first step: torchrun's DistributedDataParallel over the adapter, a resumed run's checkpoint
-    (--resume), the teacher cache (a stop if it would not fit its folder: check_cache_room). data_: (training
-    queries, held-out queries, their ICDs, the task's kind); teacher: train.py's run_teacher."""
+    (--resume), the teacher cache (a stop if it would not fit its folder: check_cache_room), the progress bar.
+    data_: (training queries, held-out queries, their ICDs, the task's kind)."""
     queries, heldout, icds, kind = data_
     student_model = (torchrun.data_parallel(backbone.model, cfg.batch_size, len(queries))
                      if torchrun.rank_and_world()[1] > 1 else None)
@@ -71,24 +67,22 @@ def start(cfg, backbone, device, data_, optimizer, scheduler, teacher):
     record = checkpoints.run_record(cfg, queries, heldout, icds)
     progress = checkpoints.restore(cfg, backbone, optimizer, scheduler, record) if cfg.resume else \
         {"step": 0, "best": math.inf, "history": []}
-    cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0,
-             "images": teacher_cache.image_key(backbone.processor),
-             "processor": teacher_cache.processor_settings(backbone.processor)}  # the cache key's (teacher_cache)
-    if registry.ANCHORS[cfg.anchor].teacher and not cfg.no_teacher_cache:
-        teacher_cache.check_cache_room(backbone, cfg, kind, queries, icds, cache)
-    return Run(cfg, backbone, queries, heldout, icds, kind, device, optimizer, scheduler, student_model, cache, teacher,
-               progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum), record=record)
+    anchor = registry.ANCHORS[cfg.anchor]
+    cache = teacher_cache.identity(backbone, cfg.task, anchor.teacher, None if cfg.no_teacher_cache else
+                                   cfg.teacher_cache)
+    if anchor.teacher and cache["folder"]:
+        teacher_cache.check_cache_room(backbone, kind, queries, icds, cache, cfg.epochs)
+    run = Run(cfg, backbone, queries, heldout, icds, kind, device, optimizer, scheduler, student_model, cache,
+              progress, epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum), record=record,
+              regime=anchor.regime and not cfg.resume)
+    run.bar = tqdm(total=run.steps_per_epoch * cfg.epochs, initial=progress["step"], desc="train", dynamic_ncols=True,
+                   disable=torchrun.rank_and_world()[0] > 0)
+    return run
 
 
 def epoch_steps(n_train, batch_size, grad_accum):
     """Optimiser steps in one pass over n_train queries: --batch-size queries a micro-batch, --grad-accum a step."""
     return math.ceil(math.ceil(n_train / batch_size) / grad_accum)
-
-
-def show_progress(run):
-    """The progress bar over every step of the run (from a resumed run's step), the first process's."""
-    run.bar = tqdm(total=run.steps_per_epoch * run.cfg.epochs, initial=run.progress["step"], desc="train",
-                   dynamic_ncols=True, disable=torchrun.rank_and_world()[0] > 0)
 
 
 def epoch_order(n, batch_size, seed, epoch):
@@ -97,27 +91,19 @@ def epoch_order(n, batch_size, seed, epoch):
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
-def first_pair(run, share=False):
-    """(student batch, teacher tensor) of the run's first micro-batch, prepared in this process (share: this
-    process's share of it under torchrun)."""
-    rank, world = torchrun.rank_and_world() if share else (0, 1)
-    first = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, 0)[0][rank::world]
-    queries = [run.queries[i] for i in first]
-    return next(micro_batches.pairs(run, [(queries, [run.icds[q.id] for q in queries])], workers=0))
-
-
 def remaining_steps(run, epoch):
-    """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as the
-    (student batch, teacher tensor) of its micro-batches, one at a time (micro_batches.pairs: prepared ahead by
-    --workers DataLoader workers), this process's share of each under torchrun."""
+    """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as its
+    micro-batches, one at a time (micro_batches.prepared: the student's rows, what the teacher cache holds and the
+    teacher batch of what it lacks, made ahead by --workers DataLoader workers), this process's share of each under
+    torchrun."""
     order = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, epoch)
     (rank, world), accum = torchrun.rank_and_world(), run.cfg.grad_accum
     steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
              for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
     specs = [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]
-    pairs = micro_batches.pairs(run, specs, run.cfg.workers)
+    prepared = micro_batches.prepared(run, specs, run.cfg.workers)
     for step in steps:
-        yield itertools.islice(pairs, len(step))  # drawn one by one by the loop: one teacher tensor at a time
+        yield itertools.islice(prepared, len(step))  # drawn one by one by the loop: one teacher tensor at a time
 
 
 def at_max_steps(run):
@@ -125,12 +111,14 @@ def at_max_steps(run):
     return run.cfg.max_steps is not None and run.progress["step"] >= run.cfg.max_steps
 
 
+@contextlib.contextmanager
 def step(run, parts):
-    """The optimiser step after a step's backward passes: its loss parts (summed on the device) read once, the one
-    host sync of a step (a NaN or inf stops the run before the step, naming the step, the part and the settings that
-    can cause it); gradients clipped (--clip, not in the paper), AdamW, the learning-rate schedule, marked as under
-    way (run.updating) until counted, so no error saves half of it; then shown with its loss parts and learning
-    rate, checkpointed every --save-every steps, and stopped here if a signal asked for it (at_boundary)."""
+    """The plumbing around one optimiser update (the loop's clipping, AdamW's step, the schedule and zero_grad, in the
+    with): before it, the step's loss parts (summed on the device) read once, the one host sync of a step, a NaN or
+    inf stopping the run (naming the step, the part and the settings that can cause it); during it, marked as under
+    way (run.updating), so that no error or second signal saves half of it; after it, counted, shown with its loss
+    parts and learning rate, checkpointed every --save-every steps, and stopped if a signal asked for it
+    (at_boundary)."""
     parts = dict(zip(parts, torch.stack(list(parts.values())).tolist()))
     for name, value in parts.items():
         if not math.isfinite(value):
@@ -138,10 +126,7 @@ def step(run, parts):
                                      "last good checkpoint is untouched. Settings that can cause it: "
                                      f"{diverging(run.cfg)}; try a lower value of one of them (--lr first)")
     run.updating = True
-    torch.nn.utils.clip_grad_norm_(M.adapter_modules(run.backbone.model).parameters(), run.cfg.clip)
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    yield
     run.progress["step"] += 1
     run.updating = False
     run.bar.update()
@@ -209,17 +194,20 @@ def at_boundary(run, agreed=True):
         raise Stopped(run.stop)
 
 
-def end_of_epoch(run, epoch):
-    """Score the held-out queries; keep the best epoch's adapter as <out>/adapter.safetensors; checkpoint the run. The
-    epoch enters the history only once its adapter is saved, so a run stopped in between scores it again."""
-    progress, first = run.progress, torchrun.rank_and_world()[0] == 0
-    loss = heldout_loss(run)
-    if loss < progress["best"]:
-        if first:
-            checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, run.record)
-        progress["best"] = loss
+def keep_adapter(run, loss):
+    """The best epoch so far (its held-out `loss` below every earlier one's): its adapter written to
+    <out>/adapter.safetensors (by the first process), the loss kept as the one to beat."""
+    if torchrun.rank_and_world()[0] == 0:
+        checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, run.record)
+    run.progress["best"] = loss
+
+
+def end_of_epoch(run, epoch, loss):
+    """An epoch scored: its held-out loss enters the history (only now, after the best adapter is written: a run
+    stopped in between scores the epoch again), and the run is checkpointed."""
+    progress = run.progress
     progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
-    if first:
+    if torchrun.rank_and_world()[0] == 0:
         tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
     checkpoints.save_run(run)
     at_boundary(run)

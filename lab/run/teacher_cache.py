@@ -11,7 +11,7 @@ import data
 import model as M
 from lab.disk import files
 from lab.models import backbones, families
-from lab.methods import registry
+from lab.run import checkpoints
 
 
 def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
@@ -51,11 +51,21 @@ def read_teacher(path, key, shape, output="states"):
     return None if cached is None else cached[output]
 
 
-def teacher_file(args, cache, query, icds):
-    """One query's cache key and file under --teacher-cache: its teacher states, or for --anchor kl its logits."""
-    key = teacher_key(cache["id"], args.task, query, icds, cache.get("images"), cache.get("processor"))
-    suffix = "-logits" if registry.ANCHORS[args.anchor].teacher == "logits" else ""  # the states' files have none
-    return key, os.path.join(args.teacher_cache, key + suffix + ".safetensors")
+def identity(backbone, task, output, folder):
+    """A run's teacher cache: what its keys hold besides the query (the backbone's id, the image setting, the
+    processor's settings, the task: teacher_key), the tensor it keeps ("states" or "logits", registry.Anchor.teacher)
+    and its folder (--teacher-cache; None: --no-teacher-cache, nothing read or kept); with the counts of the teacher's
+    tensors computed and reused. All a DataLoader worker needs of it is plain values (micro_batches.Setup)."""
+    return {"id": checkpoints.fingerprint(backbone), "images": image_key(backbone.processor),
+            "processor": processor_settings(backbone.processor), "task": task, "output": output, "folder": folder,
+            "hits": 0, "misses": 0}
+
+
+def teacher_file(cache, query, icds):
+    """One query's cache key and file in the cache's folder: its teacher states, or LIVE's answer logits."""
+    key = teacher_key(cache["id"], cache["task"], query, icds, cache.get("images"), cache.get("processor"))
+    suffix = "-logits" if cache["output"] == "logits" else ""  # the states' files have none
+    return key, os.path.join(cache["folder"], key + suffix + ".safetensors")
 
 
 def query_sizes(pieces):
@@ -86,16 +96,17 @@ def teacher_shape(model):
     return M.attention_shape(model)[0], model.config.get_text_config().hidden_size
 
 
-def cached_states(args, cache, shape, queries, icds, pieces):
+def cached_states(cache, shape, queries, icds, pieces):
     """What the cache holds for these queries, read without the model (in a DataLoader worker): {"states": each
     query's cached tensor, None where there is none or it is unusable (all None with --no-teacher-cache), "keys",
     "paths"}. shape: teacher_shape."""
-    output = registry.ANCHORS[args.anchor].teacher
-    keys, paths = zip(*(teacher_file(args, cache, q, d) for q, d in zip(queries, icds)))
+    if cache["folder"] is None:
+        return {"states": [None] * len(queries), "keys": None, "paths": None}
+    output = cache["output"]
+    keys, paths = zip(*(teacher_file(cache, q, d) for q, d in zip(queries, icds)))
     shapes = [(answers, None) if output == "logits" else (shape[0], tokens, shape[1])
               for tokens, answers in query_sizes(pieces)]
-    states = [None] * len(queries) if args.no_teacher_cache else \
-        [read_teacher(p, k, s, output) for p, k, s in zip(paths, keys, shapes)]
+    states = [read_teacher(p, k, s, output) for p, k, s in zip(paths, keys, shapes)]
     return {"states": states, "keys": list(keys), "paths": list(paths)}
 
 
@@ -108,29 +119,30 @@ def image_key(processor):
     return families.splitting_on(processor)
 
 
-def cache_file_bytes(anchor, config, sizes, dtype):
+def cache_file_bytes(output, config, sizes, dtype):
     """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
     [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
     text = config.get_text_config()
-    if registry.ANCHORS[anchor].teacher == "logits":
+    if output == "logits":
         elements, dtype = sum(answers for _, answers in sizes) * text.vocab_size, torch.float32
     else:
         elements = sum(tokens for tokens, _ in sizes) * text.num_hidden_layers * text.hidden_size
     return elements * dtype.itemsize / len(sizes) + CACHE_HEADER
 
 
-def check_cache_room(backbone, args, kind, queries, icds, cache):
+def check_cache_room(backbone, kind, queries, icds, cache, epochs):
     """Stop before the first step if the teacher tensors not yet cached do not fit the free space of --teacher-cache:
-    a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs)."""
-    todo = [q for q in queries if not os.path.exists(teacher_file(args, cache, q, icds[q.id])[1])]
+    a ValueError naming the size, the folder, --teacher-cache and --no-teacher-cache (and what that costs over
+    --epochs)."""
+    todo = [q for q in queries if not os.path.exists(teacher_file(cache, q, icds[q.id])[1])]
     if not todo:
         return 0
     sizes = query_tokens(backbone.processor, backbone.family, kind, todo)  # no image loaded
-    per_query = cache_file_bytes(args.anchor, backbone.model.config, sizes,
+    per_query = cache_file_bytes(cache["output"], backbone.model.config, sizes,
                                  backbones.autocast_dtype(next(backbone.model.parameters()).device))
-    need, free = per_query * len(todo), shutil.disk_usage(args.teacher_cache).free
-    facts = args.teacher_cache, args.epochs, need, len(todo), len(queries)
-    cache["room"] = no_room(*facts)  # what a full disk mid-run says (completed_states)
+    need, free = per_query * len(todo), shutil.disk_usage(cache["folder"]).free
+    facts = cache["folder"], epochs, need, len(todo), len(queries)
+    cache["room"] = no_room(*facts)  # what a full disk mid-run says (micro_batches.stored)
     if need > free:
         raise ValueError(no_room(*facts, free))
     return need

@@ -168,8 +168,8 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     pieces, teacher = data.query_pieces(backbone.processor, backbone.family, kind, items), []
     for i in tqdm(range(0, len(items), args.batch_size), desc=f"{shots}-shot teacher", unit="batch"):
         s = slice(i, i + args.batch_size)
-        teacher += [t.cpu() for t in run_teacher(backbone, kind, items[s], icds[s], pieces[s],
-                                                 backbone.model.device, output="logits")]
+        batch = data.teacher_batch(backbone.processor, backbone.family, kind, pieces[s], icds[s])
+        teacher += [t.cpu() for t in run_teacher(backbone, batch, output="logits")]
     common = ["--model", args.model, "--task", args.task] + (["--data-root", args.data_root] if args.data_root else [])
     scoring = common + ["--split", args.split, "--batch-size", str(args.batch_size), "--seed", "0"] + \
         (["--n-eval", str(args.n_eval)] if args.n_eval else [])

@@ -207,7 +207,7 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     if registry.ANCHORS[args.anchor].teacher is None:
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    per_query = teacher_cache.cache_file_bytes(args.anchor, config, sizes, dtype)
+    per_query = teacher_cache.cache_file_bytes(registry.ANCHORS[args.anchor].teacher, config, sizes, dtype)
     total = per_query * n_queries
     folder = args.teacher_cache
     while not os.path.isdir(folder):
