@@ -1,4 +1,4 @@
-"""Evaluation: generate, score, the paper's evaluation (Table 1, Table 2), and the entry to the other modes.
+"""Evaluation: generate, score, the paper's evaluation (Table 1, Table 2); the other modes are handed to lab/cli.
 
 How a score is made (Section 4.1): the items of --task's evaluation split (lab/datasets/tasks.py:eval_items) are batched
 as left-padded prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the
@@ -8,11 +8,11 @@ accuracy of MME's yes/no and SEED-Bench's option letters, which SEED-Bench's lik
 instead (option_logliks). evaluate() writes the predictions and the metrics; the default job
 (evaluate_with_baselines) prints 0-shot, the paper's N-shot ICL and the adapter side by side.
 
-The other modes are lab's, entered from main: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors
-(--vector, lab/studies/vectors.py, Table 1), efficiency (--benchmark, --benchmark-attention, lab/studies/table6.py,
-Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity, lab/studies/analyses.py, Tables 10 and 9),
-learning curves (--curve, lab/studies/curves.py), and the paper's tables, every cell once (--table, --figure,
-lab/studies/table_runs.py). The flags are Config's fields.
+Beside them, scored here: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors (--vector,
+lab/studies/vectors.py, Table 1). The other modes are lab's, dispatched by lab/cli/modes.py: efficiency (--benchmark,
+--benchmark-attention, lab/studies/table6.py, Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity,
+lab/studies/analyses.py, Tables 10 and 9), learning curves (--curve, lab/studies/curves.py), and the paper's tables,
+every cell once (--table, --figure, lab/studies/table_runs.py). The flags are Config's fields, each study's its own.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
                                                          8-shot and the default train.py run's adapter
@@ -42,20 +42,20 @@ from tqdm import tqdm
 
 import data as D
 import model as M
-import train
 from lab.disk import files
 from lab.datasets import api_checks, mme_seed, readers, rices, tasks
-from lab.models import backbones, chunks, families, published
+from lab.models import backbones, chunks, families
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
-from lab.studies import analyses, curves, plan, table6, table_runs, vectors
-from lab.cli import eval_cli
+from lab.studies import analyses, curves, table6, table_runs, vectors
+from lab.cli import eval_cli, modes
 from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 
 
 @dataclass
-class Config:
-    """Every setting of an evaluation; each field an evaluate.py flag, as in train.py's Config (lab/cli/flags.py)."""
+class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Settings, vectors.Settings):
+    """Every setting of an evaluation; each field an evaluate.py flag, as in train.py's Config (lab/cli/flags.py). The
+    other modes' flags are their studies' own Settings, gathered here (lab/cli/modes.py runs those modes)."""
     # what is evaluated, on what
     model: str = "toy-idefics2"       # backbone, as train.py's --model
     task: str = "toy-icl-colour"      # benchmark (data.TASKS) or a task of one's own, as train.py's --task
@@ -67,8 +67,11 @@ class Config:
     rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
     split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
     n_eval: Optional[int] = None      # the first N items (None: all); MME, SEED: about N, stratified by --seed
+    eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)
     seed: int = 0                     # the demonstration draw
     seed_protocol: Optional[Literal["generate", "likelihood"]] = None  # SEED: None: generate; likelihood: official
+    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; --benchmark --random-weights mid: 8)
+    chair: Optional[Literal["chair.py", "corrected"]] = None  # also CHAIR and Recall, chair.py's count or corrected
     force: bool = False               # load a --checkpoint of another backbone of the same shape (with a warning)
     again: bool = False               # evaluate even where --out holds a result of these settings (else it is read)
     # the machine and the files
@@ -81,41 +84,6 @@ class Config:
     image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once, as train.py's
     plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
     processor: Optional[str] = None   # --plan: a local folder of the checkpoint's processor
-    # the other modes, one at a time
-    benchmark: bool = False           # Table 6: FLOPs, latency of 0-shot, the adapter(s), --bench-shots (lab/studies)
-    benchmark_attention: bool = False  # one attention layer: latency and peak memory of SDPA and of each method
-    gates: bool = False               # Table 10: a Hyper-ICL checkpoint's gates and Corr(g, Delta A)
-    hyperbolicity: bool = False       # Table 9: delta-hyperbolicity of teacher and student (--checkpoint) states
-    curve: bool = False               # learning curves of every method, its rate tuned (lab/studies/curves.py)
-    table: Optional[Literal[tuple(map(str, range(1, 12)))]] = None  # the paper's table for --model, each cell run once
-    figure: Optional[Literal["2", "3a", "3b"]] = None  # a figure's sweep as a table of cells and its figure
-    # --table, --figure (lab/studies/tables.py): folders under --out (None: runs/tables/<model>), the cells' sizes
-    # from --n-eval and --train-args, the paper's otherwise
-    print: bool = False               # print the table from its result files, beside the paper's; run nothing
-    print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
-    gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
-    table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process
-    eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)
-    # --curve
-    curve_queries: list[int] = field(default_factory=lambda: list(curves.CURVE_QUERIES))  # training queries per run
-    curve_seeds: int = curves.CURVE_SEEDS  # seeds per point
-    curve_methods: Optional[list[str]] = None  # only these rows (as named in curve.md; None: all)
-    no_tune: bool = False             # train each method at its published rate (PUBLISHED_LR), untuned
-    train_args: str = ""              # train.py flags of every run ("": curves.CURVE_TRAIN_ARGS)
-    # --vector (Table 1): zero-shot with a training-free in-context vector (lab/studies/vectors.py)
-    vector: Optional[Literal["tv", "fv"]] = None  # task vector (Hendel et al. 2023), function vector (Todd et al.)
-    vector_layer: Optional[int] = None  # its decoder layer (None: the lowest loss on --vector-heldout queries)
-    vector_sets: int = vectors.VECTOR_SETS  # ICL prompts of --shots ICDs averaged into it
-    vector_heldout: int = 32          # training queries held out to choose the layer
-    fv_heads: int = vectors.FV_HEADS  # k: heads summed into a function vector (Todd et al.'s |A|)
-    fv_trials: int = vectors.FV_TRIALS  # corrupted prompts for a head's average indirect effect
-    # --chair (Table 5), the benchmarks (Table 6)
-    chair: Optional[Literal["chair.py", "corrected"]] = None  # also CHAIR and Recall, chair.py's count or corrected
-    random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid
-    new_tokens: Optional[int] = None  # tokens generated per query (None: --task's; --benchmark --random-weights mid: 8)
-    bench_shots: list[int] = field(default_factory=lambda: list(table6.BENCH_SHOTS))  # the ICL rows (none: no value)
-    attention_tokens: int = 2048      # query and key tokens of the attention benchmarks
-    rounds: int = table6.ROUNDS       # rounds of timed runs, each setting once between two of the reference
 
 
 # --------------------------------- generate and score (Section 4.1: greedy decoding, left-padded prompts of data.py)
@@ -300,59 +268,55 @@ def evaluate_with_baselines(backbone, args, items, setting):
 
 def parse_args(argv=None):
     """evaluate.py's flags, their defaults a Config's (lab/cli/eval_cli.py); --train-args checked by train.py's."""
-    return eval_cli.parse_args(argv, __doc__, Config(), train.parse_args)
+    return eval_cli.parse_args(argv, __doc__, Config(), lambda flags: trainer().parse_args(flags))
+
+
+def adapted(backbone, args):
+    """The setting these flags evaluate on `backbone`, --checkpoint's adapter attached first: its method, n-shot ICL
+    ("8-shot", with RICES "8-shot-rices"), a vector ("tv"), or an adapter with ICDs ("hyper-icl+8-shot")."""
+    setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+    if args.checkpoint:
+        method = checkpoints.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
+        print(f"adapter: {args.checkpoint} ({method})")
+        return method if not args.shots else f"{method}+{setting}"
+    asked = args.shots is not None or args.vector
+    print(f"no adapter: {setting} evaluation" + ("" if asked else
+                                                 f" ({results.default_checkpoint(args.model, args.task)} not found)"))
+    return setting
 
 
 def main(argv=None, load=None):
-    """python evaluate.py [--benchmark | --benchmark-attention | --gates | --hyperbolicity | --curve] [flags]. Under
-    torchrun the evaluation is shared by the processes (the other modes run whole in each; the first writes). load:
-    what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all
-    its cells)."""
+    """python evaluate.py [flags]: the evaluation of an adapter, n-shot ICL or a vector on --task's items; without
+    --checkpoint, --shots or --vector the default job (0-shot, the paper's N-shot ICL and the default run's adapter,
+    side by side). Under torchrun the items are shared by the processes. The other modes (--table, --figure,
+    --curve, --benchmark, --benchmark-attention, --gates, --hyperbolicity, --plan) are lab's: lab/cli/modes.py.
+    load: what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once
+    for all its cells)."""
     args = parse_args(argv)
-    if args.table or args.figure:  # the paper's tables: lab/studies/table_runs.py
-        return table_runs.run_table(args, sys.argv[1:] if argv is None else list(argv),
-                                    {"train.py": train.main, "evaluate.py": main}, (train.parse_args, parse_args),
-                                    os.path.abspath(__file__))
-    if args.plan:  # before any folder is made or weights load
-        return plan.plan(args, queries=tasks.eval_items(args))
-    one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None
-    backbones.choose_threads(args.model, args.threads or one_for_curves)
-    lock = contextlib.nullcontext() if args.benchmark_attention else checkpoints.locked(args.out)  # one run in --out
-    with torchrun.process_group(), lock:
+    if modes.chosen(args):
+        return modes.run(args, sys.argv[1:] if argv is None else list(argv), load, SCRIPTS)
+    backbones.choose_threads(args.model, args.threads)
+    with torchrun.process_group(), checkpoints.locked(args.out):  # one evaluation in --out
         files.remove_stale_tmp(args.out)
-        if args.benchmark or args.benchmark_attention:
-            table6.keep_freed_memory()
-        if args.benchmark_attention:
-            return table6.attention_benchmark(table6.attention_model(args.model, args.random_weights),
-                                              args.attention_tokens, args.rounds)
-        if args.curve:
-            return curves.curve(args, train.main, train.run_teacher, paper_lam=train.Config.lam,
-                                scored=lambda b, flags, items, setting: evaluate(b, parse_args(flags), items, setting))
-        items = None if args.benchmark else tasks.eval_items(args)
+        items = tasks.eval_items(args)
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-        if args.random_weights:
-            backbone = published.random_backbone(args.model, args.random_weights)
-        else:
-            backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
-                                                         image_memory=args.image_memory * 1e9)
-            if backbone.images:
-                print(backbone.images)
-        setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
-        default, asked = results.default_checkpoint(args.model, args.task), args.shots is not None or args.vector
-        if args.checkpoint:
-            method = checkpoints.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
-            setting = method if not args.shots else f"{method}+{setting}"
-            print(f"adapter: {args.checkpoint} ({method})")
-        elif not args.benchmark:
-            print(f"no adapter: {setting} evaluation" + (f" ({default} not found)" if not asked else ""))
-        if args.benchmark:
-            return table6.benchmark(backbone, args, generate)
-        if args.gates or args.hyperbolicity:
-            return analyses.analysis(backbone, args, items, setting)
-        if not asked and args.checkpoint in (None, default) and args.split in D.SPLITS:  # the default job
-            return evaluate_with_baselines(backbone, args, items, setting)
+        backbone = modes.loaded(args, load)
+        setting, default = adapted(backbone, args), results.default_checkpoint(args.model, args.task)
+        if args.shots is None and not args.vector and args.checkpoint in (None, default) and args.split in D.SPLITS:
+            return evaluate_with_baselines(backbone, args, items, setting)  # the default job
         return evaluate(backbone, args, items, setting, vectors.load_vector(backbone, args) if args.vector else None)
+
+
+def trainer():
+    """train.py, for the modes that train (--table, --figure, --curve: lab/cli/modes.py): their trainings run in this
+    process, so that the backbone loads once for all of them (lab/studies/table_runs.py:Shared), and a wing never
+    imports a script. Nothing of the evaluation above needs it; imported when one of those modes asks for it."""
+    import train
+    return train
+
+
+SCRIPTS = modes.Scripts(main, parse_args, generate, evaluate, adapted, os.path.abspath(__file__), trainer)
 
 
 if __name__ == "__main__":

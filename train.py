@@ -29,10 +29,9 @@ from transformers import get_cosine_schedule_with_warmup
 import data
 import model as M
 from lab.datasets import rices, tasks
-from lab.models import backbones, chunks, families, toy_backbone
+from lab.models import backbones, chunks, families
 from lab.methods import registry
 from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
-from lab.studies import plan
 from lab.cli import train_cli
 
 
@@ -221,16 +220,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None, load=None):
+    """python train.py [flags]: one training run in --out (--proceed: started, continued or, finished, skipped);
+    --build-toy, --plan and --benchmark are lab's (lab/cli/train_cli.py:other_mode). load: as train's."""
     cfg = parse_args(argv)
-    if cfg.build_toy:  # a toy-idefics2 that learns in context at --out (an existing file needs --overwrite)
-        train_cli.check_build_out(cfg.out, cfg.overwrite)
-        return toy_backbone.build_toy(cfg.out, {**toy_backbone.TOY_RECIPE, "seed": cfg.seed}, cfg.build_tries,
-                                      cfg.threads or 1)
-    if cfg.plan:
-        return plan.plan(cfg)
+    if cfg.build_toy or cfg.plan or cfg.benchmark:
+        return train_cli.other_mode(cfg, train)
     backbones.choose_threads(cfg.model, cfg.threads)
-    if cfg.benchmark:
-        return train_cli.benchmark(cfg, train)
     with torchrun.process_group(), checkpoints.locked(cfg.out):
         run = checkpoints.proceeding(cfg) if cfg.proceed else cfg
         if run is None:  # --proceed, and the run is finished

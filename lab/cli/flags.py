@@ -99,11 +99,13 @@ class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFo
 def parser(doc, config, exclusive=()):
     """The flags of the dataclass instance `config` (train.py's or evaluate.py's Config), one a field: --field-name,
     the field's value its default, its comment its help (field_help), its type the type (Optional unwrapped; bool: a
-    switch; list[X]: one or more X; Literal: the choices) with SPELLING's additions. Each tuple of field names in
+    switch; list[X]: one or more X; Literal: the choices) with SPELLING's additions; the Config's own fields first,
+    then those it gathers from the studies' Settings, in the order it names them. Each tuple of field names in
     `exclusive` is a group of flags that exclude each other."""
     p, helps = argparse.ArgumentParser(description=doc, formatter_class=Help), field_help(type(config))
     groups = {name: group for names in exclusive for group in [p.add_mutually_exclusive_group()] for name in names}
-    for f in dataclasses.fields(config):
+    order = [name for cls in type(config).__mro__ for name in vars(cls).get("__annotations__", {})]
+    for f in sorted(dataclasses.fields(config), key=lambda f: order.index(f.name)):
         kind, (origin, args) = f.type, (typing.get_origin(f.type), typing.get_args(f.type))
         if origin is typing.Union:  # Optional[X]: X
             kind = next(t for t in args if t is not type(None))
@@ -117,8 +119,15 @@ def parser(doc, config, exclusive=()):
 
 
 def field_help(cls):
-    """{field: help} of the dataclass `cls`: the comment after each field in its source, and the comment lines below
-    it indented past the fields (a comment at the fields' indent heads a group of them)."""
+    """{field: help} of the dataclass `cls` and of the dataclasses it derives from (evaluate.py's Config gathers the
+    studies' Settings): the comment after each field in its source, and the comment lines below it indented past the
+    fields (a comment at the fields' indent heads a group of them)."""
+    bases = [c for c in cls.__mro__[1:] if dataclasses.is_dataclass(c)]
+    return {k: v for base in reversed(bases) for k, v in field_help(base).items()} | own_help(cls)
+
+
+def own_help(cls):
+    """field_help of the fields `cls` itself writes."""
     lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
     tokens = list(tokenize.generate_tokens(iter(line + "\n" for line in lines).__next__))
     names = {a.start[0]: a.string for a, b in zip(tokens, tokens[1:])

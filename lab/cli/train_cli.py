@@ -1,4 +1,4 @@
-"""train.py's command line: the checks of its flags (the fields of train.py's Config), and --benchmark."""
+"""train.py's command line: the checks of its flags (the fields of train.py's Config), and its other modes."""
 import dataclasses
 import os
 import tempfile
@@ -6,9 +6,10 @@ import time
 
 from lab.disk import files
 from lab.datasets import tasks
-from lab.models import families, toy_backbone
+from lab.models import backbones, families, toy_backbone
 from lab.methods import registry
 from lab.run import checkpoints
+from lab.studies import plan
 from lab.cli import flags
 
 
@@ -68,6 +69,20 @@ def check_world(p, args):
         p.error(f"torchrun's {world} processes need at least {world} queries in every micro-batch; --batch-size "
                 f"{args.batch_size} with --n-train {args.n_train} gives {smallest}: give --batch-size {world} (or a "
                 "multiple of it that divides --n-train)")
+
+
+def other_mode(cfg, train):
+    """train.py's other modes: --build-toy (a toy-idefics2 that learns in context, meta-trained to --out; an existing
+    file needs --overwrite), --plan (the run's plan: lab/studies/plan.py) and --benchmark (benchmark); train:
+    train.py's train, which --benchmark times."""
+    if cfg.build_toy:
+        check_build_out(cfg.out, cfg.overwrite)
+        return toy_backbone.build_toy(cfg.out, {**toy_backbone.TOY_RECIPE, "seed": cfg.seed}, cfg.build_tries,
+                                      cfg.threads or 1)
+    if cfg.plan:
+        return plan.plan(cfg)
+    backbones.choose_threads(cfg.model, cfg.threads)
+    return benchmark(cfg, train)
 
 
 def benchmark(args, train):

@@ -4,6 +4,7 @@ import functools
 import json
 import os
 import statistics
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -16,6 +17,14 @@ from lab.disk import files
 from lab.datasets import tasks
 from lab.run import feed, torchrun
 from lab.scores import results
+
+
+@dataclass
+class Settings:
+    """evaluate.py's flags of the appendix analyses (its Config gathers them: a field = a flag, its comment the
+    help)."""
+    gates: bool = False               # Table 10: a Hyper-ICL checkpoint's gates and Corr(g, Delta A)
+    hyperbolicity: bool = False       # Table 9: delta-hyperbolicity of teacher and student (--checkpoint) states
 
 
 def analysis_batches(backbone, args, items):

@@ -11,6 +11,8 @@ import os
 import re
 import shlex
 import statistics
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,17 @@ CURVE_SEEDS = 3                  # train.py --seed of each point's runs: query d
 CURVE_TRAIN_ARGS = "--epochs 16 --n-heldout 8"  # 16 passes: N queries take 4 N steps at batch size 4
 
 ICL_LEVELS = (0, 1, 2, 4, 8)     # n-shot ICL, the horizontal lines of the figure (Fig 2's x axis)
+
+
+@dataclass
+class Settings:
+    """evaluate.py's flags of --curve (its Config gathers them: a field = a flag, its comment the help)."""
+    curve: bool = False               # learning curves of every method, its rate tuned (lab/studies/curves.py)
+    curve_queries: list[int] = field(default_factory=lambda: list(CURVE_QUERIES))  # training queries per run
+    curve_seeds: int = CURVE_SEEDS    # seeds per point
+    curve_methods: Optional[list[str]] = None  # only these rows (as named in curve.md; None: all)
+    no_tune: bool = False             # train each method at its published rate (PUBLISHED_LR), untuned
+    train_args: str = ""              # train.py flags of every run ("": curves.CURVE_TRAIN_ARGS)
 
 
 def mean_interval(values):

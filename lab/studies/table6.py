@@ -5,6 +5,8 @@ import itertools
 import os
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -21,6 +23,17 @@ from lab.scores import results
 
 ROUNDS = 10  # --rounds' default: rounds of timed runs; the FLOP count (Table 6) or the peak-memory run warms up
 BENCH_SHOTS = (8, 16, 32)  # --bench-shots' default: the n-shot ICL rows
+
+
+@dataclass
+class Settings:
+    """evaluate.py's flags of Table 6 (its Config gathers them: a field = a flag, its comment the help)."""
+    benchmark: bool = False           # Table 6: FLOPs, latency of 0-shot, the adapter(s), --bench-shots (lab/studies)
+    benchmark_attention: bool = False  # one attention layer: latency and peak memory of SDPA and of each method
+    random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid
+    bench_shots: list[int] = field(default_factory=lambda: list(BENCH_SHOTS))  # the ICL rows (none: no value)
+    attention_tokens: int = 2048      # query and key tokens of the attention benchmarks
+    rounds: int = ROUNDS              # rounds of timed runs, each setting once between two of the reference
 
 # Synthetic prompts (--random-weights): text tokens per piece, estimated from the toy prompts of data.PROMPTS as a
 # LLaMA-style tokenizer splits them: BOS + the instruction line; one ICD's "Question: ... Short answer: ..." + end

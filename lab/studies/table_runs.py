@@ -15,6 +15,8 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
@@ -227,3 +229,16 @@ def run_table(args, argv, mains, parsers, script):
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")
     return None if args.table_worker else table_print.write(args, name, table, of_cell, parsers)
+
+
+@dataclass
+class Settings:
+    """evaluate.py's flags of --table and --figure (its Config gathers them: a field = a flag, its comment the help):
+    folders under --out (None: runs/tables/<model>), the cells' sizes from --n-eval and --train-args, the paper's
+    otherwise."""
+    table: Optional[Literal[tuple(map(str, range(1, 12)))]] = None  # the paper's table for --model, each cell run once
+    figure: Optional[Literal["2", "3a", "3b"]] = None  # a figure's sweep as a table of cells and its figure
+    print: bool = False               # print the table from its result files, beside the paper's; run nothing
+    print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
+    gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
+    table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process

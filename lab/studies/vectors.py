@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import random
+from typing import Literal, Optional
 
 import torch
 from tqdm import tqdm
@@ -28,6 +29,18 @@ VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the m
 FV_HEADS = 10      # k: heads summed into a function vector (Todd et al.: |A| = 10)
 
 FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect (Todd et al.: 25)
+
+
+@dataclasses.dataclass
+class Settings:
+    """evaluate.py's flags of --vector (Table 1): zero-shot with a training-free in-context vector (its Config gathers
+    them: a field = a flag, its comment the help)."""
+    vector: Optional[Literal["tv", "fv"]] = None  # task vector (Hendel et al. 2023), function vector (Todd et al.)
+    vector_layer: Optional[int] = None  # its decoder layer (None: the lowest loss on --vector-heldout queries)
+    vector_sets: int = VECTOR_SETS    # ICL prompts of --shots ICDs averaged into it
+    vector_heldout: int = 32          # training queries held out to choose the layer
+    fv_heads: int = FV_HEADS          # k: heads summed into a function vector (Todd et al.'s |A|)
+    fv_trials: int = FV_TRIALS        # corrupted prompts for a head's average indirect effect
 
 
 def vector_sets(pool, args, shots):
