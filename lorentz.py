@@ -58,40 +58,40 @@ def distance(p, q, kappa):
     return torch.log1p(y + torch.sqrt(y * (y + 2))) / kappa ** 0.5
 
 
-def hyperbolic_anchor_loss(student, teacher, mask, kappa):
+def hyperbolic_anchor_loss(student, teacher, query_target, kappa):
     """L_H-anchor (Eq 16): d_L^2 between the student's and the teacher's points exp_o(LN(h)) (Eq 12-15, computed by
     tangent_distance), averaged over each query's layers and aligned tokens, then over the queries (mean_per_query).
 
-    student, teacher: L x [batch, T, d] or [L, batch, T, d]; mask: bool [batch, T], True at the query's and its
-    target's tokens (data's `query_target`). Returns a scalar (float32 for bf16/fp16 states). No detach here.
+    student, teacher: L x [batch, T, d] or [L, batch, T, d]; query_target: bool [batch, T], True at the query's and
+    its target's tokens (data.collate's). Returns a scalar (float32 for bf16/fp16 states). No detach here.
     """
-    s = layer_norm(_per_layer_tokens(student, mask))
-    t = layer_norm(_per_layer_tokens(teacher, mask))
-    return mean_per_query(tangent_distance(s, t, kappa).square(), mask)
+    s = layer_norm(_per_layer_tokens(student, query_target))
+    t = layer_norm(_per_layer_tokens(teacher, query_target))
+    return mean_per_query(tangent_distance(s, t, kappa).square(), query_target)
 
 
-def mean_per_query(per_token, mask):
+def mean_per_query(per_token, query_target):
     """Eq 16's averaging: per query, the mean over layers of the mean over its aligned tokens; then over the queries.
 
-    per_token: [L, N], one value per layer and aligned token (row-major order of mask); mask: bool [batch, T].
+    per_token: [L, N], one value per layer and aligned token (row-major order of query_target: bool [batch, T]).
     Every query weighs the same, however many tokens it has; queries without aligned tokens are left out.
     """
-    counts = mask.sum(1)
-    query = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)[mask]  # the query of each token
+    counts, rows = query_target.sum(1), torch.arange(query_target.shape[0], device=query_target.device)
+    query = rows[:, None].expand_as(query_target)[query_target]  # the query of each token
     return (per_token.mean(0) / counts[query]).sum() / (counts > 0).sum()
 
 
-def _per_layer_tokens(states, mask):
+def _per_layer_tokens(states, query_target):
     """Hidden states of the aligned tokens, layers stacked: L x [batch, T, d] or [L, batch, T, d] -> [L, N, d]."""
-    return torch.stack([h[mask] for h in states])
+    return torch.stack([h[query_target] for h in states])
 
 
-def euclidean_anchor_loss(student, teacher, mask):
+def euclidean_anchor_loss(student, teacher, query_target):
     """L2-anchor (Table 4): Eq 16 with the squared Euclidean distance of the LN'd states, averaged the same way
     (mean_per_query). Shapes as above."""
-    s = layer_norm(_per_layer_tokens(student, mask))
-    t = layer_norm(_per_layer_tokens(teacher, mask))
-    return mean_per_query((s - t).square().sum(-1), mask)
+    s = layer_norm(_per_layer_tokens(student, query_target))
+    t = layer_norm(_per_layer_tokens(teacher, query_target))
+    return mean_per_query((s - t).square().sum(-1), query_target)
 
 
 def delta_hyperbolicity(dist, n_samples=1000, generator=None):

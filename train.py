@@ -180,7 +180,8 @@ def train(cfg, load=None):
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
     kind, output = tasks.spec(cfg.task).kind, registry.ANCHORS[cfg.anchor].teacher  # output: the teacher's (or None)
     # the adapter (identity at its start: Eq 5-8), AdamW, linear warm-up then cosine decay to 0 (Section 4.1)
-    adapter = list(runs.attached(backbone, cfg))
+    sizes = registry.sizes(cfg.method, cfg.rank, cfg.virtual_tokens)  # --rank, --virtual-tokens: those it takes
+    adapter = runs.attached(backbone, cfg.method, sizes)
     optimizer = torch.optim.AdamW(adapter, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
     scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)

@@ -92,10 +92,10 @@ def test_teacher_sees_the_demonstrations_and_the_student_does_not(setup, monkeyp
         M.detach(backbone.model)
     teacher_ids, = seen                                  # one forward: the teacher's (the student runs later)
     tok = backbone.processor.tokenizer
-    for row_t, row_s, ds, span in zip(teacher_ids, student["input_ids"], icds, student["query_target"]):
+    for row_t, row_s, ds, query_target in zip(teacher_ids, student["input_ids"], icds, student["query_target"]):
         t_text, s_text = tok.decode(row_t), tok.decode(row_s)
         assert all(d.question in t_text and d.question not in s_text for d in ds if d.question != "")
-        assert torch.equal(row_t[-int(span.sum()):], row_s[span])  # the same query tokens, last in both
+        assert torch.equal(row_t[-int(query_target.sum()):], row_s[query_target])  # the same query tokens, last in both
     assert teacher.shape[:3] == (len(backbone.model.get_decoder().layers), *student["query_target"].shape)
     assert teacher[:, ~student["query_target"]].abs().sum() == 0
 
@@ -139,8 +139,8 @@ def test_the_loss_is_eq_17_written_out(setup, tmp_path):
                 labels = student["labels"][:, 1:]
                 ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels.flatten(),
                                                        ignore_index=-100)
-                span = student["query_target"]
-                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, span, args.kappa)
+                query_target = student["query_target"]
+                anchor = lorentz.hyperbolic_anchor_loss(torch.stack(states), teacher, query_target, args.kappa)
             torch.testing.assert_close(parts["sup"], ce)
             torch.testing.assert_close(parts["anchor"], anchor)
             torch.testing.assert_close(parts["loss"], anchor + 0.3 * ce)

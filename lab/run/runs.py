@@ -45,14 +45,13 @@ class Run:
     regime: bool = False      # the anchor's scale on the backbone is still to be shown (micro_batches.pair)
 
 
-def attached(backbone, cfg):
-    """The parameters of a fresh cfg.method adapter attached to the backbone; one too large for memory is a
-    ValueError naming --rank and --virtual-tokens."""
-    sizes = registry.sizes(cfg.method, cfg.rank, cfg.virtual_tokens)
+def attached(backbone, method, sizes):
+    """The parameters of a fresh `method` adapter of `sizes` (registry.sizes) attached to the backbone, as a list;
+    one too large for memory is a ValueError naming --rank and --virtual-tokens."""
     try:
-        return registry.attach(backbone.model, cfg.method, **sizes).parameters()
+        return list(registry.attach(backbone.model, method, **sizes).parameters())
     except RuntimeError as e:  # torch.OutOfMemoryError too: a --rank or --virtual-tokens too large for memory
-        raise ValueError(f"the {cfg.method} adapter of {sizes} does not fit in memory "
+        raise ValueError(f"the {method} adapter of {sizes} does not fit in memory "
                          f"({str(e).splitlines()[0][:160]}); lower --rank or --virtual-tokens") from e
 
 
