@@ -317,7 +317,8 @@ def main(argv=None, load=None):
         return plan.plan(args, queries=tasks.eval_items(args))
     one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None
     backbones.choose_threads(args.model, args.threads or one_for_curves)
-    lock = contextlib.nullcontext() if args.benchmark_attention else checkpoints.locked(args.out)  # one run in --out
+    evaluation = not (args.benchmark or args.curve or args.gates or args.hyperbolicity)  # writes its result files alone
+    lock = contextlib.nullcontext() if args.benchmark_attention else checkpoints.locked(args.out, shared=evaluation)
     with torchrun.process_group(), lock:
         files.remove_stale_tmp(args.out)
         if args.benchmark or args.benchmark_attention:
