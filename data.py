@@ -19,9 +19,8 @@ concatenations of those ids, so the query's ids are identical in teacher and stu
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
 multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
 
-The Items come from the readers of the official formats (lab/datasets/readers.py, mme_seed.py; --data-root's layout:
-docs/real-models.md, "Data layout") and from the toy world (lab/datasets/toy_world.py).
-"""
+The readers of the official formats (lab/datasets/readers.py, mme_seed.py: the layout of --data-root and their checks
+are in docs/real-models.md, "Data layout") and the toy-icl datasets (lab/datasets/toy_world.py) make the Items."""
 import hashlib
 import os
 import random
@@ -86,7 +85,7 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
 }
 SEPARATOR = "\n"  # after each ICD
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # PIL's formats opened: never EPS (it runs Ghostscript)
-MIN_IMAGE_SIDE = 2  # pixels: Idefics2's image splitting halves each side (a 1-pixel side divides by zero there)
+MIN_IMAGE_SIDE, MAX_ASPECT = 2, 200  # pixels, and sides' ratio: Idefics2's splitting halves each; Qwen's refuses 200:1
 SEED_LETTERS = "ABCD"  # SEED-Bench's options, in order
 
 
@@ -210,15 +209,16 @@ def onevision_piece(process, image):
 
 
 def load_image(item):
-    """The item's image, RGB, of IMAGE_FORMATS with sides of MIN_IMAGE_SIDE or more; errors name the item and path."""
+    """The item's image, RGB, of IMAGE_FORMATS, sides MIN_IMAGE_SIDE or more, MAX_ASPECT:1 at most; errors name it."""
     if not isinstance(item.image_path, (str, os.PathLike)):
         raise ValueError(f"item {item.id}: its image_path is {item.image_path!r}; every item needs an image file")
     if os.path.exists(item.image_path) and not os.path.isfile(item.image_path):
         raise OSError(f"item {item.id}: its image {item.image_path} is not a regular file (a folder, FIFO or device)")
     try:
         with Image.open(item.image_path, formats=IMAGE_FORMATS) as im:  # EPS and the rest refused: no program runs
-            if min(im.size) < MIN_IMAGE_SIDE:
-                raise OSError(f"{im.width} x {im.height} pixels; each side must be at least {MIN_IMAGE_SIDE}")
+            if not (min(im.size) >= MIN_IMAGE_SIDE and max(im.size) <= MAX_ASPECT * min(im.size)):
+                raise OSError(f"{im.width} x {im.height} pixels; each side must be at least {MIN_IMAGE_SIDE} and at "
+                              f"most {MAX_ASPECT} times the other")
             return im.convert("RGB")
     except (OSError, Image.DecompressionBombError) as e:  # not of IMAGE_FORMATS, too small, over PIL's limit, broken
         raise OSError(f"item {item.id}: cannot read its image {item.image_path} as {'/'.join(IMAGE_FORMATS)} ({e})")

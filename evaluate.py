@@ -296,7 +296,7 @@ def main(argv=None, load=None):
     if modes.chosen(args):
         return modes.run(args, sys.argv[1:] if argv is None else list(argv), load, SCRIPTS)
     backbones.choose_threads(args.model, args.threads)
-    with torchrun.process_group(), checkpoints.locked(args.out):  # one evaluation in --out
+    with torchrun.process_group(), checkpoints.locked(args.out, shared=True):  # evaluations share --out
         files.remove_stale_tmp(args.out)
         items = tasks.eval_items(args)
         if items == []:

@@ -8,21 +8,25 @@ import sys
 
 import torch
 
-from lab.datasets import readers, tasks
+from lab.datasets import readers, rices, tasks
+from lab.models import families
 from lab.run import checkpoints
 from lab.scores import results
-from lab.studies import curves
+from lab.studies import curves, table_runs, tables
 from lab.cli import flags
 
 
 BENCH, CURVE = "with --benchmark or --benchmark-attention", "with --curve"
 APPLIES = {  # flag: (where it applies, whether it does with these flags); flags.check_applies
-    "seed_protocol": ("to the SEED-Bench tasks (multiple choice)", lambda a: tasks.spec(a.task).kind == "choice"),
+    "seed_protocol": ("to the SEED-Bench tasks (multiple choice) and a table's SEED cells",
+                      lambda a: a.table or a.figure or tasks.spec(a.task).kind == "choice"),
     "chair": ("to COCO captions, against COCO's instance annotations (--task coco)", lambda a: a.task == "coco"),
     "random_weights": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
     "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
     "processor": ("with --plan", lambda a: a.plan is not None),
-    "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
+    "rices_encoder": ("with --icds rices or a table's RICES row", lambda a: a.icds == "rices" or a.table or a.figure),
+    "eval_draw": ("with --n-eval, on a task whose items are taken in order (MME and SEED draw theirs stratified)",
+                  lambda a: a.n_eval is not None and tasks.spec(a.task).kind not in ("yes-no", "choice")),
     "new_tokens": ("where answers are generated (not --seed-protocol likelihood, --benchmark-attention, --gates, "
                    "--hyperbolicity)", lambda a: not (a.seed_protocol == "likelihood" or a.benchmark_attention or
                                                       a.gates or a.hyperbolicity)),
@@ -68,8 +72,8 @@ def parse_args(argv, doc, defaults, train_parse):
     if args.curve or args.table or args.figure:
         try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
             with contextlib.redirect_stderr(io.StringIO()) as err:
-                train_parse(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                             "--proceed"])
+                trained = train_parse(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
+                                       "--proceed"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
         except SystemExit:
@@ -88,9 +92,11 @@ def parse_args(argv, doc, defaults, train_parse):
         p.error(tasks.check_icd_task(args.task, args.icd_task))
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
+    if args.icds == "rices" and rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
+        p.error(rices.encoder_missing(families.family_of(args.model), args.rices_encoder))
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
-    check_table(p, args)
+    check_table(p, args, defaults, trained if args.table or args.figure else None)
     default = results.default_checkpoint(args.model, args.task)
     if args.vector and (args.checkpoint or args.benchmark or args.gates or args.hyperbolicity):
         p.error("--vector evaluates the backbone with a task or function vector alone (no checkpoint or analysis)")
@@ -118,15 +124,36 @@ def parse_args(argv, doc, defaults, train_parse):
     return args
 
 
-def check_table(p, args):
-    """The checks of --table and --figure (their own flags only with one of them: APPLIES): --gpus a list of device
-    numbers; no flag of a single evaluation (each cell has its own); the train.py flags of --train-args (parsed by
-    curve's check)."""
+def check_table(p, args, defaults, trained):
+    """The checks of --table and --figure (their own flags only with one of them: APPLIES), before any job: --gpus
+    names devices this process sees (as CUDA numbers them), each once; no flag that reaches no cell (one a cell
+    chooses itself, as --shots: table_runs.unreached), and a note for one handed on to rows the table lacks
+    (--seed-protocol without SEED); no --train-args flag the table sets for each job (--task, --out, --method:
+    table_runs.JOB_FLAGS; trained: train.py's Config of --train-args); an encoder for a RICES row
+    (rices.encoder_missing)."""
     if not (args.table or args.figure):
         return
-    if args.gpus and not all(d.isdigit() for d in args.gpus.split(",")):
-        p.error(f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {args.gpus!r})")
-    given = [f for f in ("checkpoint", "shots", "vector", "icd_task", "chair") if getattr(args, f) is not None]
-    if given:
-        p.error(f"--{given[0].replace('_', '-')}: a table's cells choose their own (lab/studies/tables.py)")
-
+    if args.gpus:
+        devices = args.gpus.split(",")
+        if not all(d.isdigit() for d in devices):
+            p.error(f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {args.gpus!r})")
+        if len(set(map(int, devices))) < len(devices):
+            p.error(f"--gpus {args.gpus} names a device twice; one process a device")
+        count = torch.cuda.device_count()
+        if not args.plan and not args.table_worker and max(map(int, devices)) >= count:
+            p.error(f"--gpus {args.gpus}: this machine has {count} CUDA device(s) visible" +
+                    (f" (0 to {count - 1})" if count else "") + "; name those (--plan takes any, to plan for them)")
+    layout = tables.layout(args.table or f"figure-{args.figure}", families.family_of(args.model))
+    for name in table_runs.unreached(args, defaults, layout):
+        if name not in table_runs.EVAL_FLAGS + ("seed_protocol",):
+            p.error(f"--{name.replace('_', '-')} reaches no cell of {layout.name}: its cells choose their own or take "
+                    "none (lab/studies/tables.py)")
+        print(f"note: --{name.replace('_', '-')} reaches no cell of {layout.name} (none of its rows takes it)",
+              file=sys.stderr)  # a flag handed on to other tables' rows: one command line may serve several tables
+    for name in table_runs.job_flags(shlex.split(args.train_args), [f.name for f in dataclasses.fields(trained)]):
+        p.error(f"--train-args --{name.replace('_', '-')}: the table sets it for each job (lab/studies/tables.py); "
+                "drop it")
+    if any("rices" in c.evaluate for c in layout.cells.values()) and \
+            rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
+        p.error(f"{layout.name}'s RICES row: " + rices.encoder_missing(families.family_of(args.model),
+                                                                      args.rices_encoder))

@@ -5,7 +5,7 @@ import tempfile
 import time
 
 from lab.disk import files
-from lab.datasets import tasks
+from lab.datasets import rices, tasks
 from lab.models import backbones, families, toy_backbone
 from lab.methods import registry
 from lab.run import checkpoints
@@ -49,6 +49,8 @@ def parse_args(argv, doc, defaults):
     check_world(p, args)
     if tasks.check_icd_task(args.task, args.icd_task):
         p.error(tasks.check_icd_task(args.task, args.icd_task))
+    if args.icds == "rices" and rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
+        p.error(rices.encoder_missing(families.family_of(args.model), args.rices_encoder))
     flags.check_image_memory(p, args.image_memory)
     flags.check_applies(p, args, defaults, APPLIES, args.filled())
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else

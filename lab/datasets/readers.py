@@ -57,23 +57,27 @@ def text_field(record, name):
 IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  # Idefics2, Idefics, LLaVA, Idefics3
                       "<|image_pad|>", "<|vision_start|>", "<|vision_end|>",  # Qwen2.5-VL and Qwen3-VL
                       "<start_of_image>", "<end_of_image>", "<image_soft_token>",  # Gemma 3
-                      "<IMG_CONTEXT>", "<img>", "</img>")  # InternVL3 (lab/models/families.py: each family's)
-# text holding one would reach the model as an image token of no image (plain_text); a new family adds its own here
+                      "<IMG_CONTEXT>", "<img>", "</img>",  # InternVL3 (lab/models/families.py: each family's)
+                      "<|video_pad|>", "<video>")  # the video tokens: Qwen's M-RoPE counts <|video_pad|> as a video's
+# text holding one would reach the model as an image (or video) token of no image (plain_text); a new family adds its
+# own here (every media token its config names: tests/test_hostile_7.py)
 
 
 def open_image(file):
     """PIL's image of `file` (a path or a binary file), its header read, opened as data.load_image opens images: one
-    of data.IMAGE_FORMATS (never EPS, which PIL hands to Ghostscript), each side at least data.MIN_IMAGE_SIDE; else a
-    ValueError saying why, which the caller prefixes with the file and line, or the shard and row."""
+    of data.IMAGE_FORMATS (never EPS, which PIL hands to Ghostscript), each side at least data.MIN_IMAGE_SIDE and at
+    most data.MAX_ASPECT times the other; else a ValueError saying why, which the caller prefixes with the file and
+    line, or the shard and row."""
     try:
         im = Image.open(file, formats=data.IMAGE_FORMATS)
     except Image.UnidentifiedImageError:
         raise ValueError(f"not an image of the formats read ({', '.join(data.IMAGE_FORMATS)}; any other, EPS among "
                          "them, could run a program)") from None
-    if min(im.size) < data.MIN_IMAGE_SIDE:
+    if not (min(im.size) >= data.MIN_IMAGE_SIDE and max(im.size) <= data.MAX_ASPECT * min(im.size)):
         im.close()
         raise ValueError(f"its image is {im.width} x {im.height} pixels; each side must be at least "
-                         f"{data.MIN_IMAGE_SIDE} (Idefics2's image splitting halves each)")
+                         f"{data.MIN_IMAGE_SIDE} (Idefics2's image splitting halves each) and at most "
+                         f"{data.MAX_ASPECT} times the other (Qwen's processors refuse more)")
     return im
 
 

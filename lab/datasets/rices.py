@@ -67,15 +67,23 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
 TOWERS = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the towers vision_tower_features reads
 
 
+def encoder_missing(family, hub_id):
+    """Why RICES has no image encoder for a family (None if it has one): no --rices-encoder, and a backbone whose own
+    vision tower vision_tower_features does not read (TOWERS). Checked with the flags, before anything loads."""
+    if hub_id or family in TOWERS:
+        return None
+    return (f"--icds rices: the backbone's own vision tower is read for {', '.join(TOWERS)}, not {family}; give "
+            "--rices-encoder, a CLIP checkpoint")
+
+
 def image_encoder(backbone, hub_id=None):
     """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
     Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
     CLIP checkpoint (clip_encoder)."""
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
-    if backbone.family not in TOWERS:
-        raise ValueError(f"--icds rices: the backbone's own vision tower is read for {', '.join(TOWERS)}, not "
-                         f"{backbone.family}; give --rices-encoder, a CLIP checkpoint")
+    if encoder_missing(backbone.family, hub_id):
+        raise ValueError(encoder_missing(backbone.family, hub_id))
     h, inner = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode()), backbone.model.model
     for p in (inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters():
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())

@@ -203,7 +203,11 @@ def icd_support(args):
 
 
 def check_icd_task(task, icd_task):
-    """The reason --icd-task cannot give --task's queries their ICDs (None if it can): a task of another kind."""
+    """The reason --icd-task cannot give --task's queries their ICDs (None if it can): --task itself (its training
+    split is where ICDs come from anyway, and as --icd-task it would hand a run its held-out queries as ICDs), or a task
+    of another kind."""
+    if icd_task and task_id(icd_task) == task_id(task):
+        return f"--icd-task {icd_task} is --task itself, whose training split the ICDs come from anyway; drop it"
     if icd_task and spec(icd_task).kind != spec(task).kind:
         return (f"--icd-task {icd_task} is a {spec(icd_task).kind} task and --task {task} a {spec(task).kind} one; "
                 "their ICDs and queries must be of one kind")

@@ -263,8 +263,14 @@ def load_processor(path, family, image_splitting="checkpoint"):
     taken = set(inspect.signature(cls.__init__).parameters) - {"self", "image_processor", "tokenizer",
                                                                 "video_processor", "chat_template", "kwargs"}
     own = {k: settings[k] for k in taken & set(settings)}
-    processor = cls(AutoImageProcessor.from_pretrained(path, backend="pil", **code),
-                    AutoTokenizer.from_pretrained(path, **code), None, **own)
+    images, tokenizer = AutoImageProcessor.from_pretrained(path, backend="pil", **code), \
+        AutoTokenizer.from_pretrained(path, **code)
+    try:
+        processor = cls(images, tokenizer, None, **own)
+    except (AttributeError, KeyError, TypeError) as e:  # a tokenizer without the family's named tokens, ...
+        raise ValueError(f"{path}: its tokenizer and processor files do not make a {family} processor ({e}); restore "
+                         "the checkpoint's tokenizer_config.json, preprocessor_config.json and "
+                         "processor_config.json") from e
     return formatted(processor, family), image_setting(processor, family, image_splitting)
 
 

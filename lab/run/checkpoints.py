@@ -14,10 +14,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 import torch
 
+import data
 import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.methods import registry
+from lab.models import families
 from lab.run import torchrun
 
 
@@ -237,17 +239,7 @@ def restore(args, backbone, optimizer, scheduler, record):
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     state = read_run(path)
-    saved = state.get("run") or {**{k: state["args"].get(k) for k in RESUME_MUST_MATCH},  # a last.pt of before
-                                 "task": tasks.task_id(state["args"].get("task", ""))}
-    differ = [f"--{k.replace('_', '-')} {saved.get(k)} (now {record[k]})" for k in RESUME_MUST_MATCH
-              if saved.get(k) != record[k]]
-    if "data" not in saved:
-        print(f"warning: --resume: {path} holds no fingerprint of its data (made before they were kept); its "
-              "training queries and ICDs are assumed to be this run's")
-    elif saved["data"] != record["data"]:
-        differ.append(f"other training data (its training or held-out queries, their answers, images or ICDs differ: "
-                      f"fingerprint {saved['data']}, now {record['data']}; --data-root {saved.get('data_root')}, now "
-                      f"{record['data_root']}; was the task changed since?)")
+    differ = record_differences(state, record, path)
     if state.get("processes", 1) != torchrun.rank_and_world()[1]:
         differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
                       "only with as many as before)")
@@ -263,6 +255,24 @@ def restore(args, backbone, optimizer, scheduler, record):
     return state["progress"]
 
 
+def record_differences(state, record, path):
+    """What differs between the run record a last.pt holds (a last.pt of before records: its args) and this run's
+    (run_record): the settings of RESUME_MUST_MATCH as flags, and its data (a last.pt without a fingerprint of them:
+    a warning, assumed to be this run's)."""
+    saved = state.get("run") or {**{k: state["args"].get(k) for k in RESUME_MUST_MATCH},  # a last.pt of before
+                                 "task": tasks.task_id(state["args"].get("task", ""))}
+    differ = [f"--{k.replace('_', '-')} {saved.get(k)} (now {record[k]})" for k in RESUME_MUST_MATCH
+              if saved.get(k) != record[k]]
+    if "data" not in saved:
+        print(f"warning: {path} holds no fingerprint of its data (made before they were kept); its training queries "
+              "and ICDs are assumed to be this run's")
+    elif saved["data"] != record["data"]:
+        differ.append(f"other training data (its training or held-out queries, their answers, images or ICDs differ: "
+                      f"fingerprint {saved['data']}, now {record['data']}; --data-root {saved.get('data_root')}, now "
+                      f"{record['data_root']}; was the task changed since?)")
+    return differ
+
+
 def differences(state, args):
     """The settings of RESUME_MUST_MATCH in which a saved run's state (read_run) differs from args, as flags."""
     return [f"--{k.replace('_', '-')} {state['args'].get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
@@ -270,22 +280,31 @@ def differences(state, args):
 
 
 def proceeding(args):
-    """What --proceed does with --out: None if it holds this run finished (last.pt of these settings, every epoch
-    scored or --max-steps taken, history.json written): nothing to do; args with --resume if it holds this run
-    stopped; args with --overwrite if it holds none, or one stopped before its first save. A run of other settings
-    is refused (a ValueError naming them), as --resume refuses it."""
-    path = os.path.join(args.out, "last.pt")
+    """What --proceed does with --out: None if it holds this run finished (last.pt of these settings and data, every
+    epoch scored or --max-steps taken, history.json and its best adapter written): nothing to do; args with --resume
+    if it holds this run stopped (or finished with RICES's ICDs, which need the backbone: restore checks them); args
+    with --overwrite if it holds none, or one stopped before its first save. A run of other settings or data, or a
+    finished one without its best adapter, is refused (a ValueError naming them), as --resume refuses it."""
+    path, adapter = os.path.join(args.out, "last.pt"), os.path.join(args.out, "adapter.safetensors")
     if not os.path.exists(path):
         return dataclasses.replace(args, overwrite=True)
     state = read_run(path)
-    if differences(state, args):
-        raise ValueError(f"--proceed: {path} was made with " + ", ".join(differences(state, args)) + "; give another "
-                         "--out, or --overwrite to replace it")
-    step, scored = state["progress"]["step"], len(state["progress"]["history"])
-    if (scored == args.epochs or args.max_steps is not None and step >= args.max_steps) and \
-            all(os.path.exists(os.path.join(args.out, f)) for f in ("history.json", "adapter.safetensors")):
-        return None
-    return dataclasses.replace(args, resume=True)
+    differ, step, scored = differences(state, args), state["progress"]["step"], len(state["progress"]["history"])
+    done = scored == args.epochs or args.max_steps is not None and step >= args.max_steps
+    if done and scored and not differ and not os.path.exists(adapter):
+        raise ValueError(f"--proceed: {args.out} holds a finished run ({scored} epoch(s) scored) without its best "
+                         f"adapter {adapter} (removed since?); train it again with --overwrite")
+    if not differ and (not done or args.icds == "rices" or not os.path.exists(os.path.join(args.out, "history.json"))):
+        return dataclasses.replace(args, resume=True)
+    if not differ:  # finished: its record against this run's data, the ICDs drawn as train.py draws them
+        queries, heldout, support, shots = tasks.split_pool(args, families.family_of(args.model))
+        ids = [q.id for q in queries]
+        icds = dict(zip(ids, data.demonstrations(ids, support, shots, args.seed)))
+        differ = record_differences(state, run_record(args, queries, heldout, icds), path)
+    if differ:
+        raise ValueError(f"--proceed: {path} was made with " + ", ".join(differ) + "; give another --out, or "
+                         "--overwrite to replace it")
+    return None
 
 
 def read_run(path):
@@ -324,11 +343,12 @@ def claim(args):
 
 
 @contextlib.contextmanager
-def locked(folder):
+def locked(folder, shared=False):
     """Hold `folder` (made if need be) for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our
     pid. A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
-    and the holder's pid. The lock goes with the process, so a killed run (kill -9 included) leaves none behind. Under
-    torchrun the first process holds it for all of them."""
+    and the holder's pid, unless both are `shared` (evaluations, each writing its own result files). The lock goes
+    with the process, so a killed run (kill -9 included) leaves none behind. Under torchrun the first process holds
+    it for all of them."""
     if torchrun.rank_and_world()[0] != 0:
         yield
         return
@@ -339,7 +359,7 @@ def locked(folder):
     path = os.path.join(folder, ".lock")
     fd, made = open_lock(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)

@@ -242,7 +242,8 @@ def finish(run):
         best = os.path.join(run.cfg.out, "adapter.safetensors")
         print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
               + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
-                 "(continue with --resume)"))
+                 "(continue with --resume)" if not progress["history"] else f"its best adapter {best} is missing "
+                 "(removed since it was written?): train again with --overwrite"))
     return {k: v.detach().clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()}
 
 

@@ -157,12 +157,21 @@ def same_result(stem, kind, settings):
     try:
         with open(stem + ".metrics.json", encoding="utf-8") as f:
             old = json.load(f)
-        with open(stem + ".predictions.jsonl", "rb") as f:
-            scored = hashlib.sha256(f.read()).hexdigest() == old["predictions_sha256"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (OSError, ValueError, RecursionError):
         return None
-    same = all(old.get(k) == v for k, v in settings.items() if k != "n_eval")
-    return old if same and scored and (kind != "yes-no" or os.path.isdir(stem + ".mme")) else None
+    same = isinstance(old, dict) and all(old.get(k) == v for k, v in settings.items() if k != "n_eval")
+    return old if same and scores_its_predictions(stem, kind, old) else None
+
+
+def scores_its_predictions(stem, kind, metrics):
+    """Whether the metrics of <stem> score the predictions file beside them (its sha256 the one they record) and, for
+    MME, its results folder is there: else they are no result of that file (a kill in between, a file removed)."""
+    try:
+        with open(stem + ".predictions.jsonl", "rb") as f:
+            scored = hashlib.sha256(f.read()).hexdigest() == metrics["predictions_sha256"]
+    except (OSError, KeyError, TypeError):
+        return False
+    return scored and (kind != "yes-no" or os.path.isdir(stem + ".mme"))
 
 
 def default_checkpoint(model, task):

@@ -7,9 +7,11 @@ meta-device model (plan.plan_backbone), the data's files and one image for the t
 Time model (stated in the output): a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers,
 4 x layers x heads x head size x T^2 for attention (as torch's FLOP counter counts SDPA, unmasked), 2 x width x
 vocabulary at each position whose logits are computed, and per image 2 x (vision tower and connector parameters) x
-patches + 4 x vision layers x width x patches^2; a training step's student is a forward and a backward of about the
-same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
-cache. Checked against torch.utils.flop_counter on the tiny twins (tests/test_tables.py)."""
+patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', or Qwen's grid; a connector after a
+merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; Qwen2.5-VL's windowed vision
+layers counted as full attention, an upper bound); a training step's student is a forward and a backward of about
+the same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
+cache. Checked against torch.utils.flop_counter on the tiny twins (tests/test_tables.py, tests/test_hostile_7.py)."""
 import math
 import os
 
@@ -22,36 +24,60 @@ from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import plan, vectors
+from lab.studies import plan
 
 ACCELERATOR = "an H200 (~989 TFLOP/s dense bf16) at ~40% of its peak"
 
 
 VISION_PARTS = ("vision", "visual", "connector", "projector", "resampler")  # the image side's modules, by name
+MERGED = ("merger", "connector", "projector")  # what runs after a merge of patches into image tokens, by name
+
+
+def merge_share(config):
+    """The image tokens a vision patch becomes where the model merges patches before its connector (Qwen's 2 x 2
+    merger: 1/4; InternVL's pixel shuffle, downsample_ratio 0.5: 1/4; Idefics3's, scale_factor 2: 1/4); else 1."""
+    merge = getattr(config.vision_config, "spatial_merge_size", None)
+    if merge:
+        return 1 / merge ** 2
+    if getattr(config, "downsample_ratio", None):
+        return config.downsample_ratio ** 2
+    return 1 / config.scale_factor ** 2 if getattr(config, "scale_factor", None) else 1
 
 
 def flop_model(model):
     """What forward_flops needs of a model (meta device is enough): decoder-layer parameters, attention sizes, the LM
-    head's width x vocabulary, the image side's parameters (the children of model.model named by VISION_PARTS) and
-    its layers, width and patches (the config's image size)."""
+    head's width x vocabulary, the image side's parameters (the children of model.model named by VISION_PARTS; those
+    of its modules named by MERGED apart, with the share of a patch they see, merge_share) and its layers, width and
+    patches (the config's image size)."""
     text, vision = model.config.get_text_config(), model.config.vision_config
     layers, heads, head_dim = M.attention_shape(model)
     count = lambda named: sum(p.numel() for n, child in named for p in child.parameters())
     image = [(n, c) for n, c in model.model.named_children() if any(part in n for part in VISION_PARTS)]
+    share = merge_share(model.config)
+    merged = [] if share == 1 else [(n, m) for n, m in model.model.named_modules() if n.split(".")[0] in dict(image)
+                                    and any(part in n.split(".")[-1] for part in MERGED)]
+    merged = [(n, m) for n, m in merged if not any(n.startswith(o + ".") for o, _ in merged)]  # outermost only
     return {"decoder": count((n, c) for n, c in model.get_decoder().named_children()
                              if n in ("layers", "gated_cross_attn_layers")),
             "layers": layers, "heads": heads, "attention": layers * heads * head_dim,
-            "head": text.hidden_size * text.vocab_size, "vision": count(image),
+            "head": text.hidden_size * text.vocab_size, "vision": count(image) - count(merged),
+            "merged": count(merged), "merge_share": share,
             "vision_attention": (getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)) *
             (getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)),
-            "patches": (getattr(vision, "image_size", 0) // vision.patch_size) ** 2}
+            "patches": math.prod(size // patch for size, patch in zip(sides(getattr(vision, "image_size", 0)),
+                                                                        sides(vision.patch_size)))}
+
+
+def sides(size):
+    """(height, width) of a config's size: one number (both sides) or a pair (InternVL's [448, 448])."""
+    return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
 
 
 def forward_flops(f, tokens, images, logits=1, patches=None):
     """FLOPs of one forward over `tokens` tokens holding `images` images of `patches` patches each (None: the
     config's image size), computing logits at `logits` positions (the time model in the module's docstring)."""
     patches = patches or f["patches"]
-    image = 2 * f["vision"] * patches + 4 * f["vision_attention"] * patches ** 2
+    image = 2 * (f["vision"] + f["merged"] * f["merge_share"]) * patches + 4 * f["vision_attention"] * patches ** 2
     return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + images * image
 
 
@@ -64,16 +90,19 @@ def generate_flops(f, prompt, images, new, patches=None):
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
     token) plus what an image adds beyond it (one query encoded in full: teacher_cache.query_tokens' count), and
-    the vision tower's patches of that image (its crops as the processor makes them; `patch`: the patch size)."""
+    the vision tower's patches of that image: its crops (tiles) as the processor makes them, cut into patches of
+    `patch` (the config's patch size), or where the processor flattens the patches (Qwen) the product of its grid
+    (image_grid_thw: temporal x height x width patches)."""
 
     def __init__(self, processor, family, kind, reference, patch):
         self.processor, self.family, self.kind, self.counted = processor, family, kind, {}
         piece, = data.query_pieces(processor, family, kind, [reference])
         (whole, _), = teacher_cache.query_sizes([piece])
         self.image = whole - self.count(data.prompt_text(kind, reference) + self.answer(reference))
-        crops = piece["images"]["pixel_values"]
+        crops, (height, width) = piece["images"]["pixel_values"], sides(patch)
         crops = crops.reshape(-1, *crops.shape[-3:]) if torch.is_tensor(crops) else crops  # Idefics: one tensor
-        self.patches = sum((c.shape[-2] // patch) * (c.shape[-1] // patch) for c in crops)
+        self.patches = int(piece["images"]["image_grid_thw"].prod(-1).sum()) if "image_grid_thw" in piece["images"] \
+            else sum((c.shape[-2] // height) * (c.shape[-1] // width) for c in crops)
         tok = processor.tokenizer
         self.prefix = (tok.bos_token_id is not None) + self.count(data.PROMPTS[kind]["instruction"])
 

@@ -7,6 +7,7 @@ import json
 import os
 
 from lab.disk import files
+from lab.datasets import tasks
 from lab.models import families
 from lab.scores import results
 from lab.studies import tables
@@ -22,17 +23,29 @@ SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "e
 
 
 def found(job, parsers):
-    """The metrics file of an evaluation job, found among its folder's files by the settings it records (None if it
-    is not there): task, split, seed, --n-eval, shots, ICDs and their task, vector, adapter file."""
+    """The metrics file of an evaluation job, found among its folder's files by what it records (None if none is
+    there): its name as the job names it (results.result_name: the setting, split, SEED protocol, image splitting,
+    ICDs' task and encoder, vector, adapter), the backbone, data root, task, seed, --n-eval, ICDs, tokens generated
+    and adapter file, and the predictions it scores (results.scores_its_predictions). A file that is unreadable, of
+    other settings or beside other predictions is no result of the job, which evaluates it again."""
     a = job.args(parsers)
-    want = {"task": a.task, "split": a.split, "seed": a.seed, "n_eval": a.n_eval, "shots": a.shots or 0,
-            "icds": a.icds if a.shots else None, "icd_task": a.icd_task if a.shots else None}
-    checkpoint = a.checkpoint and os.path.realpath(a.checkpoint)
+    want = {"model": a.model, "task": a.task, "split": a.split, "seed": a.seed, "n_eval": a.n_eval,
+            "shots": a.shots or 0, "icds": a.icds if a.shots else None, "icd_task": a.icd_task if a.shots else None,
+            "new_tokens": a.new_tokens or tasks.spec(a.task).max_new_tokens, "vector": a.vector}
+    real = lambda path: isinstance(path, str) and os.path.realpath(path)
     for path in sorted(glob.glob(os.path.join(glob.escape(a.out), "*.metrics.json"))):
-        with open(path, encoding="utf-8") as f:
-            m = json.load(f)
-        if all(m.get(k) == v for k, v in want.items()) and m.get("vector") == a.vector and \
-                (m.get("checkpoint") and os.path.realpath(m["checkpoint"])) == checkpoint:
+        try:
+            with open(path, encoding="utf-8") as f:
+                m = json.load(f)
+            stem = path.removesuffix(".metrics.json")
+            vector = {k: m[k] for k in ("vector_file", "vector_layer")} if a.vector else {}
+            name = results.result_name(a, m["setting"], m["n"], vector)
+        except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
+            continue  # unreadable, or not an evaluation's metrics
+        if os.path.basename(stem) == name and all(m.get(k) == v for k, v in want.items()) and \
+                real(m.get("data_root")) == real(a.data_root) and real(m.get("checkpoint")) == real(a.checkpoint) \
+                and any(k in m for k in ("vqa_accuracy", "cider", "accuracy")) and \
+                results.scores_its_predictions(stem, tasks.spec(a.task).kind, m):
             return path, m
     return None, None
 

@@ -31,9 +31,37 @@ from lab.studies import table_plan, table_print, tables
 # evaluate.py's flags a table hands on to each cell's commands where they are not the defaults: to train.py (the
 # machine, the images, RICES, the seed), and to evaluate.py (those and the evaluations' own)
 TRAIN_FLAGS = ("threads", "workers", "image_splitting", "image_memory", "rices_encoder", "rices_cache", "seed")
-EVAL_FLAGS = TRAIN_FLAGS + ("batch_size", "vector_sets", "vector_heldout", "fv_heads", "fv_trials")
-ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_sets": "--vector", "vector_heldout": "--vector",
-             "fv_heads": "fv", "fv_trials": "fv"}  # flags handed on only to the cells whose own flags hold the word
+EVAL_FLAGS = TRAIN_FLAGS + ("batch_size", "vector_layer", "vector_sets", "vector_heldout", "fv_heads", "fv_trials")
+ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_layer": "--vector", "vector_sets": "--vector",
+             "vector_heldout": "--vector", "fv_heads": "fv", "fv_trials": "fv"}  # flags handed on only to the cells
+# whose own flags hold the word
+TABLE_FLAGS = ("model", "data_root", "out", "n_eval", "train_args", "seed_protocol", "plan", "processor", "table",
+               "figure", "print", "print_commands", "gpus", "table_worker")  # evaluate.py's flags a table reads itself
+JOB_FLAGS = ("model", "task", "data_root", "out", "teacher_cache", "proceed", "resume", "overwrite", "method",
+             "icd_task", "plan", "processor", "benchmark", "build_toy", "build_tries")  # train.py's, set per job
+
+
+def unreached(args, defaults, table):
+    """The evaluate.py flags given (not their defaults) that reach no cell of `table`: one that is neither the table's
+    own (TABLE_FLAGS) nor handed on (EVAL_FLAGS), as --shots, which each cell chooses itself; one of ONLY_WITH whose
+    word no cell's flags hold; --seed-protocol where no cell is a SEED task."""
+    words = {w for c in table.cells.values() for w in c.evaluate}
+    choice = any(tasks.spec(c.task).kind == "choice" for c in table.cells.values())
+    return [name for name in vars(args) if getattr(args, name) != getattr(defaults, name) and (
+        name not in TABLE_FLAGS + EVAL_FLAGS or ONLY_WITH.get(name, "") not in ("", *words) or
+        name == "seed_protocol" and not choice)]
+
+
+def job_flags(train_args, fields):
+    """The fields of JOB_FLAGS that the --train-args tokens set, each flag read as argparse reads it (its whole name,
+    or a prefix of one name alone among train.py's `fields`): a table's own per job, which --train-args, coming after
+    them, would override."""
+    flag = lambda name: "--" + name.replace("_", "-")
+    found = []
+    for token in (t.split("=", 1)[0] for t in train_args if t.startswith("--")):
+        named = [n for n in fields if flag(n) == token] or [n for n in fields if flag(n).startswith(token)]
+        found += named if len(named) == 1 and named[0] in JOB_FLAGS else []
+    return found
 
 
 def handed_on(args, defaults, names, cell_flags):
@@ -191,19 +219,27 @@ def claimed(claims, job):
 
 
 def on_devices(args, argv, script):
-    """--gpus: one process per device (CUDA_VISIBLE_DEVICES), each running `script` with argv and --table-worker
-    (which makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of
-    this run live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips
-    what is done)."""
+    """--gpus: one process per device (CUDA_VISIBLE_DEVICES: the device of that number among those this process
+    sees, as a scheduler's CUDA_VISIBLE_DEVICES lists them), each running `script` with argv and --table-worker (which
+    makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of this run
+    live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips what is
+    done)."""
     claims = os.path.join(args.out, "claims", f"{files.this_host()}-{os.getpid()}")
     os.makedirs(claims, exist_ok=True)
     procs = [subprocess.Popen([sys.executable, script, *argv, "--table-worker", claims],
-                              env={**os.environ, "CUDA_VISIBLE_DEVICES": device})
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_device(int(device))})
              for device in args.gpus.split(",")]
     failed = [p for p in procs if p.wait() != 0]
     if failed:
         raise ValueError(f"{len(failed)} of the --gpus processes failed (their output is above); run the same command "
                          "again to continue")
+
+
+def visible_device(number):
+    """The CUDA_VISIBLE_DEVICES entry of the device CUDA numbers `number` in this process: the number itself, or the
+    number-th entry of this process's own CUDA_VISIBLE_DEVICES (a scheduler's "4,5,6,7": 0 is 4)."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return str(number) if seen is None else [d.strip() for d in seen.split(",")][number]
 
 
 def run_table(args, argv, mains, parsers, script):
