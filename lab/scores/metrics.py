@@ -218,10 +218,12 @@ def cider_d(candidates, references, n=4, sigma=6.0):
     references and over n = 1..4, x10. The official code measures length in bigrams; word counts give the same length
     difference whenever both captions are non-empty, and otherwise the cosine is 0, so words are used here. Returns
     (corpus score = mean over ids, {id: score})."""
-    assert candidates.keys() == references.keys(), "candidates and references must share ids"
+    unpaired = sorted(map(str, candidates.keys() ^ references.keys()))
+    if unpaired or not references or not all(references.values()):
+        raise ValueError("CIDEr-D needs the same ids in candidates and references, at least one, each with a reference"
+                         + (f"; ids in only one: {', '.join(unpaired[:3])}" if unpaired else ""))
     ngrams = lambda w: Counter(tuple(w[i:i + k]) for k in range(1, n + 1) for i in range(len(w) - k + 1))
     refs = {i: [ngrams(tokenize_caption(r)) for r in references[i]] for i in references}
-    assert all(refs.values()), "every id needs at least one reference"
     df = Counter(g for counts in refs.values() for g in set().union(*counts))
     log_num_images = math.log(len(refs))
 
@@ -271,7 +273,8 @@ def multiple_choice_accuracy(predictions, answers):
     """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1]. Both sides are stripped
     and lowercased; against a yes/no answer the prediction is parsed as MME's calculation.py does (_yes_no), against
     an option letter by option_letter, exact match (the generative variant of SEED-Bench; option_logliks ranks)."""
-    assert len(predictions) == len(answers)
+    if len(predictions) != len(answers) or not answers:
+        raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers: one for each, at least one")
     correct = 0
     for pred, ans in zip(predictions, answers):
         pred, ans = pred.strip().lower(), ans.strip().lower()
