@@ -50,6 +50,7 @@ from lab.scores import chair, results, test_server
 from lab.studies import analyses, curves, table6, table_runs, vectors
 from lab.cli import eval_cli, modes
 from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
+from lab.datasets.tasks import load_task  # a task's items by split, for predict() from Python (README)
 
 
 @dataclass
@@ -106,6 +107,15 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
     out = backbone.model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens,
                                   min_new_tokens=min_new_tokens, **stop)
     return out[:, inputs["input_ids"].shape[1]:]
+
+
+def load_backbone(name, checkpoint=None, **options):
+    """The backbone `name` (lab/models/backbones.py:load_backbone, which takes `options`) with the adapter saved at
+    `checkpoint` attached (lab/run/checkpoints.py:load_adapter; None: none): what predict() answers with."""
+    backbone = backbones.load_backbone(name, **options)
+    if checkpoint is not None:
+        checkpoints.load_adapter(checkpoint, backbone)
+    return backbone
 
 
 def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0, new_tokens=None):
