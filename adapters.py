@@ -248,8 +248,8 @@ def attention_lse(q, k, v, mask, scaling):
 def one_query_attention_lse(q, k, v, mask, scaling):
     """attention_lse for one query token against the cache (a decoding step). Why not the fused kernel: the logits
     are one row of T_k per head, small, so they are formed directly and log Z2 read off them; the step reads K and V
-    once each, as SDPA's does (on a CPU in a third to a half of SDPA's time: docs/efficiency.md). The logits are
-    rounded to the model's dtype, as in transformers' eager attention; the softmax runs in float32 (or float64).
+    once each, as SDPA's does (timed against SDPA's step: tools/bench_attention.py, docs/efficiency.md). The logits
+    are rounded to the model's dtype, as in transformers' eager attention; the softmax runs in float32 (or float64).
     """
     (B, H, _, d_h), H_kv = q.shape, k.shape[1]
     dtype = torch.promote_types(q.dtype, torch.float32)

@@ -185,7 +185,7 @@ def image_pixels(processor, family, image):
 
 def chw(array):
     """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
-    numpy on one thread: copying the strided view into a canvas costs 3-6x more (torch splits it over threads)."""
+    numpy on one thread: torch splits such a copy over its threads, slower on a busy CPU (docs/efficiency.md)."""
     return torch.from_numpy(numpy.ascontiguousarray(array))
 
 

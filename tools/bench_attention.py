@@ -1,5 +1,5 @@
 """One decoding step and one prefill of one attention layer with Idefics2-8B's heads, each method over plain SDPA: a
-benchmark, not a test (issue 54).
+benchmark, not a test (docs/efficiency.md, "Decoding at zero-shot cost").
 
     python tools/bench_attention.py [--tokens 512 4096 16384] [--prefill-tokens 512 4096] [--rounds 31]
     mkdir /tmp/before && git show a79a6ac:adapters.py > /tmp/before/adapters.py        # the code before
@@ -8,13 +8,13 @@ benchmark, not a test (issue 54).
 The first decoder self-attention of a one-layer model with Idefics2-8B's attention sizes (32 query heads, 8 key/value
 heads of 128; lab/studies/table6.py:attention_model, --random-weights published), batch 1, float32, one thread
 (--threads), random q, k, v. A decoding step: one query token against a cache of T keys (--tokens), no mask, as
-generate() runs it; a prefill: T query tokens over T keys, causal (--prefill-tokens; at 16,384 tokens one call takes
-about a minute on one core). Every attention-level method of lab/methods/registry.py (or --methods) runs through
+generate() runs it; a prefill: T query tokens over T keys, causal (--prefill-tokens; at 16,384 tokens a CPU takes
+minutes a round). Every attention-level method of lab/methods/registry.py (or --methods) runs through
 model.calibrated_attention with every parameter drawn at random (table6.run_as's N(0, 0.02^2)) and, with --before,
 the same methods of that folder's adapters.py as "<method> (before)", with the same parameters: all in one paired
 run (table6.paired_latency: each run between two SDPA runs, the median over the rounds of its time over theirs).
-Each timed run repeats its call for at least --min-ms of SDPA's time (a decoding step at T = 512 takes under 1 ms,
-less than this shared machine's noise). Prints one markdown table.
+Each timed run repeats its call for at least --min-ms of SDPA's time (a decoding step at T = 512 alone is too short
+to time above a shared machine's noise). Prints one markdown table.
 """
 import argparse
 import importlib.util

@@ -3,7 +3,7 @@
     python tools/bench_parquet.py --root /tmp/hyper-icl-parquet-bench [--gb 2] [--row-group 100] [--keep]
 
 Writes ~--gb GB of lmms-lab/VQAv2's layout under ROOT/vqav2/data (validation-0000k-of-00008.parquet; each image a
-1024 x 1024 BMP of random pixels, 3 MB of incompressible bytes (a PNG's filters take 0.3 s an image to write), in
+1024 x 1024 BMP of random pixels, 3 MB of incompressible bytes (a PNG's filters would make writing the slow part), in
 row groups of up to 100 rows as the hub's `datasets` writes image datasets: 2 GB makes 8 shards of 80 rows, one row
 group of 250 MB each), then reads it
 through lab/datasets/tasks.py:load_task in a fresh process whose peak resident memory (VmHWM) is reset once its imports
@@ -44,7 +44,7 @@ def write(root, gb, row_group=100):
                 for i in range(start, min(n, (k + 1) * per_shard, start + row_group)):
                     pixels = rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
                     bmp = io.BytesIO()
-                    Image.fromarray(pixels).save(bmp, format="BMP")  # PNG's filters would take 0.3 s an image
+                    Image.fromarray(pixels).save(bmp, format="BMP")  # PNG's filters would be the slow part
                     rows.append({"question_type": "what", "multiple_choice_answer": "noise", "image_id": i,
                                  "answers": [{"answer": "noise", "answer_confidence": "yes", "answer_id": j + 1}
                                              for j in range(10)], "answer_type": "other", "question_id": i,

@@ -1,4 +1,4 @@
-"""Plan against measurement at full width (issue 37): full-width, reduced-depth twins, COCO-size photographs, and the
+"""Plan against measurement at full width: full-width, reduced-depth twins, COCO-size photographs, and the
 peak RSS of real runs beside what `--plan cpu` says for the same flags. Not a test (each run holds ~5-8 GB): run it
 alone, one heavy run at a time.
 

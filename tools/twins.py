@@ -72,7 +72,7 @@ def mistral_tokenizer(folder):
 def qwen_tokenizer(special=QWEN_SPECIAL, **named):
     """Qwen2's tokenizer (both LLaVA checkpoints; `special`: another family's special tokens, in id order from
     151643): Qwen's BPE ranks and its special tokens; eos <|im_end|>."""
-    fast = copy.deepcopy(qwen_ranks(special[0]))  # the ranks converted once (5 s); the specials added in id order
+    fast = copy.deepcopy(qwen_ranks(special[0]))  # the ranks converted once (the slow part); the specials in id order
     fast.add_special_tokens(special)
     return Qwen2TokenizerFast(tokenizer_object=fast, eos_token="<|im_end|>", pad_token="<|endoftext|>", **named)
 

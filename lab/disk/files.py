@@ -197,8 +197,8 @@ def remove_stale_tmp(folder):
 
 
 def file_digest(path):
-    """sha256 (hex) of a file's bytes, read 1 MB at a time: what an image is to a cache key or a data fingerprint (about
-    0.1 ms for a COCO-size JPEG, docs/efficiency.md), so a file replaced by another of the same size and time is told
+    """sha256 (hex) of a file's bytes, read 1 MB at a time: what an image is to a cache key or a data fingerprint (its
+    cost beside a cache read: docs/efficiency.md), so a file replaced by another of the same size and time is told
     apart."""
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -108,8 +108,8 @@ def check_eos(path):
 
 def choose_threads(name, threads=None):
     """Set torch's CPU threads: `threads` (--threads) if given, else one for a tiny or toy backbone (a few million
-    parameters or fewer) on CPU, where a second thread only adds synchronisation (10x slower on a busy 2-core machine,
-    README), else torch's default. Returns the count in force."""
+    parameters or fewer) on CPU, where a second thread only adds synchronisation (docs/efficiency.md, "Threads on a
+    CPU"), else torch's default. Returns the count in force."""
     if threads or (is_built(name) and not torch.cuda.is_available()):
         torch.set_num_threads(threads or 1)
     return torch.get_num_threads()

@@ -116,8 +116,8 @@ def worker_deaths_named(workers, batches):
 def default_workers():
     """--workers' default. With a GPU: the cores this process may use, shared among the processes torchrun starts on
     the machine, less one for the process itself, at most 8. Without one: 0, for the model's own threads use the
-    cores (on this 2-core machine a worker beside them made training 1.05x slower than preparing in-process:
-    docs/efficiency.md)."""
+    cores, and a worker beside them made training slower than preparing in-process (docs/efficiency.md, "Feeding the
+    accelerator")."""
     if not torch.cuda.is_available():
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

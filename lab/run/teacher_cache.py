@@ -29,8 +29,8 @@ def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
 
 
 def image_digest(path):
-    """The sha256 of an image file's bytes (files.file_digest: about 0.1 ms for a COCO-size JPEG, against the tens
-    of MB of teacher states its key reads), None where there is no file."""
+    """The sha256 of an image file's bytes (files.file_digest: a small cost beside the tens of MB of teacher states
+    its key reads, docs/efficiency.md), None where there is no file."""
     try:
         return files.file_digest(path)
     except (OSError, TypeError, ValueError):

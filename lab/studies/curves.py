@@ -166,12 +166,12 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     """--curve: tune each method's rate (`tune`; --no-tune: the published ones), then train every row of curve_runs on
     each of --curve-queries training queries with --curve-seeds seeds, score each run on the same evaluation items
     (accuracy, answer log-probability, KL from the 8-shot teacher) and write <out>/curve.md (mean [95% interval] per row
-    and budget), curve.json (every run), curve.png and tune.json. One thread on CPU unless --threads (main): on a
-    shared machine that was about 10x faster than two, and deterministic. Stopped, the same command continues it:
-    each run trains with train.py --proceed (a finished one is skipped, a stopped one resumed) and each evaluation
-    of the same settings is read. Handed in by evaluate.py: train_main
-    (train.py's main), run_teacher (train.run_teacher), scored(backbone, flags, items, setting) (evaluate.py's
-    evaluation of its flags) and paper_lam (train.py's default lambda)."""
+    and budget), curve.json (every run), curve.png and tune.json. One thread on CPU unless --threads (main): faster
+    than two on a tiny model (docs/efficiency.md, "Threads on a CPU"), and deterministic. Stopped, the same command
+    continues it: each run trains with train.py --proceed (a finished one is skipped, a stopped one resumed) and each
+    evaluation of the same settings is read. Handed in by evaluate.py: train_main (train.py's main), run_teacher
+    (train.run_teacher), scored(backbone, flags, items, setting) (evaluate.py's evaluation of its flags) and
+    paper_lam (train.py's default lambda)."""
     settings = curve_settings(args)
     results.check_replaceable(os.path.join(args.out, "curve.json"), settings)  # before hours of training
     items, backbone = tasks.eval_items(args), backbones.load_backbone(args.model)

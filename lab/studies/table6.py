@@ -104,7 +104,7 @@ def benchmark_prompt(backbone, args, shots):
 
 def keep_freed_memory():
     """CPU benchmarks: glibc's malloc keeps freed blocks (up to 32 MiB each) for reuse, so that a run does not
-    page-fault its activations in again (docs/efficiency.md: 8% of a mid-size prefill's time). A no-op without glibc."""
+    page-fault its activations in again (docs/efficiency.md, "How latency is measured"). A no-op without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
