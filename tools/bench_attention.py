@@ -2,7 +2,7 @@
 benchmark, not a test (docs/efficiency.md, "Decoding at zero-shot cost").
 
     python tools/bench_attention.py [--tokens 512 4096 16384] [--prefill-tokens 512 4096] [--rounds 31]
-    mkdir /tmp/before && git show a79a6ac:adapters.py > /tmp/before/adapters.py        # the code before
+    mkdir /tmp/before && git show COMMIT:adapters.py > /tmp/before/adapters.py         # another version
     python tools/bench_attention.py --before /tmp/before --methods hyper-icl hificl mimic
 
 The first decoder self-attention of a one-layer model with Idefics2-8B's attention sizes (32 query heads, 8 key/value
