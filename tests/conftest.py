@@ -1,8 +1,10 @@
 """Shared test settings: the repository root, tests/ and tools/ on sys.path (so `python -m pytest tests/paper`, the
 whole suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
-deadlines (CI machines are slow), the `plain` fixture (a module's backbone without an adapter), `twin_folder` (the
-tiny twin as a checkpoint folder), and the benchmarks in their official layouts (tools/benchmarks.py) written once,
-before any test reads them from benchmarks.ROOT."""
+deadlines (CI machines are slow), the shared fixtures (`backbone`: the tiny Idefics2 twin, which a module may
+parametrise over families by defining its own; `plain`: a module's backbone without an adapter; `twin_folder`: the
+tiny twin as a checkpoint folder; `whole`: one uninterrupted tiny run), and the benchmarks in their official layouts
+(tools/benchmarks.py) written once, before any test reads them from benchmarks.ROOT. The flags of the tiny runs and
+the other shared helpers: helpers.py."""
 import os
 import sys
 
@@ -18,6 +20,13 @@ import model as M  # noqa: E402
 
 settings.register_profile("repo", deadline=None, print_blob=True)
 settings.load_profile("repo")
+
+
+@pytest.fixture(scope="module")
+def backbone():
+    """The tiny Idefics2 twin, loaded once for the test module."""
+    from lab.models import backbones
+    return backbones.load_backbone("tiny-idefics2")
 
 
 @pytest.fixture()
@@ -38,6 +47,17 @@ def twin_folder(tmp_path_factory):
     backbone.model.save_pretrained(folder)
     backbone.processor.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def whole(tmp_path_factory):
+    """An uninterrupted run (helpers.run_flags): its folder `run` (adapter.safetensors, history.json, last.pt) and
+    its teacher cache `teacher`, made once for the session; tests read it and copy what they change."""
+    import train
+    from helpers import run_flags
+    tmp = tmp_path_factory.mktemp("whole")
+    train.main(run_flags(tmp, "run"))
+    return tmp
 
 
 def pytest_configure(config):

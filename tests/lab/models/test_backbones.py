@@ -1,14 +1,15 @@
-"""The backbone families in use now (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision-1.5, InternVL3, Gemma 3, Idefics3,
-SmolVLM) beside the paper's four, on tiny twins through data.py's one row path: the query's tokens are the same in the
-teacher's and the student's rows, positions are what the model makes for a row alone (1-D, or M-RoPE's 3-D ones),
-Qwen3-VL's DeepStack is read alike by teacher and student, training and evaluation run end to end, --plan at the
-published sizes without weights, the tile count, and the real Qwen tokenizers of tools/twins.py (the zero-init, bf16,
-padding, cache and fused-path properties of every family: tests/paper/test_plug.py)."""
+"""Backbones by name (lab/models/backbones.py) and the families in use now (Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision-1.5,
+InternVL3, Gemma 3, Idefics3, SmolVLM) beside the paper's four, on tiny twins through data.py's one row path: the
+query's tokens are the same in the teacher's and the student's rows, positions are what the model makes for a row
+alone, Qwen3-VL's DeepStack is read alike by teacher and student, training and evaluation run end to end, --plan at
+the published sizes without weights, the tile count, the real Qwen tokenizers of tools/twins.py, and names, files and
+threads refused or chosen (the zero-init, bf16, padding, cache and fused-path properties of every family:
+tests/paper/test_plug.py)."""
 import json
-import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save
 
 import benchmarks
 import data as D
@@ -16,9 +17,13 @@ import evaluate as E
 import model as M
 import train
 from lab.datasets import tasks
-from lab.models import backbones, families
+from lab.disk import files
+from lab.models import backbones, families, toy_backbone
+
 
 FAMILIES = sorted(families.FAMILIES)
+
+
 NEW = ["qwen2.5-vl", "qwen3-vl", "llava-onevision-1.5", "internvl3", "gemma3", "idefics3", "smolvlm"]
 
 
@@ -139,16 +144,10 @@ def test_image_splitting_sets_the_tile_count(family, pool):
     assert tokens(on) > tokens(off)
 
 
-def test_a_folder_of_an_unlisted_model_type_names_the_supported_ones(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mllama"}))
-    with pytest.raises(ValueError, match=r"model_type 'mllama', none of \[.*'qwen3_vl'.*'smolvlm'\]"):
-        families.family_of(str(tmp_path))
-
-
-# -------------------------------------------------------------- the real Qwen tokenizers (tools/twins.py QWEN_TWINS)
-
 SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
            "<|vision_end|>": 151653, "<|image_pad|>": 151655}
+
+
 MORE = {"qwen3-vl": {"<think>": 151667}, "llava-onevision-1.5": {"</think>": 151668},
         "internvl3": {"<img>": 151665, "</img>": 151666, "<IMG_CONTEXT>": 151667},
         "qwen2.5-vl": {"<|file_sep|>": 151664}}
@@ -184,3 +183,54 @@ def test_the_studies_written_for_the_papers_families_refuse_another_in_one_line(
     with pytest.raises(ValueError, match="not qwen3-vl; run --benchmark on a checkpoint folder") as f:
         table6.synthetic_prompt(b.model, "qwen3-vl", 2)
     assert "\n" not in str(e.value) + str(f.value)
+
+
+def test_unknown_backbone_lists_the_valid_names():
+    with pytest.raises(ValueError, match="idefics2.*llava-onevision"):
+        backbones.load_backbone("gpt-5")
+
+
+@pytest.mark.parametrize("name", ["toy-idefics", "toy-llava-interleave", "toy-llava-onevision"])
+def test_only_toy_idefics2_is_a_toy_name(name):
+    """toy-idefics2 is the one toy backbone; another family after "toy-" is no name (it was read as that family's
+    hub checkpoint before)."""
+    assert not backbones.is_built(name)
+    with pytest.raises(ValueError, match=f"unknown backbone {name!r}"):
+        families.family_of(name)
+
+
+def test_load_backbone_refuses_an_image_splitting_it_does_not_know():
+    for splitting in ("yes", True):
+        with pytest.raises(ValueError, match=rf"image splitting {splitting!r} is none of checkpoint, on, off"):
+            backbones.load_backbone("tiny-idefics2", image_splitting=splitting)
+
+
+def test_a_cache_file_passed_as_model_is_refused_by_content_naming_it(tmp_path):
+    path = str(tmp_path / "features.safetensors")
+    files.write_cache(path, {"features": torch.ones(3, 4)}, "key")           # a cache file: no sha256 of its weights
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone \(no checksum"):
+        backbones.load_backbone(path)
+    with_digest = lambda tensors: files.atomic_write(path, lambda f: f.write(save(
+        tensors, metadata={"sha256": files.weights_digest(tensors)})))
+    with_digest({"features": torch.ones(3, 4)})                             # a valid checksum, other tensors
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: it holds 1 tensors \(features\)"):
+        backbones.load_backbone(path)
+    real = load_file(toy_backbone.TOY_REFERENCE)
+    name = sorted(real)[0]
+    with_digest({**real, name: torch.zeros(*real[name].shape[:-1], real[name].shape[-1] + 1)})  # one shape off
+    with pytest.raises(ValueError, match=rf"{path} is not a toy backbone: {name} is"):
+        backbones.load_backbone(path)
+
+
+def test_small_backbones_on_cpu_run_on_one_thread_unless_threads_says():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert backbones.choose_threads("idefics2") == 2                             # a real backbone: torch's choice
+        for name in ("tiny-idefics2", "toy-idefics2", "runs/x/backbone.safetensors"):
+            torch.set_num_threads(2)
+            assert backbones.choose_threads(name) == 1
+        assert backbones.choose_threads("toy-idefics2", 2) == 2
+        assert train.parse_args(["--model", "toy-idefics2", "--threads", "3"]).threads == 3
+    finally:
+        torch.set_num_threads(before)

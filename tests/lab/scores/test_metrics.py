@@ -1,17 +1,67 @@
-"""Metrics in evaluate.py against hand-checked values and the rules of the official evaluation code."""
+"""Metrics (lab/scores/metrics.py) against hand-checked values and the rules of the official evaluation code: VQA
+accuracy, CIDEr-D, multiple choice, MME's acc / acc+ / score, SEED's dimensions."""
 import math
+import os
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import benchmarks
-import evaluate as E
-from lab.datasets import tasks
-from lab.scores import chair, metrics, results
+import data as D
+from lab.scores import metrics, results
 
-# -----------------------------------------------------------------------------
-# VQA normalisation (vqaEval.py processPunctuation / processDigitArticle)
+
+def mme_item(i, subtask, image_name, answer):
+    return D.Item(i, f"/mme/{subtask}/{image_name}", "q?", (answer,), answer, subtask)
+
+
+def official_mme(folder, subtask):
+    """acc and acc+ (percent) of one eval_tool results file, computed the way calculation.py does: lines in
+    consecutive pairs (one image each), the prediction lowercased, exact yes/no else "yes" then "no" in its first
+    4 characters, else other."""
+    with open(os.path.join(folder, subtask + ".txt")) as f:
+        lines = f.readlines()
+    right = []
+    for line in lines:
+        _, _, gt, pred = line.split("\t")
+        pred = pred.lower()
+        label = pred if pred in ("yes", "no") else "yes" if "yes" in pred[:4] else "no" if "no" in pred[:4] else "x"
+        right.append(label == gt.lower())
+    pairs = [right[i:i + 2] for i in range(0, len(right), 2)]
+    return 100 * sum(right) / len(right), 100 * sum(all(p) for p in pairs) / len(pairs)
+
+
+def test_mme_scores_hand_computed(tmp_path):
+    items = [mme_item(0, "existence", "1.jpg", "Yes"), mme_item(1, "existence", "1.jpg", "No"),
+             mme_item(2, "existence", "2.jpg", "Yes"), mme_item(3, "existence", "2.jpg", "No"),
+             mme_item(4, "code_reasoning", "3.png", "Yes"), mme_item(5, "code_reasoning", "3.png", "No")]
+    predictions = ["Yes", "no, there is none", "yes", "Yes it is", "Not sure", "maybe"]
+    # existence: image 1 both right, image 2 one right -> acc 3/4, acc+ 1/2, score 125.
+    # code_reasoning: "Not sure" has "no" in its first 4 characters -> "no" (wrong), "maybe" -> other (wrong).
+    m = metrics.mme_scores(items, predictions)
+    assert m["subtasks"] == {"existence": {"acc": 75.0, "acc_plus": 50.0, "score": 125.0},
+                             "code_reasoning": {"acc": 0.0, "acc_plus": 0.0, "score": 0.0}}
+    assert (m["perception"], m["cognition"], m["accuracy"], m["mean_subtask_accuracy"]) == (125.0, 0.0, 50.0, 37.5)
+    results.write_mme_results(str(tmp_path), items, predictions)  # the official way on the official results format
+    for subtask, v in m["subtasks"].items():
+        assert official_mme(str(tmp_path), subtask) == (v["acc"], v["acc_plus"])
+
+
+@pytest.mark.parametrize("generation, letter", [
+    ("(B)", "b"), ("B.", "b"), ("The answer is B", "b"), ("the answer is b.", "b"), ("b", "b"),
+    (" C) three", "c"), ("Answer: (d)", "d"), ("answer is: A", "a"), ("D. Four", "d"),
+    ("Bus", None), ("", None), ("The bus", None), ("1", None),
+])
+def test_option_letter(generation, letter):
+    assert metrics.option_letter(generation) == letter
+
+
+def test_seed_scores_per_dimension():
+    items = [D.Item(i, "x.jpg", "q", ("1", "2", "3", "4"), t, c)
+             for i, (t, c) in enumerate([("A", "d1"), ("B", "d1"), ("C", "d2"), ("D", "d2"), ("A", "d2")])]
+    m = metrics.seed_scores(items, ["(A)", "The answer is c", "C.", "d", "B"])
+    assert m == {"dimensions": {"d1": 50.0, "d2": 200 / 3}, "accuracy": 60.0}
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -48,10 +98,6 @@ def test_period_strip_count_quirk():
     assert metrics.normalize_vqa_answer("." * 40) == "." * 8
 
 
-# -----------------------------------------------------------------------------
-# VQA accuracy
-
-
 @pytest.mark.parametrize("k, expected", [(0, 0.0), (1, 0.3), (2, 0.6), (3, 0.9), (4, 1.0), (10, 1.0)])
 def test_vqa_accuracy_leave_one_out(k, expected):
     # k of the ten answers equal the prediction. Leaving out a matching answer leaves k-1 matches,
@@ -86,10 +132,6 @@ def test_vqa_accuracy_takes_leave_one_out_values(answers, prediction):
     # whatever the answers, the score is one of the five leave-one-out values
     acc = metrics.vqa_accuracy(prediction, answers)
     assert any(math.isclose(acc, v, abs_tol=1e-12) for v in (0.0, 0.3, 0.6, 0.9, 1.0))
-
-
-# -----------------------------------------------------------------------------
-# captions: tokenisation and CIDEr-D
 
 
 @pytest.mark.parametrize("raw, expected", [
@@ -165,6 +207,8 @@ def test_cider_d_edge_cases():
 
 
 _WORDS = ["red", "dog", "cat", "runs", "big"]
+
+
 _caption = st.lists(st.sampled_from(_WORDS), min_size=1, max_size=5)
 
 
@@ -196,10 +240,6 @@ def test_cider_d_consensus_caption_wins(best, other, num_refs):
         assert rival < top
 
 
-# -----------------------------------------------------------------------------
-# multiple choice (MME yes/no, SEED-Bench option letters)
-
-
 @pytest.mark.parametrize("pred, answer, correct", [
     ("Yes", "yes", True),
     ("yes, there is a dog", "Yes", True),
@@ -222,144 +262,3 @@ def test_multiple_choice_single(pred, answer, correct):
 
 def test_multiple_choice_accuracy_mean():
     assert metrics.multiple_choice_accuracy(["A", "yes", "C", "no"], ["A", "no", "b", "no"]) == 0.5
-
-
-# -----------------------------------------------------------------------------
-# CHAIR as chair.py counts it (Rohrbach et al.'s utils/chair.py and data/synonyms.txt)
-
-VOCAB = chair.chair_vocabulary(chair.COCO_SYNONYMS)
-
-
-def test_a_changed_synonyms_file_is_refused(tmp_path):
-    changed = tmp_path / "synonyms.txt"
-    changed.write_text(chair.published_synonyms() + "robot, android\n")
-    with pytest.raises(ValueError, match="not the published CHAIR synonyms.txt"):
-        chair.published_synonyms(str(changed))
-
-
-def test_chair_synonyms_are_the_published_list():
-    assert len(chair.COCO_SYNONYMS) == 80 and len(chair.published_synonyms().splitlines()) == 80
-    names = list(chair.COCO_SYNONYMS)
-    assert names[:3] == ["person", "bicycle", "car"] and names[-1] == "toothbrush"
-    for word, category in [("bagel", "donut"), ("briefcase", "handbag"), ("wallet", "handbag"), ("pickup", "truck"),
-                           ("bison", "cow"), ("panda", "bear"), ("sub", "sandwich"), ("notebook", "laptop"),
-                           ("container", "bowl"), ("villager", "person"), ("husky", "dog"), ("steamship", "boat")]:
-        assert VOCAB[word] == category
-    for word in ("surfer", "batter", "umpire", "baseball", "football", "bat", "glove", "glass", "plant", "bag",
-                 "cub", "grizzly", "hair dryer", "double decker"):  # the project's old list had them; chair.py not
-        assert word not in VOCAB
-    assert len(VOCAB) == 403  # chair.py's 403 distinct words, " motor bike", " cheesecake", "iPhone" as stripped
-
-
-def test_read_synonyms_strips_and_lowercases_and_rejects_empty_words():
-    assert chair.read_synonyms("motorcycle, scooter,  motor bike\ncell phone, iPhone") == \
-        {"motorcycle": "motorcycle, scooter, motor bike", "cell phone": "cell phone, iphone"}
-    with pytest.raises(ValueError, match="synonyms line 2"):
-        chair.read_synonyms("cat, kitten\ndog, , puppy")
-
-
-@pytest.mark.parametrize("caption, mentions", [
-    ("A train on the train tracks.", [("train", "train")]),           # "train track" is no train (chair.py's pair)
-    ("Two double decker buses.", [("bus", "bus")]),                   # one bus, "double decker" is no synonym
-    ("A baseball player at home plate.", [("player", "person")]),    # "baseball" is no ball
-    ("Two taxis near a cab.", [("taxi", "car"), ("cab", "car")]),     # taxis -> taxi, as chair.py singularises
-    ("A stove top oven.", [("stove", "oven"), ("oven", "oven")]),     # only pairs are joined: two ovens
-    ("A man in a bow tie.", [("man", "person"), ("tie", "tie")]),     # bow tie is read as tie
-    ("A passenger jet and baby birds.", [("jet", "airplane"), ("bird", "bird")]),  # no passenger, no baby
-    ("A seat in the toilet.", [("toilet", "toilet")]),                # a toilet's seat is no chair
-    ("A hot dog and teddy bears.", [("hot dog", "hot dog"), ("teddy bear", "teddy bear")]),
-    ("Wine glasses and a cell phone.", [("wine glass", "wine glass"), ("cell phone", "cell phone")]),
-    ("People, women and children.", [("person", "person"), ("woman", "person"), ("child", "person")]),
-])
-def test_caption_objects_follow_chair_py(caption, mentions):
-    assert chair.caption_objects(caption, VOCAB) == mentions
-
-
-# chair.py's quirks (README, "CHAIR"): the caption, chair.py's mentions (worked out by hand from its code:
-# pattern.en's singularize and synonyms.txt split on ", "), which the default count reproduces, and the corrected
-# count's (--chair corrected).
-CHAIR_PY_DIFFERENCES = [
-    ("A bus.", [], [("bus", "bus")]),                                 # pattern: bus -> "bu"; "buses" -> bus both
-    ("A minibus and an airbus.", [], [("minibus", "bus"), ("airbus", "airplane")]),  # -> "minibu", "airbu"
-    ("Two ties.", [], [("tie", "tie")]),                              # pattern: ties -> "ty"
-    ("Two canoes.", [], [("canoe", "boat")]),                         # pattern: canoes -> "cano"
-    ("A motor bike.", [], [("motor bike", "motorcycle")]),            # synonyms.txt: " motor bike" (leading space)
-    ("A cheesecake.", [], [("cheesecake", "cake")]),                  # " cheesecake"
-    ("An iPhone.", [], [("iphone", "cell phone")]),                   # "iPhone" against a lowercased caption
-    ("Two doggies.", [], [("doggy", "dog")]),                         # pattern keeps "doggies" (its -ie list)
-    ("A hot, dog.", [("dog", "dog")], [("hot dog", "hot dog")]),      # nltk keeps the comma: no pair
-    ("A teddy. Bear.", [("bear", "bear")], [("teddy bear", "teddy bear")]),  # nor the period
-    ("A wine - glass.", [], [("wine glass", "wine glass")]),          # nor the dash; "glass" -> "glas", no word
-]
-
-
-# pattern.en's other readings, which change the word chair.py reports but not its category, and the -i / -u
-# plurals it singularises (the project's rule kept words ending in -is / -us): caption, chair.py's mentions.
-@pytest.mark.parametrize("caption, mentions", [
-    ("People with skis.", [("person", "person"), ("ski", "skis")]),   # pattern: people -> person, skis -> ski
-    ("Two oxen.", [("ox", "cow")]),                                   # oxen -> ox
-    ("A tennis racket.", [("racket", "tennis racket")]),              # tennis -> "tenni", so no pair
-    ("A dining table.", [("table", "dining table")]),                 # no double word in chair.py: table
-    ("Corgis, zebus and broccolis.", [("corgi", "dog"), ("zebu", "cow"), ("broccoli", "broccoli")]),
-    ("Two computer mouses.", [("computer", "laptop"), ("mouse", "mouse")]),
-])
-def test_caption_objects_report_chair_pys_words(caption, mentions):
-    assert chair.caption_objects(caption, VOCAB) == mentions
-
-
-def test_chair_py_pairs_and_plurals_change_the_count():
-    # by hand: ground truth {dog}; "hot, dog" is a dog (no hot dog), "corgis" a dog; "doggies" nothing;
-    # a tie hallucinated
-    captions = {1: "A hot, dog and two corgis.", 2: "Doggies and a tie."}
-    result, wrong = chair.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB)
-    assert wrong == {1: [], 2: ["tie"]} and result["chair_s"] == 0.5 and result["chair_i"] == pytest.approx(1 / 3)
-    result, wrong = chair.chair(captions, {1: {"dog"}, 2: {"dog"}}, {1: [], 2: []}, VOCAB, "corrected")
-    assert wrong == {1: ["hot dog"], 2: ["tie"]} and result["chair_i"] == pytest.approx(2 / 4)
-
-
-@pytest.mark.parametrize("caption, chair_py, corrected", CHAIR_PY_DIFFERENCES)
-def test_chair_counts_as_chair_py_by_default_and_corrected_on_request(caption, chair_py, corrected):
-    assert chair.caption_objects(caption, VOCAB) == chair_py != corrected
-    assert chair.caption_objects(caption, VOCAB, "corrected") == corrected
-
-
-def test_chair_counts_a_singular_bus_only_when_corrected():
-    captions = {1: "A bus on the street.", 2: "A dog and two buses."}
-    result, wrong = chair.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB, "corrected")
-    assert wrong == {1: ["bus"], 2: ["bus"]}
-    assert result["chair_s"] == 1.0 and result["chair_i"] == pytest.approx(2 / 3)
-    result, wrong = chair.chair(captions, {1: set(), 2: {"dog"}}, {1: [], 2: []}, VOCAB)    # as chair.py
-    assert wrong == {1: [], 2: ["bus"]} and result["chair_s"] == 0.5 and result["chair_i"] == 0.5
-
-
-# Captions as a model writes them, each mention worked out by hand as chair.py's caption_to_words reads it (nltk's
-# tokens, pattern.en's singularize, its double words, synonyms.txt split on ", "): (caption, ground truth, chair.py's
-# hallucinated words, its mention count).
-CHAIR_PY_BY_HAND = [
-    ("A red bus parked next to two buses.", {"bus"}, [], 1),                 # "bu" is no word; buses -> bus
-    ("A man with two ties and a canoe.", {"person"}, ["canoe"], 2),          # ties -> "ty"; canoe is a boat
-    ("Canoes on a lake near a motor bike.", set(), [], 0),                   # "cano"; " motor bike" never matches
-    ("A woman eats cheesecake and holds an iPhone.", {"person"}, [], 1),     # " cheesecake", "iPhone" never match
-    ("A dog sits on a bus seat next to a toilet.", {"dog"}, ["toilet"], 2),  # "bu"; seat dropped beside a toilet
-    ("Two giraffes and a baby elephant.", {"giraffe"}, ["elephant"], 2),     # baby elephant -> elephant
-]
-
-
-def test_default_chair_equals_chair_pys_count_on_hand_worked_captions():
-    captions = {k: c for k, (c, _, _, _) in enumerate(CHAIR_PY_BY_HAND)}
-    truth = {k: t for k, (_, t, _, _) in enumerate(CHAIR_PY_BY_HAND)}
-    result, wrong = chair.chair(captions, truth, {k: [] for k in captions}, VOCAB)
-    assert [wrong[k] for k in captions] == [w for _, _, w, _ in CHAIR_PY_BY_HAND]
-    mentions = sum(n for *_, n in CHAIR_PY_BY_HAND)
-    assert result["chair_i"] == pytest.approx(3 / mentions) and result["chair_s"] == pytest.approx(3 / 6)
-    corrected, _ = chair.chair(captions, truth, {k: [] for k in captions}, VOCAB, "corrected")
-    assert corrected["chair_i"] != result["chair_i"]
-
-
-def test_the_corrected_count_is_named_in_the_output():
-    items = tasks.load_task("coco", "val", benchmarks.ROOT)[:2]
-    assert set(chair.chair_metrics(items, [it.target for it in items], "corrected")) == \
-        {"chair_s_corrected", "chair_i_corrected", "recall_corrected"}
-    args = E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair", "corrected"])
-    assert args.chair == "corrected" and "chair-corrected" in results.result_name(args, "0-shot", 2, {})
-    assert E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair"]).chair == "chair.py"

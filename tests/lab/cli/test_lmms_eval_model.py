@@ -5,7 +5,6 @@ simple_evaluate and through `python -m lmms_eval` run from the project's root; t
 likelihood. Skipped where lmms-eval is not installed (requirements-lmms-eval.txt; .ci/run installs it)."""
 import glob
 import importlib.metadata
-import io
 import json
 import os
 import subprocess
@@ -25,8 +24,7 @@ import data as D  # noqa: E402
 import train  # noqa: E402
 from lab.datasets import tasks, toy_world  # noqa: E402
 from lab.cli import lmms_eval_model  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT  # noqa: E402
 TASK, N = "toy-icl-colour", 16
 assert E.__file__ == os.path.join(ROOT, "evaluate.py")
 

@@ -1,16 +1,22 @@
-"""Zero-shot cost: HiFICL's maskless paths, the benchmark sizes, every registered method benchmarked, peak memory.
-Benchmarks are measurements: nothing here asserts a latency."""
+"""Zero-shot cost, Table 6 (lab/studies/table6.py): HiFICL's maskless paths, the benchmark sizes and prompts, every
+registered method benchmarked, peak memory, the attention benchmark. Benchmarks are measurements: nothing here
+asserts a latency."""
+import json
+
 import pytest
 import torch
+from PIL import Image
 
-import benchmarks
 import adapters
+import benchmarks
+import data as D
 import evaluate as E
 import model as M
 from adapters import HiFICL
-from lab.models import backbones, published
+from helpers import BENCH
 from lab.methods import registry
 from lab.methods.mimic import MimIC
+from lab.models import backbones, published
 from lab.studies import table6
 
 
@@ -92,3 +98,64 @@ def test_paired_latency_cancels_a_drifting_machine():
     assert result["b"][1] == pytest.approx(2 * 2 * 1.1 / (1 + 1.1 ** 2))
     assert result["zero-shot"][1:] == (1.0, 1.0, 1.0)
     assert abs(ms / result["zero-shot"][0] - 1.5) > 0.05
+
+
+def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, capsys):
+    rows = E.main([*BENCH, "--benchmark", "--rounds", "1", "--out", str(tmp_path)])
+    printed = capsys.readouterr().out
+    names = ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
+    assert [r["setting"] for r in rows] == names
+    for r in rows:
+        assert r["tflops"] > 0 and r["ms"] > 0 and r["prefill_ms"] > 0 and 0 < r["prefill_tflops"] < r["tflops"]
+        assert any(line.split()[0] == r["setting"] and f"{r['tflops']:.4g}" in line for line in printed.splitlines())
+    flops = {r["setting"]: r["tflops"] for r in rows}
+    # the adapters cost a little (LIVE's elementwise shift no counted FLOPs at all), ICDs a lot
+    assert all(flops["zero-shot"] <= flops[m] < flops["8-shot"] for m in registry.METHODS)
+    assert flops["zero-shot"] < flops["hyper-icl"] and flops["8-shot"] < flops["16-shot"] < flops["32-shot"]
+    with open(tmp_path / "benchmark.json") as f:
+        assert json.load(f)["rows"] == rows
+
+
+@pytest.mark.parametrize("family", table6.SYNTHETIC)  # the families synthetic_prompt is written for
+def test_synthetic_prompts_are_in_the_family_format(family):
+    """--random-weights inputs, built from the tiny twin's config, run through the real model class, with as many
+    tokens per image as the family's own processor gives an image of that size."""
+    backbone = backbones.load_backbone("tiny-" + family)
+    lengths = []
+    for shots in (0, 2):
+        inputs = table6.synthetic_prompt(backbone.model, family, shots)
+        new = backbone.model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        assert new.shape[1] == inputs["input_ids"].shape[1] + 2
+        lengths.append(inputs["input_ids"].shape[1])
+    h, w = inputs["pixel_values"].shape[-2:]
+    image = Image.new("RGB", (w, h), (200, 30, 30))
+    per_image = len(D.encode_piece(backbone.processor, family, "<image>", image)["input_ids"])
+    assert lengths[1] - lengths[0] == 2 * (per_image + table6.ICD_TEXT)
+
+
+def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
+    """--random-weights end to end on CPU, the real-size backbone replaced by the tiny twin (synthetic prompts)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(published, "published_model",
+                        lambda family, device: backbones.load_backbone("tiny-" + family).model)
+    rows = E.main(["--benchmark", "--rounds", "1", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
+                   "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
+    assert [r["setting"] for r in rows] == ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]
+    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4)
+                                                       for s in (8, 16, 32)]  # the tiny twin: 2 x 2 patches an image
+    assert "llava-interleave (random weights)" in capsys.readouterr().out
+
+
+def test_random_weights_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        E.parse_args(["--benchmark", "--random-weights"])
+    assert "error: --random-weights published runs a real-size backbone and needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_attention_benchmark_runs_every_path(capsys):
+    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16, rounds=1)
+    assert list(ms) == ["sdpa", *registry.METHODS, "hyper-icl reference"]
+    assert all(t > 0 and m > 0 for t, m in ms.values())
+    assert "hyper-icl reference" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """A task of one's own (--task PATH, lab/datasets/own_task.py): JSONL tasks of each kind and a LLaVA .json on skimage's
 photographs, read, trained and evaluated through train.py and evaluate.py on the tiny Idefics2 twin; every bad record
-refused naming its file, line and field."""
+refused naming its file, line and field; media tokens and images the processors refuse."""
 import dataclasses
 import hashlib
 import json
@@ -10,13 +10,15 @@ import pytest
 from PIL import Image
 
 import data
+import data as D
 import evaluate
 import train
-from lab.datasets import own_task, tasks
-from lab.models import backbones
+from helpers import coloured_photos, jsonl, TINY, vqa_task
+from lab.datasets import own_task, readers, tasks
+from lab.models import backbones, tiny
+
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field")
-TINY = ["--model", "tiny-idefics2"]
 
 
 def write_jsonl(path, records):
@@ -173,8 +175,6 @@ def test_predict_scores_a_task_of_ones_own(own):
     assert evaluate.score("vqa", items, ["nothing like it"] * len(items))[1] == 0.0
 
 
-# ------------------------------------------------------------------------------------------------- bad input
-
 GOOD = {"id": 1, "image": "images/chelsea.jpg", "question": "What is it?", "answer": "a cat"}
 
 
@@ -219,7 +219,7 @@ def test_a_bad_record_names_its_file_line_and_field(photos, tmp_path, bad, line,
     assert f"{path} line {line + (line == 2)}, field `{field}`: " in str(e.value) and message in str(e.value)
 
 
-def test_bad_files_and_folders_are_named(own, photos, tmp_path):
+def test_bad_files_and_folders_are_named(own, photos, tmp_path, capsys):
     folder, _ = photos
     bad = write_jsonl(folder / "syntax.jsonl", [GOOD, "{not json"])
     with pytest.raises(ValueError, match=f"{bad} line 2: not a JSON object"):
@@ -238,6 +238,7 @@ def test_bad_files_and_folders_are_named(own, photos, tmp_path):
         tasks.load_task(own["vqa"], "test")
     with pytest.raises(SystemExit):
         train.parse_args([*TINY, "--task", "not-a-task"])
+    assert "argument --task: 'not-a-task' is neither a task (vqav2, " in capsys.readouterr().err
 
 
 def test_a_llava_record_of_more_turns_is_refused_naming_its_id(photos):
@@ -266,3 +267,136 @@ def test_a_category_that_would_name_a_file_elsewhere_is_refused_where_results_ar
     with pytest.raises(ValueError, match="'../victim' cannot be a file's name"):
         results.write_evaluation(str(tmp_path / "out" / "stem"), "yes-no", bad, ["yes"] * len(bad), {})
     assert not (tmp_path / "victim.txt").exists() and not (tmp_path / "out").exists()
+
+
+def write(path, lines):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("own6")
+    Image.new("RGB", (8, 8), "red").save(root / "a.png")
+    return root
+
+
+def record(**fields):
+    return json.dumps({"id": 1, "image": "a.png", "question": "what?", "answer": "x"} | fields)
+
+
+@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json"])
+def test_a_deeply_nested_task_file_is_one_error_naming_it(folder, name):
+    path = folder / name
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=rf"{path}.*nested too deep"):  # before: a RecursionError's traceback
+        own_task.read(str(path))
+
+
+def test_an_id_in_two_files_of_a_folder_task_is_refused_naming_both(folder):
+    task = folder / "split"
+    task.mkdir()
+    Image.new("RGB", (8, 8)).save(task / "a.png")
+    write(task / "train.jsonl", [record(id=7), record(id=8)])
+    write(task / "val.jsonl", [record(id=7)])  # before: read, a query scored on what it trained on
+    with pytest.raises(ValueError, match=rf"val.jsonl, field `id`: duplicate id 7 \(also at .*train.jsonl\)"):
+        own_task.read(str(task))
+    write(task / "val.jsonl", [record(id="7")])  # the text "7" is another id (kept apart everywhere)
+    assert [it.id for it in own_task.read(str(task))[1]["val"]] == ["7"]
+
+
+@pytest.mark.parametrize("options, answer, message", [
+    (["cat", "cat"], "cat", r"field `options`: \['cat', 'cat'\] repeats an option"),
+    (["B", "A"], "A", r"field `answer`: 'A' is both a letter and the text of option B"),
+])
+def test_a_choice_record_that_names_no_one_option_is_refused(folder, options, answer, message):
+    path = write(folder / f"choice{len(options)}{answer}.jsonl", [record(options=options, answer=answer)])
+    with pytest.raises(ValueError, match=rf"line 1, {message}"):  # before: read as option A, silently
+        own_task.read(path)
+
+
+def test_a_choice_record_whose_letters_are_its_options_in_order_still_reads(folder):
+    path = write(folder / "letters.jsonl", [record(options=["A", "B"], answer="B")])
+    assert own_task.read(path)[1][None][0].target == "B"
+
+
+def test_every_media_token_a_family_names_is_refused_in_text(tmp_path):
+    """The image and video tokens each twin's config names; <|video_pad|> in a question reached Qwen's M-RoPE as a
+    video of no frames (a TypeError traceback after the model loaded)."""
+    named = set()
+    for build in tiny.TINY_BUILDERS.values():
+        model, processor = build()
+        config = model.config
+        for key in ("image_token_id", "video_token_id", "image_token_index", "video_token_index",
+                    "vision_start_token_id", "vision_end_token_id", "boi_token_index", "eoi_token_index"):
+            if isinstance(getattr(config, key, None), int):
+                named.add(processor.tokenizer.convert_ids_to_tokens(getattr(config, key)))
+    assert named - {None} <= set(readers.IMAGE_PLACEHOLDERS) and "<|video_pad|>" in named
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    (tmp_path / "t.jsonl").write_text(json.dumps({"id": 1, "image": "a.png", "question": "a <|video_pad|>?",
+                                                  "answer": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"line 1, field `question`: .*'<\|video_pad\|>', an image placeholder"):
+        own_task.read(str(tmp_path / "t.jsonl"))
+
+
+def test_an_image_qwens_processors_refuse_is_refused_for_every_family_naming_it(tmp_path):
+    """A side over 200 times the other: Qwen's processors raise "absolute aspect ratio must be smaller than 200"
+    naming nothing, after the model loaded; refused when read (the task's file and line) and when loaded (the item),
+    as a 1-pixel side is, so a task reads the same on every backbone."""
+    Image.new("RGB", (401, 2)).save(tmp_path / "long.png")
+    Image.new("RGB", (2, 400)).save(tmp_path / "ok.png")
+    with pytest.raises(OSError, match=r"item 3: cannot read its image .*long.png .*401 x 2 pixels; each side must be "
+                                      "at least 2 and at most 200 times the other"):
+        D.load_image(D.Item(3, str(tmp_path / "long.png"), "q?", ("a",), "a"))
+    assert D.load_image(D.Item(4, str(tmp_path / "ok.png"), "q?", ("a",), "a")).size == (2, 400)
+    record = {"id": 1, "image": "long.png", "question": "q?", "answer": "a"}
+    (tmp_path / "t.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl line 1, field `image`: .*at most 200 times the other"):
+        own_task.read(str(tmp_path / "t.jsonl"))
+
+
+def test_two_tasks_of_one_name_get_two_run_folders_and_the_benchmarks_keep_theirs(tmp_path):
+    import evaluate
+    import train
+    a, b = vqa_task(tmp_path / "a"), vqa_task(tmp_path / "b")
+    mine = vqa_task(tmp_path / "my", name="vqav2.jsonl")
+    outs = {task: train.parse_args([*TINY, "--task", task]).out for task in (a, b, mine, "vqav2")}
+    assert len(set(outs.values())) == 4 and outs["vqav2"] == "runs/tiny-idefics2-vqav2-hyper-icl"
+    assert outs[a].startswith("runs/tiny-idefics2-data-") and outs[a].endswith("-hyper-icl")
+    assert train.parse_args([]).out == "runs/toy-idefics2-toy-icl-colour-hyper-icl"  # the default job's, as README
+    assert evaluate.parse_args([*TINY, "--task", a, "--shots", "0"]).out != \
+        evaluate.parse_args([*TINY, "--task", b, "--shots", "0"]).out
+
+
+def test_an_image_written_two_ways_lands_on_one_side_of_the_split(tmp_path):
+    paths = coloured_photos(tmp_path, 12)
+    ways = lambda k, p: [p, "./" + p, str(tmp_path / p)][k % 3]  # relative, ./relative, absolute
+    records = [{"id": f"{k}-{j}", "image": ways(k + j, p), "question": f"Question {j}?", "answer": "yes"}
+               for k, p in enumerate(paths) for j in range(2)]
+    task = jsonl(tmp_path / "ways.jsonl", records)
+    pool, rest = (tasks.load_task(task, s) for s in D.SPLITS)
+    real = lambda part: {os.path.realpath(it.image_path) for it in part}
+    assert not real(pool) & real(rest) and len(real(pool)) == len(real(rest)) == 6  # before: 6 of 12 on both sides
+
+
+def test_an_image_with_a_one_pixel_side_is_refused_naming_the_line_or_the_item(tmp_path):
+    Image.new("RGB", (1, 1)).save(tmp_path / "dot.png")
+    Image.new("RGB", (3000, 1)).save(tmp_path / "line.png")
+    task = jsonl(tmp_path / "tiny.jsonl", [{"id": 1, "image": "dot.png", "question": "What?", "answer": "a dot"}])
+    with pytest.raises(ValueError, match=rf"{task} line 1, field `image`: .*dot.png: its image is 1 x 1 pixels; each "
+                                         "side must be at least 2"):
+        tasks.load_task(task, "train")
+    with pytest.raises(OSError, match=r"item 4: cannot read its image .*line.png as .* \(3000 x 1 pixels; each side"):
+        D.load_image(D.Item(4, str(tmp_path / "line.png"), "What?", ("a line",), "a line"))  # before: a ZeroDivision-
+
+
+def test_a_category_per_record_names_why_the_training_pool_is_empty(tmp_path):
+    records = [{"id": k, "image": p, "question": "What?", "answer": "x", "category": f"c{k}"}
+               for k, p in enumerate(coloured_photos(tmp_path, 6))]
+    task = jsonl(tmp_path / "each.jsonl", records)
+    with pytest.raises(ValueError, match=r"the training pool is empty: the images are split category by category "
+                                         r"\(field `category`\), round\(0.5 x images\) of each, and each of its 6 "
+                                         r"categories has 1 image\(s\) at most"):
+        tasks.load_task(task, "train")  # before: "has 0 training items: none left to train on", later, no reason
+    assert len(tasks.load_task(task, "val")) == 6

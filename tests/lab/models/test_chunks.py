@@ -1,6 +1,5 @@
-"""Memory as planned (issue 37): the forward keeps only what it uses (the teacher's query positions layer by layer,
-images encoded in chunks) with the same numbers, and the teacher cache's room is checked for every query, a full
-disk mid-run named like the check."""
+"""Memory as planned (lab/models/chunks.py): the forward keeps only what it uses (the teacher's query positions layer
+by layer, images encoded in chunks) with the same numbers."""
 import pytest
 import torch
 

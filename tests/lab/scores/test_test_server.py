@@ -1,7 +1,7 @@
 """VQAv2's test server (lab/scores/test_server.py): evaluate.py --split test-dev / test on a generated test2015 layout
 (the official questions files, no annotations, images in coco/test2015/) writes EvalAI's file over every test2015
 question; --n-eval below the split writes none; a file missing ids is never written. Under torchrun the file is
-written by the first process from predict's gathered answers, as the predictions (tests/test_distributed.py)."""
+written by the first process from predict's gathered answers, as the predictions (tests/lab/run/test_torchrun.py)."""
 import json
 import os
 
@@ -13,7 +13,10 @@ from lab.datasets import readers
 from lab.scores import test_server
 from lab.scores.metrics import normalize_vqa_answer
 
+
 TEST_IDS = [5000, 5001, 5002, 5010, 5011, 5020, 5021]  # test2015; test-dev is a part of it
+
+
 DEV_IDS = [5001, 5010, 5020, 5021]
 
 
@@ -124,4 +127,3 @@ def test_the_test_splits_are_vqav2_evaluations(flags, message, capsys):
     with pytest.raises(SystemExit):
         E.parse_args(flags)
     assert message in capsys.readouterr().err
-

@@ -1,6 +1,7 @@
-"""--plan and the teacher cache that fits (issue 30), on real-processor twins (tools/twins.py), CPU: the plan's token
-counts are the collated rows', its cache size the bytes a run writes, it loads no weights; a cache that does not fit
-stops the run before its first step; Idefics2's image splitting is explicit (flag, printed source, cache key)."""
+"""--plan and the teacher cache that fits (lab/studies/plan.py), on real-processor twins (tools/twins.py), CPU: the
+plan's token counts are the collated rows', its cache size the bytes a run writes, it loads no weights; a cache that
+does not fit stops the run before its first step; Idefics2's image splitting is explicit (flag, printed source, cache
+key)."""
 import os
 from collections import namedtuple
 
@@ -11,12 +12,13 @@ import benchmarks
 import data
 import evaluate
 import train
-from twins import write_twin
-from lab.disk import files
 from lab.datasets import tasks
+from lab.disk import files
 from lab.models import backbones
 from lab.run import teacher_cache
 from lab.studies import plan
+from twins import write_twin
+
 
 Free = namedtuple("Free", "total used free")
 
@@ -196,7 +198,7 @@ def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins
 
 def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the_teacher(tmp_path, capsys):
     """The line's read time is the query's cache bytes at the read speed it measured, its teacher FLOPs 2 x the
-    parameters x the mean teacher row, its time those at train.ACCELERATOR_TFLOPS, and its verdict their order."""
+    parameters x the mean teacher row, its time those at plan.ACCELERATOR_TFLOPS, and its verdict their order."""
     import re
     figures = train.main(["--plan", "--model", "tiny-llava-onevision", "--task", "vqav2", "--data-root",
                           benchmarks.ROOT, "--out", str(tmp_path / "run")])

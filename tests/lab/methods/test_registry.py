@@ -1,5 +1,6 @@
-"""The baselines (static gates, output level, MimIC, LIVE, LoRA) against independent formulas and inside the tiny
-Idefics2 twin: counts on the published configs, identity at init, masks, caching, gradients, saving, training."""
+"""The methods of lab/methods/registry.py (static gates, output level, MimIC, LIVE, LoRA) against independent formulas
+and inside the tiny Idefics2 twin: counts on the published configs, identity at init, masks, caching, gradients,
+saving, training; no method compared by name outside the registry."""
 import ast
 import glob
 import json
@@ -16,78 +17,19 @@ import evaluate
 import model as M
 import train
 from adapters import OutputLevel, StaticGate, StaticGateHead
-from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts
-from test_train import micro_batch
+from helpers import (assert_cached_decoding_equals_full_forward, left_padded_mask, micro_batch, naive_attention,
+                     prompts, rand, randomised, ROOT, TEXTS)
 from lab.datasets import tasks
-from lab.models import backbones, published
-from lab.methods import live, registry
-from lab.methods.live import LIVE
-from lab.methods.mimic import MimIC
+from lab.methods import registry
+from lab.models import published
 from lab.run import checkpoints
 
+
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
+
+
 SIZES = {"static-layer": dict(rank=2), "static-layer-head": dict(rank=2), "output-level": dict(rank=2),
          "mimic": {}, "live": {}, "lora": dict(rank=2)}
-
-
-def rand(*shape, seed=0, dtype=torch.float64):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
-
-def left_padded_mask(pads, T, S):
-    """Causal + left padding (pads[b] padded keys), bool [B, 1, T, S], the query rows being the last T of S."""
-    keys = torch.arange(S) >= torch.tensor(pads)[:, None]
-    return (torch.ones(T, S, dtype=torch.bool).tril(S - T)[None] & keys[:, None, :])[:, None]
-
-
-def naive_attention(q, k, v, mask):
-    """softmax(q k^T / sqrt(d_h)) v under `mask`, written out; also log Z2 (the log-normaliser over seen keys)."""
-    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
-    log_Z2 = torch.logsumexp(logits, -1, keepdim=True)
-    return torch.exp(logits - log_Z2) @ v, log_Z2
-
-
-def randomised(module, seed):
-    torch.manual_seed(seed)
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=0.5)
-    return module
-
-
-# ------------------------------------------------------------------------------------ formulas (float64)
-
-@pytest.mark.parametrize("T,S,pads", [(5, 5, [0, 2]), (1, 7, [3, 0]), (3, 6, [0, 0]), (4, 4, [0, 0]), (1, 5, [0, 0])])
-def test_mimic_is_sa_plus_mu_shift_with_a_masked_z2(T, S, pads):
-    H, d_h = 3, 8
-    mimic = randomised(MimIC(H, d_h).double(), seed=T + S)
-    q, k, v = rand(2, H, T, d_h, seed=1), rand(2, H, S, d_h, seed=2), rand(2, H, S, d_h, seed=3)
-    mask = left_padded_mask(pads, T, S)
-    sa, log_Z2 = naive_attention(q, k, v, mask)
-    log_Z1 = (q * mimic.w[:, None]).sum(-1, keepdim=True) + mimic.b[:, None, None]
-    mu = torch.exp(log_Z1) / (torch.exp(log_Z1) + torch.exp(log_Z2))
-    want = sa + mu * mimic.s[:, None]
-    seen = mask.any(-1).expand(-1, H, -1)  # [B, H, T]
-    for ours in (mimic(q, k, v, mask, d_h ** -0.5), mimic.reference(q, k, v, mask, d_h ** -0.5)):  # fused, readable
-        torch.testing.assert_close(ours[seen], want[seen], rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(ours[~seen], mimic.s[:, None].expand_as(ours)[~seen])  # no key seen: SA 0, mu 1
-    if not any(pads):  # mask None = plain causal (the last T of S positions)
-        torch.testing.assert_close(mimic(q, k, v, None, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
-
-
-def test_mimic_ignores_padding_and_future_tokens():
-    H, d_h, T, pad = 2, 8, 6, 3
-    mimic = randomised(MimIC(H, d_h).double(), seed=0)
-    q, k, v = rand(1, H, T, d_h, seed=1), rand(1, H, T, d_h, seed=2), rand(1, H, T, d_h, seed=3)
-    alone = mimic(q, k, v, None, d_h ** -0.5)
-    junk = lambda x, s: torch.cat([rand(1, H, pad, d_h, seed=s) * 50, x], -2)
-    padded = mimic(junk(q, 4), junk(k, 5), junk(v, 6), left_padded_mask([pad], T + pad, T + pad), d_h ** -0.5)
-    torch.testing.assert_close(padded[..., pad:, :], alone, rtol=1e-10, atol=1e-10)
-    k2, v2 = k.clone(), v.clone()
-    k2[..., 4:, :] += 10
-    v2[..., 4:, :] -= 10
-    changed = mimic(q, k2, v2, None, d_h ** -0.5)
-    torch.testing.assert_close(changed[..., :4, :], alone[..., :4, :], rtol=1e-10, atol=1e-10)
-    assert (changed[..., 4:, :] - alone[..., 4:, :]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("cls", [StaticGate, StaticGateHead])
@@ -115,17 +57,6 @@ def test_output_level_is_sa_plus_the_gated_low_rank_offset():
     torch.testing.assert_close(adapter(q, k, v, mask, d_h ** -0.5), want, rtol=1e-10, atol=1e-10)
 
 
-def test_live_shifts_and_renormalises():
-    live = randomised(LIVE(16).double(), seed=3)
-    h = rand(2, 5, 16, seed=4)
-    shifted = h + live.alpha * live.v
-    want = shifted / shifted.norm(dim=-1, keepdim=True) * h.norm(dim=-1, keepdim=True)
-    torch.testing.assert_close(live(h), want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(live(h).norm(dim=-1), h.norm(dim=-1), rtol=1e-12, atol=1e-12)
-
-
-# ---------------------------------------------------------------------------- published sizes (meta device)
-
 def hyper_icl_count(L, H, d_h, r):
     return L * H * (2 * d_h * r + d_h + 1)
 
@@ -141,13 +72,6 @@ def test_parameter_counts_on_published_configs(family, counts):
         assert sum(p.numel() for p in registry.attach(model, method).parameters()) == count, method
         assert sum(p.numel() for p in model.parameters() if p.requires_grad) == count, method
         M.detach(model)
-
-
-# --------------------------------------------------------------------------------- inside the tiny twin
-
-@pytest.fixture(scope="module")
-def backbone():
-    return backbones.load_backbone("tiny-idefics2")
 
 
 def perturb(model, seed=0):
@@ -237,15 +161,6 @@ def test_save_load_roundtrip_and_wrong_method_refused(plain, method, tmp_path):
         checkpoints.load_adapter(path, plain, method=other)
 
 
-def test_answer_kl_is_lives_tempered_kl():
-    s, t = rand(4, 11, seed=1), rand(4, 11, seed=2)
-    T = 2.0
-    p, q = torch.softmax(t / T, -1), torch.softmax(s / T, -1)
-    want = T ** 2 * (p * (p.log() - q.log())).sum(-1).mean()
-    torch.testing.assert_close(live.answer_kl(s, t, T), want.float(), rtol=1e-6, atol=1e-6)
-    assert live.answer_kl(t, t, T).abs() < 1e-6
-
-
 @pytest.mark.parametrize("method", BASELINES)
 def test_trains_and_evaluates_end_to_end(method, tmp_path):
     out = str(tmp_path / method)
@@ -306,7 +221,7 @@ def test_no_method_or_anchor_is_compared_by_name_outside_the_registry():
     compared = 'a = cfg.method == "lora"\nb = a.anchor != "none"\nc = m in ("mimic", "x")'
     assert named_in_comparisons(compared) == [1, 2, 3]
     assert named_in_comparisons('y = args.anchor_norm != "none"\nz = checkpoint in ("none", "")') == []
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     paths = [f"{m}.py" for m in ("adapters", "lorentz", "model", "data", "train", "evaluate")] + \
         sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "lab", "**", "*.py"), recursive=True))
     assert len(paths) > 40 and "lab/methods/registry.py" in paths

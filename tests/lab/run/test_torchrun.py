@@ -1,4 +1,5 @@
-"""train.py under torchrun: 2 CPU processes (gloo) against 1, a rank killed mid-run, resume with another world size.
+"""train.py under torchrun (lab/run/torchrun.py): 2 CPU processes (gloo) against 1, a rank killed mid-run, resume with
+another world size.
 
 Every run names --model and --task and is tiny: 8 training queries, micro-batches of 4 (2 per process)."""
 import json
@@ -14,10 +15,9 @@ from safetensors.torch import load_file
 import benchmarks
 import evaluate
 import train
+from helpers import ROOT, RUN
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "8",
-        "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "2", "--save-every", "1"]
+
 # rank 1 dies (kill -9) in its third micro-batch; the others are stopped by torchrun
 KILL_RANK_1 = ("import os, signal, sys; sys.path.insert(0, {root!r}); import train; calls = []; step = train.losses\n"
                "def losses(*a):\n"
@@ -28,7 +28,7 @@ KILL_RANK_1 = ("import os, signal, sys; sys.path.insert(0, {root!r}); import tra
 
 
 def flags(tmp, *extra):
-    return [*TINY, "--out", str(tmp / "run"), "--teacher-cache", str(tmp / "teacher"), *extra]
+    return [*RUN, "--out", str(tmp / "run"), "--teacher-cache", str(tmp / "teacher"), *extra]
 
 
 def torchrun(script, *args):
@@ -92,6 +92,8 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_the_same_adapter(two, t
 
 # the "generated" answer echoes a piece of each item's question, so answers differ and their order shows
 ECHO = "lambda backbone, inputs, *a: inputs['input_ids'][:, -12:-4]"
+
+
 ECHO_SCRIPT = "import sys; sys.path.insert(0, {root!r}); import evaluate; evaluate.generate = " + ECHO + \
               "; evaluate.main(sys.argv[1:])\n"
 

@@ -1,62 +1,23 @@
-"""The toy-icl world: tasks only demonstrations can solve, the meta-trained toy-idefics2 backbone (determinism,
-checked cache), and the efficacy of distillation on it (fails when the adapter or the teacher is broken)."""
-import io
+"""The meta-trained toy-idefics2 backbone (lab/models/toy_backbone.py): determinism, the checked file, a build that
+never learns refused, and the efficacy of distillation on it (fails when the adapter or the teacher is broken)."""
+import errno
 import os
 
 import pytest
 import torch
-from PIL import Image
 
-import data as D
 import evaluate as E
 import train
+from lab.datasets import toy_world
 from lab.disk import files
-from lab.datasets import tasks, toy_world
 from lab.models import backbones, toy_backbone
 
+
 SHIPPED = toy_backbone.TOY_REFERENCE  # lab/models/toy-idefics2.safetensors
+
+
 SMALL_RECIPE = {**toy_backbone.TOY_RECIPE, "named_steps": 2, "episode_steps": 2, "named_batch": 4, "episode_batch": 2,
                 "scenes": 64, "probe_every": 10**6}
-
-
-@pytest.mark.parametrize("attribute", list(toy_world.ICL_ATTRIBUTES))
-def test_toy_icl_tasks_ask_an_uninformative_question_in_the_vqav2_format(attribute):
-    task = f"toy-icl-{attribute}"
-    for split, n in toy_world.ICL_SIZES.items():
-        items = tasks.load_task(task, split)
-        assert len(items) == n and {it.question for it in items} == {toy_world.ICL_QUESTION}
-        assert {it.target for it in items} == set(toy_world.ICL_ATTRIBUTES[attribute])  # every answer occurs
-        assert all(it.answers == (it.target,) * 10 for it in items)
-    assert Image.open(items[0].image_path).size == (toy_world.ICL_SIDE, toy_world.ICL_SIDE)
-
-
-def test_the_tasks_draw_different_images_and_answers_follow_the_scene():
-    paths = {a: tasks.load_task(f"toy-icl-{a}", "val")[0].image_path for a in toy_world.ICL_ATTRIBUTES}
-    blobs = [open(p, "rb").read() for p in paths.values()]
-    assert len(set(blobs)) == len(blobs)
-    scene = {"colour": "blue", "background": "white", "count": "2", "cells": [0, 8], "margins": [[1] * 4] * 2,
-             "shade": [0, 0, 0]}
-    pixels = Image.open(io.BytesIO(toy_world.icl_jpeg(scene))).convert("RGB")
-    assert pixels.getpixel((7, 7))[2] > 180 and pixels.getpixel((35, 35))[2] > 180  # the two squares' centres
-    assert pixels.getpixel((21, 21))[2] < 250 and min(pixels.getpixel((21, 21))) > 200  # an empty cell
-
-
-def test_episodes_read_like_evaluation_prompts():
-    """A meta-training row with one ICD is token for token the evaluation's 1-shot prompt + the query's answer."""
-    processor = toy_backbone.toy_processor()
-    text = toy_world.icl_text_pieces(processor)
-    items = tasks.load_task("toy-icl-colour", "val")[:2]
-    pixels = [D.encode_piece(processor, "idefics2", "<image>", D.load_image(it))["images"] for it in items]
-    row = toy_world.icl_episode(processor, [{**text[toy_world.ICL_QUESTION, it.target, k == 1], "images": p}
-                                            for k, (it, p) in enumerate(zip(items, pixels))])
-    reference = D.encode(processor, "idefics2", "vqa", items[:1], items[1])
-    assert row["input_ids"] == reference["input_ids"]
-    answers = [i for i, label in zip(row["input_ids"], row["labels"]) if label != -100]
-    end = processor.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
-    assert answers == [*processor.tokenizer(" " + items[0].target, add_special_tokens=False)["input_ids"], end,
-                       *processor.tokenizer(" " + items[1].target, add_special_tokens=False)["input_ids"], end]
-    assert [[torch.equal(x, y) for x, y in zip(a["pixel_values"], b["pixel_values"], strict=True)]
-            for a, b in zip(row["images"], reference["images"])] == [[True], [True]]
 
 
 def test_every_answer_is_one_token():
@@ -117,7 +78,8 @@ def test_an_interrupted_build_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_the_default_backbone_is_the_shipped_reference(monkeypatch, tmp_path):
-    """toy-idefics2 is the shipped file, checked against model.TOY_SHA256: never built, never read from a cache."""
+    """toy-idefics2 is the shipped file, checked against toy_backbone.TOY_SHA256: never built, never read from a
+    cache."""
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(toy_backbone, "meta_train",
                         lambda *a, **k: pytest.fail("the default backbone must not be built"))
@@ -140,9 +102,6 @@ def test_the_summary_says_when_the_backbone_does_not_learn_in_context(tmp_path, 
     assert line.startswith("0-shot") and "NOT A RESULT: 8-shot ICL is at chance" in line
     assert "does not learn in context" in line
 
-
-# -----------------------------------------------------------------------------
-# efficacy: distillation on the shipped toy-idefics2 lifts zero-shot accuracy towards 8-shot ICL
 
 EFFICACY = ["--model", "toy-idefics2", "--task", "toy-icl-colour"]
 
@@ -171,3 +130,27 @@ def test_distillation_lifts_zero_shot_to_eight_shot(one_thread, tmp_path):
     print(f"zero-shot {zero:.1f}, 8-shot {eight:.1f}, anchor-only Hyper-ICL {adapter:.1f}")
     assert zero <= 45 and eight >= 80             # the backbone needs the demonstrations and uses them
     assert adapter - zero >= 50                   # the distilled adapter carries them without the demonstrations
+
+
+@pytest.mark.parametrize("out, overwrite, message", [
+    ("mytoy", False, r"--out .*mytoy: a toy backbone must be a .safetensors file"),
+    ("folder.safetensors", True, r"--out .*folder.safetensors is a folder"),
+    ("afile/b.safetensors", False, r"--out .*afile/b.safetensors: .*afile is a file, not a folder"),
+    ("readonly/b.safetensors", False, r"--out .*readonly/b.safetensors: cannot write in .*readonly"),
+    ("old.safetensors", False, r"--out .*old.safetensors exists; pass --overwrite"),
+])
+def test_build_toy_checks_out_before_it_builds(tmp_path, monkeypatch, out, overwrite, message):
+    (tmp_path / "folder.safetensors").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "old.safetensors").write_text("x")
+    (tmp_path / "readonly").mkdir(mode=0o555)
+    monkeypatch.setattr(toy_backbone, "build_toy", lambda *a: pytest.fail("built before --out was checked"))
+    real_open = os.open
+    def refused(path, *a):  # as a read-only folder answers (root could write into one with mode 555)
+        if "readonly" in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(path, *a)
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(ValueError, match=message):
+        train.main(["--build-toy", "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])])
+    assert sorted(os.listdir(tmp_path)) == ["afile", "folder.safetensors", "old.safetensors", "readonly"]

@@ -1,14 +1,16 @@
-"""The benchmarks as the hub ships them for lmms-eval (issue 43, parts 2-3; lab/datasets/parquet.py): the same questions
-in the six lmms-lab parquet layouts (tools/hub_layouts.py) read to the same Items as the original layouts' readers, in
-the same order, and score identically; the original files win when both are there; a split the hub lacks, duplicate
-ids, empty answers and bad image bytes are refused naming the shard and the row; --plan reads them."""
+"""The benchmarks as the hub ships them for lmms-eval (lab/datasets/parquet.py): the same questions in the six
+lmms-lab parquet layouts (tools/hub_layouts.py) read to the same Items as the original layouts' readers, in the same
+order, and score identically; the original files win when both are there; a split the hub lacks, duplicate ids, empty
+answers, bad image bytes and a FIFO are refused naming the shard and the row; the image cache; --plan reads them."""
 import dataclasses
 import hashlib
+import io
 import os
 import shutil
 
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 import benchmarks
 import evaluate
@@ -16,6 +18,7 @@ import hub_layouts
 from lab.datasets import parquet, tasks
 from lab.scores import metrics
 from twins import write_twin
+
 
 TASKS = ("vqav2", "ok-vqa", "coco", "flickr30k", "mme", "seed")
 
@@ -172,3 +175,36 @@ def test_n_eval_draws_the_same_questions_from_both_layouts(roots, task):
     drawn = [tasks.eval_items(evaluate.parse_args(["--model", "tiny-idefics2", "--task", task, "--data-root", root,
                                                    "--n-eval", "28", "--shots", "0"])) for root in (original, hub)]
     assert len(drawn[0]) >= 20 and by_content(drawn[1]) == by_content(drawn[0])
+
+
+def test_a_cached_hub_image_of_the_right_size_but_damaged_is_written_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet, "CACHE", str(tmp_path / "cache"))
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), "blue").save(buffer, "PNG")
+    raw = buffer.getvalue()
+    path = parquet.cached_image({"bytes": raw, "path": "x.png"})
+    with open(path, "wb") as f:
+        f.write(b"\0" * len(raw))  # a crash of the machine left zeros of the right length (durable=False)
+    assert parquet.cached_image({"bytes": raw, "path": "x.png"}) == path
+    with open(path, "rb") as f:
+        assert f.read() == raw  # before: kept, and the image failed to open at evaluation
+
+
+def test_a_fifo_named_as_a_shard_is_refused_without_waiting(tmp_path):
+    import threading
+    shard = tmp_path / "vqav2" / "data" / "validation-00000-of-00001.parquet"
+    shard.parent.mkdir(parents=True)
+    os.mkfifo(shard)
+    said = []
+
+    def read():
+        try:
+            tasks.load_task("vqav2", "val", str(tmp_path))
+        except ValueError as e:
+            said.append(str(e))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(20)
+    if reader.is_alive():  # before: pyarrow opened the FIFO and waited for a writer forever; let it go
+        os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+    assert said and f"{shard} is not a regular file (a FIFO" in said[0]

@@ -1,10 +1,13 @@
-"""The paper's tables in one command (lab/studies/tables.py and its runner, printer and plan): the published numbers
-against the paper's own table text, the layouts, and --table on the tiny twins at rehearsal size."""
+"""The paper's tables in one command (lab/studies/tables.py, table_runs.py, table_print.py): the published numbers
+against the paper's own table text, the layouts, --table on the tiny twins at rehearsal size, --gpus, --print and
+the flags a table takes."""
 import dataclasses
 import json
 import os
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 
@@ -15,18 +18,25 @@ import benchmarks
 import data as D
 import evaluate
 import train
+from helpers import QUIET, refused
 from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import checkpoints, micro_batches, runs
 from lab.scores import results
 from lab.studies import table_runs, tables
 
+
 PAPER_TEXT = os.path.join(os.path.dirname(tables.__file__), "paper-tables.txt")
+
 
 # The paper's words for a backbone and a task, as its tables write them
 FAMILIES = {"Idefics-9b": "idefics", "Idefics2-8b": "idefics2", "Idefics2-8B-base": "idefics2",
             "LLaVA-Interleave-7B": "llava-interleave", "LLaVA-OneVision (Qwen2-7B)": "llava-onevision"}
+
+
 TASKS = {"VQAv2": "vqav2", "OK-VQA": "ok-vqa", "COCO": "coco", "Flickr30k": "flickr30k", "MME": "mme", "SEED": "seed"}
+
+
 OBJECTIVES = {  # Table 4's headers
     r"$\bm{\mathcal{L}_{\mathrm{sup}}}$": "L_sup",
     r"$\bm{\mathcal{L}_{\mathrm{sup}}\mathbin{\scalebox{0.8}{$+$}}\mathcal{L}_{\mathrm{L_{2}\text{-}anchor}}}$":
@@ -111,10 +121,6 @@ def test_the_other_tables_name_their_mode():
         tables.layout("12", "idefics2")
 
 
-# -----------------------------------------------------------------------------
-# --icd-task (Table 8): the query from one task, its ICDs from another's training split
-
-
 def test_icd_task_draws_from_the_other_tasks_training_split_with_ids_apart():
     flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--icd-task", "vqav2", "--data-root", benchmarks.ROOT]
     args = evaluate.parse_args([*flags, "--shots", "2"])
@@ -143,9 +149,6 @@ def test_icd_task_evaluation_records_its_source_and_refuses_another_kind(tmp_pat
         evaluate.parse_args(["--task", "ok-vqa", "--icd-task", "vqav2"])
     assert "--icd-task draws the ICDs of n-shot ICL" in capsys.readouterr().err
 
-
-# -----------------------------------------------------------------------------
-# --table end to end at rehearsal size: Tables 1, 2 and 8 on tiny-idefics2 in one folder, Table 4 on tiny-idefics
 
 REHEARSAL = ["--data-root", benchmarks.ROOT, "--n-eval", "2", "--threads", "1", "--workers", "0",
              "--train-args", "--n-train 2 --n-heldout 1 --epochs 1 --batch-size 2 --workers 0",
@@ -325,10 +328,6 @@ def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehe
             (root / "idefics2" / f"table-8{ending}").read_bytes()
 
 
-# -----------------------------------------------------------------------------
-# --plan: the counts of a run before it, and the time model
-
-
 def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, capsys):
     done, _ = rehearsal
     planned = evaluate.main(table("4", "tiny-idefics", tmp_path / "plan", "--plan", "cpu"))
@@ -339,50 +338,6 @@ def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, ca
     assert ran.work["generated"] <= planned["generated_at_most"] and not (tmp_path / "plan").exists()
     out = capsys.readouterr().out
     assert "GPU-hours on an H200" in out and "peak ~" in out and "disk: teacher caches" in out
-
-
-@pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
-def test_the_time_model_is_the_flop_counters_count(name):
-    """forward_flops and generate_flops against torch.utils.flop_counter on an 8-shot prompt of a tiny twin, its
-    attention run as "eager" (matmuls the counter counts; it does not count CPU SDPA's kernel): within 10% (Idefics'
-    gated cross-attention projects its image keys again at each generated token, which the model leaves out)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    import model as M
-    from lab.studies import table_plan
-    backbone = backbones.load_backbone(name)
-    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:1]
-    icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 8, 0)
-    batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
-    f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
-    counter = table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0], 14)
-    assert counter.row(items[0], icds[0], False) == tokens and counter.patches == f["patches"] == 4  # 28 x 28 / 14
-    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
-        backbone.model(**batch, logits_to_keep=1)
-    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as generating:
-        evaluate.generate(backbone, batch, 5, 5)
-    assert table_plan.forward_flops(f, tokens, 9) == pytest.approx(forward.get_total_flops(), rel=0.1)
-    assert table_plan.generate_flops(f, tokens, 9, 5) == pytest.approx(generating.get_total_flops(), rel=0.1)
-
-
-def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp_path, monkeypatch, capsys):
-    import transformers
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the plan loaded weights")
-    processor = tmp_path / "processor"
-    backbones.load_backbone("tiny-idefics2").processor.save_pretrained(processor)  # a processor; the model's size
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(backbones, "load_backbone", refuse)
-    planned = evaluate.main(["--table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
-                             "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
-                             "--train-args", "--n-train 2 --n-heldout 1"])
-    out = capsys.readouterr().out
-    assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
-    assert "config published.PUBLISHED[\"idefics2\"]" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
-
-
-# -----------------------------------------------------------------------------
-# from files alone: --print, the run records, --print-commands, --gpus' claims
 
 
 def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column(rehearsal, tmp_path, monkeypatch):
@@ -447,3 +402,70 @@ def test_a_sweep_is_a_table_of_cells_with_its_figure(tmp_path):
     assert layout.columns == ("100", "250", "500", "1000") and layout.cells["VQAv2 LoRA", "1000"].train == \
         ("--method", "lora") and layout.cells["OK-VQA MimIC", "100"].train == ("--method", "mimic", "--n-train", "100")
     assert tables.layout("3", "idefics").cells["VQAv2 Hyper-ICL", "32"].train == ()  # Table 1's run: 32 shots
+
+
+def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_lists_them(tmp_path, monkeypatch, capsys):
+    table = ["--table", "7", *QUIET, "--out", str(tmp_path)]
+    assert "names a device twice" in refused(evaluate.parse_args, [*table, "--gpus", "0,0"], capsys)  # before: 2 on 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert "this machine has 2 CUDA device(s) visible (0 to 1)" in refused(evaluate.parse_args, [*table, "--gpus",
+                                                                                                 "1,2"], capsys)
+    assert evaluate.parse_args([*table, "--gpus", "2,3", "--plan", "cuda"]).gpus == "2,3"  # a plan for other machines
+    started = []
+
+    class Process:  # the workers, recorded instead of started
+        def __init__(self, argv, env):
+            started.append(env["CUDA_VISIBLE_DEVICES"])
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a scheduler's share of the machine
+    args = evaluate.parse_args([*table, "--gpus", "0,1"])
+    table_runs.on_devices(args, [], "evaluate.py")
+    assert started == ["4", "5"]  # before: "0", "1", devices of another job
+
+
+def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
+    """Table 7's zero-shot VQAv2 evaluated once; --print of another backbone, another --data-root, and after the
+    metrics were damaged or the predictions they score removed: no number (before: another backbone's or data's
+    number beside the paper's; the damaged file a JSON error naming nothing)."""
+    flags = ["--table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
+    args = evaluate.parse_args(flags)
+    of_cell, _ = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    job = of_cell["Zero-shot", "vqav2"]
+    evaluate.main(list(job.argv))
+    cell = lambda argv: {(c["row"], c["column"]): c for c in evaluate.main(argv)["cells"]}["Zero-shot", "vqav2"]
+    assert cell([*flags, "--print"])["ours"] is not None
+    other = [a.replace("tiny-idefics2", "tiny-llava-interleave") for a in flags]
+    assert cell([*other, "--print"])["ours"] is None
+    root = shutil.copytree(os.path.join(benchmarks.ROOT, "vqav2"), tmp_path / "root" / "vqav2")
+    moved = [str(root.parent) if a == benchmarks.ROOT else a for a in flags]
+    assert cell([*moved, "--print"])["ours"] is None
+    metrics, = tmp_path.glob("eval/vqav2/*.metrics.json")
+    predictions = str(metrics).replace(".metrics.json", ".predictions.jsonl")
+    os.rename(predictions, predictions + ".away")
+    assert cell([*flags, "--print"])["marks"][-1] == "missing"  # the run would evaluate it again
+    os.rename(predictions + ".away", predictions)
+    metrics.write_text(metrics.read_text()[:100])
+    assert cell([*flags, "--print"])["ours"] is None
+
+
+def test_a_table_takes_the_flags_its_cells_take_and_refuses_the_rest(tmp_path, capsys):
+    table = lambda n, *more: ["--table", n, *QUIET, "--out", str(tmp_path), *more]
+    for flag in (["--again"], ["--new-tokens", "3"], ["--task", "coco"], ["--eval-draw", "seeded"]):
+        assert "reaches no cell of Table 1: its cells choose their own" in refused(  # before: taken, doing nothing
+            evaluate.parse_args, table("1", *flag), capsys)
+    for flag in ("--task coco", "--meth lora", "--out x"):  # before: every training on coco, LoRA, into x
+        assert f"--train-args --{flag.split()[0][2:]}" in refused(evaluate.parse_args, table("1", "--train-args", flag),
+                                                                  capsys)
+    args = evaluate.parse_args(table("2", "--seed-protocol", "likelihood"))  # before: refused, SEED cells' own flag
+    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("2", "idefics2"))
+    assert {"likelihood" in j.argv for j in jobs if "seed" in j.argv and j.script == "evaluate.py"} == {True}
+    args = evaluate.parse_args(table("1", "--vector-layer", "1", "--rices-encoder", "clip"))
+    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("1", "idefics2"))
+    for word, flag in (("--vector", "--vector-layer"), ("rices", "--rices-encoder")):  # before: dropped / refused
+        assert {flag in j.argv for j in jobs if word in j.argv} == {True} and \
+            not any(flag in j.argv for j in jobs if word not in j.argv)
+    evaluate.parse_args(table("2", "--vector-sets", "2"))  # a flag of other tables' rows: a note, not an error
+    assert "note: --vector-sets reaches no cell of Table 2" in capsys.readouterr().err
