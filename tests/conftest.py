@@ -1,8 +1,8 @@
 """Shared test settings: the repository root, tests/ and tools/ on sys.path (so `python -m pytest tests/paper`, the
 whole suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
-deadlines (CI machines are slow), the shared fixtures (`backbone`: the tiny Idefics2 twin, which a module may
-parametrise over families by defining its own; `plain`: a module's backbone without an adapter; `twin_folder`: the
-tiny twin as a checkpoint folder; `whole`: one uninterrupted tiny run), and the benchmarks in their official layouts
+deadlines (CI machines are slow), the shared fixtures (`backbone`: the tiny Idefics2 twin, or each family's in a
+module that sets BACKBONES; `plain`: a module's backbone without an adapter; `twin_folder`: the tiny twin as a
+checkpoint folder; `whole`: one uninterrupted tiny run), and the benchmarks in their official layouts
 (tools/benchmarks.py) written once, before any test reads them from benchmarks.ROOT. The flags of the tiny runs and
 the other shared helpers: helpers.py."""
 import os
@@ -23,10 +23,10 @@ settings.load_profile("repo")
 
 
 @pytest.fixture(scope="module")
-def backbone():
-    """The tiny Idefics2 twin, loaded once for the test module."""
+def backbone(request):
+    """The tiny Idefics2 twin, or the tiny twin of each family in the module's BACKBONES, loaded once for the module."""
     from lab.models import backbones
-    return backbones.load_backbone("tiny-idefics2")
+    return backbones.load_backbone("tiny-" + getattr(request, "param", "idefics2"))
 
 
 @pytest.fixture()
@@ -64,6 +64,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: the real size on a CUDA GPU; runs only when selected (python -m pytest "
                             "-m gpu) and skips without CUDA")
     benchmarks.generate()
+
+
+def pytest_generate_tests(metafunc):
+    """A module's BACKBONES (family names) parametrise its tests that take `backbone` (or `plain`): one run each."""
+    families = getattr(metafunc.module, "BACKBONES", None)
+    if families and "backbone" in metafunc.fixturenames:
+        metafunc.parametrize("backbone", families, indirect=True, scope="module")
 
 
 def pytest_collection_modifyitems(config, items):

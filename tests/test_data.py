@@ -22,7 +22,7 @@ from lab.datasets import parquet, tasks
 from lab.models import backbones
 
 
-FAMILIES = ["idefics2", "idefics", "llava-interleave", "llava-onevision"]
+BACKBONES = ["idefics2", "idefics", "llava-interleave", "llava-onevision"]  # conftest.py's backbone: the paper's four
 
 
 def test_unreadable_or_missing_image_names_item_and_path(tmp_path):
@@ -66,11 +66,6 @@ def test_demonstrations_depend_on_the_seed_and_need_enough_support():
     assert data.demonstrations([5], support, 8, 0) != data.demonstrations([5], support, 8, 1)
     with pytest.raises(ValueError, match="too small"):
         data.demonstrations([5], support[:8], 8, 0)
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def backbone(request):
-    return backbones.load_backbone("tiny-" + request.param)
 
 
 def image_tokens_per_image(processor, family, image):

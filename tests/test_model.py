@@ -7,16 +7,11 @@ import torch
 import model as M
 from helpers import prompts, randomise, TEXTS
 from lab.methods import registry
-from lab.models import backbones, families, published
+from lab.models import families, published
 from lab.run import checkpoints
 
 
-FAMILIES = sorted(families.FAMILIES)
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def backbone(request):
-    return backbones.load_backbone("tiny-" + request.param)
+BACKBONES = sorted(families.FAMILIES)  # conftest.py's backbone: each family's tiny twin
 
 
 def test_the_adapter_is_in_the_text_decoder_only(plain):

@@ -21,7 +21,7 @@ from lab.disk import files
 from lab.models import backbones, families, toy_backbone
 
 
-FAMILIES = sorted(families.FAMILIES)
+FAMILIES = BACKBONES = sorted(families.FAMILIES)  # BACKBONES: conftest.py's backbone on each family's tiny twin
 
 
 NEW = ["qwen2.5-vl", "qwen3-vl", "llava-onevision-1.5", "internvl3", "gemma3", "idefics3", "smolvlm"]
@@ -30,11 +30,6 @@ NEW = ["qwen2.5-vl", "qwen3-vl", "llava-onevision-1.5", "internvl3", "gemma3", "
 @pytest.fixture(scope="module")
 def pool():
     return tasks.load_task("vqav2", "train", benchmarks.ROOT)
-
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def backbone(request):
-    return backbones.load_backbone("tiny-" + request.param)
 
 
 def rows(b, pool, shots=2, n=2, queries=None):
