@@ -2,9 +2,10 @@
 whole suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
 deadlines (CI machines are slow), the shared fixtures (`backbone`: the tiny Idefics2 twin, or each family's in a
 module that sets BACKBONES; `plain`: a module's backbone without an adapter; `twin_folder`: the tiny twin as a
-checkpoint folder; `whole`: one uninterrupted tiny run), and the benchmarks in their official layouts
-(tools/benchmarks.py) written once, before any test reads them from benchmarks.ROOT. The flags of the tiny runs and
-the other shared helpers: helpers.py."""
+checkpoint folder; `whole`: one uninterrupted tiny run; `items`, `pool`, `bench`: tools/benchmarks.py's VQAv2 and
+COCO; `setup`: a 2-shot micro-batch's inputs; `adapter`, `checkpoint`: Hyper-ICL adapter files), and the benchmarks
+in their official layouts (tools/benchmarks.py) written once, before any test reads them from benchmarks.ROOT. The
+flags of the tiny runs and the other shared helpers: helpers.py."""
 import os
 import sys
 
@@ -47,6 +48,77 @@ def twin_folder(tmp_path_factory):
     backbone.model.save_pretrained(folder)
     backbone.processor.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def items():
+    """The first 3 VQAv2 validation items of tools/benchmarks.py."""
+    from lab.datasets import tasks
+    return tasks.load_task("vqav2", "val", benchmarks.ROOT)[:3]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """VQAv2's training split of tools/benchmarks.py (the ICDs' pool)."""
+    from lab.datasets import tasks
+    return tasks.load_task("vqav2", "train", benchmarks.ROOT)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """{(task, split): items} of tools/benchmarks.py's VQAv2 and COCO."""
+    import data
+    from lab.datasets import tasks
+    return {(t, s): tasks.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco") for s in data.SPLITS}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(args, the tiny twin, 4 VQAv2 training queries, their 2 ICDs each) of a 2-shot run on tools/benchmarks.py."""
+    import data
+    import train
+    from helpers import BENCH
+    from lab.datasets import tasks
+    from lab.models import backbones
+    args = train.parse_args([*BENCH, "--shots", "2"])
+    backbone = backbones.load_backbone(args.model)
+    queries = tasks.load_task(args.task, "train", args.data_root)[:4]
+    pool = tasks.load_task(args.task, "train", args.data_root)
+    icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
+    return args, backbone, queries, icds
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    """A Hyper-ICL adapter file of the tiny twin (untrained), its tensors and its metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from lab.methods import registry
+    from lab.models import backbones
+    from lab.run import checkpoints
+    path = str(tmp_path_factory.mktemp("adapter") / "adapter.safetensors")
+    backbone = backbones.load_backbone("tiny-idefics2")
+    registry.attach(backbone.model, "hyper-icl", rank=4)
+    checkpoints.save_adapter(path, backbone)
+    with safe_open(path, "pt") as f:
+        return path, load_file(path), f.metadata()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Hyper-ICL checkpoint for tiny-idefics2 with random (non-identity) weights, so the gate varies."""
+    import torch
+    from lab.methods import registry
+    from lab.models import backbones
+    from lab.run import checkpoints
+    backbone = backbones.load_backbone("tiny-idefics2")
+    registry.attach(backbone.model, "hyper-icl", rank=4)
+    torch.manual_seed(0)
+    for p in M.adapter_modules(backbone.model).parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
+    checkpoints.save_adapter(path, backbone)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 import benchmarks
 import data
-import data as D
 import hub_layouts
 from data import Item
 from helpers import jsonl
@@ -37,11 +36,6 @@ def test_likelihood_prompt_is_the_official_one():
     item = Item(1, "x.jpg", "What is it?", ("a", "b", "c", "d"), "A", "Scene Understanding")
     assert data.PROMPTS["choice-likelihood"]["instruction"] == ""
     assert data.prompt_text("choice-likelihood", item) == "<image>Question: What is it?\nAnswer:"
-
-
-@pytest.fixture(scope="module")
-def bench():
-    return {(t, s): tasks.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco") for s in data.SPLITS}
 
 
 def fake_items(ids):
@@ -177,17 +171,12 @@ def test_forward_pass_on_collated_batches(backbone, bench):
     assert torch.isfinite(backbone.model(**{k: v for k, v in student.items() if k != "query_target"}).loss)
 
 
-@pytest.fixture(scope="module")
-def items():
-    return tasks.load_task("vqav2", "val", benchmarks.ROOT)[:3]
-
-
 def test_an_image_path_that_is_a_fifo_is_refused_naming_it(tmp_path, items):
     fifo = tmp_path / "image.jpg"
     os.mkfifo(fifo)
     item = dataclasses.replace(items[0], image_path=str(fifo))
     with pytest.raises(OSError, match=rf"item {item.id}: its image {fifo} is not a regular file"):
-        D.load_image(item)  # before: open() waited for a writer forever
+        data.load_image(item)  # before: open() waited for a writer forever
 
 
 def vqav2_shard(root, image_bytes, n=1):
@@ -225,9 +214,9 @@ def test_an_eps_image_is_refused_at_read_and_at_load_time_and_runs_no_program(gh
     with pytest.raises(ValueError, match=rf"{task} line 1, field `image`: .*red.eps: not an image of the formats "
                                          r"read \(JPEG, .*EPS among them"):
         tasks.load_task(task, "train")
-    item = D.Item(7, str(tmp_path / "red.eps"), "Is it red?", ("yes",), "yes")
+    item = data.Item(7, str(tmp_path / "red.eps"), "Is it red?", ("yes",), "yes")
     with pytest.raises(OSError, match=r"item 7: cannot read its image .*red.eps as JPEG/PNG/WEBP/GIF/BMP/TIFF \("):
-        D.load_image(item)
+        data.load_image(item)
     monkeypatch.setattr(parquet, "CACHE", str(tmp_path / "cache"))
     shard = vqav2_shard(tmp_path / "hub", eps_bytes())
     with pytest.raises(ValueError, match=rf"{shard} row 0 \(question_id 0\) is malformed: its image bytes are not a "

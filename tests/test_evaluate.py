@@ -11,15 +11,11 @@ import torch
 
 import benchmarks
 import data as D
-import evaluate
 import evaluate as E
-import model as M
 import train
 from helpers import BENCH, EVAL, ROOT, TINY
 from lab.datasets import mme_seed, tasks
-from lab.methods import registry
 from lab.models import backbones, families
-from lab.run import checkpoints
 
 
 def plain_loglik(backbone, row):
@@ -72,19 +68,6 @@ def test_evaluate_on_mme_and_seed(backbone, tmp_path, task, protocol):
 
 
 N_EVAL = 6
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A Hyper-ICL checkpoint for tiny-idefics2 with random (non-identity) weights, so the gate varies."""
-    backbone = backbones.load_backbone("tiny-idefics2")
-    registry.attach(backbone.model, "hyper-icl", rank=4)
-    torch.manual_seed(0)
-    for p in M.adapter_modules(backbone.model).parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
-    checkpoints.save_adapter(path, backbone)
-    return path
 
 
 @pytest.mark.parametrize("generated, answer", [
@@ -174,11 +157,11 @@ def test_batched_generation_matches_one_at_a_time(family):
 
 
 def test_ctrl_c_in_evaluate_is_one_line_and_exit_130(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(evaluate, "predict", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(E, "predict", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     monkeypatch.setattr(sys, "argv", ["evaluate.py", *EVAL, "--out", str(tmp_path)])
     source = open(os.path.join(ROOT, "evaluate.py")).read()
     with pytest.raises(BaseException) as e:  # evaluate.py's own __main__ block, on the patched module
-        exec(source[source.index("if __name__"):], {**vars(evaluate), "__name__": "__main__"})
+        exec(source[source.index("if __name__"):], {**vars(E), "__name__": "__main__"})
     err = capsys.readouterr().err
     assert isinstance(e.value, SystemExit) and e.value.code == 130
     assert err.strip().splitlines()[-1].startswith("interrupted (Ctrl-C)")

@@ -22,16 +22,6 @@ from lab.models import backbones
 from lab.run import checkpoints, runs
 
 
-@pytest.fixture(scope="module")
-def setup():
-    args = train.parse_args([*BENCH, "--shots", "2"])
-    backbone = backbones.load_backbone(args.model)
-    queries = tasks.load_task(args.task, "train", args.data_root)[:4]
-    pool = tasks.load_task(args.task, "train", args.data_root)
-    icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
-    return args, backbone, queries, icds
-
-
 @pytest.mark.parametrize("method", ["hyper-icl", "hificl"])
 def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args, backbone, queries, icds = setup

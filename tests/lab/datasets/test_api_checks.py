@@ -5,10 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-import benchmarks
 import data as D
 import evaluate
-from lab.datasets import api_checks, tasks
+from lab.datasets import api_checks
 
 
 ITEMS = [D.Item(1, "a.png", "what?", ("x",), "x"), D.Item(2, "a.png", "what?", ("y",), "y")]
@@ -27,11 +26,6 @@ def test_predict_takes_a_numpy_integer_batch_size():
     api_checks.check_predict("vqav2", ITEMS, None, np.int64(2), False)  # before: refused as "not an integer"
     with pytest.raises(ValueError, match=r"batch_size must be an integer of at least 1"):
         api_checks.check_predict("vqav2", ITEMS, None, np.float64(2), False)
-
-
-@pytest.fixture(scope="module")
-def items():
-    return tasks.load_task("vqav2", "val", benchmarks.ROOT)[:3]
 
 
 @pytest.mark.parametrize("call, message", [

@@ -9,7 +9,6 @@ from PIL import Image
 
 import benchmarks
 import data
-import data as D
 from lab.datasets import mme_seed, tasks
 from lab.disk import files
 
@@ -51,7 +50,7 @@ def test_mme_reader_both_layouts(mme_root):
     assert [os.path.relpath(it.image_path, mme_root) for it in items[::2]] == [
         "mme/existence/0001.jpg", "mme/existence/0002.png", "mme/artwork/images/10002.jpg"]
     assert all(it.answers == (it.target,) for it in items)
-    assert D.load_image(items[4]).size == (8, 8)
+    assert data.load_image(items[4]).size == (8, 8)
 
 
 @pytest.mark.parametrize("text, line", [
@@ -110,7 +109,7 @@ def test_seed_reader(seed_root):
     assert items[0].answers == ("One", "Two", "Three", "Four") and items[0].question == "How many towels?"
     assert items[0].image_path.endswith("SEED-Bench-image/1454426_2591111986.jpg")
     assert items[1].image_path.endswith("SEED-Bench-image/77_1.png")
-    prompt = D.prompt_text("choice", items[0])
+    prompt = data.prompt_text("choice", items[0])
     assert prompt == "<image>Question: How many towels?\nA. One\nB. Two\nC. Three\nD. Four\nAnswer:"
 
 
@@ -263,11 +262,6 @@ def test_a_seed_data_id_out_of_its_folder_is_refused_naming_it(tmp_path, data_id
     with pytest.raises(ValueError, match=rf"seed: question #\d+ .* in {path} is malformed: its data_id "
                                          rf"'{data_id}' leads out of the dataset's folder"):
         mme_seed.read_seed(root)
-
-
-@pytest.fixture(scope="module")
-def items():
-    return tasks.load_task("vqav2", "val", benchmarks.ROOT)[:3]
 
 
 @pytest.mark.parametrize("value", [3.7, 3.0, True, "3.7"])

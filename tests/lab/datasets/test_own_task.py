@@ -9,7 +9,6 @@ import os
 import pytest
 from PIL import Image
 
-import data
 import data as D
 import evaluate
 import train
@@ -88,7 +87,7 @@ def test_each_kind_reads_to_its_items_with_the_nearest_tasks_defaults(own, photo
     folder, _ = photos
     expect = {"vqa": "vqav2", "caption": "coco", "yes-no": "mme", "choice": "seed", "llava": "vqav2"}
     for kind, path in own.items():
-        assert tasks.spec(path) == data.TASKS[expect[kind]]
+        assert tasks.spec(path) == D.TASKS[expect[kind]]
     vqa = tasks.load_task(own["vqa"], "train") + tasks.load_task(own["vqa"], "val")
     assert "seeded split by image: training pool 6 questions on 3 images, evaluation 6 questions on 3 images" in \
         capsys.readouterr().out
@@ -100,12 +99,12 @@ def test_each_kind_reads_to_its_items_with_the_nearest_tasks_defaults(own, photo
     assert by_id["chelsea-0"].image_path == os.path.join(str(folder), "images/chelsea.jpg")  # the file's folder
     assert by_id["chelsea-0"].answers == ("red", "red", "blue") and by_id["chelsea-0"].target == "red"
     assert by_id["chelsea-1"].answers == ("chelsea",) and by_id["chelsea-1"].target == "chelsea"
-    choice = {it.id: it for s in data.SPLITS for it in tasks.load_task(own["choice"], s)}
+    choice = {it.id: it for s in D.SPLITS for it in tasks.load_task(own["choice"], s)}
     assert choice["coffee-0"].target == "C" and choice["coffee-1"].target == "B"  # the option's text -> its letter
     assert choice["coffee-0"].answers == PHOTOS[:4]
-    yes_no = [it.target for s in data.SPLITS for it in tasks.load_task(own["yes-no"], s)]
+    yes_no = [it.target for s in D.SPLITS for it in tasks.load_task(own["yes-no"], s)]
     assert sorted(set(yes_no)) == ["No", "Yes"]
-    train_caps, val_caps = (tasks.load_task(own["caption"], s) for s in data.SPLITS)
+    train_caps, val_caps = (tasks.load_task(own["caption"], s) for s in D.SPLITS)
     assert (len(train_caps), len(val_caps)) == (8, 4) and val_caps[0].question is None
     assert val_caps[0].answers == ("A photo.", "An image.") and os.path.isfile(val_caps[0].image_path)
     llava = tasks.load_task(own["llava"], "train") + tasks.load_task(own["llava"], "val")
@@ -262,7 +261,7 @@ def test_a_llava_record_of_more_turns_is_refused_naming_its_id(photos):
 def test_a_category_that_would_name_a_file_elsewhere_is_refused_where_results_are_written(own, tmp_path):
     """Issue 52, item 1, through the Python API (items not read from a file): nothing is written, in --out or above."""
     from lab.scores import results
-    items = [it for s in data.SPLITS for it in tasks.load_task(own["yes-no"], s)]
+    items = [it for s in D.SPLITS for it in tasks.load_task(own["yes-no"], s)]
     bad = [dataclasses.replace(it, category="../victim") for it in items]
     with pytest.raises(ValueError, match="'../victim' cannot be a file's name"):
         results.write_evaluation(str(tmp_path / "out" / "stem"), "yes-no", bad, ["yes"] * len(bad), {})

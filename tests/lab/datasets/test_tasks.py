@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import benchmarks
-import data
 import data as D
 import evaluate
 import train
@@ -107,11 +106,6 @@ def test_stratified_subset_of_single_question_images_is_exact():
     assert len(subset) == 10 and sum(it.category == "dim2" for it in subset) == 1   # 9 : 1 as 90 : 10
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return {(t, s): tasks.load_task(t, s, benchmarks.ROOT) for t in ("vqav2", "coco") for s in data.SPLITS}
-
-
 def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench):
     root, tasks = benchmarks.ROOT, bench
     assert {k: len(v) for k, v in tasks.items()} == {("vqav2", "train"): 300, ("vqav2", "val"): 100,
@@ -121,7 +115,7 @@ def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench)
     assert all(len(i.answers) == 10 and i.target == readers.most_frequent(list(i.answers)) for i in vqa)
     assert 0.2 < sum(len(set(i.answers)) > 1 for i in vqa) / len(vqa) < 0.5  # some annotators disagree
     assert {"yes", "no", "left", "red", "circle", "3"} <= {i.target for i in vqa}
-    assert data.load_image(vqa[0]).size == (64, 64)
+    assert D.load_image(vqa[0]).size == (64, 64)
     caption = tasks["coco", "val"][0]
     assert caption.question is None and len(caption.answers) == 5 and caption.target == caption.answers[0]
     assert not {i.id for i in vqa} & {i.id for i in tasks["vqav2", "val"]}

@@ -16,7 +16,6 @@ import data as D
 import evaluate as E
 import model as M
 import train
-from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones, families, toy_backbone
 
@@ -25,11 +24,6 @@ FAMILIES = BACKBONES = sorted(families.FAMILIES)  # BACKBONES: conftest.py's bac
 
 
 NEW = ["qwen2.5-vl", "qwen3-vl", "llava-onevision-1.5", "internvl3", "gemma3", "idefics3", "smolvlm"]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    return tasks.load_task("vqav2", "train", benchmarks.ROOT)
 
 
 def rows(b, pool, shots=2, n=2, queries=None):

@@ -60,11 +60,6 @@ def twin_backbones(folders):
     return {name: load_backbone(folder) for name, folder in folders.items()}
 
 
-@pytest.fixture(scope="module")
-def pool():
-    return tasks.load_task("vqav2", "train", benchmarks.ROOT)
-
-
 def rows(backbone, pool, shots, n=2, kind="vqa"):
     """(teacher, student) batches of the first n queries of `pool` with `shots` demonstrations each."""
     queries = pool[:n]

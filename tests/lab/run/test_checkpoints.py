@@ -17,8 +17,7 @@ import time
 import pytest
 import torch
 from PIL import Image
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 import benchmarks
 import evaluate
@@ -125,17 +124,6 @@ def test_proceed_refuses_a_finished_run_of_other_data_or_without_its_best_adapte
         train.main([*flags, "--proceed"])  # before: resumed, "no epoch scored yet ... continue with --resume"
     train.main([*flags, "--resume"])
     assert "its best adapter" in capsys.readouterr().out.splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    """A Hyper-ICL adapter file of the tiny twin (untrained), its tensors and its metadata."""
-    path = str(tmp_path_factory.mktemp("adapter") / "adapter.safetensors")
-    backbone = backbones.load_backbone("tiny-idefics2")
-    registry.attach(backbone.model, "hyper-icl", rank=4)
-    checkpoints.save_adapter(path, backbone)
-    with safe_open(path, "pt") as f:
-        return path, load_file(path), f.metadata()
 
 
 def damaged(tmp_path, adapter, tensors=None, settings=None):

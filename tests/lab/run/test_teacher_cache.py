@@ -4,29 +4,17 @@ import json
 import os
 import shutil
 
-import pytest
 import torch
 from PIL import Image
 
 import benchmarks
 import data
-import data as D
 import train
-from helpers import BENCH, run_flags, teacher_states, TRAIN, with_flag
+from helpers import run_flags, teacher_states, TRAIN, with_flag
 from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
 from lab.run import checkpoints, teacher_cache
-
-
-@pytest.fixture(scope="module")
-def setup():
-    args = train.parse_args([*BENCH, "--shots", "2"])
-    backbone = backbones.load_backbone(args.model)
-    queries = tasks.load_task(args.task, "train", args.data_root)[:4]
-    pool = tasks.load_task(args.task, "train", args.data_root)
-    icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
-    return args, backbone, queries, icds
 
 
 def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
@@ -73,7 +61,7 @@ def test_the_teacher_cache_keys_an_image_by_its_bytes_not_its_size_and_time(tmp_
     first, second = tmp_path / "a.bmp", tmp_path / "b.bmp"  # uncompressed: the same size
     Image.new("RGB", (8, 8), (255, 0, 0)).save(first)
     Image.new("RGB", (8, 8), (0, 0, 255)).save(second)
-    item = D.Item(1, str(first), "What colour?", ("red",), "red")
+    item = data.Item(1, str(first), "What colour?", ("red",), "red")
     before = teacher_cache.teacher_key("b", "t", item, [])
     stat = os.stat(first)
     assert stat.st_size == os.path.getsize(second)  # a same-size replacement, its time put back

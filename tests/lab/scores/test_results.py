@@ -8,17 +8,13 @@ import subprocess
 import sys
 
 import pytest
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 import benchmarks
 import evaluate
 from helpers import BENCH, EVAL, ROOT
 from lab.datasets import mme_seed, tasks
 from lab.disk import files
-from lab.methods import registry
 from lab.models import backbones
-from lab.run import checkpoints
 from lab.scores import results
 from lab.studies import analyses
 
@@ -74,17 +70,6 @@ def test_a_kill_while_the_mme_folder_is_written_leaves_the_old_folder_whole(tmp_
     assert sorted(os.listdir(tmp_path)) == [folder.name]                    # the killed write's folder is gone
 
 
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory):
-    """A Hyper-ICL adapter file of the tiny twin (untrained), its tensors and its metadata."""
-    path = str(tmp_path_factory.mktemp("adapter") / "adapter.safetensors")
-    backbone = backbones.load_backbone("tiny-idefics2")
-    registry.attach(backbone.model, "hyper-icl", rank=4)
-    checkpoints.save_adapter(path, backbone)
-    with safe_open(path, "pt") as f:
-        return path, load_file(path), f.metadata()
-
-
 def test_chair_and_a_second_checkpoint_of_one_folder_are_in_the_name(tmp_path, adapter):
     coco = ["--model", "tiny-idefics2", "--task", "coco", "--data-root", benchmarks.ROOT, "--n-eval", "2"]
     evaluate.main([*coco, "--shots", "0", "--chair", "--out", str(tmp_path)])
@@ -128,11 +113,6 @@ def test_an_analysis_or_curve_of_other_settings_is_kept_and_refused_before_the_w
                                          r"\(now \[4\]\)"):
         evaluate.main(["--curve", *EVAL[:4], "--curve-queries", "4", "--out", str(tmp_path)])
     assert json.loads(gates.read_text())["checkpoint"] == "elsewhere.safetensors" and curve.stat().st_size < 100
-
-
-@pytest.fixture(scope="module")
-def items():
-    return tasks.load_task("vqav2", "val", benchmarks.ROOT)[:3]
 
 
 def test_the_same_items_without_n_eval_or_through_a_symlink_replace_their_result(tmp_path):

@@ -8,23 +8,8 @@ import torch
 import evaluate as E
 import model as M
 from helpers import BENCH
-from lab.methods import registry
 from lab.models import backbones
-from lab.run import checkpoints
 from lab.studies import analyses
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A Hyper-ICL checkpoint for tiny-idefics2 with random (non-identity) weights, so the gate varies."""
-    backbone = backbones.load_backbone("tiny-idefics2")
-    registry.attach(backbone.model, "hyper-icl", rank=4)
-    torch.manual_seed(0)
-    for p in M.adapter_modules(backbone.model).parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
-    checkpoints.save_adapter(path, backbone)
-    return path
 
 
 def test_aligned_shift_compares_shared_keys_and_counts_icd_keys():

@@ -11,7 +11,6 @@ import torch
 
 import benchmarks
 import data as D
-import evaluate
 import evaluate as E
 import model as M
 import train
@@ -124,5 +123,5 @@ def test_curve_flags_are_checked(flags, message, capsys):
 def test_curve_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
     monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", f"--train-args={train_args}"])
+        E.main(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", f"--train-args={train_args}"])
     assert e.value.code == 2 and message in capsys.readouterr().err

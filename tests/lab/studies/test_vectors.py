@@ -7,7 +7,6 @@ import torch
 
 import benchmarks
 import data as D
-import evaluate
 import evaluate as E
 import model as M
 from lab.datasets import tasks
@@ -170,7 +169,7 @@ def test_function_vector_at_every_generated_token(backbone):
 def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_out(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     backbone = backbones.load_backbone("tiny-idefics2")
-    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+    args = E.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
                                 "--vector", "tv", "--shots", "1", "--vector-sets", "2", "--vector-heldout", "2",
                                 "--out", str(tmp_path / "out")])
     calls = []
