@@ -1,10 +1,66 @@
-"""Helpers shared by the model tests (test_model.py, test_baselines.py, paper/test_plug.py): prompts for the tiny
-twins, randomised adapters and the cached-decoding check."""
+"""What the tests share beside conftest.py's fixtures: the repository's root; the flags of the tiny runs, one set
+(TINY, BENCH, EVAL, TRAIN, TRAIN_NO_CACHE, RUN and run_flags, SMALL and small_run, QUIET; with_flag, and refused for a
+parser's one-line error); small inputs written by hand (VQAv2's files, a task of one's own on coloured photos);
+prompts for the tiny twins, randomised adapters and the cached-decoding check; a micro-batch and the teacher's states
+as the loop makes them; DataLoader workers killed mid-run; float64 references for the baselines' attention."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
 import torch
 from PIL import Image
 
+import benchmarks
 import data
 import model as M
+import train
+from lab.datasets import tasks
+from lab.methods import registry
+from lab.run import micro_batches
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where train.py runs from
+
+TINY = ["--model", "tiny-idefics2"]                                         # the tiny Idefics2 twin
+BENCH = [*TINY, "--task", "vqav2", "--data-root", benchmarks.ROOT]          # on the VQAv2 of tools/benchmarks.py
+EVAL = [*BENCH, "--n-eval", "2", "--shots", "0"]                            # a two-item zero-shot evaluation
+TRAIN = [*BENCH, "--n-train", "4", "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "1"]  # 1 step
+TRAIN_NO_CACHE = [*BENCH, "--n-train", "4", "--n-heldout", "4", "--batch-size", "2", "--shots", "1", "--epochs", "1",
+                  "--no-teacher-cache"]                                     # 2 steps, the teacher run every step
+RUN = [*BENCH, "--n-train", "8", "--n-heldout", "4", "--batch-size", "4", "--shots", "1", "--epochs", "2",
+       "--save-every", "1"]                                                 # 2 epochs of 2 steps, a checkpoint a step
+QUIET = [*TINY, "--data-root", benchmarks.ROOT, "--threads", "1", "--workers", "0"]  # a table's or a test's --task
+SMALL = [*BENCH, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
+         "--save-every", "1"]                                               # 2 epochs of 3 steps, 2 shots
+
+
+def run_flags(tmp, name, *extra):
+    """RUN into tmp/name with its teacher cache in tmp/teacher (conftest.py's `whole` and the runs beside it)."""
+    return [*RUN, "--out", str(tmp / name), "--teacher-cache", str(tmp / "teacher"), *extra]
+
+
+def small_run(tmp_path, *extra, name="run"):
+    """SMALL into tmp_path/name with its teacher cache in tmp_path/teacher."""
+    return ["--out", str(tmp_path / name), "--teacher-cache", str(tmp_path / "teacher"), *SMALL, *extra]
+
+
+def with_flag(argv, flag, value):
+    """argv with `flag`'s value replaced."""
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+def refused(parse, argv, capsys):
+    """The one-line parser error of argv (SystemExit), its text."""
+    with pytest.raises(SystemExit):
+        parse(argv)
+    return capsys.readouterr().err.strip().splitlines()[-1]
 
 PAPER = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the paper's four: their processors' own calls
 
@@ -51,6 +107,73 @@ def rows_of(backbone, texts, imgs, positions=True):
     return batch
 
 
+QUESTION = {"question_id": 7, "image_id": 1, "question": "What colour?"}                 # one VQAv2 question
+ANNOTATION = {"question_id": 7, "answers": [{"answer": "red"}] * 10, "multiple_choice_answer": "red"}  # and its answers
+
+
+def vqa_files(tmp_path, questions, annotations, split="val"):
+    """VQAv2's two files of `split` in tmp_path/vqav2 holding `questions` and `annotations` as given; tmp_path."""
+    folder = tmp_path / "vqav2"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"v2_OpenEnded_mscoco_{split}2014_questions.json").write_text(json.dumps(questions))
+    (folder / f"v2_mscoco_{split}2014_annotations.json").write_text(json.dumps(annotations))
+    return tmp_path
+
+
+def jsonl(path, records):
+    """records written to path as JSON lines; the path as a string."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def coloured_photos(folder, n):
+    """n small JPEGs of distinct colours in folder/img/, their paths relative to folder."""
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    for k in range(n):
+        Image.new("RGB", (32, 24), (30 * k % 256, 90, 200 - 20 * k % 200)).save(folder / "img" / f"{k}.jpg")
+    return [f"img/{k}.jpg" for k in range(n)]
+
+
+def vqa_task(folder, n=8, name="data.jsonl"):
+    """A VQA task of one's own on n coloured_photos: folder/name."""
+    records = [{"id": k, "image": p, "question": "What colour is it?", "answer": f"colour {k % 3}"}
+               for k, p in enumerate(coloured_photos(folder, n))]
+    return jsonl(folder / name, records)
+
+
+def dead_pid():
+    """The id of a process that has ended (its temporary files are stale)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def rand(*shape, seed=0, dtype=torch.float64):
+    """A seeded standard normal tensor (float64 unless said)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def randomised(module, seed):
+    """`module` with every parameter drawn from N(0, 0.5^2)."""
+    torch.manual_seed(seed)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return module
+
+
+def left_padded_mask(pads, T, S):
+    """Causal + left padding (pads[b] padded keys), bool [B, 1, T, S], the query rows being the last T of S."""
+    keys = torch.arange(S) >= torch.tensor(pads)[:, None]
+    return (torch.ones(T, S, dtype=torch.bool).tril(S - T)[None] & keys[:, None, :])[:, None]
+
+
+def naive_attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(d_h)) v under `mask`, written out; also log Z2 (the log-normaliser over seen keys)."""
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    log_Z2 = torch.logsumexp(logits, -1, keepdim=True)
+    return torch.exp(logits - log_Z2) @ v, log_Z2
+
+
 TEXTS = ["Question: What colour is the shape? Short answer:", "Question: How many? Short answer:"]
 
 
@@ -74,3 +197,50 @@ def assert_cached_decoding_equals_full_forward(backbone, new_tokens):
             full["position_ids"] = (full["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         logits = backbone.model(**full).logits[:, -new_tokens - 1:-1]
     torch.testing.assert_close(steps, logits, rtol=1e-4, atol=1e-4)
+
+
+def micro_batch(backbone, cfg, queries, icds, cache):
+    """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop makes it
+    (micro_batches.prepared, train.run_teacher on what the cache lacks, micro_batches.pair), with what a run would
+    share (cache: its id and counts; the rest of its identity from cfg)."""
+    cache |= {"images": cache.get("images"), "processor": cache.get("processor"), "task": cfg.task,
+              "output": registry.ANCHORS[cfg.anchor].teacher,
+              "folder": None if cfg.no_teacher_cache else cfg.teacher_cache}
+    run = SimpleNamespace(backbone=backbone, cfg=cfg, kind=tasks.spec(cfg.task).kind, device="cpu", cache=cache,
+                          regime=False)
+    prepared = next(micro_batches.prepared(run, [(queries, icds)], workers=0))
+    computed = train.run_teacher(backbone, prepared["teacher"], cache["output"]) if prepared["teacher"] else []
+    return micro_batches.pair(run, prepared, computed)
+
+
+def teacher_states(backbone, cfg, queries, icds, cache):
+    """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
+    computed by the teacher and stored where not (lab/run/micro_batches.py)."""
+    cache |= {"images": None, "processor": None, "task": cfg.task, "output": "states", "folder": cfg.teacher_cache}
+    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, "vqa", cache), (queries, icds))
+    computed = train.run_teacher(backbone, prepared["teacher"]) if prepared["teacher"] else []  # as the loop runs it
+    return micro_batches.stored(cache, prepared, computed, cfg.epochs)
+
+
+def children():
+    """The pids of this process's children (the DataLoader's workers)."""
+    found = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def kill_workers_once(real):
+    """`real`, wrapped: at its first call every child of this process is SIGKILLed, and the call waits for the
+    SIGCHLD (which torch's handler turns into an error wherever this process is)."""
+    state = {"done": False}
+
+    def wrapped(*args, **kwargs):
+        if not state["done"]:
+            state["done"] = True
+            for pid in children():
+                os.kill(pid, signal.SIGKILL)
+            time.sleep(2)
+        return real(*args, **kwargs)
+    return wrapped

@@ -1,24 +1,17 @@
 """The plug's harness on the real transformers backbones (tiny twins, CPU): where adapters sit, bypassing and
-restoring, what trains, saving and loading, backbone names. The math inside the model: tests/paper/test_plug.py."""
-import os
-
+restoring, what trains. The math inside the model: tests/paper/test_plug.py; saving and loading:
+tests/lab/run/test_checkpoints.py."""
 import pytest
 import torch
 
 import model as M
-
-from helpers import TEXTS, prompts, randomise
-from lab.disk import files
-from lab.models import backbones, families, published
-from lab.run import checkpoints
+from helpers import prompts, randomise, TEXTS
 from lab.methods import registry
+from lab.models import families, published
+from lab.run import checkpoints
 
-FAMILIES = sorted(families.FAMILIES)
 
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def backbone(request):
-    return backbones.load_backbone("tiny-" + request.param)
+BACKBONES = sorted(families.FAMILIES)  # conftest.py's backbone: each family's tiny twin
 
 
 def test_the_adapter_is_in_the_text_decoder_only(plain):
@@ -83,35 +76,3 @@ def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
     save_file({"x": torch.zeros(1)}, tmp_path / "foreign.safetensors")
     with pytest.raises(ValueError, match="not an adapter checkpoint"):
         checkpoints.load_adapter(tmp_path / "foreign.safetensors", plain)
-
-
-def test_unknown_backbone_lists_the_valid_names():
-    with pytest.raises(ValueError, match="idefics2.*llava-onevision"):
-        backbones.load_backbone("gpt-5")
-
-
-def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
-    path = tmp_path / "f.bin"
-    files.atomic_write(path, lambda f: f.write(b"good"))
-
-    def crash(f):
-        f.write(b"ha")
-        raise KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
-        files.atomic_write(path, crash)
-    assert path.read_bytes() == b"good" and os.listdir(tmp_path) == ["f.bin"]
-
-
-def test_a_model_folder_that_does_not_exist_is_named(tmp_path):
-    with pytest.raises(ValueError, match=f"there is no folder {tmp_path / 'missing'}"):
-        families.family_of(str(tmp_path / "missing"))
-
-
-@pytest.mark.parametrize("name", ["toy-idefics", "toy-llava-interleave", "toy-llava-onevision"])
-def test_only_toy_idefics2_is_a_toy_name(name):
-    """toy-idefics2 is the one toy backbone; another family after "toy-" is no name (it was read as that family's
-    hub checkpoint before)."""
-    assert not backbones.is_built(name)
-    with pytest.raises(ValueError, match=f"unknown backbone {name!r}"):
-        families.family_of(name)
-

@@ -1,4 +1,5 @@
-"""The README and the shape of the code: every name, test, path and link that the README and docs/*.md write exists;
+"""The README and the shape of the code: every name, test, path and link that the README and docs/*.md write exists,
+and every name and path the tests' docstrings and comments write;
 the six files of the paper and each file of lab/ stay within their sizes; imports run one way (the paper's four bottom
 files, then lab/'s wings bottom first, then train.py and evaluate.py: the README's Files table) with no circle inside
 lab/; no line over 120 characters; the README is a front door (short, the equation map, the two commands) whose Python
@@ -6,10 +7,12 @@ example runs."""
 import ast
 import functools
 import glob
+import io
 import os
 import re
 import subprocess
 import sys
+import tokenize
 
 import torch
 
@@ -17,7 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 DOCS = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 MAP = "\n".join([README] + [open(path, encoding="utf-8").read() for path in DOCS])  # the README and what it links
-DOC_FILES = ["README.md"] + [os.path.relpath(p, ROOT) for p in DOCS]
+DOC_FILES = ["README.md", "CHANGELOG.md"] + [os.path.relpath(p, ROOT) for p in DOCS]
+TEST_FILES = sorted(os.path.relpath(p, ROOT)
+                    for p in glob.glob(os.path.join(ROOT, "tests", "**", "*.py"), recursive=True))
 PAPER = ["adapters", "lorentz", "model", "data", "train", "evaluate"]  # the six files, in reading order
 WINGS = ["disk", "datasets", "models", "methods", "run", "scores", "studies", "cli"]  # lab/'s wings, bottom first
 LAB = sorted(os.path.relpath(p, os.path.join(ROOT, "lab"))[:-3].replace(os.sep, ".")
@@ -25,7 +30,7 @@ LAB = sorted(os.path.relpath(p, os.path.join(ROOT, "lab"))[:-3].replace(os.sep, 
 
 
 def lab_path(module):
-    """lab/wing/x.py of "wing.x"."""
+    """lab/<wing>/<x>.py of "<wing>.<x>"."""
     return "lab/" + module.replace(".", "/") + ".py"
 
 
@@ -47,13 +52,21 @@ def top_level_names(path):
     return set(named(tree)) | {f"{c.name}.{n}" for c in tree if isinstance(c, ast.ClassDef) for n in named(c.body)}
 
 
+def commentary(path):
+    """A Python file's prose: its docstrings (module, classes, functions) and its comments, one to a line."""
+    source = read(path)
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef))]
+    comments = [t.string for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    return "\n".join([d for d in map(ast.get_docstring, nodes) if d] + comments)
+
+
 def prose(text):
     """A markdown text without its fenced blocks (shell commands, examples, file records)."""
     return re.sub(r"^```.*?^```$", "", text, flags=re.M | re.S)
 
 
 # A reference in the docs, anywhere in README.md or docs/*.md (prose, tables, code spans and fenced blocks), is
-# either `path.py:name` or `path.py::test` (path from the project's root) or a dotted `module.name`
+# either `<path>.py:<name>` or `<path>.py::<test>` (path from the project's root) or a dotted `module.name`
 # (`module.Class.method`) whose first part is one of the six files or a module of lab/ by its bare name (`runs.start`;
 # unique across the wings) or a dotted path from `lab` (`lab.run`, `lab.run.runs.start`). A dotted name whose last part
 # is a file ending (`data.py`, `history.json`, `adapter.safetensors`) names a file; one that starts with anything else
@@ -64,9 +77,9 @@ MODULES = {**{f: f + ".py" for f in PAPER}, **{m.split(".")[1]: lab_path(m) for 
 FILE_ENDINGS = {"py", "json", "jsonl", "pt", "safetensors", "txt", "md", "png", "tmp", "lock", "csv", "parquet"}
 
 
-def broken_references(doc):
-    """The references of one doc that name nothing, each once, as "doc: reference"."""
-    text, broken = read(doc), []
+def broken_references(doc, text=None):
+    """The references of one doc (or of `text`, written in it) that name nothing, each once, as "doc: reference"."""
+    text, broken = read(doc) if text is None else text, []
     for path, name in re.findall(r"(?<![\w./<-])((?:[\w-]+/)*\w+\.py)::?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", text):
         if not os.path.isfile(os.path.join(ROOT, path)) or name not in top_level_names(path):
             broken.append(f"{doc}: {path}:{name}")
@@ -90,22 +103,39 @@ def test_every_name_and_test_the_readme_and_docs_name_exists():
     assert broken == [], "names that are not there:\n" + "\n".join(broken)
 
 
+def test_every_name_and_path_the_tests_docstrings_and_comments_write_exists():
+    """The tests' prose (docstrings and comments of tests/**/*.py) follows the docs' rules: every reference (the rule
+    above MODULES) names what is there, and every lab/, tests/, tools/ or docs/ path exists."""
+    assert len(TEST_FILES) > 40 and "tests/test_readme.py" in TEST_FILES
+    broken = [b for path in TEST_FILES for b in broken_references(path, commentary(path))]
+    broken += [m for path in TEST_FILES for m in missing_paths(path, commentary(path))]
+    assert broken == [], "names and paths that are not there:\n" + "\n".join(broken)
+
+
 def headings(path):
     """The anchors of a markdown file's headings, as GitHub makes them."""
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
             for h in re.findall(r"^#+ (.+)$", prose(read(path)), flags=re.M)}
 
 
+def missing_paths(doc, text):
+    """The lab/, tests/, tools/ or docs/ paths of `text`, written in doc, that are not there (from the project's root;
+    a * a glob that must match), as "doc: path"."""
+    missing = []
+    for path in re.findall(r"(?<![\w./~-])(?:\./)?((?:lab|tests|tools|docs)/[\w./*<>-]*)", text):
+        if "<" in path:
+            continue  # a placeholder: tests/test_<file>.py
+        missing += [] if glob.glob(os.path.join(ROOT, path.rstrip("."))) else [f"{doc}: {path}"]
+    return missing
+
+
 def test_every_path_and_link_in_the_readme_and_docs_exists():
-    """Every lab/, tests/, tools/ or docs/ path written in README.md or docs/*.md (fenced blocks included; from the
-    project's root; a * a glob that must match) is there, and so is every local markdown link's file and #anchor."""
+    """Every lab/, tests/, tools/ or docs/ path written in README.md or docs/*.md (fenced blocks included) is there,
+    and so is every local markdown link's file and #anchor."""
     missing = []
     for doc in DOC_FILES:
         text = read(doc)
-        for path in re.findall(r"(?<![\w./~-])(?:\./)?((?:lab|tests|tools|docs)/[\w./*<>-]*)", text):
-            if "<" in path:
-                continue  # a placeholder: tests/test_<file>.py
-            missing += [] if glob.glob(os.path.join(ROOT, path.rstrip("."))) else [f"{doc}: {path}"]
+        missing += missing_paths(doc, text)
         for link in re.findall(r"\]\(([^)\s]+)\)", prose(text)):
             target, _, anchor = link.partition("#")
             if re.match(r"[a-z]+:", target):
@@ -133,7 +163,7 @@ def test_each_lab_file_holds_one_concept_in_at_most_400_lines():
 
 
 def project_imports(path):
-    """The project modules a file imports anywhere in it (deferred imports count): "lab.wing.x" for a lab file."""
+    """The project modules a file imports anywhere in it (deferred imports count): "lab.<wing>.<x>" for a lab file."""
     found = set()
     for node in ast.walk(ast.parse(read(path))):
         if isinstance(node, ast.Import):

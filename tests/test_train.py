@@ -1,11 +1,10 @@
-"""The distillation loop on the tiny Idefics2 twin and the VQAv2 of tools/benchmarks.py (CPU): losses, teacher reuse,
-resume, failures."""
+"""The distillation loop on the tiny Idefics2 twin and the VQAv2 of tools/benchmarks.py (CPU): losses, the teacher
+without the adapter and its reuse, the schedule, the best epoch and clipping. Resume and interruption:
+tests/lab/run/test_checkpoints.py; the teacher cache: tests/lab/run/test_teacher_cache.py."""
 import contextlib
 import dataclasses
 import json
 import math
-import os
-import types
 
 import pytest
 import torch
@@ -16,50 +15,17 @@ import data
 import lorentz
 import model as M
 import train
-from test_reliability import teacher_states
+from helpers import BENCH, micro_batch, small_run
 from lab.datasets import tasks
-from lab.models import backbones
-from lab.run import checkpoints, feed, micro_batches, runs, teacher_cache
 from lab.methods import registry
-
-# the random twin (the defaults build toy-idefics2) on the VQAv2 of tools/benchmarks.py
-TINY = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT]
-SMALL = [*TINY, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
-         "--save-every", "1"]
-
-
-def micro_batch(backbone, cfg, queries, icds, cache):
-    """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop makes it
-    (micro_batches.prepared, train.run_teacher on what the cache lacks, micro_batches.pair), with what a run would
-    share (cache: its id and counts; the rest of its identity from cfg)."""
-    cache |= {"images": cache.get("images"), "processor": cache.get("processor"), "task": cfg.task,
-              "output": registry.ANCHORS[cfg.anchor].teacher,
-              "folder": None if cfg.no_teacher_cache else cfg.teacher_cache}
-    run = types.SimpleNamespace(backbone=backbone, cfg=cfg, kind=tasks.spec(cfg.task).kind, device="cpu", cache=cache,
-                                regime=False)
-    prepared = next(micro_batches.prepared(run, [(queries, icds)], workers=0))
-    computed = train.run_teacher(backbone, prepared["teacher"], cache["output"]) if prepared["teacher"] else []
-    return micro_batches.pair(run, prepared, computed)
-
-
-def run(tmp_path, *extra, name="run"):
-    return ["--out", str(tmp_path / name), "--teacher-cache", str(tmp_path / "teacher"), *SMALL, *extra]
-
-
-@pytest.fixture(scope="module")
-def setup():
-    args = train.parse_args([*TINY, "--shots", "2"])
-    backbone = backbones.load_backbone(args.model)
-    queries = tasks.load_task(args.task, "train", args.data_root)[:4]
-    pool = tasks.load_task(args.task, "train", args.data_root)
-    icds = data.demonstrations([q.id for q in queries], pool, 2, args.seed)
-    return args, backbone, queries, icds
+from lab.models import backbones
+from lab.run import checkpoints, runs
 
 
 @pytest.mark.parametrize("method", ["hyper-icl", "hificl"])
 def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args, backbone, queries, icds = setup
-    args = train.parse_args([*TINY, "--method", method, "--teacher-cache", str(tmp_path)])
+    args = train.parse_args([*BENCH, "--method", method, "--teacher-cache", str(tmp_path)])
     registry.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
         cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
@@ -163,76 +129,11 @@ def test_anchor_norm_first_divides_the_anchor_by_its_first_step_value(setup, tmp
         torch.testing.assert_close(later["anchor"], train.losses(backbone, args, student, teacher * 2)["anchor"] /
                                    progress["anchor_scale"])
     out = tmp_path / "normed"
-    train.main(run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
+    train.main(small_run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
     scale = torch.load(out / "last.pt", weights_only=False)["progress"]["anchor_scale"]
     assert scale > 1  # the tiny twin's hyperbolic anchor at its start (tens), now the unit of the loss
     with pytest.raises(SystemExit, match="--anchor-norm first .now none."):  # a resume must keep it
-        train.main(run(tmp_path, "--resume", name="normed"))
-
-
-def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
-    args, backbone, queries, icds = setup
-    args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
-    pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
-    cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
-    first, again = (teacher_states(backbone, args, queries, icds, cache) for _ in range(2))
-    fresh = train.run_teacher(backbone, data.teacher_batch(backbone.processor, backbone.family, "vqa", pieces, icds))
-    assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
-    key = teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[0])
-    assert key != teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[1])   # other demonstrations
-    other = checkpoints.fingerprint(backbones.load_backbone(args.model, seed=1))
-    assert key != teacher_cache.teacher_key(other, args.task, queries[0], icds[0])         # other backbone
-    assert key != teacher_cache.teacher_key(cache["id"], "coco", queries[0], icds[0])       # other task
-
-
-def adapter_params(out):
-    return torch.load(os.path.join(out, "last.pt"), weights_only=False)["adapter"]
-
-
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    whole = train.main(run(tmp_path, name="whole"))
-    train.main(run(tmp_path, "--max-steps", "4", name="split"))
-    assert torch.load(tmp_path / "split" / "last.pt", weights_only=False)["progress"]["step"] == 4
-    resumed = train.main(run(tmp_path, "--resume", name="split"))
-    assert whole.keys() == resumed.keys()
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert os.path.exists(tmp_path / "whole" / "adapter.safetensors")
-    with pytest.raises(SystemExit, match="--lr 0.005 .now 0.1."):
-        train.main(run(tmp_path, "--resume", "--lr", "0.1", name="split"))
-
-
-def test_ctrl_c_saves_and_resume_continues(tmp_path, monkeypatch):
-    whole = train.main(run(tmp_path, name="whole"))
-    step = train.losses
-    calls = []
-
-    def interrupt(*a):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return step(*a)
-    monkeypatch.setattr(train, "losses", interrupt)
-    with pytest.raises(SystemExit, match="interrupted: saved step 3"):
-        train.main(run(tmp_path, name="cut"))
-    monkeypatch.setattr(train, "losses", step)
-    resumed = train.main(run(tmp_path, "--resume", name="cut"))
-    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-
-
-def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    losses, calls = train.losses, []
-
-    def poisoned(*a, **k):
-        calls.append(1)
-        part = losses(*a, **k)
-        return part | {"anchor": part["anchor"] * (float("nan") if len(calls) == 3 else 1)}
-    monkeypatch.setattr(train, "losses", poisoned)
-    with pytest.raises(FloatingPointError, match="step 3: loss part 'anchor' is nan"):
-        train.main(run(tmp_path))
-    state = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
-    assert state["progress"]["step"] == 2
-    assert all(torch.isfinite(v).all() for v in state["adapter"].values())
+        train.main(small_run(tmp_path, "--resume", name="normed"))
 
 
 def test_demonstrations_are_drawn_without_the_held_out_queries():
@@ -272,47 +173,6 @@ def test_the_teacher_runs_without_the_adapter(method):
         assert torch.equal(a, b)
 
 
-def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_adapter(tmp_path, monkeypatch):
-    """--workers N: the micro-batches (their order, every tensor of the student batch, the teacher's states, computed
-    in epoch 1 and read from the cache by the workers in epoch 2) and the trained adapter are those of --workers 0."""
-    pair, seen = micro_batches.pair, {}
-
-    def spy(run, prepared, computed):
-        student, teacher = pair(run, prepared, computed)
-        seen[run.cfg.workers].append(([q.id for q in prepared["queries"]], student, teacher,
-                                      [s is None for s in prepared["found"]["states"]]))
-        return student, teacher
-    monkeypatch.setattr(micro_batches, "pair", spy)
-    adapters = {}
-    for workers in (0, 1, 2):
-        seen[workers] = []
-        adapters[workers] = train.main(["--out", str(tmp_path / str(workers)), "--teacher-cache",
-                                        str(tmp_path / str(workers) / "teacher"), *SMALL, "--workers", str(workers)])
-    computed, read = [True] * 4, [False] * 4  # the teacher runs in the loop, in the first epoch only
-    assert [missing for *_, missing in seen[0]] == [computed, computed, computed, read, read, read]
-    for workers in (1, 2):
-        assert len(seen[workers]) == len(seen[0])
-        for (ids, student, teacher, missing), (ids0, student0, teacher0, missing0) in zip(seen[workers], seen[0]):
-            assert ids == ids0 and missing == missing0 and torch.equal(teacher, teacher0)
-            assert student.keys() == student0.keys() and student["window"] == student0["window"]
-            assert all(torch.equal(student[k], student0[k]) for k in student if k != "window")
-        assert all(torch.equal(adapters[workers][k], adapters[0][k]) for k in adapters[0])
-        assert (tmp_path / str(workers) / "history.json").read_text() == (tmp_path / "0" / "history.json").read_text()
-
-
-def test_the_default_workers_are_the_cores_less_one_with_a_gpu_and_none_without(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert feed.default_workers() == 0                                   # the model's threads use the cores
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert feed.default_workers() == 8                                   # 15, at most 8
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert feed.default_workers() == 3                                   # 16 cores shared by 4 processes
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
-    assert feed.default_workers() == 0
-
-
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     """One run of the loop (4 epochs of 5 steps, --clip 1e-3, the default warm-up), traced at every AdamW step (its
@@ -333,7 +193,7 @@ def traced(tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(runs, "heldout_loss", scored)
-            train.main([*TINY, "--n-train", "10", "--n-heldout", "2", "--batch-size", "2", "--shots", "1", "--epochs",
+            train.main([*BENCH, "--n-train", "10", "--n-heldout", "2", "--batch-size", "2", "--shots", "1", "--epochs",
                         "4", "--clip", "1e-3", "--out", str(out), "--teacher-cache", str(out / "teacher")])
     finally:
         hook.remove()

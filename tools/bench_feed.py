@@ -139,8 +139,10 @@ def cache_child(args):
             f.read()
         raw.append(time.perf_counter() - start)
         start = time.perf_counter()
-        assert teacher_cache.read_teacher(path, key, states.shape) is not None
+        found = teacher_cache.read_teacher(path, key, states.shape)
         read.append(time.perf_counter() - start)
+        if found is None:
+            raise RuntimeError(f"{path}: the cache file just written is not read back")
     print(json.dumps({"bytes": os.path.getsize(path), "raw_s": statistics.median(raw),
                       "read_s": statistics.median(read)}))
 

@@ -232,8 +232,9 @@ def processor_files(processor, folder):
     return str(folder)
 
 
+# the families in use now with a real tokenizer (tests/lab/models/test_backbones.py)
 QWEN_TWINS = {"qwen2.5-vl": qwen2_5_vl, "qwen3-vl": qwen3_vl, "llava-onevision-1.5": llava_onevision_1_5,
-              "internvl3": internvl3}  # the families in use now with a real tokenizer (tests/test_backbones.py)
+              "internvl3": internvl3}
 
 
 def write_twin(name, folder, seed=0, eos_ids=None):

@@ -5,7 +5,7 @@ backbone alone), device, batch_size. Needs lmms-eval (requirements-lmms-eval.txt
 A request's context is the row's text: BOS, then the context, each `<image>` in it taking the next of the request's
 images (doc_to_visual); images the context does not place go before it. Rows are tokenised piece by piece and
 left-padded by data.collate, as the project's own prompts are (data.py), so a task whose context is the project's
-prompt gets the project's answers token for token (tests/test_lmms_eval.py)."""
+prompt gets the project's answers token for token (tests/lab/cli/test_lmms_eval_model.py)."""
 import importlib.machinery
 import importlib.util
 import os

@@ -60,7 +60,7 @@ IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  #
                       "<IMG_CONTEXT>", "<img>", "</img>",  # InternVL3 (lab/models/families.py: each family's)
                       "<|video_pad|>", "<video>")  # the video tokens: Qwen's M-RoPE counts <|video_pad|> as a video's
 # text holding one would reach the model as an image (or video) token of no image (plain_text); a new family adds its
-# own here (every media token its config names: tests/test_hostile_7.py)
+# own here (every media token its config names: tests/lab/datasets/test_own_task.py)
 
 
 def open_image(file):

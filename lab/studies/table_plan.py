@@ -11,7 +11,7 @@ patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', 
 merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; Qwen2.5-VL's windowed vision
 layers counted as full attention, an upper bound); a training step's student is a forward and a backward of about
 the same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
-cache. Checked against torch.utils.flop_counter on the tiny twins (tests/test_tables.py, tests/test_hostile_7.py)."""
+cache. Checked against torch.utils.flop_counter on the tiny twins (tests/lab/studies/test_table_plan.py)."""
 import math
 import os
 

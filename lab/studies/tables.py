@@ -1,8 +1,8 @@
 """The paper's tables as data (Tables 1-4, 7, 8, 11 and the sweeps of Figures 2, 3a, 3b): for a backbone family,
 each table's rows and columns as the paper lays them out and each cell's single commands (the train.py run it scores,
 if any, and the evaluate.py flags that score it), and the paper's published numbers (PAPER, PARAMS), which
-tests/test_tables.py checks against the paper's own table text (paper-tables.txt beside this file). Running, printing
-and planning a table: table_runs.py, table_print.py, table_plan.py."""
+tests/lab/studies/test_tables.py checks against the paper's own table text (paper-tables.txt beside this file).
+Running, printing and planning a table: table_runs.py, table_print.py, table_plan.py."""
 import hashlib
 import shlex
 from dataclasses import dataclass, field, replace

@@ -1,0 +1,71 @@
+"""The plan of a table (lab/studies/table_plan.py): the time model is the FLOP counter's count, Qwen's flattened
+patches and merged connectors counted, GPU hours at the published size without weights."""
+import pytest
+
+import benchmarks
+import data as D
+import evaluate
+from lab.datasets import tasks
+from lab.models import backbones
+from lab.studies import table_plan
+
+
+@pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
+def test_the_time_model_is_the_flop_counters_count(name):
+    """forward_flops and generate_flops against torch.utils.flop_counter on an 8-shot prompt of a tiny twin, its
+    attention run as "eager" (matmuls the counter counts; it does not count CPU SDPA's kernel): within 10% (Idefics'
+    gated cross-attention projects its image keys again at each generated token, which the model leaves out)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import model as M
+    from lab.studies import table_plan
+    backbone = backbones.load_backbone(name)
+    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:1]
+    icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 8, 0)
+    batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
+    f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
+    counter = table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0], 14)
+    assert counter.row(items[0], icds[0], False) == tokens and counter.patches == f["patches"] == 4  # 28 x 28 / 14
+    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
+        backbone.model(**batch, logits_to_keep=1)
+    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as generating:
+        evaluate.generate(backbone, batch, 5, 5)
+    assert table_plan.forward_flops(f, tokens, 9) == pytest.approx(forward.get_total_flops(), rel=0.1)
+    assert table_plan.generate_flops(f, tokens, 9, 5) == pytest.approx(generating.get_total_flops(), rel=0.1)
+
+
+def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp_path, monkeypatch, capsys):
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan loaded weights")
+    processor = tmp_path / "processor"
+    backbones.load_backbone("tiny-idefics2").processor.save_pretrained(processor)  # a processor; the model's size
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(backbones, "load_backbone", refuse)
+    planned = evaluate.main(["--table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
+                             "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
+                             "--train-args", "--n-train 2 --n-heldout 1"])
+    out = capsys.readouterr().out
+    assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
+    assert "config published.PUBLISHED[\"idefics2\"]" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-internvl3"])
+def test_the_time_model_counts_flattened_patches_and_merged_connectors(name):
+    """forward_flops against torch's FLOP counter on a 2-shot prompt, as test_tables checks the paper's twins: Qwen's
+    patches are flattened rows (its grid counts them; before: 2.3-3.2x the FLOPs), its mergers see a 2 x 2 merge of
+    them, InternVL's image and patch sizes are pairs (before: a TypeError)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import model as M
+    backbone = backbones.load_backbone(name)
+    items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:1]
+    icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 2, 0)
+    batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
+    f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
+    counter = table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0],
+                                backbone.model.config.vision_config.patch_size)
+    assert counter.row(items[0], icds[0], False) == tokens
+    with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
+        backbone.model(**batch, logits_to_keep=1)
+    assert table_plan.forward_flops(f, tokens, 3, 1, counter.patches) == \
+        pytest.approx(forward.get_total_flops(), rel=0.05)

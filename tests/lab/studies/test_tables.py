@@ -1,0 +1,471 @@
+"""The paper's tables in one command (lab/studies/tables.py, table_runs.py, table_print.py): the published numbers
+against the paper's own table text, the layouts, --table on the tiny twins at rehearsal size, --gpus, --print and
+the flags a table takes."""
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import benchmarks
+import data as D
+import evaluate
+import train
+from helpers import QUIET, refused
+from lab.datasets import tasks
+from lab.models import backbones
+from lab.run import checkpoints, micro_batches, runs
+from lab.scores import results
+from lab.studies import table_runs, tables
+
+
+PAPER_TEXT = os.path.join(os.path.dirname(tables.__file__), "paper-tables.txt")
+
+
+# The paper's words for a backbone and a task, as its tables write them
+FAMILIES = {"Idefics-9b": "idefics", "Idefics2-8b": "idefics2", "Idefics2-8B-base": "idefics2",
+            "LLaVA-Interleave-7B": "llava-interleave", "LLaVA-OneVision (Qwen2-7B)": "llava-onevision"}
+
+
+TASKS = {"VQAv2": "vqav2", "OK-VQA": "ok-vqa", "COCO": "coco", "Flickr30k": "flickr30k", "MME": "mme", "SEED": "seed"}
+
+
+OBJECTIVES = {  # Table 4's headers
+    r"$\bm{\mathcal{L}_{\mathrm{sup}}}$": "L_sup",
+    r"$\bm{\mathcal{L}_{\mathrm{sup}}\mathbin{\scalebox{0.8}{$+$}}\mathcal{L}_{\mathrm{L_{2}\text{-}anchor}}}$":
+        "L_sup + L_L2-anchor",
+    r"$\bm{\mathcal{L}_{\mathrm{H\text{-}anchor}}}$": "L_H-anchor",
+    r"$\bm{\mathcal{L}_{\mathrm{sup}}\mathbin{\scalebox{0.8}{$+$}}\mathcal{L}_{\mathrm{H\text{-}anchor}}}$":
+        "L_sup + L_H-anchor"}
+
+
+def paper_blocks():
+    """{table number: (header cells, rows of cells)} of paper-tables.txt, an empty leading cell filled from the row
+    above (the paper's merged cells)."""
+    blocks = {}
+    for block in open(PAPER_TEXT, encoding="utf-8").read().split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith("#")]
+        if not lines:
+            continue
+        number = lines[0].split(":")[0].removeprefix("Table ")
+        header, rows, above = lines[1].split("\t"), [], []
+        for line in lines[2:]:
+            cells = line.split("\t")
+            cells = [c or (above[k] if k < len(above) else c) for k, c in enumerate(cells)]
+            rows.append(cells)
+            above = cells
+        blocks[number] = header, rows
+    return blocks
+
+
+def parsed():
+    """The numbers of paper-tables.txt as {table: {family: {(row, column): value}}} and Table 1's # Params
+    {family: {row: millions}}, read with the paper's own labels mapped by hand (FAMILIES, TASKS, OBJECTIVES)."""
+    numbers, params = {}, {}
+    for number, (header, rows) in paper_blocks().items():
+        for cells in rows:
+            if number == "1":
+                family, row, values, columns = FAMILIES[cells[0]], cells[2], cells[4:], header[4:]
+                if cells[3] != "-":
+                    params.setdefault(family, {})[row] = float(cells[3].split(" ")[0])
+            elif number in ("2", "7"):
+                family, row, values, columns = FAMILIES[cells[0]], cells[1], cells[2:], header[2:]
+            elif number == "3":  # Tables 3, 4 and 11 are Idefics-9b's (their captions, Table 11's Hyper-ICL row)
+                family, row, values, columns = "idefics", f"{cells[0]} {cells[1]}", cells[2:], header[2:]
+            elif number == "4":
+                family, row, values = "idefics", TASKS[cells[0]], cells[1:]
+                columns = [OBJECTIVES.get(h, h) for h in header[1:]]
+            elif number == "8":
+                family, row, values, columns = "idefics2", f"{TASKS[cells[0]]} -> {TASKS[cells[1]]}", cells[2:], \
+                    header[2:]
+            else:
+                family, row, values, columns = "idefics", cells[0].replace("$", ""), cells[1:], header[1:]
+            table = numbers.setdefault(number, {}).setdefault(family, {})
+            for column, value in zip(columns, values, strict=True):
+                table[row, TASKS.get(column, column)] = float(value)
+    return numbers, params
+
+
+def test_the_published_numbers_are_the_papers_text():
+    numbers, params = parsed()
+    assert numbers == tables.PAPER and params == tables.PARAMS
+    assert sum(len(cells) for table in numbers.values() for cells in table.values()) == 132
+
+
+def test_every_published_number_has_its_cell_and_cells_with_one_command_have_one_number():
+    """Each number of PAPER sits in a cell of its table's layout; two cells of any tables that run the same commands
+    (Table 4's zero-shot is Table 1's, Table 8's zero-shot on OK-VQA is Table 1's, on Flickr30k Table 2's) hold the
+    same published number."""
+    by_cell = {}
+    for name, families in tables.PAPER.items():
+        for family, cells in families.items():
+            table = tables.layout(name, family)
+            assert set(cells) <= set(table.cells), (name, family, set(cells) - set(table.cells))
+            for key, value in cells.items():
+                by_cell.setdefault((family, table.cells[key]), set()).add(value)
+    assert {k: v for k, v in by_cell.items() if len(v) > 1} == {}
+    assert len([v for v in by_cell.values()]) < 132  # some cells are shared between tables
+
+
+def test_the_other_tables_name_their_mode():
+    with pytest.raises(ValueError, match="--benchmark"):
+        tables.layout("6", "idefics2")
+    with pytest.raises(ValueError, match="no table '12'"):
+        tables.layout("12", "idefics2")
+
+
+def test_icd_task_draws_from_the_other_tasks_training_split_with_ids_apart():
+    flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--icd-task", "vqav2", "--data-root", benchmarks.ROOT]
+    args = evaluate.parse_args([*flags, "--shots", "2"])
+    vqav2 = tasks.load_task("vqav2", "train", benchmarks.ROOT)
+    support = tasks.icd_support(args)
+    assert [(it.id, it.image_path, it.question) for it in support] == \
+        [(f"vqav2:{it.id}", it.image_path, it.question) for it in vqav2]
+    assert tasks.split_pool(train.parse_args([*flags, "--n-train", "2"]), "idefics2")[2] == support  # the teacher's
+    query = dataclasses.replace(tasks.load_task("ok-vqa", "val", benchmarks.ROOT)[0], id=vqav2[0].id)  # one number
+    drawn = [d.id for seed in range(8) for d in D.demonstrations([query.id], support[:3], 2, seed)[0]]
+    assert f"vqav2:{query.id}" in drawn  # an ICD of another task is never taken for the query it shares a number with
+    assert tasks.icd_support(evaluate.parse_args([*flags[:4], "--data-root", benchmarks.ROOT])) == \
+        tasks.load_task("ok-vqa", "train", benchmarks.ROOT)  # no --icd-task: the query's own training split
+
+
+def test_icd_task_evaluation_records_its_source_and_refuses_another_kind(tmp_path, capsys):
+    flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--data-root", benchmarks.ROOT, "--n-eval", "2",
+             "--shots", "2", "--out", str(tmp_path)]
+    metrics = evaluate.main([*flags, "--icd-task", "vqav2"])
+    assert metrics["icd_task"] == "vqav2" and metrics["setting"] == "2-shot"
+    assert os.path.exists(tmp_path / "ok-vqa-val-2-shot-icds-vqav2-seed0-n2.metrics.json")
+    with pytest.raises(SystemExit):
+        evaluate.parse_args([*flags, "--icd-task", "coco"])
+    assert "--icd-task coco is a caption task and --task ok-vqa a vqa one" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--task", "ok-vqa", "--icd-task", "vqav2"])
+    assert "--icd-task draws the ICDs of n-shot ICL" in capsys.readouterr().err
+
+
+REHEARSAL = ["--data-root", benchmarks.ROOT, "--n-eval", "2", "--threads", "1", "--workers", "0",
+             "--train-args", "--n-train 2 --n-heldout 1 --epochs 1 --batch-size 2 --workers 0",
+             "--vector-sets", "2", "--vector-heldout", "1", "--fv-heads", "2", "--fv-trials", "1"]
+
+
+class Counted:
+    """The work a table's run does, counted where it is done: backbone loads, the teacher's queries (also per query
+    and tensor), optimiser steps, held-out queries scored, generate calls' items, prompt tokens and new tokens."""
+
+    def __init__(self, monkeypatch):
+        self.work = dict.fromkeys(("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards",
+                                   "items", "prompt_tokens", "generated"), 0)
+        self.teacher = {}
+        load, run_teacher, pair, step, heldout, generate = (backbones.load_backbone, train.run_teacher,
+                                                            micro_batches.pair, runs.step, runs.heldout_loss,
+                                                            evaluate.generate)
+
+        def counting_load(*a, **k):
+            self.work["backbone_loads"] += 1
+            return load(*a, **k)
+
+        def counting_teacher(backbone, batch, output="states"):
+            self.work["teacher_passes"] += len(batch["labels"])
+            self.work["teacher_tokens"] += int(batch["attention_mask"].sum())
+            return run_teacher(backbone, batch, output)
+
+        def counting_pair(run, prepared, computed):
+            missing = [q for q, s in zip(prepared["queries"], prepared["found"]["states"]) if s is None] \
+                if prepared["found"] else []
+            for q in missing:  # per query and tensor (states; LIVE's logits): the teacher computed it
+                self.teacher[q.id, run.cache["output"]] = self.teacher.get((q.id, run.cache["output"]), 0) + 1
+            return pair(run, prepared, computed)
+
+        def counting_step(run, parts):
+            self.work["steps"] += 1
+            return step(run, parts)
+
+        def counting_heldout(run):
+            self.work["heldout_forwards"] += len(run.heldout)
+            return heldout(run)
+
+        def counting_generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
+            tokens = generate(backbone, inputs, max_new_tokens, min_new_tokens)
+            stop = torch.isin(tokens, torch.tensor(backbones.stop_ids(backbone)))
+            ends = torch.where(stop.any(1), stop.int().argmax(1) + 1, tokens.shape[1])
+            self.work["items"] += len(tokens)
+            self.work["prompt_tokens"] += int(inputs["attention_mask"].sum())
+            self.work["generated"] += int(ends.sum())
+            return tokens
+        for target, name, fake in ((backbones, "load_backbone", counting_load),
+                                   (train, "run_teacher", counting_teacher), (micro_batches, "pair", counting_pair),
+                                   (runs, "step", counting_step),
+                                   (runs, "heldout_loss", counting_heldout), (evaluate, "generate", counting_generate)):
+            monkeypatch.setattr(target, name, fake)
+
+
+def table(name, model, out, *extra):
+    """evaluate.py --table / --figure flags of a rehearsal run."""
+    which = ["--figure", name.removeprefix("figure-")] if name.startswith("figure") else ["--table", name]
+    return [*which, "--model", model, "--out", str(out), *REHEARSAL, *extra]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """Tables 1, 2, 8 of tiny-idefics2 in one folder and Table 4 of tiny-idefics in another, each run with its work
+    counted (Counted), Tables 1 and 8 twice: {name: [(counts, printed JSON) of each run]}, and the folders."""
+    root, done = tmp_path_factory.mktemp("tables"), {}
+    for name, model, out in (("1", "tiny-idefics2", root / "idefics2"), ("2", "tiny-idefics2", root / "idefics2"),
+                             ("8", "tiny-idefics2", root / "idefics2"), ("4", "tiny-idefics", root / "idefics")):
+        runs_of = []
+        for _ in range(2 if name in ("1", "8") else 1):
+            with pytest.MonkeyPatch.context() as m:
+                counted = Counted(m)
+                printed = evaluate.main(table(name, model, out))
+            runs_of.append((counted, printed))
+        done[name] = runs_of
+    return done, root
+
+
+def test_a_table_does_each_piece_of_work_once_and_a_second_run_does_none(rehearsal):
+    done, _ = rehearsal
+    (first, printed), (again, reprinted) = done["1"]
+    assert first.work["backbone_loads"] == 1 and again.work["backbone_loads"] == 1
+    # the teacher of a task: once for Hyper-ICL and MimIC (states), once for LIVE (logits); 3 tasks x 2 queries
+    assert set(first.teacher.values()) == {1} and first.work["teacher_passes"] == 3 * 2 * 2
+    assert first.work["steps"] == 5 * 3  # LoRA, LIVE, MimIC, Hyper-ICL, HiFICL on 3 tasks: 2 queries, 1 step each
+    assert first.work["items"] == 10 * 3 * 2  # every cell evaluated once, on 2 items
+    for name in ("1", "8"):
+        (_, printed), (again, reprinted) = done[name]
+        assert {k: v for k, v in again.work.items() if k != "backbone_loads"} == dict.fromkeys(
+            ("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens", "generated"), 0)
+        assert reprinted == printed
+    assert all(c["ours"] is not None for runs_of in done.values() for c in runs_of[0][1]["cells"])
+    (eight, printed), _ = done["8"]  # its zero-shots are Tables 1's and 2's, its adapters Table 1's runs
+    assert eight.work["steps"] == 0 and eight.work["teacher_passes"] == 0 and eight.work["items"] == 4 * 2
+    (four, _), = done["4"]  # Idefics: L_sup + L_H, L_sup + L_2 and L_H alone share one teacher (32 ICDs) a task
+    assert set(four.teacher.values()) == {1} and four.work["teacher_passes"] == 2 * 2
+
+
+def test_the_printed_table_stands_beside_the_papers(rehearsal):
+    done, root = rehearsal
+    (_, printed), _ = done["1"]
+    cell = {(c["row"], c["column"]): c for c in printed["cells"]}
+    assert printed["paper_backbone"] == "Idefics2-8b" and printed["random_weights"]
+    hyper = cell["Hyper-ICL", "vqav2"]
+    assert hyper["paper"] == 71.17 and hyper["difference"] == hyper["ours"] - 71.17 and hyper["items"] == 2
+    assert hyper["paper_items"] == 10_000 and {"subset", "queries"} <= set(hyper["marks"])
+    assert hyper["params"] == 4 * 2 * (2 * 16 * 4 + 16 + 1)  # 2 layers x 4 heads of 16, r = 4 (Eq 6, 9)
+    assert len(hyper["interval95"]) == 2 and cell["Zero-shot", "coco"]["interval95"] is None  # CIDEr: none
+    assert "chance" in cell["8-shot ICL", "vqav2"]["marks"] and cell["HiFICL", "coco"]["marks"][0] == "extra"
+    md = (root / "idefics2" / "table-1.md").read_text()
+    assert "| Hyper-ICL | 1,160 / 1.18 M |" in md and "/ 71.17 (" in md and "random weights" in md
+    (_, four), = done["4"]
+    assert four["paper_backbone"] == "Idefics-9b" and {c["column"] for c in four["cells"]} == set(tables.T4)
+
+
+BY_HAND = {  # one cell of each kind of row: table -> its (row, column)
+    "1": [("Zero-shot", "vqav2"), ("8-shot ICL", "ok-vqa"), ("RICES", "coco"), ("FV", "vqav2"), ("TV", "ok-vqa"),
+          ("LIVE", "coco"), ("MimIC", "vqav2"), ("Hyper-ICL", "coco")],
+    "2": [("ICL", "mme"), ("Hyper-ICL", "seed")],
+    "8": [("vqav2 -> ok-vqa", "8-shot ICL"), ("coco -> flickr30k", "Hyper-ICL")],
+    "4": [("vqav2", "L_sup + L_L2-anchor")]}
+
+
+def test_every_kind_of_cell_equals_its_single_commands_run_by_hand(rehearsal, tmp_path):
+    """A sample, one cell of each kind of row (zero-shot, ICL, RICES, FV, TV, each learnable method's teacher,
+    MME and SEED, Table 8's ICDs of another task and its transfer, Table 4's objectives): its printed jobs run as
+    single commands by hand, in a fresh process state and folder (the backbone loaded by each), give the same
+    adapter and the same predictions, so the same number. (All cells cost 3x the table: a sample.)"""
+    done, root = rehearsal
+    for name, cells in BY_HAND.items():
+        model, folder = ("tiny-idefics", root / "idefics") if name == "4" else ("tiny-idefics2", root / "idefics2")
+        args = evaluate.parse_args(table(name, model, folder))
+        layout = tables.layout(name, "idefics" if name == "4" else "idefics2", 2)
+        of_cell, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, layout)
+        by_argv = {j.argv: j for j in jobs}
+        printed = {(c["row"], c["column"]): c for c in done[name][0][1]["cells"]}
+        for key in cells:
+            job = of_cell[key]
+            here = lambda argv: [a.replace(str(folder), str(tmp_path / name)) for a in argv]
+            for before in job.after:
+                train.main(here(before))
+                adapter = os.path.join(by_argv[before].args((train.parse_args,)).out, "adapter.safetensors")
+                with open(adapter, "rb") as a, open(here([adapter])[0], "rb") as b:
+                    assert a.read() == b.read(), key
+            metrics = evaluate.main(here(job.argv))
+            assert metrics[results.headline_metric(metrics)] == printed[key]["ours"], key
+            ours = os.path.join(folder, printed[key]["result"]).replace(".metrics.json", ".predictions.jsonl")
+            with open(ours, "rb") as a, open(here([ours])[0], "rb") as b:
+                assert a.read() == b.read(), key
+
+
+def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehearsal, tmp_path):
+    """kill -9 while Table 8's second training runs (a forked copy of this process: the same code, no start-up),
+    then the same command: the table, byte for byte, is the uninterrupted run's (the fixture's, in another folder)."""
+    _, root = rehearsal
+    flags = table("8", "tiny-idefics2", tmp_path / "table")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the table's command, its output into the pipe, a line at a time
+        sys.stdout = os.fdopen(write, "w", buffering=1)
+        try:
+            evaluate.main(flags)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as lines:
+        for line in lines:
+            if line.startswith("[2/"):
+                os.kill(pid, signal.SIGKILL)
+                break
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL and not (tmp_path / "table" / "table-8.json").exists()
+    evaluate.main(flags)
+    for ending in (".json", ".md"):
+        assert (tmp_path / "table" / f"table-8{ending}").read_bytes() == \
+            (root / "idefics2" / f"table-8{ending}").read_bytes()
+
+
+def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, capsys):
+    done, _ = rehearsal
+    planned = evaluate.main(table("4", "tiny-idefics", tmp_path / "plan", "--plan", "cpu"))
+    (ran, _), = done["4"]
+    counts = ("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items",
+              "prompt_tokens")
+    assert {k: planned[k] for k in counts} == {k: ran.work[k] for k in counts}
+    assert ran.work["generated"] <= planned["generated_at_most"] and not (tmp_path / "plan").exists()
+    out = capsys.readouterr().out
+    assert "GPU-hours on an H200" in out and "peak ~" in out and "disk: teacher caches" in out
+
+
+def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column(rehearsal, tmp_path, monkeypatch):
+    done, root = rehearsal
+    before = (root / "idefics2" / "table-8.md").read_bytes()
+    counted = Counted(monkeypatch)
+    assert evaluate.main(table("8", "tiny-idefics2", root / "idefics2", "--print")) == done["8"][0][1]
+    assert set(counted.work.values()) == {0} and (root / "idefics2" / "table-8.md").read_bytes() == before
+    l2 = root / "idefics" / "train" / "vqav2" / "hyper-icl-anchor-euclidean"
+    record = checkpoints.read_record(l2 / "adapter.safetensors")
+    assert {k: record[k] for k in ("method", "anchor", "lam", "kappa", "rank", "shots", "icds", "icd_task",
+                                   "n_train")} == {"method": "hyper-icl", "anchor": "euclidean", "lam": 0.5,
+                                                   "kappa": 0.1, "rank": 4, "shots": 32, "icds": "random",
+                                                   "icd_task": None, "n_train": 2}
+    assert record["data_root"] == benchmarks.ROOT and set(checkpoints.RESUME_MUST_MATCH) < set(record)
+    (metrics,) = [json.loads(p.read_text()) for p in l2.glob("*.metrics.json")]
+    assert metrics["run"] == record and metrics["params"] == 2 * 4 * (2 * 16 * 4 + 16 + 1)
+    backbone = backbones.load_backbone("tiny-idefics")  # the record is metadata: the same tensors without it
+    checkpoints.load_adapter(str(l2 / "adapter.safetensors"), backbone)
+    checkpoints.save_adapter(tmp_path / "bare.safetensors", backbone)
+    tensors = lambda path: path.read_bytes()[8 + int.from_bytes(path.read_bytes()[:8], "little"):]
+    assert tensors(tmp_path / "bare.safetensors") == tensors(l2 / "adapter.safetensors")
+
+
+def test_print_commands_gives_one_idempotent_line_a_job_in_dependency_order(rehearsal, capsys):
+    _, root = rehearsal
+    lines = evaluate.main(table("4", "tiny-idefics", root / "idefics", "--print-commands"))
+    assert capsys.readouterr().out.split("\n")[:-1] == lines and lines[-1].endswith("--print")
+    trains = [line for line in lines if line.startswith("python train.py")]
+    assert len(trains) == 4 * 2 and all("--proceed" in line for line in trains) and len(lines) == 8 + 10 + 1
+    for k, line in enumerate(lines[:-1]):  # an adapter's evaluation after its training
+        if "--checkpoint" in line:
+            folder = os.path.dirname(shlex.split(line)[shlex.split(line).index("--checkpoint") + 1])
+            assert any(f"--out {folder} " in earlier for earlier in lines[:k])
+
+
+def test_processes_on_several_devices_take_each_job_once_and_wait_for_the_ones_before(tmp_path):
+    """run_jobs with claims (--gpus' workers), its commands recorded instead of run: a job another process holds is
+    left to it, a job it marked done is not run again, and an adapter's evaluation waits for its training."""
+    args = evaluate.parse_args(table("7", "tiny-idefics2", tmp_path))
+    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    claims, ran = tmp_path / "claims", []
+    claims.mkdir()
+    record = lambda argv, load: ran.append(tuple(argv))
+    held = next(j for j in jobs if j.script == "evaluate.py" and not j.after)  # zero-shot: another process's
+    first = jobs[0]
+    (claims / f"{first.key()}.done").write_text("\"done by another process\"")
+    with checkpoints.locked(str(claims / held.key())):  # its holder finishes it while this process runs the rest
+        threading.Timer(0.5, (claims / f"{held.key()}.done").write_text, ["\"done by its holder\""]).start()
+        table_runs.run_jobs(jobs, {"train.py": record, "evaluate.py": record}, str(claims))
+    assert first.argv not in ran and held.argv not in ran and len(ran) == len(jobs) - 2
+    assert all(ran.index(j.argv) > max((ran.index(a) for a in j.after if a in ran), default=-1)
+               for j in jobs if j.argv in ran)
+
+
+def test_a_sweep_is_a_table_of_cells_with_its_figure(tmp_path):
+    """Figure 3a (rank x gate) before any run: every cell named and marked as not run yet, the figure drawn."""
+    printed = evaluate.main(table("figure-3a", "tiny-idefics2", tmp_path, "--print"))
+    assert [(c["row"], c["column"]) for c in printed["cells"]] == [(g, r) for g in tables.GATES for r in tables.RANKS]
+    assert all(c["marks"] == ["missing"] for c in printed["cells"]) and (tmp_path / "figure-3a.png").stat().st_size
+    layout = tables.layout("figure-2", "idefics", 1000)
+    assert layout.columns == ("100", "250", "500", "1000") and layout.cells["VQAv2 LoRA", "1000"].train == \
+        ("--method", "lora") and layout.cells["OK-VQA MimIC", "100"].train == ("--method", "mimic", "--n-train", "100")
+    assert tables.layout("3", "idefics").cells["VQAv2 Hyper-ICL", "32"].train == ()  # Table 1's run: 32 shots
+
+
+def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_lists_them(tmp_path, monkeypatch, capsys):
+    table = ["--table", "7", *QUIET, "--out", str(tmp_path)]
+    assert "names a device twice" in refused(evaluate.parse_args, [*table, "--gpus", "0,0"], capsys)  # before: 2 on 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert "this machine has 2 CUDA device(s) visible (0 to 1)" in refused(evaluate.parse_args, [*table, "--gpus",
+                                                                                                 "1,2"], capsys)
+    assert evaluate.parse_args([*table, "--gpus", "2,3", "--plan", "cuda"]).gpus == "2,3"  # a plan for other machines
+    started = []
+
+    class Process:  # the workers, recorded instead of started
+        def __init__(self, argv, env):
+            started.append(env["CUDA_VISIBLE_DEVICES"])
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(subprocess, "Popen", Process)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a scheduler's share of the machine
+    args = evaluate.parse_args([*table, "--gpus", "0,1"])
+    table_runs.on_devices(args, [], "evaluate.py")
+    assert started == ["4", "5"]  # before: "0", "1", devices of another job
+
+
+def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
+    """Table 7's zero-shot VQAv2 evaluated once; --print of another backbone, another --data-root, and after the
+    metrics were damaged or the predictions they score removed: no number (before: another backbone's or data's
+    number beside the paper's; the damaged file a JSON error naming nothing)."""
+    flags = ["--table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
+    args = evaluate.parse_args(flags)
+    of_cell, _ = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    job = of_cell["Zero-shot", "vqav2"]
+    evaluate.main(list(job.argv))
+    cell = lambda argv: {(c["row"], c["column"]): c for c in evaluate.main(argv)["cells"]}["Zero-shot", "vqav2"]
+    assert cell([*flags, "--print"])["ours"] is not None
+    other = [a.replace("tiny-idefics2", "tiny-llava-interleave") for a in flags]
+    assert cell([*other, "--print"])["ours"] is None
+    root = shutil.copytree(os.path.join(benchmarks.ROOT, "vqav2"), tmp_path / "root" / "vqav2")
+    moved = [str(root.parent) if a == benchmarks.ROOT else a for a in flags]
+    assert cell([*moved, "--print"])["ours"] is None
+    metrics, = tmp_path.glob("eval/vqav2/*.metrics.json")
+    predictions = str(metrics).replace(".metrics.json", ".predictions.jsonl")
+    os.rename(predictions, predictions + ".away")
+    assert cell([*flags, "--print"])["marks"][-1] == "missing"  # the run would evaluate it again
+    os.rename(predictions + ".away", predictions)
+    metrics.write_text(metrics.read_text()[:100])
+    assert cell([*flags, "--print"])["ours"] is None
+
+
+def test_a_table_takes_the_flags_its_cells_take_and_refuses_the_rest(tmp_path, capsys):
+    table = lambda n, *more: ["--table", n, *QUIET, "--out", str(tmp_path), *more]
+    for flag in (["--again"], ["--new-tokens", "3"], ["--task", "coco"], ["--eval-draw", "seeded"]):
+        assert "reaches no cell of Table 1: its cells choose their own" in refused(  # before: taken, doing nothing
+            evaluate.parse_args, table("1", *flag), capsys)
+    for flag in ("--task coco", "--meth lora", "--out x"):  # before: every training on coco, LoRA, into x
+        assert f"--train-args --{flag.split()[0][2:]}" in refused(evaluate.parse_args, table("1", "--train-args", flag),
+                                                                  capsys)
+    args = evaluate.parse_args(table("2", "--seed-protocol", "likelihood"))  # before: refused, SEED cells' own flag
+    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("2", "idefics2"))
+    assert {"likelihood" in j.argv for j in jobs if "seed" in j.argv and j.script == "evaluate.py"} == {True}
+    args = evaluate.parse_args(table("1", "--vector-layer", "1", "--rices-encoder", "clip"))
+    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("1", "idefics2"))
+    for word, flag in (("--vector", "--vector-layer"), ("rices", "--rices-encoder")):  # before: dropped / refused
+        assert {flag in j.argv for j in jobs if word in j.argv} == {True} and \
+            not any(flag in j.argv for j in jobs if word not in j.argv)
+    evaluate.parse_args(table("2", "--vector-sets", "2"))  # a flag of other tables' rows: a note, not an error
+    assert "note: --vector-sets reaches no cell of Table 2" in capsys.readouterr().err
