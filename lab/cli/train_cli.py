@@ -46,7 +46,7 @@ def parse_args(argv, doc, defaults):
     if not 0 <= args.warmup < 1:
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
-    check_world(p, args)
+    check_world(p, args.batch_size, args.n_train)
     if tasks.check_icd_task(args.task, args.icd_task):
         p.error(tasks.check_icd_task(args.task, args.icd_task))
     if args.icds == "rices" and rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
@@ -61,15 +61,15 @@ def parse_args(argv, doc, defaults):
     return args
 
 
-def check_world(p, args):
+def check_world(p, batch_size, n_train):
     """Under torchrun (WORLD_SIZE), a parser error naming --batch-size before any backbone loads when a micro-batch
     would leave a process without a query: every micro-batch of --batch-size queries (the last one --n-train's
     remainder) must give each of the N processes at least one (torchrun.data_parallel checks the queries there are)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    smallest = min(args.batch_size, args.n_train % args.batch_size or args.batch_size)
+    smallest = min(batch_size, n_train % batch_size or batch_size)
     if smallest < world:
         p.error(f"torchrun's {world} processes need at least {world} queries in every micro-batch; --batch-size "
-                f"{args.batch_size} with --n-train {args.n_train} gives {smallest}: give --batch-size {world} (or a "
+                f"{batch_size} with --n-train {n_train} gives {smallest}: give --batch-size {world} (or a "
                 "multiple of it that divides --n-train)")
 
 

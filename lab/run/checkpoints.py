@@ -232,10 +232,10 @@ RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icd
                      "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed", "icd_task")
 
 
-def restore(args, backbone, optimizer, scheduler, record):
+def restore(out, backbone, optimizer, scheduler, record):
     """Load <out>/last.pt into the run; refuse if it was made with other settings or other data than this run's record
     (run_record), naming the file; last.pt is left as it is."""
-    path = os.path.join(args.out, "last.pt")
+    path = os.path.join(out, "last.pt")
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     state = read_run(path)
@@ -245,7 +245,7 @@ def restore(args, backbone, optimizer, scheduler, record):
                       "only with as many as before)")
     here = fingerprint(backbone)
     if state.get("fingerprint", here) != here:
-        differ.append(f"other weights of --model {args.model} (fingerprint {state['fingerprint']}, now {here})")
+        differ.append(f"other weights of --model {record['model']} (fingerprint {state['fingerprint']}, now {here})")
     if differ:
         raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ) + "; it is left as it is")
     M.adapter_modules(backbone.model).load_state_dict(state["adapter"])

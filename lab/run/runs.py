@@ -64,7 +64,7 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
                      if torchrun.rank_and_world()[1] > 1 else None)
     os.makedirs(cfg.teacher_cache, exist_ok=True)
     record = checkpoints.run_record(cfg, queries, heldout, icds)
-    progress = checkpoints.restore(cfg, backbone, optimizer, scheduler, record) if cfg.resume else \
+    progress = checkpoints.restore(cfg.out, backbone, optimizer, scheduler, record) if cfg.resume else \
         {"step": 0, "best": math.inf, "history": []}
     anchor = registry.ANCHORS[cfg.anchor]
     cache = teacher_cache.identity(backbone, cfg.task, anchor.teacher, None if cfg.no_teacher_cache else

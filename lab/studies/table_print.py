@@ -50,7 +50,7 @@ def found(job, parsers):
     return None, None
 
 
-def cell_record(args, name, family, table, key, job, parsers):
+def cell_record(out, name, family, table, key, job, parsers):
     """One cell: ours, the paper's, the difference, items (ours, the paper's), interval, parameters, marks."""
     (row, column), cell = key, table.cells[key]
     path, m = found(job, parsers)
@@ -62,7 +62,7 @@ def cell_record(args, name, family, table, key, job, parsers):
     metric = results.headline_metric(m)
     record |= {"metric": metric, "ours": m[metric], "items": m["n"], "interval95": m.get("interval95"),
                "params": m.get("params"), "difference": None if paper is None else m[metric] - paper,
-               "result": os.path.relpath(path, args.out)}
+               "result": os.path.relpath(path, out)}
     if cell.train is None and m["shots"] and metric != "cider" and "chance" in m and m[metric] <= m["chance"] + 5:
         record["marks"].append("chance")
     if record["paper_items"] and m["n"] < record["paper_items"]:
@@ -96,7 +96,7 @@ def write(args, name, table, of_cell, parsers):
     """Assemble the table from its result files and write <out>/<name>.md and .json (and .png for a sweep); print
     the Markdown. Returns the JSON's dict. parsers: train.py's and evaluate.py's parse_args."""
     family = families.family_of(args.model)
-    records = [cell_record(args, name, family, table, key, of_cell[key], parsers) for key in table.cells]
+    records = [cell_record(args.out, name, family, table, key, of_cell[key], parsers) for key in table.cells]
     by_key = {(r["row"], r["column"]): r for r in records}
     paper = tables.FAMILY_NAMES.get(family) if name in tables.PAPER and family in tables.PAPER[name] else None
     random_weights = args.model.startswith("tiny-")

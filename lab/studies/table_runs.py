@@ -75,11 +75,11 @@ def handed_on(args, defaults, names, cell_flags):
     return out
 
 
-def eval_size(args, task):
+def eval_size(n_eval, task):
     """The evaluation's --n-eval flags: the paper's items (VQAv2's 10,000, drawn with --seed; the other tasks'
     whole splits), at most --n-eval."""
     paper = tables.PAPER_ITEMS["vqav2"] if task == "vqav2" else None
-    n = min(v for v in (paper, args.n_eval) if v) if paper or args.n_eval else None
+    n = min(v for v in (paper, n_eval) if v) if paper or n_eval else None
     return ([] if n is None else ["--n-eval", str(n)]) + (["--eval-draw", "seeded"] if task == "vqav2" else [])
 
 
@@ -113,7 +113,7 @@ def table_jobs(args, defaults, train_parse, table):
             jobs.setdefault(argv, tables.Job("train.py", argv, () if first == argv else (first,)))
             after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *evaluate]
         protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
-        argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args, cell.task),
+        argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args.n_eval, cell.task),
                 *handed_on(args, defaults, EVAL_FLAGS, evaluate), *protocol, *evaluate)
         of_cell[key] = jobs.setdefault(argv, tables.Job("evaluate.py", argv, after))
     trainings = [j for j in jobs.values() if j.script == "train.py"]  # first: one backbone state for all of them
@@ -218,17 +218,17 @@ def claimed(claims, job):
         yield False
 
 
-def on_devices(args, argv, script):
+def on_devices(gpus, out, argv, script):
     """--gpus: one process per device (CUDA_VISIBLE_DEVICES: the device of that number among those this process
     sees, as a scheduler's CUDA_VISIBLE_DEVICES lists them), each running `script` with argv and --table-worker (which
     makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of this run
     live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips what is
     done)."""
-    claims = os.path.join(args.out, "claims", f"{files.this_host()}-{os.getpid()}")
+    claims = os.path.join(out, "claims", f"{files.this_host()}-{os.getpid()}")
     os.makedirs(claims, exist_ok=True)
     procs = [subprocess.Popen([sys.executable, script, *argv, "--table-worker", claims],
                               env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_device(int(device))})
-             for device in args.gpus.split(",")]
+             for device in gpus.split(",")]
     failed = [p for p in procs if p.wait() != 0]
     if failed:
         raise ValueError(f"{len(failed)} of the --gpus processes failed (their output is above); run the same command "
@@ -259,7 +259,7 @@ def run_table(args, argv, mains, parsers, script):
         print("\n".join(lines))
         return lines
     if args.gpus and not args.table_worker:
-        on_devices(args, argv, script)
+        on_devices(args.gpus, args.out, argv, script)
     elif not args.print:
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "

@@ -422,7 +422,7 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
     monkeypatch.setattr(subprocess, "Popen", Process)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a scheduler's share of the machine
     args = evaluate.parse_args([*table, "--gpus", "0,1"])
-    table_runs.on_devices(args, [], "evaluate.py")
+    table_runs.on_devices(args.gpus, args.out, [], "evaluate.py")
     assert started == ["4", "5"]  # before: "0", "1", devices of another job
 
 
