@@ -92,15 +92,15 @@ def params_text(table, records, family, row):
     return ("-" if ours is None else f"{ours:,}") + ("" if paper is None else f" / {paper} M")
 
 
-def write(args, name, table, of_cell, parsers):
+def write(model, out, name, table, of_cell, parsers):
     """Assemble the table from its result files and write <out>/<name>.md and .json (and .png for a sweep); print
     the Markdown. Returns the JSON's dict. parsers: train.py's and evaluate.py's parse_args."""
-    family = families.family_of(args.model)
-    records = [cell_record(args.out, name, family, table, key, of_cell[key], parsers) for key in table.cells]
+    family = families.family_of(model)
+    records = [cell_record(out, name, family, table, key, of_cell[key], parsers) for key in table.cells]
     by_key = {(r["row"], r["column"]): r for r in records}
     paper = tables.FAMILY_NAMES.get(family) if name in tables.PAPER and family in tables.PAPER[name] else None
-    random_weights = args.model.startswith("tiny-")
-    head = (f"{table.name} of {args.model}" + (" (random weights)" if random_weights else "") +
+    random_weights = model.startswith("tiny-")
+    head = (f"{table.name} of {model}" + (" (random weights)" if random_weights else "") +
             f": {table.caption}. Each cell: ours [95% interval], items" +
             (f" / the paper's {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
     show_params = table.params
@@ -114,16 +114,16 @@ def write(args, name, table, of_cell, parsers):
                      " | ".join(cells) + " |")
     used = dict.fromkeys(m for r in records for m in r["marks"])
     lines += [""] + [f"{SYMBOLS[m]} {MARKS[m]}" for m in used]
-    out = os.path.join(args.out, name if name.startswith("figure") else f"table-{name}")
+    stem = os.path.join(out, name if name.startswith("figure") else f"table-{name}")
     markdown = "\n".join(lines) + "\n"
-    summary = {"table": table.name, "model": args.model, "family": family, "paper_backbone": paper,
+    summary = {"table": table.name, "model": model, "family": family, "paper_backbone": paper,
                "random_weights": random_weights, "rows": list(table.rows), "columns": list(table.columns),
                "cells": records, "marks": {m: MARKS[m] for m in used}}
-    files.atomic_write(out + ".md", lambda f: f.write(markdown.encode()))
-    files.write_json(out + ".json", summary, indent=1)
+    files.atomic_write(stem + ".md", lambda f: f.write(markdown.encode()))
+    files.write_json(stem + ".json", summary, indent=1)
     if table.figure:
-        draw(table, by_key, out + ".png")
-    print(markdown + f"-> {out}.md, {out}.json" + (f", {out}.png" if table.figure else ""))
+        draw(table, by_key, stem + ".png")
+    print(markdown + f"-> {stem}.md, {stem}.json" + (f", {stem}.png" if table.figure else ""))
     return summary
 
 

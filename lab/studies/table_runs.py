@@ -264,7 +264,7 @@ def run_table(args, argv, mains, parsers, script):
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")
-    return None if args.table_worker else table_print.write(args, name, table, of_cell, parsers)
+    return None if args.table_worker else table_print.write(args.model, args.out, name, table, of_cell, parsers)
 
 
 @dataclass
