@@ -88,12 +88,12 @@ def parse_args(argv, doc, defaults, train_parse):
                 "--curve, --gates or --hyperbolicity")
     if args.icd_task and not args.shots:
         p.error("--icd-task draws the ICDs of n-shot ICL: give their number with --shots N")
-    if tasks.check_icd_task(args.task, args.icd_task):
-        p.error(tasks.check_icd_task(args.task, args.icd_task))
+    if wrong := tasks.check_icd_task(args.task, args.icd_task):
+        p.error(wrong)
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
-    if args.icds == "rices" and rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
-        p.error(rices.encoder_missing(families.family_of(args.model), args.rices_encoder))
+    if args.icds == "rices" and (missing := rices.encoder_missing(families.family_of(args.model), args.rices_encoder)):
+        p.error(missing)
     if args.random_weights == "published" and args.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")
     check_table(p, args, defaults, trained if args.table or args.figure else None)
@@ -153,7 +153,6 @@ def check_table(p, args, defaults, trained):
     for name in table_runs.job_flags(shlex.split(args.train_args), [f.name for f in dataclasses.fields(trained)]):
         p.error(f"--train-args --{name.replace('_', '-')}: the table sets it for each job (lab/studies/tables.py); "
                 "drop it")
-    if any("rices" in c.evaluate for c in layout.cells.values()) and \
-            rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
-        p.error(f"{layout.name}'s RICES row: " + rices.encoder_missing(families.family_of(args.model),
-                                                                      args.rices_encoder))
+    missing = rices.encoder_missing(families.family_of(args.model), args.rices_encoder)
+    if missing and any("rices" in c.evaluate for c in layout.cells.values()):
+        p.error(f"{layout.name}'s RICES row: {missing}")

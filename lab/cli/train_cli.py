@@ -47,10 +47,10 @@ def parse_args(argv, doc, defaults):
         p.error(f"--warmup must be a fraction of the steps in [0, 1) (got {args.warmup})")
     flags.check_floats(p, args)
     check_world(p, args.batch_size, args.n_train)
-    if tasks.check_icd_task(args.task, args.icd_task):
-        p.error(tasks.check_icd_task(args.task, args.icd_task))
-    if args.icds == "rices" and rices.encoder_missing(families.family_of(args.model), args.rices_encoder):
-        p.error(rices.encoder_missing(families.family_of(args.model), args.rices_encoder))
+    if wrong := tasks.check_icd_task(args.task, args.icd_task):
+        p.error(wrong)
+    if args.icds == "rices" and (missing := rices.encoder_missing(families.family_of(args.model), args.rices_encoder)):
+        p.error(missing)
     flags.check_image_memory(p, args.image_memory)
     flags.check_applies(p, args, defaults, APPLIES, args.filled())
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else

@@ -82,8 +82,8 @@ def image_encoder(backbone, hub_id=None):
     CLIP checkpoint (clip_encoder)."""
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
-    if encoder_missing(backbone.family, hub_id):
-        raise ValueError(encoder_missing(backbone.family, hub_id))
+    if missing := encoder_missing(backbone.family, hub_id):
+        raise ValueError(missing)
     h, inner = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode()), backbone.model.model
     for p in (inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters():
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())

@@ -204,9 +204,9 @@ def train_work(cfg, w, computes_teacher):
     flops = sum(forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
         2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
     flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
-    sizes = teacher_cache.query_tokens(w.processor, w.family, tasks.spec(cfg.task).kind, queries) if teacher else 0
-    cache = teacher_cache.cache_file_bytes(registry.ANCHORS[cfg.anchor].teacher, w.model.config, sizes, w.dtype) * \
-        len(queries) if teacher else 0
+    output = registry.ANCHORS[cfg.anchor].teacher  # the cached tensor: states, or LIVE's logits
+    cache = teacher_cache.cache_file_bytes(output, w.model.config, teacher_cache.query_tokens(
+        w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
     return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher),
             "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries),
             "teacher_cache_bytes": cache, "adapter_bytes": 4 * w.adapter(cfg)}
