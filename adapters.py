@@ -153,8 +153,9 @@ class HiFICL(nn.Module):
         log_Z1 = torch.logsumexp(logits_D, -1, keepdim=True)
         SA_D = torch.exp(logits_D - log_Z1) @ V_learn                          # SA(q, K_learn, V_learn)
         SA, log_Z2 = attention_lse(q, k, v, mask, scaling)
-        mu = torch.sigmoid(log_Z1 - log_Z2)                                     # Z1 / (Z1 + Z2)
-        return torch.lerp(SA.to(SA_D.dtype), SA_D, mu).to(q.dtype)             # Eq 2: (1 - mu) SA + mu SA_D
+        log_ratio = log_Z1 - log_Z2                                             # mu = Z1 / (Z1 + Z2) = sigmoid
+        # Eq 2: (1 - mu) SA + mu SA_D, 1 - mu as sigmoid(-log_ratio), not a difference of numbers near 1 (mu -> 1)
+        return (torch.sigmoid(-log_ratio) * SA.to(SA_D.dtype) + torch.sigmoid(log_ratio) * SA_D).to(q.dtype)
 
 
 # ----------------------------------------------- the paper's ablations: static gates (Fig 3a), output level (Table 11)
@@ -257,7 +258,8 @@ def one_query_attention_lse(q, k, v, mask, scaling):
     if mask is not None:                                                    # [B, 1, 1, T_k] on [B, H_kv, H / H_kv, T_k]
         logits = logits.masked_fill(~mask, -math.inf)
     log_Z2 = torch.logsumexp(logits, -1, keepdim=True)
-    SA = torch.exp(logits - log_Z2).to(v.dtype) @ v
+    shift = log_Z2.masked_fill(log_Z2 == -math.inf, 0)  # a row that sees no key: weights exp(-inf) = 0, not NaN
+    SA = torch.exp(logits - shift).to(v.dtype) @ v
     return SA.view(B, H, 1, d_h), log_Z2.view(B, H, 1, 1)
 
 

@@ -36,7 +36,7 @@ class MimIC(nn.Module):
         seen = full_mask(mask, q.shape[-2], k.shape[-2], q.device)
         logits = (q @ k.transpose(-1, -2) * scaling).masked_fill(~seen, -math.inf)
         mu = torch.sigmoid(self.log_Z1(q) - torch.logsumexp(logits, -1, keepdim=True))       # Z1 / (Z1 + Z2)
-        SA = (logits.softmax(-1) @ v).nan_to_num(0)
+        SA = logits.softmax(-1).nan_to_num(0) @ v                                   # no key seen: weights 0
         return SA + mu.to(q.dtype) * self.s.to(q.dtype)[:, None]
 
     def forward(self, q, k, v, mask, scaling):
