@@ -253,12 +253,24 @@ def evaluate(backbone, args, items, setting, vector=None):
     return metrics
 
 
+def icl_shots(backbone, args):
+    """The ICDs of the default job's n-shot ICL row: the adapter's teacher's (its run record) where there is one, said
+    when they are not the backbone's default for the task, else that default (data.default_shots)."""
+    default = D.default_shots(tasks.spec(args.task), backbone.family)
+    record = checkpoints.read_record(args.checkpoint) if args.checkpoint else None
+    if record and record.get("shots") not in (None, default):
+        print(f"n-shot ICL at {record['shots']} shots, as the adapter's teacher had them ({args.checkpoint}'s run "
+              f"record; this backbone's default: {default}); --shots N for another")
+        return record["shots"]
+    return default
+
+
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
     one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter). Where N-shot
     ICL is at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the
     line says so: the backbone does not learn in context and no score beside it shows anything."""
-    shots = D.default_shots(tasks.spec(args.task), backbone.family)
+    shots = icl_shots(backbone, args)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:

@@ -226,3 +226,23 @@ def test_every_step_clips_the_adapters_gradient_norm_to_clip(traced):
     so each step's is --clip, up to clip_grad_norm_'s 1e-6 in the divisor)."""
     norms = traced[0]["norm"]
     assert len(norms) == 20 and all(0.999e-3 < n <= 1e-3 * (1 + 1e-6) for n in norms), norms
+
+
+def test_a_run_stopped_by_max_steps_before_an_epoch_keeps_a_partial_adapter_that_evaluates(tmp_path):
+    """A smoke run (--max-steps before the first epoch is scored) scores its held-out loss, keeps its adapter as the
+    best so far with a record that says it is partial, and evaluate.py scores it (before: "no epoch scored yet, so
+    no best adapter", and evaluate.py quietly scored 0-shot and n-shot only); --resume then goes on as it did: the
+    same adapter as an uninterrupted run, its first scored epoch replacing the partial one."""
+    import evaluate
+    train.main(small_run(tmp_path, "--max-steps", "2", name="smoke"))
+    path = str(tmp_path / "smoke" / "adapter.safetensors")
+    partial = checkpoints.read_record(path)["partial"]
+    assert partial["step"] == 2 and math.isfinite(partial["heldout_loss"]) and partial["heldout_loss"] > 0
+    metrics = evaluate.main([*BENCH, "--n-eval", "2", "--checkpoint", path])
+    assert metrics["setting"] == "hyper-icl" and "vqa_accuracy" in metrics
+    resumed = train.main(small_run(tmp_path, "--resume", name="smoke"))
+    whole = train.main(small_run(tmp_path, name="whole"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert "partial" not in checkpoints.read_record(path)
+    kept, best = (checkpoints.read_tensors(p) for p in (path, str(tmp_path / "whole" / "adapter.safetensors")))
+    assert kept.keys() == best.keys() and all(torch.equal(kept[k], best[k]) for k in kept)

@@ -4,8 +4,12 @@ SEED-Bench-1 and SEED-Bench-2, drawn with Pillow from fixed seeds.
 
 They are read by the project's own readers (lab/datasets/readers.py, lab/datasets/mme_seed.py) under the real task
 names: `--task vqav2 --data-root benchmarks.ROOT` (also ok-vqa, coco, flickr30k, mme, seed, seed2). ROOT is written
-once (conftest.py calls `generate`) to a folder whose name holds a hash of this file and of the lab files it writes
-with, so a changed fixture is never read from a stale folder; files.generated makes the write atomic.
+once (conftest.py calls `generate`) to a folder of the user's own cache (~/.cache/hyper-icl, or $XDG_CACHE_HOME's),
+never a shared temporary folder, whose name holds a hash of this file and of the lab files it writes with, so a
+changed fixture is never read from a stale folder; files.generated makes the write atomic.
+
+    python -m tools.benchmarks [DIR]                 write them (to DIR, or ROOT) and print the folder
+    python -m tools.benchmarks --paper-sized DIR     Table 1's sizes, for the tables' --plan
 """
 import hashlib
 import os
@@ -13,7 +17,6 @@ import pathlib
 import random
 import shutil
 import sys
-import tempfile
 from collections import Counter
 
 from PIL import Image, ImageDraw
@@ -24,7 +27,8 @@ from lab.datasets import mme_seed, readers, toy_world
 
 WRITERS = (__file__, D.__file__, files.__file__, mme_seed.__file__, readers.__file__, toy_world.__file__)
 SOURCES = b"".join(pathlib.Path(f).read_bytes() for f in WRITERS)  # this file and the code it writes with
-ROOT = os.path.join(tempfile.gettempdir(), "hyper-icl-benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
+CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+ROOT = os.path.join(CACHE, "hyper-icl", "benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
 OKVQA_SIZES = {"train": 160, "val": 40}  # OK-VQA questions per split, one on each of the first COCO images
 FLICKR_SIZES = {"train": 60, "test": 20}  # Flickr30k images per Karpathy split, five captions each
@@ -40,9 +44,11 @@ CATEGORIES = {shape: k + 1 for k, shape in enumerate(SHAPES)}              # the
 WORDS = ["zero", "one", "two", "three", "four"]
 
 
-def generate():
-    """ROOT, written first if it is not there."""
-    return files.generated(ROOT, write)
+def generate(root=ROOT):
+    """`root` (ROOT), written first if it is not there; one another user made is refused, not read."""
+    if os.path.isdir(root) and os.stat(root).st_uid != os.getuid():
+        raise ValueError(f"{root} is another user's folder; name a folder of your own")
+    return files.generated(root, write)
 
 
 def copy(dest, *folders):
@@ -381,5 +387,6 @@ def paper_sized(root):
     return root
 
 
-if __name__ == "__main__":  # python -m tools.benchmarks [--paper-sized DIR]: write, and print the folder
-    print(paper_sized(sys.argv[2]) if sys.argv[1:2] == ["--paper-sized"] else generate())
+if __name__ == "__main__":  # python -m tools.benchmarks [DIR | --paper-sized DIR]: write, and print the folder
+    print(paper_sized(sys.argv[2]) if sys.argv[1:2] == ["--paper-sized"] else
+          generate(os.path.abspath(sys.argv[1])) if sys.argv[1:] else generate())

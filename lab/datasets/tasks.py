@@ -179,18 +179,39 @@ def split_pool(args, family):
     """Training queries, held-out queries (best epoch), the ICDs' support set (the training split less the held-out
     queries, which would reach the adapter through the teacher and bias the best epoch) and the shots."""
     pool = load_task(args.task, "train", args.data_root)
-    if len(pool) <= args.n_heldout:
-        raise ValueError(f"{args.task} has {len(pool)} training items: none left to train on after "
-                         f"--n-heldout {args.n_heldout}")
+    shots = args.shots if args.shots is not None else data.default_shots(spec(args.task), family)
+    check_pool_size(args, len(pool), shots)
     order = random.Random(args.seed).sample(range(len(pool)), len(pool))
     heldout = [pool[i] for i in order[:args.n_heldout]]
     train = [pool[i] for i in order[args.n_heldout:args.n_heldout + args.n_train]]
     if len(train) < args.n_train:
         print(f"note: {args.task} has {len(pool)} training items; using {len(train)} queries "
               f"(+{len(heldout)} held out)")
-    shots = args.shots if args.shots is not None else data.default_shots(spec(args.task), family)
     held = {it.id for it in heldout}
-    return train, heldout, icd_support(args) if args.icd_task else [it for it in pool if it.id not in held], shots
+    support = icd_support(args) if args.icd_task else [it for it in pool if it.id not in held]
+    if args.icd_task and len(support) <= shots:
+        raise ValueError(f"--icd-task {args.icd_task} has {len(support)} training items, too few for {shots} ICDs per "
+                         f"query: --shots {max(0, len(support) - 1)} fits")
+    return train, heldout, support, shots
+
+
+def check_pool_size(args, n, shots):
+    """Refuse, before any backbone loads, a training split of n items too small for --n-heldout held-out queries and
+    a query to train on with `shots` ICDs per query drawn from the rest, never the query itself (where the ICDs come
+    from this split: n >= n_heldout + shots + 1; else n >= n_heldout + 1). The error names flags that fit."""
+    own_icds = not args.icd_task or args.icd_task == args.task
+    need = args.n_heldout + (shots + 1 if own_icds else 1)
+    if n >= need:
+        return
+    heldout = max(1, min(args.n_heldout, n // 5))
+    fit = min(shots, n - heldout - 1) if own_icds else shots
+    fits = n > heldout and (fit >= 1 or not own_icds)
+    advice = f"--n-heldout {heldout}" + (f" --shots {fit}" if own_icds else "") + " fit" if fits else \
+        "a task needs at least 3 training items (--n-heldout 1 --shots 1)"
+    default = "" if args.shots is not None else " (the backbone's default --shots)"
+    raise ValueError(f"{args.task} has {n} training items, too few for --n-heldout {args.n_heldout} and a query to "
+                     f"train on" + (f" with {shots} ICDs{default} from the rest" if own_icds else "") +
+                     f" (at least {need}): {advice}")
 
 
 def icd_support(args):

@@ -232,8 +232,24 @@ def heldout_loss(run):
     return sum(totals[i] for i in starts) / len(heldout)
 
 
+def keep_partial(run):
+    """A run that --max-steps stopped before its first epoch was scored: its held-out loss scored now and its adapter
+    kept as the best so far, its run record saying so ("partial": the step and that loss), so that a smoke run leaves
+    an adapter to evaluate. The run's progress is left as it is: --resume goes on exactly as it would have, and its
+    first scored epoch replaces this adapter."""
+    loss = heldout_loss(run)
+    if torchrun.rank_and_world()[0] == 0:
+        record = {**run.record, "partial": {"step": run.progress["step"], "heldout_loss": loss}}
+        checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, record)
+        tqdm.write(f"--max-steps {run.cfg.max_steps}: stopped before an epoch was scored; held-out loss {loss:.4f}, "
+                   "the adapter kept as a partial run's (--resume continues)")
+
+
 def finish(run):
-    """Final checkpoint, history.json and the summary line (the first process's); returns the adapter's parameters."""
+    """Final checkpoint, history.json and the summary line (the first process's); returns the adapter's parameters.
+    A run that --max-steps stopped before any epoch was scored keeps its adapter first (keep_partial)."""
+    if at_max_steps(run) and not run.progress["history"]:
+        keep_partial(run)
     checkpoints.save_run(run)
     run.bar.close()
     if torchrun.rank_and_world()[0] == 0:
@@ -241,9 +257,9 @@ def finish(run):
         files.write_json(os.path.join(run.cfg.out, "history.json"), progress["history"], indent=1)
         best = os.path.join(run.cfg.out, "adapter.safetensors")
         print(f"done: {progress['step']} steps; teacher states computed {cache['misses']}, reused {cache['hits']}; "
-              + (f"best adapter: {best}" if os.path.exists(best) else "no epoch scored yet, so no best adapter "
-                 "(continue with --resume)" if not progress["history"] else f"its best adapter {best} is missing "
-                 "(removed since it was written?): train again with --overwrite"))
+              + (f"best adapter: {best}" + ("" if progress["history"] else " (a partial run's: no epoch scored yet; "
+                                             "--resume continues)") if os.path.exists(best) else
+                 f"its best adapter {best} is missing (removed since it was written?): train again with --overwrite"))
     return {k: v.detach().clone() for k, v in M.adapter_modules(run.backbone.model).state_dict().items()}
 
 

@@ -5,6 +5,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 
 import pytest
 from PIL import Image
@@ -399,3 +400,32 @@ def test_a_category_per_record_names_why_the_training_pool_is_empty(tmp_path):
                                          r"categories has 1 image\(s\) at most"):
         tasks.load_task(task, "train")  # before: "has 0 training items: none left to train on", later, no reason
     assert len(tasks.load_task(task, "val")) == 6
+
+
+def test_a_task_too_small_for_the_defaults_is_refused_before_loading_naming_flags_that_train(tmp_path, monkeypatch):
+    """A valid 20-record file (about 10 training items after the split by image): refused before the backbone loads,
+    the error naming --n-heldout and --shots values that fit; with them it trains (before: three errors in turn, the
+    last after the backbone had loaded)."""
+    task = vqa_task(tmp_path, 20, "my.jsonl")
+    out = str(tmp_path / "run")
+    with monkeypatch.context() as m:
+        m.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("the backbone loaded"))
+        with pytest.raises(ValueError, match=r"has \d+ training items, too few for --n-heldout 32 and a query to "
+                                             r"train on with 8 ICDs \(the backbone's default --shots\) from the rest "
+                                             r"\(at least 41\): (--n-heldout \d+ --shots \d+) fit") as e:
+            train.main([*TINY, "--task", task, "--out", out])
+    fit = re.search(r"(--n-heldout \d+ --shots \d+) fit", str(e.value)).group(1).split()
+    train.main([*TINY, "--task", task, "--out", out, *fit, "--epochs", "1", "--batch-size", "4"])
+    assert os.path.isfile(os.path.join(out, "adapter.safetensors"))
+
+
+def test_the_default_jobs_icl_row_takes_the_shots_the_adapters_teacher_had(own, tmp_path, monkeypatch, capsys):
+    """An adapter trained with --shots 1: evaluate.py's n-shot ICL row is 1-shot, and says why (before: the task's
+    default, 8 or 2 shots, beside an adapter whose teacher had 1)."""
+    monkeypatch.chdir(tmp_path)
+    flags = [*TINY, "--task", own["vqa"]]
+    train.main([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1", "--shots", "1"])
+    evaluate.main([*flags, "--n-eval", "2"])
+    out = capsys.readouterr().out
+    assert "n-shot ICL at 1 shots, as the adapter's teacher had them" in out
+    assert re.search(r"^0-shot \S+  1-shot \S+  hyper-icl \S+ ", out, re.M)

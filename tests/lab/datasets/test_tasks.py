@@ -138,3 +138,16 @@ def test_an_empty_split_is_a_clear_error(tmp_path):
     vqa_files(tmp_path, {"questions": [QUESTION]}, {"annotations": [ANNOTATION]}, split="train")
     with pytest.raises(ValueError, match="vqav2 has 1 training items: none left to train on after --n-heldout 4"):
         train.main([*run_flags(tmp_path, "run"), "--data-root", str(root)])
+
+
+def test_the_benchmarks_go_to_the_users_cache_or_a_folder_named_and_another_users_is_refused(tmp_path, monkeypatch):
+    """tools/benchmarks.py writes under the user's own cache (before: the shared system temporary folder, where a
+    folder another process made was read without a word) or a folder the user names, and prints where."""
+    import tempfile
+    assert not benchmarks.ROOT.startswith(tempfile.gettempdir())
+    assert benchmarks.ROOT.startswith(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"))
+    mine = tmp_path / "mine"
+    assert benchmarks.generate(str(mine)) == str(mine) and (mine / "vqav2").is_dir()
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(mine).st_uid + 1)
+    with pytest.raises(ValueError, match=f"{mine} is another user's folder; name a folder of your own"):
+        benchmarks.generate(str(mine))

@@ -397,9 +397,10 @@ def test_a_folder_holding_a_run_is_refused_and_overwrite_replaces_it(whole, tmp_
         train.main(run_flags(whole, "run"))
     shutil.copytree(whole / "run", tmp_path / "run")
     train.main(run_flags(tmp_path, "run", "--overwrite", "--max-steps", "1"))
-    assert not (tmp_path / "run" / "adapter.safetensors").exists()       # the old run's adapter is gone with it
+    partial = checkpoints.read_record(str(tmp_path / "run" / "adapter.safetensors"))["partial"]  # not the old one's
+    assert partial["step"] == 1 and partial["heldout_loss"] > 0   # a smoke run's adapter: the best so far, partial
     assert json.loads((tmp_path / "run" / "history.json").read_text()) == []
-    assert "no epoch scored yet, so no best adapter" in capsys.readouterr().out
+    assert "(a partial run's: no epoch scored yet; --resume continues)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         train.parse_args([*RUN, "--resume", "--overwrite"])
     assert "argument --overwrite: not allowed with argument --resume" in capsys.readouterr().err
