@@ -2,6 +2,7 @@
 and every missing file, malformed JSON, bad id, annotation or path out of the dataset refused naming it."""
 import json
 import os
+import re
 
 import pytest
 from PIL import Image
@@ -268,3 +269,26 @@ def test_coco_instances_without_categories_or_with_unknown_ones_are_named(tmp_pa
     open(path, "w").write(json.dumps(coco))
     with pytest.raises(ValueError, match=message):
         readers.read_instances(items)
+
+
+@pytest.mark.parametrize("dataset, answer, message", [
+    ("ok-vqa", "<image> <|image_pad|>", "holds '<image>', an image placeholder"),  # issue 63, item 14: OK-VQA's
+    ("ok-vqa", "two</s>", "holds '</s>', a control token"),  # target is its most frequent answer, never checked
+    ("vqav2", "two<|im_end|>", "holds '<|im_end|>', a control token"),  # another answer than the target
+    ("vqav2", "\ud800", "a lone surrogate (U+D800)"),
+])
+def test_an_annotation_answer_that_is_no_plain_text_is_refused_naming_the_entry(tmp_path, dataset, answer, message):
+    write_vqa(tmp_path, dataset, answers=[answer] * 6 + ["2"] * 4)
+    with pytest.raises(ValueError, match=rf"{dataset}: entry 0 of .* is malformed: .*{re.escape(message)}"):
+        tasks.load_task(dataset, "val", tmp_path)
+
+
+def test_a_question_of_zero_width_spaces_is_refused_as_empty(tmp_path):
+    """Issue 63, item 7: U+200B and U+FEFF are not whitespace to str.strip."""
+    write_vqa(tmp_path, "vqav2")
+    path = os.path.join(tmp_path, "vqav2", readers.VQA_FILES["vqav2"][1].format("val"))
+    questions = json.load(open(path))
+    questions["questions"][1]["question"] = "\u200b\ufeff\u2060"
+    files.write_json(path, questions)
+    with pytest.raises(ValueError, match=r"entry 1 of .* its question is .*; it must be non-empty text"):
+        tasks.load_task("vqav2", "val", tmp_path)
