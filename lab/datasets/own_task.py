@@ -80,7 +80,7 @@ def _read(path, signature):
 
 def read_jsonl(path):
     """(kind, {None: items}) of one .jsonl file, every record checked (record_item); blank lines are skipped."""
-    items, seen, first = [], {}, None
+    items, seen, first, folder = [], {}, None, os.path.dirname(path)
     for n, line in enumerate(readers.read_text(path, "--task").split("\n"), 1):
         if not line.strip():
             continue
@@ -93,7 +93,7 @@ def read_jsonl(path):
             raise ValueError(f"{where}: not a record (nested too deep for JSON's reader)") from e
         except KeyTwice as e:
             raise ValueError(f"{where}, {e}") from None
-        kind, item = record_item(record, os.path.dirname(path), where)
+        kind, item = record_item(record, folder, where)
         if first is None:
             first = kind, n
         elif kind != first[0]:
