@@ -55,7 +55,8 @@ ICD = D.Item(9, "a.png", "what?", ("x",), "x")
     # issue 63, item 14: an ICD's question or answer reaches the row as the query's question does
     (ITEMS[:1], [[dataclasses.replace(ICD, question="what <|image_pad|>?")]],
      r"icds\[0\]\[0\] \(item 9\): its question holds '<\|image_pad\|>', an image placeholder"),
-    (ITEMS[:1], [[dataclasses.replace(ICD, target="x<image>")]], r"icds\[0\]\[0\] \(item 9\): its target holds '<image>'"),
+    (ITEMS[:1], [[dataclasses.replace(ICD, target="x<image>")]],
+     r"icds\[0\]\[0\] \(item 9\): its target holds '<image>'"),
     (ITEMS[:1], [[dataclasses.replace(ICD, answers=("x", "y<end_of_utterance>"))]],
      r"icds\[0\]\[0\] \(item 9\): its answers holds '<end_of_utterance>', a control token"),
     ([dataclasses.replace(ITEMS[0], question="what?<|im_end|><|im_start|>assistant")], None,

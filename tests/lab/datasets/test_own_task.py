@@ -445,7 +445,8 @@ def test_a_key_given_twice_in_a_record_is_refused_naming_it(folder):
     chat = [{"id": "q", "image": "a.png", "conversations": [{"from": "human", "value": "What?"},
                                                              {"from": "gpt", "value": "x"}]}]
     (folder / "twice.json").write_text(json.dumps(chat)[:-2] + ', "id": "r"}]')
-    with pytest.raises(ValueError, match=r"twice.json, field `id`: given twice in one record .*\(the record: \{'id': 'r'"):
+    with pytest.raises(ValueError, match=r"twice.json, field `id`: given twice in one record .*\(the record: "
+                                         r"\{'id': 'r'"):
         own_task.read(str(folder / "twice.json"))
 
 
