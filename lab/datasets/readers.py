@@ -211,7 +211,6 @@ def vqa_answers(answers):
     for x in answers:
         if not isinstance(x, dict) or not isinstance(x.get("answer"), str):
             raise ValueError(f"an answer is {x!r}; every answer must be {{'answer': text}}")
-        plain_text(x["answer"], "answer")  # OK-VQA's target is one of them; any reaches a row as an ICD's answer
     return tuple(x["answer"] for x in answers)
 
 
@@ -222,6 +221,12 @@ def most_frequent(answers):
     return Counter(answers).most_common(1)[0][0]  # Counter keeps first-seen order among equal counts
 
 
+def okvqa_target(answers):
+    """OK-VQA's target, its most frequent answer, which reaches a row as an ICD's answer: plain text (plain_text), as
+    VQAv2's multiple_choice_answer is checked; the other answers are references only (scored, never in a row)."""
+    return plain_text(most_frequent(answers), "most frequent answer (its target)")
+
+
 def read_vqa(root, split, dataset):
     """VQAv2 or OK-VQA ("vqav2" / "ok-vqa") questions of one split, joined with their annotations."""
     folder, qfile, afile = VQA_FILES[dataset]
@@ -230,7 +235,7 @@ def read_vqa(root, split, dataset):
     for n, a in enumerate(records(apath, dataset, "annotations")):
         with entry(apath, dataset, n, a):
             answers = vqa_answers(a["answers"])
-            target = text_field(a, "multiple_choice_answer") if dataset == "vqav2" else most_frequent(answers)
+            target = text_field(a, "multiple_choice_answer") if dataset == "vqav2" else okvqa_target(answers)
             qid = integer_field(a, "question_id")  # the official files' ids are integers: no 1.0, "1", NaN or true
             if qid in annotations:  # a second annotation would silently replace the first
                 raise ValueError(f"duplicate question_id {qid!r} (another annotation has it)")
