@@ -6,6 +6,7 @@ import os
 import re
 import sys
 import unicodedata
+import warnings
 from collections import Counter
 
 from PIL import Image
@@ -88,15 +89,17 @@ NOT_PLAIN = re.compile("|".join(map(re.escape, IMAGE_PLACEHOLDERS + CONTROL_TOKE
 def open_image(file):
     """PIL's image of `file` (a path or a binary file), its header read, opened as data.load_image opens images: one
     of data.IMAGE_FORMATS (never EPS, which PIL hands to Ghostscript), each side at least data.MIN_IMAGE_SIDE and at
-    most data.MAX_ASPECT times the other; else a ValueError saying why, which the caller prefixes with the file and
-    line, or the shard and row."""
+    most data.MAX_ASPECT times the other, within PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS); else a
+    ValueError saying why, which the caller prefixes with the file and line, or the shard and row."""
     try:
-        im = Image.open(file, formats=data.IMAGE_FORMATS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # over the limit: refused, not warned
+            im = Image.open(file, formats=data.IMAGE_FORMATS)
     except Image.UnidentifiedImageError:
         raise ValueError(f"not an image of the formats read ({', '.join(data.IMAGE_FORMATS)}; any other, EPS among "
                          "them, could run a program)") from None
-    except Image.DecompressionBombError as e:  # neither OSError nor ValueError: a traceback at read before
-        raise ValueError(f"{e} (over twice PIL.Image.MAX_IMAGE_PIXELS; make it smaller)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # a traceback at read before
+        raise ValueError(f"{e} (PIL.Image.MAX_IMAGE_PIXELS is {Image.MAX_IMAGE_PIXELS:,}); make it smaller") from None
     problem = size_problem(*im.size)
     if problem:
         im.close()
