@@ -191,13 +191,13 @@ def header_problem(path, *version):
             orientation = im.getexif().get(EXIF_ORIENTATION, 1)
     except (OSError, ValueError) as e:
         return f"{path}: {e}"
-    if orientation != 1:
-        return (f"{path}: its EXIF orientation is {orientation} (rotated); the model would see it as stored, not as a "
+    if orientation in range(2, 9):  # 2-8 turn or mirror; other values mean nothing to viewers either
+        return (f"{path}: its EXIF orientation is {orientation} (turned); the model would see it as stored, not as a "
                 "viewer shows it: save it upright (PIL.ImageOps.exif_transpose, or `mogrify -auto-orient`)")
     return None
 
 
-EXIF_ORIENTATION = 0x0112  # the EXIF tag a camera sets to say how to turn the stored pixels; 1: as stored
+EXIF_ORIENTATION = 0x0112  # the EXIF tag a camera sets to say how to turn the stored pixels; 1: as stored, 2-8 turned
 # data.load_image decodes the pixels as stored (COCO's annotations are of those), so an own task's image a phone rotates
 # by its tag is refused rather than seen on its side
 

@@ -452,15 +452,15 @@ def test_a_key_given_twice_in_a_record_is_refused_naming_it(folder):
 
 def test_a_rotated_phone_photo_is_refused_naming_its_orientation(tmp_path):
     """Issue 63, item 7: EXIF orientation 6 (a phone held upright) was read unrotated, the model seeing it on its
-    side; orientation 1 (upright) reads."""
-    for name, orientation in (("phone.jpg", 6), ("upright.jpg", 1)):
+    side; orientation 1 (upright) reads, as does 9 (no orientation: viewers show it as stored)."""
+    for name, orientation in (("phone.jpg", 6), ("upright.jpg", 1), ("odd.jpg", 9)):
         exif = Image.Exif()
         exif[0x0112] = orientation
         Image.new("RGB", (32, 24), "red").save(tmp_path / name, exif=exif)
-    task = jsonl(tmp_path / "t.jsonl", [{"id": 1, "image": "upright.jpg", "question": "What?", "answer": "x"},
-                                        {"id": 2, "image": "phone.jpg", "question": "What?", "answer": "x"}])
-    with pytest.raises(ValueError, match=r"t.jsonl line 2, field `image`: .*phone.jpg: its EXIF orientation is 6 "
-                                         r"\(rotated\); .*save it upright"):
+    task = jsonl(tmp_path / "t.jsonl", [{"id": k, "image": name, "question": "What?", "answer": "x"}
+                                        for k, name in enumerate(("upright.jpg", "odd.jpg", "phone.jpg"))])
+    with pytest.raises(ValueError, match=r"t.jsonl line 3, field `image`: .*phone.jpg: its EXIF orientation is 6 "
+                                         r"\(turned\); .*save it upright"):
         own_task.read(task)
 
 
