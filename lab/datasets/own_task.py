@@ -185,7 +185,7 @@ def image_problem(path):
 @functools.lru_cache(maxsize=4096)
 def header_problem(path, *version):
     """image_problem's reading of the header: a format and size data.load_image opens (readers.open_image), upright
-    (EXIF_ROTATED); `version` the file's (the cache's key)."""
+    (no EXIF_ORIENTATION that turns it); `version` the file's (the cache's key)."""
     try:
         with readers.open_image(path) as im:
             orientation = im.getexif().get(EXIF_ORIENTATION, 1)
