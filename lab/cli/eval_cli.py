@@ -56,11 +56,11 @@ def parse_args(argv, doc, defaults, train_parse):
         if argv[k] == "--train-args":
             argv[k:k + 2] = [f"--train-args={argv[k + 1]}", None]
     args = dataclasses.replace(defaults, **vars(p.parse_args([a for a in argv if a is not None])))
-    flags.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "rounds": 1, "vector_layer": 0,
+    flags.check_at_least(p, args, {"n_eval": 1, "batch_size": 1, "shots": 0, "vector_layer": 0,
                                    "vector_sets": 1, "vector_heldout": 1, "fv_heads": 1, "fv_trials": 1,
                                    "new_tokens": 1, "attention_tokens": 1, "threads": (1, flags.MAX_THREADS),
                                    "bench_shots": 0, "curve_queries": 1, "seed": (0, flags.MAX_SEED),
-                                   "workers": (0, flags.MAX_WORKERS)})
+                                   "workers": (0, flags.MAX_WORKERS), "rounds": (1, flags.MAX_ROUNDS)})
     flags.check_image_memory(p, args.image_memory)
     if args.curve:
         args.train_args = args.train_args or curves.CURVE_TRAIN_ARGS

@@ -21,6 +21,8 @@ MAX_THREADS = max(1024, os.cpu_count() or 1)
 
 MAX_WORKERS = 4 * (os.cpu_count() or 1)  # --workers: processes past this only cost memory (2**62 asked for all of it)
 
+MAX_ROUNDS = 1000  # --rounds: a round of --benchmark takes seconds to minutes; 10**12 of them would never finish
+
 FLOAT32 = torch.finfo(torch.float32)  # the rates and weights scale float32 tensors (the adapter's, AdamW's)
 
 # {name: (must be > 0, else >= 0; power)}: each scales float32 tensors (the adapter's, AdamW's, the losses), so

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 import data as D
 import model as M
+from lab.datasets import readers
 from lab.models import backbones
 from lab.run import checkpoints
 
@@ -77,12 +78,10 @@ class HyperICL(lmms):
     def row(self, context, visuals, doc_id, continuation=None):
         """The row of one request: BOS, the context's text before its first image, then one piece an image
         (`<image>` and the text up to the next), as data.encode_prefix and encode_query make them; with a
-        continuation, its tokens labelled (read off the tokenisation of the last piece + continuation)."""
+        continuation, its tokens labelled (read off the tokenisation of the last piece + continuation). A request
+        check_request refuses is a ValueError naming the doc."""
         b, tok = self.backbone, self.backbone.processor.tokenizer
-        foreign = [v.format for v in visuals or [] if v.format not in (None, *D.IMAGE_FORMATS)]
-        if foreign:  # opened by the task's loader, not loaded yet: an EPS would run Ghostscript now
-            raise ValueError(f"doc {doc_id}: an image in {foreign[0]} format; hyper_icl takes "
-                             f"{', '.join(D.IMAGE_FORMATS)} (data.IMAGE_FORMATS)")
+        check_request(context, visuals or [], doc_id, continuation)
         visuals = [v.convert("RGB") for v in (visuals or [])]
         placed = context.count("<image>")
         if placed > len(visuals):
@@ -150,7 +149,8 @@ class HyperICL(lmms):
         return [cut(texts[i].lstrip(), until).rstrip() for i in range(len(rows))]
 
     def generation(self, kwargs, task):
-        """(until, model.generate's settings) of a request's generation kwargs: max_new_tokens (None or absent: 16),
+        """(until, model.generate's settings) of a request's generation kwargs: max_new_tokens (None or absent: 16;
+        more than the backbone's positions: capped at them, said once),
         temperature > 0 or do_sample: sampled at that temperature with top_p, else greedy; num_beams. Any other kwarg
         is said, once, to be ignored; a value these cannot take is a ValueError naming the task."""
         until = kwargs.get("until") or []
@@ -160,6 +160,13 @@ class HyperICL(lmms):
         for name, value in (("max_new_tokens", tokens), ("num_beams", beams)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"hyper_icl: task {task}: generation kwarg {name}={value!r}: an integer of at least 1")
+        positions = getattr(self.backbone.model.config.get_text_config(), "max_position_embeddings", None)
+        if positions and tokens > positions:  # 10**9 ran unbounded: no answer is longer than the backbone reads
+            if ("max_new_tokens", task, tokens) not in self.ignored:
+                self.ignored.add(("max_new_tokens", task, tokens))
+                print(f"hyper_icl: task {task}: generation kwarg max_new_tokens={tokens} is more than "
+                      f"{self.backbone.name}'s {positions} positions; capped at {positions}")
+            tokens = positions
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"hyper_icl: task {task}: temperature={temperature}, top_p={top_p}: temperature at least "
                              "0, top_p in (0, 1]")
@@ -199,6 +206,28 @@ class HyperICL(lmms):
 
 
 GENERATION_KWARGS = ("until", "max_new_tokens", "temperature", "do_sample", "top_p", "num_beams")  # generation()'s
+
+
+def check_request(context, visuals, doc_id, continuation=None):
+    """A ValueError naming the doc for a request no backbone takes, before any is tokenised: an image not of
+    data.IMAGE_FORMATS (opened by the task's loader, not loaded yet: an EPS would run Ghostscript now) or of a size
+    readers.size_problem refuses (0 x 0: a ZeroDivisionError; 2 x 401: Qwen's processor's message, naming no doc), or
+    a context or continuation that is no plain text (readers.plain_text: a lone surrogate, a control token, an image
+    placeholder other than the context's `<image>`, which places the request's images)."""
+    foreign = [v.format for v in visuals if v.format not in (None, *D.IMAGE_FORMATS)]
+    if foreign:
+        raise ValueError(f"doc {doc_id}: an image in {foreign[0]} format; hyper_icl takes "
+                         f"{', '.join(D.IMAGE_FORMATS)} (data.IMAGE_FORMATS)")
+    for k, v in enumerate(visuals, 1):
+        problem = readers.size_problem(*v.size)
+        if problem:
+            raise ValueError(f"doc {doc_id}: {problem.replace('its image', f'its image {k}', 1)}")
+    try:
+        for text, name in [(chunk, "context") for chunk in context.split("<image>")] + [(continuation, "continuation")]:
+            if text is not None:
+                readers.plain_text(text, name)
+    except ValueError as e:
+        raise ValueError(f"doc {doc_id}: {e}") from None
 
 
 def text_batch(rows, pad):

@@ -9,7 +9,7 @@ from lab.datasets import readers, tasks
 
 def check_predict(task, items, icds, batch_size, likelihood, new_tokens=None):
     """Refuse items or icds that are not lists, a batch_size or new_tokens that is not an integer >= 1, ICD lists not
-    one per item (each a list), a question holding an image placeholder (readers.plain_text), an unknown task (listing
+    one per item (each a list), an item's or ICD's text that is no plain text (check_text), an unknown task (listing
     the tasks), likelihood on a task that is not multiple choice or on an item without one option per letter."""
     if not isinstance(items, Sequence) or (icds is not None and not isinstance(icds, Sequence)):
         raise ValueError(f"items and icds must be lists (got {type(items).__name__}, {type(icds).__name__}); a "
@@ -24,11 +24,10 @@ def check_predict(task, items, icds, batch_size, likelihood, new_tokens=None):
     if bad is not None:
         raise ValueError(f"icds[{bad}] is {type(icds[bad]).__name__}; each item's demonstrations are a list of Items")
     for it in items:  # a question holding `<image>`: an image token without its image, after the model ran
-        if isinstance(getattr(it, "question", None), str):
-            try:
-                readers.plain_text(it.question, "question")
-            except ValueError as e:
-                raise ValueError(f"item {it.id}: {e}") from None
+        check_text(it, f"item {getattr(it, 'id', '?')}")
+    for k, demos in enumerate(icds or ()):
+        for j, d in enumerate(demos):
+            check_text(d, f"icds[{k}][{j}] (item {getattr(d, 'id', '?')})")
     kind = tasks.spec(task).kind  # an unknown task: a ValueError listing the tasks
     if likelihood and kind != "choice":
         raise ValueError(f"likelihood ranks a multiple-choice item's options; {task} is a {kind} task, not one")
@@ -36,3 +35,18 @@ def check_predict(task, items, icds, batch_size, likelihood, new_tokens=None):
         if len(it.answers) != len(data.SEED_LETTERS):
             raise ValueError(f"item {it.id}: likelihood needs {len(data.SEED_LETTERS)} options "
                              f"({', '.join(data.SEED_LETTERS)}), it has {len(it.answers)}")
+
+
+def check_text(item, where):
+    """The texts of an item that reach a row (its question, answers and target: an ICD's answer, a choice's options),
+    each plain text (readers.plain_text: no image placeholder, control token or lone surrogate, which the tokenizer
+    would take for an image or a turn's end, or refuse after the model loaded); a ValueError naming `where`."""
+    texts = [("question", getattr(item, "question", None)), ("target", getattr(item, "target", None))]
+    answers = getattr(item, "answers", None)
+    texts += [("answers", a) for a in (answers if isinstance(answers, (list, tuple)) else ())]
+    for name, text in texts:
+        if isinstance(text, str):
+            try:
+                readers.plain_text(text, name)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None

@@ -7,12 +7,14 @@ or "captions": [...] (caption), {"id", "image", "question", "answer": "yes" | "n
 subtask / dimension the MME and SEED scores are split by). Without a kind, a record with caption(s) is a caption,
 one with options a choice, any other a vqa (yes-no only when said); a file holds one kind. Image paths are relative
 to the file's folder (absolute allowed). Every record is checked: an error names the file, the line and the field
-(an image readers.open_image does not open, text holding an image placeholder, an answer of two lines, a category that
-cannot be a file's name: it names a yes-no task's MME results file).
+(an image readers.open_image does not open or that a camera's EXIF tag rotates, text that is no plain text
+(readers.plain_text: an image placeholder, a chat control token, a lone surrogate), an answer of two lines, a key given
+twice, a category that cannot be a file's name: it names a yes-no task's MME results file).
 The defaults (shots, new tokens, metric) are those of the paper's nearest task (NEAREST)."""
 import functools
 import json
 import os
+import stat
 
 import data
 from lab.disk import files
@@ -78,18 +80,20 @@ def _read(path, signature):
 
 def read_jsonl(path):
     """(kind, {None: items}) of one .jsonl file, every record checked (record_item); blank lines are skipped."""
-    items, seen, first = [], {}, None
+    items, seen, first, folder = [], {}, None, os.path.dirname(path)
     for n, line in enumerate(readers.read_text(path, "--task").split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n}: not a JSON object ({e.msg}, column {e.colno})") from e
-        except RecursionError as e:
-            raise ValueError(f"{path} line {n}: not a record (nested too deep for JSON's reader)") from e
         where = f"{path} line {n}"
-        kind, item = record_item(record, os.path.dirname(path), where)
+        try:
+            record = json.loads(line, object_pairs_hook=one_value_a_key)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not a JSON object ({e.msg}, column {e.colno})") from e
+        except RecursionError as e:
+            raise ValueError(f"{where}: not a record (nested too deep for JSON's reader)") from e
+        except KeyTwice as e:
+            raise ValueError(f"{where}, {e}") from None
+        kind, item = record_item(record, folder, where)
         if first is None:
             first = kind, n
         elif kind != first[0]:
@@ -99,6 +103,22 @@ def read_jsonl(path):
     if not items:
         raise ValueError(f"{path}: no records (one JSON object a line)")
     return first[0], {None: items}
+
+
+class KeyTwice(ValueError):
+    """A key given twice in one JSON object (one_value_a_key)."""
+
+
+def one_value_a_key(pairs):
+    """json.loads' object_pairs_hook: the object as a dict; a key given twice is a KeyTwice naming it (json keeps the
+    last value, silently)."""
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        key = next(k for n, (k, _) in enumerate(pairs) if k in dict(pairs[:n]))
+        e = KeyTwice(f"field `{key}`: given twice in one record (JSON would keep the last, silently); keep one")
+        e.record = record
+        raise e
+    return record
 
 
 def unique(seen, item, where):
@@ -129,12 +149,9 @@ def record_item(record, folder, where):
     if isinstance(qid, bool) or not isinstance(qid, (int, str)) or not str(qid).strip():
         raise fail("id", f"{qid!r}; it must be an integer or non-empty text" if "id" in record else "missing")
     image = os.path.join(folder, text("image"))  # an absolute path stays as it is
-    if not os.path.isfile(image):
-        raise fail("image", f"no image file {image}")
-    try:
-        readers.open_image(image).close()  # its header: a format and size data.load_image opens
-    except (OSError, ValueError) as e:
-        raise fail("image", f"{image}: {e}") from None
+    problem = image_problem(image)
+    if problem:
+        raise fail("image", problem)
     category = name_field(record, "category", fail) if "category" in record else kind
     if kind == "caption":
         answers = texts(record, "caption", fail)
@@ -150,6 +167,39 @@ def record_item(record, folder, where):
         return kind, data.Item(qid, image, question, (answer.capitalize(),), answer.capitalize(), category)
     answers = texts(record, "answer", fail)
     return kind, data.Item(qid, image, question, answers, readers.most_frequent(answers), category)
+
+
+def image_problem(path):
+    """Why the image file `path` is refused (None where it is not): missing, or its header (header_problem) read once
+    a version of the file (its size, modification time and inode), however many records share it: 200,000 records on
+    24 images reopened an image a record (tools/bench_own_task.py)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return f"no image file {path}"
+    return header_problem(path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=4096)
+def header_problem(path, *version):
+    """image_problem's reading of the header: a format and size data.load_image opens (readers.open_image), upright
+    (no EXIF_ORIENTATION that turns it); `version` the file's (the cache's key)."""
+    try:
+        with readers.open_image(path) as im:
+            orientation = im.getexif().get(EXIF_ORIENTATION, 1)
+    except (OSError, ValueError) as e:
+        return f"{path}: {e}"
+    if orientation in range(2, 9):  # 2-8 turn or mirror; other values mean nothing to viewers either
+        return (f"{path}: its EXIF orientation is {orientation} (turned); the model would see it as stored, not as a "
+                "viewer shows it: save it upright (PIL.ImageOps.exif_transpose, or `mogrify -auto-orient`)")
+    return None
+
+
+EXIF_ORIENTATION = 0x0112  # the EXIF tag a camera sets to say how to turn the stored pixels; 1: as stored, 2-8 turned
+# data.load_image decodes the pixels as stored (COCO's annotations are of those), so an own task's image a phone rotates
+# by its tag is refused rather than seen on its side
 
 
 def choice_fields(record, answer, fail):
@@ -178,8 +228,8 @@ def text_field(record, field, fail):
     value = record[field]
     if not isinstance(value, str):
         raise fail(field, f"{value!r} is {type(value).__name__}; it must be text")
-    if not value.strip():
-        raise fail(field, "empty; it must be non-empty text")
+    if readers.blank(value):
+        raise fail(field, "empty (or blank); it must be non-empty text")
     try:
         return readers.plain_text(value.strip(), field)
     except ValueError as e:
@@ -187,12 +237,19 @@ def text_field(record, field, fail):
 
 
 def name_field(record, field, fail):
-    """text_field, which becomes a file's name: files.plain_name's check (no path separator, NUL or '..')."""
+    """text_field, which becomes a file's name, <value>.txt: files.plain_name's check (no path separator, NUL or
+    '..'), and at most MAX_NAME_BYTES of UTF-8 (else the results could not be written, after the evaluation ran)."""
     value = text_field(record, field, fail)
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise fail(field, f"{value[:40]!r}... is {len(value.encode('utf-8', 'surrogatepass'))} bytes long (UTF-8); it "
+                          f"names a results file <{field}>.txt, so it must be at most {MAX_NAME_BYTES}: shorten it")
     try:
         return files.plain_name(value)
     except ValueError as e:
         raise fail(field, str(e)) from None
+
+
+MAX_NAME_BYTES = 255 - len(".txt")  # a file name's bytes on Linux, macOS and Windows file systems (NAME_MAX)
 
 
 def texts(record, field, fail):
@@ -223,11 +280,13 @@ def read_llava(path):
     "human", "value": "<image>\\n question"}, {"from": "gpt", "value": answer}]}; a record of more turns is refused,
     naming its id."""
     try:
-        records = json.loads(readers.read_text(path, "--task"))
+        records = json.loads(readers.read_text(path, "--task"), object_pairs_hook=one_value_a_key)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} line {e.lineno}: not valid JSON ({e.msg})") from e
     except RecursionError as e:
         raise ValueError(f"{path}: not a list of records (nested too deep for JSON's reader)") from e
+    except KeyTwice as e:
+        raise ValueError(f"{path}, {e} (the record: {str(e.record)[:80]})") from None
     if not isinstance(records, list) or not records:
         raise ValueError(f"{path}: a LLaVA .json is a non-empty list of records with `conversations`")
     items, seen = [], {}

@@ -47,7 +47,7 @@ def okvqa_row(row, state):
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
         raise ValueError(f"its answers are {answers!r}; they must be a non-empty list of text")
     return digits(row, "question_id"), readers.text_field(row, "question"), tuple(answers), \
-        readers.most_frequent(answers), ""
+        readers.okvqa_target(answers), ""
 
 
 def coco_row(row, state):

@@ -3,7 +3,10 @@ COCO instances; every field checked, naming the file and entry."""
 import contextlib
 import json
 import os
+import re
 import sys
+import unicodedata
+import warnings
 from collections import Counter
 
 from PIL import Image
@@ -46,12 +49,19 @@ def read_text(path, dataset):
 
 
 def text_field(record, name):
-    """record[name] as a stripped string; null, empty, not a string or holding an image placeholder (plain_text) is
-    a ValueError naming the field."""
+    """record[name] as a stripped string; null, blank, not a string or no plain text (plain_text) is a ValueError
+    naming the field."""
     value = record[name]
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or blank(value):
         raise ValueError(f"its {name} is {value!r}; it must be non-empty text")
     return plain_text(value.strip(), name)
+
+
+def blank(text):
+    """Whether text shows nothing: empty, or whitespace, control and format characters only (zero-width spaces,
+    U+FEFF), which str.strip keeps."""
+    return not text.strip() or (not text.isascii() and
+                                all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in text))
 
 
 IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  # Idefics2, Idefics, LLaVA, Idefics3
@@ -62,34 +72,68 @@ IMAGE_PLACEHOLDERS = ("<image>", "<fake_token_around_image>", "<global-img>",  #
 # text holding one would reach the model as an image (or video) token of no image (plain_text); a new family adds its
 # own here (every media token its config names: tests/lab/datasets/test_own_task.py)
 
+CONTROL_TOKENS = ("<s>", "</s>", "<unk>", "<pad>", "<bos>", "<eos>",  # BOS / EOS / padding of every family
+                  "<end_of_utterance>",  # Idefics2, Idefics, Idefics3 and SmolVLM: the end of a turn
+                  "<start_of_turn>", "<end_of_turn>",  # Gemma 3's turns
+                  "<tool_call>", "</tool_call>", "<think>", "</think>",  # Qwen's chat templates
+                  "<|im_start|>", "<|im_end|>", "<|endoftext|>")  # ChatML (Qwen, LLaVA, InternVL, SmolVLM)
+# a chat or control token: text holding one becomes its id, so a question could end its turn or open the assistant's,
+# and an answer `red<end_of_utterance>` be read as a target (plain_text). With them every <|...|> token (Qwen's and
+# Llama 3's: <|vision_start|>, <|eot_id|>, ...) and Idefics3's <row_i_col_j>; a family's tokenizer adds none other
+# (tests/lab/datasets/test_own_task.py reads every twin tokenizer's added tokens)
+
+NOT_PLAIN = re.compile("|".join(map(re.escape, IMAGE_PLACEHOLDERS + CONTROL_TOKENS)) +
+                       r"|<\|\w+\|>|<row_\d+_col_\d+>|[\ud800-\udfff]")
+
 
 def open_image(file):
     """PIL's image of `file` (a path or a binary file), its header read, opened as data.load_image opens images: one
     of data.IMAGE_FORMATS (never EPS, which PIL hands to Ghostscript), each side at least data.MIN_IMAGE_SIDE and at
-    most data.MAX_ASPECT times the other; else a ValueError saying why, which the caller prefixes with the file and
-    line, or the shard and row."""
+    most data.MAX_ASPECT times the other, within PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS); else a
+    ValueError saying why, which the caller prefixes with the file and line, or the shard and row."""
     try:
-        im = Image.open(file, formats=data.IMAGE_FORMATS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # over the limit: refused, not warned
+            im = Image.open(file, formats=data.IMAGE_FORMATS)
     except Image.UnidentifiedImageError:
         raise ValueError(f"not an image of the formats read ({', '.join(data.IMAGE_FORMATS)}; any other, EPS among "
                          "them, could run a program)") from None
-    if not (min(im.size) >= data.MIN_IMAGE_SIDE and max(im.size) <= data.MAX_ASPECT * min(im.size)):
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # a traceback at read before
+        raise ValueError(f"{e} (PIL.Image.MAX_IMAGE_PIXELS is {Image.MAX_IMAGE_PIXELS:,}); make it smaller") from None
+    problem = size_problem(*im.size)
+    if problem:
         im.close()
-        raise ValueError(f"its image is {im.width} x {im.height} pixels; each side must be at least "
-                         f"{data.MIN_IMAGE_SIDE} (Idefics2's image splitting halves each) and at most "
-                         f"{data.MAX_ASPECT} times the other (Qwen's processors refuse more)")
+        raise ValueError(problem)
     return im
 
 
+def size_problem(width, height):
+    """Why an image of width x height pixels is refused (None if it is not): each side at least data.MIN_IMAGE_SIDE
+    and at most data.MAX_ASPECT times the other, as data.load_image loads images."""
+    if min(width, height) >= data.MIN_IMAGE_SIDE and max(width, height) <= data.MAX_ASPECT * min(width, height):
+        return None
+    return (f"its image is {width} x {height} pixels; each side must be at least {data.MIN_IMAGE_SIDE} (Idefics2's "
+            f"image splitting halves each) and at most {data.MAX_ASPECT} times the other (Qwen's processors refuse "
+            "more)")
+
+
 def plain_text(text, name):
-    """text, which holds none of IMAGE_PLACEHOLDERS: a question or answer with `<image>` in it would reach the
-    model as an image token without an image ("Image features and image tokens do not match", after it loaded). A
-    ValueError naming the field and the placeholder otherwise."""
-    held = next((p for p in IMAGE_PLACEHOLDERS if p in text), None)
-    if held:
+    """text, which is text to every family's tokenizer (text is text: refused, never escaped): no image placeholder (a
+    question or answer with `<image>` in it would reach the model as an image token without an image, "Image features
+    and image tokens do not match" after it loaded), no control token (CONTROL_TOKENS) and no lone surrogate ("\\ud800"
+    in JSON, which no tokenizer takes). A ValueError naming the field and what it holds otherwise."""
+    held = NOT_PLAIN.search(text) if "<" in text or not text.isascii() else None
+    if held is None:
+        return text
+    held = held.group()
+    if len(held) == 1:
+        raise ValueError(f"its {name} holds a lone surrogate (U+{ord(held):04X}) at character {text.index(held)}, "
+                         "half of a UTF-16 pair, which is no text (a broken \\u escape?); write the character meant")
+    if held in IMAGE_PLACEHOLDERS:
         raise ValueError(f"its {name} holds {held!r}, an image placeholder (readers.IMAGE_PLACEHOLDERS), which the "
                          "model would take for an image; write it otherwise")
-    return text
+    raise ValueError(f"its {name} holds {held!r}, a control token of a family's tokenizer (readers.CONTROL_TOKENS), "
+                     "which would end or open a chat turn; write it otherwise")
 
 
 def integer_field(record, name):
@@ -175,7 +219,15 @@ def vqa_answers(answers):
 
 def most_frequent(answers):
     """The most frequent answer; ties go to the one that occurs first."""
+    if len(answers) == 1:  # an own task's one answer a record: a Counter each was a fifth of reading 200,000
+        return answers[0]
     return Counter(answers).most_common(1)[0][0]  # Counter keeps first-seen order among equal counts
+
+
+def okvqa_target(answers):
+    """OK-VQA's target, its most frequent answer, which reaches a row as an ICD's answer: plain text (plain_text), as
+    VQAv2's multiple_choice_answer is checked; the other answers are references only (scored, never in a row)."""
+    return plain_text(most_frequent(answers), "most frequent answer (its target)")
 
 
 def read_vqa(root, split, dataset):
@@ -186,7 +238,7 @@ def read_vqa(root, split, dataset):
     for n, a in enumerate(records(apath, dataset, "annotations")):
         with entry(apath, dataset, n, a):
             answers = vqa_answers(a["answers"])
-            target = text_field(a, "multiple_choice_answer") if dataset == "vqav2" else most_frequent(answers)
+            target = text_field(a, "multiple_choice_answer") if dataset == "vqav2" else okvqa_target(answers)
             qid = integer_field(a, "question_id")  # the official files' ids are integers: no 1.0, "1", NaN or true
             if qid in annotations:  # a second annotation would silently replace the first
                 raise ValueError(f"duplicate question_id {qid!r} (another annotation has it)")

@@ -82,6 +82,13 @@ def pooled(task, items, fraction, split):
     count = lambda part: f"{len(part)} questions on {len(set(real_images(part)))} images"
     print(f"{task}: {count(items)}; seeded split by image: training pool {count(pool)}, evaluation {count(rest)}")
     by_category = images_by_category(items, real_images(items))
+    if split == "train" and not pool and len(by_category) == 1:  # too few images, however many questions
+        n = len(by_category.popitem()[1])
+        least = next(k for k in range(1, 100) if round(fraction * k))
+        raise ValueError(f"{task}: the training pool is empty: its {len(items)} question(s) are on {n} image(s), and "
+                         f"the split is by image (every question of an image on one side), round({fraction} x {n}) "
+                         f"= 0 to train on; give questions on at least {least} images (a task of one's own: or a "
+                         "folder of train.jsonl and val.jsonl)")
     if split == "train" and not pool:  # each category's share rounds to no image
         raise ValueError(f"{task}: the training pool is empty: the images are split category by category (field "
                          f"`category`), round({fraction} x images) of each, and each of its {len(by_category)} "

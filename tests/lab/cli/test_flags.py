@@ -63,7 +63,8 @@ def test_float_flags_are_finite_and_in_float32s_range_before_anything_loads(flag
     (train.parse_args, "--seed", str(2**70)), (evaluate.parse_args, "--seed", str(2**70)),
     (train.parse_args, "--seed", "-1"), (train.parse_args, "--epochs", str(2**64)),
     (evaluate.parse_args, "--n-eval", str(2**64)), (train.parse_args, "--threads", str(2**40)),
-    (train.parse_args, "--workers", str(2**62)), (evaluate.parse_args, "--workers", str(flags.MAX_WORKERS + 1))])
+    (train.parse_args, "--workers", str(2**62)), (evaluate.parse_args, "--workers", str(flags.MAX_WORKERS + 1)),
+    (evaluate.parse_args, "--rounds", str(10**12))])  # issue 63, item 18: a benchmark that could never finish
 def test_integer_flags_fit_their_dtype_and_name_the_flag(parse, flag, value, capsys):
     with pytest.raises(SystemExit) as e:
         parse([*TRAIN[:6], flag, value])

@@ -274,3 +274,38 @@ def test_hyper_icl_outside_the_project_root_says_why(tmp_path):
     code = "from lmms_eval.models import get_model; get_model('hyper_icl')"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and f"{tmp_path} is not the project's root" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """hyper_icl on the tiny Qwen2.5-VL twin, whose processor refuses a side over 200 times the other."""
+    return lmms_eval_model.HyperICL("tiny-qwen2.5-vl")
+
+
+@pytest.mark.parametrize("context, size, continuation, message", [
+    # issue 63, item 13: a lone surrogate reached the tokenizer ("TextEncodeInput must be ...", a traceback)
+    ("<image>Is it red\ud800?", (32, 32), None, r"doc 3: its context holds a lone surrogate \(U\+D800\)"),
+    # issue 63, item 14: Qwen's placeholders in a context: StopIteration in get_rope_index; <image> in a continuation
+    ("<image>Is it <|vision_start|><|image_pad|><|vision_end|> red?", (32, 32), None,
+     r"doc 3: its context holds '<\|vision_start\|>', an image placeholder"),
+    ("<image>Is it red?", (32, 32), " yes <image>", r"doc 3: its continuation holds '<image>', an image placeholder"),
+    ("<image>Is it red?<|im_end|>", (32, 32), None, r"doc 3: its context holds '<\|im_end\|>', a control token"),
+    # issue 63, item 18: a 0 x 0 image: a ZeroDivisionError; 2 x 401: Qwen's processor's message, no doc named
+    ("<image>Is it red?", (0, 0), None, r"doc 3: its image 1 is 0 x 0 pixels; each side must be at least 2"),
+    ("<image>Is it red?", (2, 401), " yes", r"doc 3: its image 1 is 2 x 401 pixels; .* at most 200 times the other"),
+])
+def test_a_request_no_backbone_takes_is_refused_naming_the_doc(qwen, context, size, continuation, message):
+    from PIL import Image
+    with pytest.raises(ValueError, match=message):
+        qwen.row(context, [Image.new("RGB", size, "red")], 3, continuation)
+
+
+def test_a_generation_longer_than_the_backbones_context_is_capped_and_said(qwen, capsys):
+    """Issue 63, item 18: max_new_tokens 10**9 ran unbounded; capped at the backbone's positions, said once."""
+    positions = qwen.backbone.model.config.get_text_config().max_position_embeddings
+    for _ in range(2):
+        assert qwen.generation({"max_new_tokens": 10**9}, "t")[1]["max_new_tokens"] == positions < 10**9
+    said = capsys.readouterr().out
+    assert said.count(f"max_new_tokens=1000000000 is more than tiny-qwen2.5-vl's {positions} positions; "
+                      f"capped at {positions}") == 1
+    assert qwen.generation({"max_new_tokens": positions}, "t")[1]["max_new_tokens"] == positions

@@ -44,3 +44,24 @@ def test_predict_takes_a_numpy_integer_batch_size():
 def test_the_python_api_refuses_what_would_misalign_naming_the_argument_or_item(backbone, items, call, message):
     with pytest.raises(ValueError, match=message):
         call(backbone, items)
+
+
+ICD = D.Item(9, "a.png", "what?", ("x",), "x")
+
+
+@pytest.mark.parametrize("items, icds, message", [
+    # issue 63, item 13: a lone surrogate: the tokenizer's TypeError once the model had loaded
+    ([dataclasses.replace(ITEMS[0], question="what\ud800?")], None, r"item 1: its question holds a lone surrogate"),
+    # issue 63, item 14: an ICD's question or answer reaches the row as the query's question does
+    (ITEMS[:1], [[dataclasses.replace(ICD, question="what <|image_pad|>?")]],
+     r"icds\[0\]\[0\] \(item 9\): its question holds '<\|image_pad\|>', an image placeholder"),
+    (ITEMS[:1], [[dataclasses.replace(ICD, target="x<image>")]],
+     r"icds\[0\]\[0\] \(item 9\): its target holds '<image>'"),
+    (ITEMS[:1], [[dataclasses.replace(ICD, answers=("x", "y<end_of_utterance>"))]],
+     r"icds\[0\]\[0\] \(item 9\): its answers holds '<end_of_utterance>', a control token"),
+    ([dataclasses.replace(ITEMS[0], question="what?<|im_end|><|im_start|>assistant")], None,
+     r"item 1: its question holds '<\|im_end\|>', a control token"),
+])
+def test_predict_refuses_text_that_is_no_plain_text_in_items_and_icds(items, icds, message):
+    with pytest.raises(ValueError, match=message):
+        api_checks.check_predict("vqav2", items, icds, 1, False)

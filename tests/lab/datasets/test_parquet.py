@@ -208,3 +208,12 @@ def test_a_fifo_named_as_a_shard_is_refused_without_waiting(tmp_path):
     if reader.is_alive():  # before: pyarrow opened the FIFO and waited for a writer forever; let it go
         os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
     assert said and f"{shard} is not a regular file (a FIFO" in said[0]
+
+
+def test_an_ok_vqa_rows_target_that_is_no_plain_text_is_refused():
+    """Issue 63, item 14: the hub's OK-VQA target (its most frequent answer) reached a row unchecked, as the original
+    layout's did (tests/lab/datasets/test_readers.py)."""
+    row = {"question_id": "7", "question": "What?", "answers": ["<image> <|image_pad|>"] * 3 + ["a cat"]}
+    with pytest.raises(ValueError, match=r"its most frequent answer \(its target\) holds '<image>'"):
+        parquet.okvqa_row(row, None)
+    assert parquet.okvqa_row(dict(row, answers=["a cat"] * 3 + ["<image>"]), None)[3] == "a cat"

@@ -2,6 +2,7 @@
 and every missing file, malformed JSON, bad id, annotation or path out of the dataset refused naming it."""
 import json
 import os
+import re
 
 import pytest
 from PIL import Image
@@ -268,3 +269,28 @@ def test_coco_instances_without_categories_or_with_unknown_ones_are_named(tmp_pa
     open(path, "w").write(json.dumps(coco))
     with pytest.raises(ValueError, match=message):
         readers.read_instances(items)
+
+
+@pytest.mark.parametrize("answer, message", [  # issue 63, item 14: OK-VQA's target, its most frequent answer, was
+    ("<image> <|image_pad|>", "holds '<image>', an image placeholder"),  # never checked (VQAv2's was)
+    ("two</s>", "holds '</s>', a control token"),
+    ("\ud800", "holds a lone surrogate (U+D800)"),
+])
+def test_an_ok_vqa_target_that_is_no_plain_text_is_refused_naming_the_entry(tmp_path, answer, message):
+    write_vqa(tmp_path, "ok-vqa", answers=[answer] * 6 + ["2"] * 4)
+    with pytest.raises(ValueError, match=rf"ok-vqa: entry 0 of .* is malformed: its most frequent answer "
+                                         rf"\(its target\) {re.escape(message)}"):
+        tasks.load_task("ok-vqa", "val", tmp_path)
+    write_vqa(tmp_path, "ok-vqa", answers=[answer] * 4 + ["2"] * 6)  # a reference only: scored, never in a row
+    assert tasks.load_task("ok-vqa", "val", tmp_path)[0].target == "2"
+
+
+def test_a_question_of_zero_width_spaces_is_refused_as_empty(tmp_path):
+    """Issue 63, item 7: U+200B and U+FEFF are not whitespace to str.strip."""
+    write_vqa(tmp_path, "vqav2")
+    path = os.path.join(tmp_path, "vqav2", readers.VQA_FILES["vqav2"][1].format("val"))
+    questions = json.load(open(path))
+    questions["questions"][1]["question"] = "\u200b\ufeff\u2060"
+    files.write_json(path, questions)
+    with pytest.raises(ValueError, match=r"entry 1 of .* its question is .*; it must be non-empty text"):
+        tasks.load_task("vqav2", "val", tmp_path)
