@@ -184,7 +184,7 @@ def train(cfg, load=None):
     adapter = runs.attached(backbone, cfg.method, sizes)
     optimizer = torch.optim.AdamW(adapter, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
-    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, runs.warmup_steps(cfg.warmup, total), total)
     # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room, the progress bar
     run = runs.start(cfg, backbone, device, (queries, heldout, icds, kind), optimizer, scheduler)
     with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved at the next step boundary, --resume continues
