@@ -234,7 +234,8 @@ def test_every_step_clips_the_adapters_gradient_norm_to_clip(traced):
 def test_a_run_too_short_for_a_warm_up_step_trains_from_its_first(steps, flags, tmp_path):
     """10% of 1, 2 or 3 steps rounds to no warm-up step: each step runs at the full learning rate and moves the
     adapter's zero-initialised tensors (before: max(1, ...) made a one-step run all warm-up, at lr 0, and its adapter
-    stayed the identity: U_k, w and b all 0). A run of 20 steps keeps its 2 (the test above)."""
+    stayed the identity: U_k, w and b all 0). A run of 20 steps keeps its 2
+    (test_the_learning_rate_warms_up_over_a_tenth_of_the_steps_then_decays_as_a_cosine_to_0)."""
     assert [runs.warmup_steps(0.1, n) for n in (1, 2, 3, 5, 6, 20, 750)] == [0, 0, 0, 0, 1, 2, 75]
     backbone = backbones.load_backbone("tiny-idefics2")
     zero = {k for k, v in registry.attach(backbone.model, "hyper-icl", rank=4).state_dict().items() if not v.any()}
