@@ -23,6 +23,7 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "chair": ("to COCO captions, against COCO's instance annotations (--task coco)", lambda a: a.task == "coco"),
     "random_weights": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
     "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
+    "checkpoint_task": ("to a --checkpoint", lambda a: a.checkpoint is not None),
     "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices or a table's RICES row", lambda a: a.icds == "rices" or a.table or a.figure),
     "eval_draw": ("with --n-eval, on a task whose items are taken in order (MME and SEED draw theirs stratified)",
@@ -107,7 +108,8 @@ def parse_args(argv, doc, defaults, train_parse):
         p.error(f"--checkpoint {args.checkpoint}: no such file")
     if args.checkpoint and os.path.isfile(args.checkpoint):
         try:  # an adapter of another task, or trained beside another split of this one
-            checkpoints.check_task(args.checkpoint, args.task, chosen)
+            checkpoints.check_task(args.checkpoint, args.task, not (args.gates or args.hyperbolicity),
+                                   args.checkpoint_task)
         except ValueError as e:
             p.error(str(e))
     if args.gates and args.checkpoint is None:

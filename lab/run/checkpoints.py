@@ -84,19 +84,21 @@ def short_hash(obj):
     return hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
 
 
-def check_task(path, task, chosen):
+def check_task(path, task, scored, trained_on=None):
     """Check the adapter at `path` against the task it is to be scored on, by its record (read_record; none: nothing
-    to check). An adapter of another task is refused where evaluate.py chose it (`chosen`: the default checkpoint, no
-    --checkpoint naming it), a ValueError naming both; a single-file task whose training pool is no longer the one
-    the adapter was trained on (records added or removed: its evaluation half may now hold the adapter's training
-    queries) is said in a line."""
+    to check). An adapter of another task than `trained_on` (--checkpoint-task: a transfer's source, as Table 8's) or,
+    without it, `task` is refused where it is `scored` on `task` (an evaluation, not an analysis), a ValueError naming
+    both and the flag that says so; a single-file task whose training pool is no longer the one the adapter was trained
+    on (records added or removed: its evaluation half may now hold the adapter's training queries) is said in a
+    line."""
     record = read_record(path)
     if record is None:
         return
-    if record.get("task") != tasks.task_id(task):
-        if chosen:
-            raise ValueError(f"{path} is an adapter of the task {record.get('task')}, not of {task} "
-                             f"({tasks.task_id(task)}); give --checkpoint {path} to score it on {task} anyway")
+    if record.get("task") != tasks.task_id(trained_on or task):
+        if scored:
+            raise ValueError(f"{path} is an adapter of the task {record.get('task')}, not of {trained_on or task} "
+                             f"({tasks.task_id(trained_on or task)}); to score it on {task} (a transfer, as Table 8's) "
+                             f"give --checkpoint {path} --checkpoint-task {record.get('task')}")
         return
     pool = tasks.pool_ids(task)
     if pool is not None and record.get("pool") != short_hash(sorted(map(str, pool))):
@@ -110,9 +112,13 @@ def read_record(path):
     before records were kept)."""
     try:
         with safe_open(path, "pt") as f:
-            return json.loads((f.metadata() or {}).get("run", "null"))
+            record = json.loads((f.metadata() or {}).get("run", "null"))
     except (SafetensorError, OSError, ValueError):
         return None
+    if record is not None and not isinstance(record, dict):
+        raise ValueError(f"{path}: its metadata 'run' (the run that made it) is {type(record).__name__}, not a record "
+                         "of train.py's; the file is damaged or not this project's: train it again")
+    return record
 
 
 ADAPTER_FIELDS = ("method", "backbone", "layers", "heads", "head_dim")  # what every adapter's settings hold
@@ -137,6 +143,12 @@ def read_settings(path):
     missing = [k for k in ADAPTER_FIELDS if not isinstance(settings, dict) or k not in settings]
     if missing:
         raise ValueError(f"{path}: its settings lack {', '.join(missing)}; the file is damaged or not this project's")
+    wrong = [(k, "text") for k in ADAPTER_FIELDS[:2] if not isinstance(settings[k], str)] + \
+        [(k, "a whole number") for k in ADAPTER_FIELDS[2:] if type(settings[k]) is not int]
+    if wrong:
+        (k, want), = wrong[:1]
+        raise ValueError(f"{path}: its settings' {k} is {settings[k]!r}, not {want}; the file is damaged or not this "
+                         "project's")
     return settings
 
 
@@ -205,7 +217,9 @@ def load_tensors(path, tensors, model):
     wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
         [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
         [f"{name} is {tuple(tensors[name].shape)}, not {tuple(t.shape)}" for name, t in sorted(expected.items())
-         if name in tensors and tensors[name].shape != t.shape]
+         if name in tensors and tensors[name].shape != t.shape] + \
+        [f"{name} is {tensors[name].dtype}, not floating point" for name in sorted(expected.keys() & tensors.keys())
+         if not tensors[name].is_floating_point()]  # whole numbers would load rounded: another adapter
     if wrong:
         raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
                          (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))

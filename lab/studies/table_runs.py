@@ -111,7 +111,9 @@ def table_jobs(args, defaults, train_parse, table):
                                   output)
             first = teachers.setdefault(teacher, argv) if teacher else argv  # the run that computes it
             jobs.setdefault(argv, tables.Job("train.py", argv, () if first == argv else (first,)))
-            after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *evaluate]
+            transfer = ["--checkpoint-task", cell.trained_on] if cell.trained_on != cell.task else []  # Table 8's
+            after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *transfer,
+                                        *evaluate]
         protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
         argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args.n_eval, cell.task),
                 *handed_on(args, defaults, EVAL_FLAGS, evaluate), *protocol, *evaluate)
@@ -264,7 +266,8 @@ def run_table(args, argv, mains, parsers, script):
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")
-    return None if args.table_worker else table_print.write(args.model, args.out, name, table, of_cell, parsers)
+    return None if args.table_worker else table_print.write(args.model, args.out, name, table, of_cell, parsers,
+                                                            args.print)
 
 
 @dataclass

@@ -173,6 +173,8 @@ def damaged(tmp_path, adapter, tensors=None, settings=None):
     (lambda t, s: (None, json.dumps({**json.loads(s), "method": "magic"})), r"do not make an adapter \(unknown method"),
     (lambda t, s: (None, json.dumps({**json.loads(s), "rank": -1})), r"sizes \{'rank': -1\}\) do not make an adapter"),
     (lambda t, s: ({**t, "extra": torch.zeros(2)}, None), r"extra is not one of the adapter's"),
+    (lambda t, s: ({k: v.long() for k, v in t.items()}, None), r"is torch.int64, not floating point"),
+    (lambda t, s: (None, json.dumps({**json.loads(s), "layers": "2"})), r"its settings' layers is '2', not a whole"),
 ])
 def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp_path, adapter, change, message):
     tensors, settings = change(adapter[1], adapter[2]["settings"])
@@ -324,6 +326,7 @@ def trained(tmp_path_factory):
 
 def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_path, monkeypatch, capsys):
     import evaluate
+    from safetensors import safe_open
     from lab.run import checkpoints
     from lab.scores import results
     task, out = trained
@@ -336,9 +339,20 @@ def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_pat
         evaluate.parse_args([*TINY, "--task", other])
     said = capsys.readouterr().err
     assert f"adapter.safetensors is an adapter of the task {os.path.realpath(task)}, not of {other}" in said
-    assert evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default]).checkpoint == default  # named: taken
+    with pytest.raises(SystemExit):  # named, it is still another task's (before: taken, scored as other's)
+        evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default])
+    assert f"give --checkpoint {default} --checkpoint-task {os.path.realpath(task)}" in capsys.readouterr().err
+    assert evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default, "--checkpoint-task", task]
+                               ).checkpoint == default  # a transfer, said so: taken
     record = checkpoints.read_record(default)
     assert record["task"] == os.path.realpath(task) and len(record["data"]) == 16 and record["n_train"] == 2
+    with safe_open(default, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for run in ("[1, 2]", '"vqav2"'):  # before: AttributeError in check_task
+        save_file(tensors, tmp_path / "listed.safetensors", metadata={**meta, "run": run})
+        with pytest.raises(SystemExit):
+            evaluate.parse_args([*TINY, "--task", other, "--checkpoint", str(tmp_path / "listed.safetensors")])
+        assert "listed.safetensors: its metadata 'run' (the run that made it) is " in capsys.readouterr().err
 
 
 def test_resume_on_other_data_is_refused_and_keeps_last_pt_and_a_moved_split_is_said(trained, tmp_path, capsys):
