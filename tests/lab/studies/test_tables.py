@@ -425,6 +425,8 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
     args = evaluate.parse_args([*table, "--gpus", "0,1"])
     table_runs.on_devices(args.gpus, args.out, [], "evaluate.py")
     assert started == ["4", "5"]  # before: "0", "1", devices of another job
+    with pytest.raises(ValueError, match=r"--table-worker .*: --gpus gives it to the processes it starts"):
+        evaluate.main([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
 
 
 def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
@@ -527,3 +529,17 @@ def test_a_damaged_result_is_named_by_print_and_healed_by_the_run(tmp_path, caps
         assert cell()["ours"] is None and f"note: {metrics}: its {field} is " in capsys.readouterr().out
         assert evaluate.main(list(job.argv)) == first and metrics.read_text() == whole
     assert cell()["ours"] == first["vqa_accuracy"]
+
+
+def test_a_tables_run_of_other_settings_is_refused_with_advice_a_table_can_follow(tmp_path):
+    """A table's training whose folder holds a run of other --train-args: the refusal's advice works when followed
+    (before: "or --overwrite", which a table refuses in --train-args)."""
+    argv = ("--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--out",
+            str(tmp_path / "run"), "--n-train", "2", "--n-heldout", "1", "--epochs", "1", "--batch-size", "2", "--workers", "0", "--proceed")
+    train.main([*argv, "--lr", "1e-3"])
+    job = tables.Job("train.py", argv)
+    with pytest.raises(ValueError, match=rf"--lr 0.001 \(now 0.005\).*move or remove {tmp_path / 'run'} to train"):
+        table_runs.run_jobs([job], {"train.py": train.main})
+    shutil.rmtree(tmp_path / "run")
+    table_runs.run_jobs([job], {"train.py": train.main})
+    assert (tmp_path / "run" / "adapter.safetensors").exists()
