@@ -535,7 +535,8 @@ def test_a_tables_run_of_other_settings_is_refused_with_advice_a_table_can_follo
     """A table's training whose folder holds a run of other --train-args: the refusal's advice works when followed
     (before: "or --overwrite", which a table refuses in --train-args)."""
     argv = ("--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--out",
-            str(tmp_path / "run"), "--n-train", "2", "--n-heldout", "1", "--epochs", "1", "--batch-size", "2", "--workers", "0", "--proceed")
+            str(tmp_path / "run"), "--n-train", "2", "--n-heldout", "1", "--epochs", "1", "--batch-size", "2",
+            "--workers", "0", "--proceed")
     train.main([*argv, "--lr", "1e-3"])
     job = tables.Job("train.py", argv)
     with pytest.raises(ValueError, match=rf"--lr 0.001 \(now 0.005\).*move or remove {tmp_path / 'run'} to train"):
