@@ -31,7 +31,7 @@ import model as M
 from lab.datasets import rices, tasks
 from lab.models import backbones, chunks, families
 from lab.methods import registry
-from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
+from lab.run import anchors, checkpoints, feed, micro_batches, proceed, runs, torchrun
 from lab.cli import train_cli
 
 
@@ -228,7 +228,7 @@ def main(argv=None, load=None):
         return train_cli.other_mode(cfg, train)
     backbones.choose_threads(cfg.model, cfg.threads)
     with torchrun.process_group(), checkpoints.locked(cfg.out):
-        run = checkpoints.proceeding(cfg) if cfg.proceed else cfg
+        run = proceed.proceeding(cfg) if cfg.proceed else cfg
         if run is None:  # --proceed, and the run is finished
             print(f"{cfg.out}: a finished run of these settings (its last.pt, history.json); nothing to train")
             return checkpoints.read_tensors(os.path.join(cfg.out, "adapter.safetensors"))

@@ -502,12 +502,13 @@ def test_a_cells_adapter_of_another_task_is_refused_and_print_keeps_the_table(re
     shutil.copy(moved / "train" / "ok-vqa" / "hyper-icl" / "adapter.safetensors", run / "adapter.safetensors")
     for metrics in run.glob("*.metrics.json"):
         os.remove(metrics)
-    before = {f: (moved / f).read_bytes() for f in ("table-1.md", "table-1.json")}
-    printed = evaluate.main(table("1", "tiny-idefics2", moved, "--print"))
-    assert {c["row"] for c in printed["cells"] if c["ours"] is None} == {"Hyper-ICL"}
+    before = {f: (moved / f).read_bytes() for f in ("table-8.md", "table-8.json")}
+    printed = evaluate.main(table("8", "tiny-idefics2", moved, "--print"))  # its transfer: the VQAv2 adapter on OK-VQA
+    assert [(c["row"], c["column"]) for c in printed["cells"] if c["ours"] is None] == [("vqav2 -> ok-vqa",
+                                                                                          "Hyper-ICL")]
     assert {f: (moved / f).read_bytes() for f in before} == before and "note: kept " in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        evaluate.main(table("1", "tiny-idefics2", moved))
+        evaluate.main(table("8", "tiny-idefics2", moved))
     assert "adapter.safetensors is an adapter of the task ok-vqa, not of vqav2" in capsys.readouterr().err
 
 
