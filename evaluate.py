@@ -61,6 +61,7 @@ class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Set
     model: str = "toy-idefics2"       # backbone, as train.py's --model
     task: str = "toy-icl-colour"      # benchmark (data.TASKS) or a task of one's own, as train.py's --task
     checkpoint: Optional[str] = None  # adapter; None: runs/<model>-<task>-hyper-icl/'s if it exists and no --shots
+    checkpoint_task: Optional[str] = None  # --checkpoint's task where it is not --task's (Table 8), else refused
     shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
     icd_task: Optional[str] = None    # --shots' ICDs from this task's training split (Table 8), the queries --task's

@@ -31,7 +31,7 @@ import model as M
 from lab.datasets import rices, tasks
 from lab.models import backbones, chunks, families
 from lab.methods import registry
-from lab.run import anchors, checkpoints, feed, micro_batches, runs, torchrun
+from lab.run import anchors, checkpoints, feed, micro_batches, proceed, runs, torchrun
 from lab.cli import train_cli
 
 
@@ -184,7 +184,7 @@ def train(cfg, load=None):
     adapter = runs.attached(backbone, cfg.method, sizes)
     optimizer = torch.optim.AdamW(adapter, lr=cfg.lr, weight_decay=cfg.weight_decay)
     total = runs.epoch_steps(len(queries), cfg.batch_size, cfg.grad_accum) * cfg.epochs
-    scheduler = get_cosine_schedule_with_warmup(optimizer, max(1, round(cfg.warmup * total)), total)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, runs.warmup_steps(cfg.warmup, total), total)
     # the run's plumbing: torchrun's DDP, a resumed checkpoint, the teacher cache and its room, the progress bar
     run = runs.start(cfg, backbone, device, (queries, heldout, icds, kind), optimizer, scheduler)
     with runs.saved_on_interrupt(run):  # Ctrl-C or SIGTERM: saved at the next step boundary, --resume continues
@@ -228,7 +228,7 @@ def main(argv=None, load=None):
         return train_cli.other_mode(cfg, train)
     backbones.choose_threads(cfg.model, cfg.threads)
     with torchrun.process_group(), checkpoints.locked(cfg.out):
-        run = checkpoints.proceeding(cfg) if cfg.proceed else cfg
+        run = proceed.proceeding(cfg) if cfg.proceed else cfg
         if run is None:  # --proceed, and the run is finished
             print(f"{cfg.out}: a finished run of these settings (its last.pt, history.json); nothing to train")
             return checkpoints.read_tensors(os.path.join(cfg.out, "adapter.safetensors"))

@@ -246,3 +246,24 @@ def test_a_run_stopped_by_max_steps_before_an_epoch_keeps_a_partial_adapter_that
     assert "partial" not in checkpoints.read_record(path)
     kept, best = (checkpoints.read_tensors(p) for p in (path, str(tmp_path / "whole" / "adapter.safetensors")))
     assert kept.keys() == best.keys() and all(torch.equal(kept[k], best[k]) for k in kept)
+
+
+@pytest.mark.parametrize("steps, flags", [(1, ["--n-train", "4", "--batch-size", "4"]),
+                                          (2, ["--n-train", "4", "--batch-size", "2"]),
+                                          (3, ["--n-train", "3", "--batch-size", "1"])])
+def test_a_run_too_short_for_a_warm_up_step_trains_from_its_first(steps, flags, tmp_path):
+    """10% of 1, 2 or 3 steps rounds to no warm-up step: each step runs at the full learning rate and moves the
+    adapter's zero-initialised tensors (before: max(1, ...) made a one-step run all warm-up, at lr 0, and its adapter
+    stayed the identity: U_k, w and b all 0). A run of 20 steps keeps its 2
+    (test_the_learning_rate_warms_up_over_a_tenth_of_the_steps_then_decays_as_a_cosine_to_0)."""
+    assert [runs.warmup_steps(0.1, n) for n in (1, 2, 3, 5, 6, 20, 750)] == [0, 0, 0, 0, 1, 2, 75]
+    backbone = backbones.load_backbone("tiny-idefics2")
+    zero = {k for k, v in registry.attach(backbone.model, "hyper-icl", rank=4).state_dict().items() if not v.any()}
+    lr = []
+    hook = register_optimizer_step_pre_hook(lambda opt, a, k: lr.append(opt.param_groups[0]["lr"]))
+    try:
+        trained = train.main([*BENCH, *flags, "--n-heldout", "1", "--shots", "1", "--epochs", "1", "--workers", "0",
+                              "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher")])
+    finally:
+        hook.remove()
+    assert len(lr) == steps and lr[0] == 5e-3 and zero and any(trained[k].any() for k in zero)

@@ -23,6 +23,7 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "chair": ("to COCO captions, against COCO's instance annotations (--task coco)", lambda a: a.task == "coco"),
     "random_weights": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
     "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
+    "checkpoint_task": ("to a --checkpoint", lambda a: a.checkpoint is not None),
     "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices or a table's RICES row", lambda a: a.icds == "rices" or a.table or a.figure),
     "eval_draw": ("with --n-eval, on a task whose items are taken in order (MME and SEED draw theirs stratified)",
@@ -71,14 +72,15 @@ def parse_args(argv, doc, defaults, train_parse):
             p.error(f"--curve-seeds must be in [2, {len(curves.T_975) + 1}] for an interval (got {args.curve_seeds})")
     if args.curve or args.table or args.figure:
         try:  # split as a shell does and parsed by train.py's parser (with what curve adds) now, before any work
-            with contextlib.redirect_stderr(io.StringIO()) as err:
+            with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
                 trained = train_parse(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
                                        "--proceed"])
         except ValueError as e:
             p.error(f"--train-args {args.train_args!r} cannot be split into flags ({e})")
-        except SystemExit:
-            p.error(f"--train-args {args.train_args!r}: train.py says: "
-                    + err.getvalue().strip().splitlines()[-1].split(" error: ", 1)[-1])
+        except SystemExit:  # an error (its last line), or -h's help (on stdout, none on stderr)
+            said = err.getvalue().strip().splitlines()
+            p.error(f"--train-args {args.train_args!r}: train.py says: " + said[-1].split(" error: ", 1)[-1] if said
+                    else "--train-args asks for train.py's help: see python train.py --help, and give its flags")
     if args.split in readers.TEST_SPLITS and args.task != "vqav2" and \
             not (args.split == "test" and tasks.own_task.is_own(args.task)):
         p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2) or a folder task's test.jsonl, "
@@ -107,7 +109,8 @@ def parse_args(argv, doc, defaults, train_parse):
         p.error(f"--checkpoint {args.checkpoint}: no such file")
     if args.checkpoint and os.path.isfile(args.checkpoint):
         try:  # an adapter of another task, or trained beside another split of this one
-            checkpoints.check_task(args.checkpoint, args.task, chosen)
+            checkpoints.check_task(args.checkpoint, args.task, not (args.gates or args.hyperbolicity),
+                                   args.checkpoint_task)
         except ValueError as e:
             p.error(str(e))
     if args.gates and args.checkpoint is None:
@@ -133,9 +136,9 @@ def check_table(p, args, defaults, trained):
     (rices.encoder_missing)."""
     if not (args.table or args.figure):
         return
-    if args.gpus:
+    if args.gpus is not None:  # "": an empty shell variable, not one process
         devices = args.gpus.split(",")
-        if not all(d.isdigit() for d in devices):
+        if not all(d.isascii() and d.isdigit() for d in devices):  # "²" is a digit to isdigit(), not to int()
             p.error(f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {args.gpus!r})")
         if len(set(map(int, devices))) < len(devices):
             p.error(f"--gpus {args.gpus} names a device twice; one process a device")

@@ -233,7 +233,9 @@ def icd_support(args):
 def check_icd_task(task, icd_task):
     """The reason --icd-task cannot give --task's queries their ICDs (None if it can): --task itself (its training
     split is where ICDs come from anyway, and as --icd-task it would hand a run its held-out queries as ICDs), or a task
-    of another kind."""
+    of another kind, or a file that is not there."""
+    if icd_task and own_task.is_own(icd_task) and not os.path.exists(icd_task):
+        return f"--icd-task {icd_task}: no such file or folder (a benchmark's name or a task of one's own, as --task)"
     if icd_task and task_id(icd_task) == task_id(task):
         return f"--icd-task {icd_task} is --task itself, whose training split the ICDs come from anyway; drop it"
     if icd_task and spec(icd_task).kind != spec(task).kind:

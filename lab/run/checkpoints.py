@@ -1,7 +1,6 @@
 """Checkpoints: adapter files (safetensors holding only the adapter and its settings), the run's last.pt
 (resume), run folders claimed and locked by one process at a time."""
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import functools
@@ -14,12 +13,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 import torch
 
-import data
 import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.methods import registry
-from lab.models import families
 from lab.run import torchrun
 
 
@@ -84,19 +81,21 @@ def short_hash(obj):
     return hashlib.sha256(json.dumps(obj).encode()).hexdigest()[:16]
 
 
-def check_task(path, task, chosen):
+def check_task(path, task, scored, trained_on=None):
     """Check the adapter at `path` against the task it is to be scored on, by its record (read_record; none: nothing
-    to check). An adapter of another task is refused where evaluate.py chose it (`chosen`: the default checkpoint, no
-    --checkpoint naming it), a ValueError naming both; a single-file task whose training pool is no longer the one
-    the adapter was trained on (records added or removed: its evaluation half may now hold the adapter's training
-    queries) is said in a line."""
+    to check). An adapter of another task than `trained_on` (--checkpoint-task: a transfer's source, as Table 8's) or,
+    without it, `task` is refused where it is `scored` on `task` (an evaluation, not an analysis), a ValueError naming
+    both and the flag that says so; a single-file task whose training pool is no longer the one the adapter was trained
+    on (records added or removed: its evaluation half may now hold the adapter's training queries) is said in a
+    line."""
     record = read_record(path)
     if record is None:
         return
-    if record.get("task") != tasks.task_id(task):
-        if chosen:
-            raise ValueError(f"{path} is an adapter of the task {record.get('task')}, not of {task} "
-                             f"({tasks.task_id(task)}); give --checkpoint {path} to score it on {task} anyway")
+    if record.get("task") != tasks.task_id(trained_on or task):
+        if scored:
+            raise ValueError(f"{path} is an adapter of the task {record.get('task')}, not of {trained_on or task} "
+                             f"({tasks.task_id(trained_on or task)}); to score it on {task} (a transfer, as Table 8's) "
+                             f"give --checkpoint {path} --checkpoint-task {record.get('task')}")
         return
     pool = tasks.pool_ids(task)
     if pool is not None and record.get("pool") != short_hash(sorted(map(str, pool))):
@@ -110,9 +109,13 @@ def read_record(path):
     before records were kept)."""
     try:
         with safe_open(path, "pt") as f:
-            return json.loads((f.metadata() or {}).get("run", "null"))
+            record = json.loads((f.metadata() or {}).get("run", "null"))
     except (SafetensorError, OSError, ValueError):
         return None
+    if record is not None and not isinstance(record, dict):
+        raise ValueError(f"{path}: its metadata 'run' (the run that made it) is {type(record).__name__}, not a record "
+                         "of train.py's; the file is damaged or not this project's: train it again")
+    return record
 
 
 ADAPTER_FIELDS = ("method", "backbone", "layers", "heads", "head_dim")  # what every adapter's settings hold
@@ -137,6 +140,12 @@ def read_settings(path):
     missing = [k for k in ADAPTER_FIELDS if not isinstance(settings, dict) or k not in settings]
     if missing:
         raise ValueError(f"{path}: its settings lack {', '.join(missing)}; the file is damaged or not this project's")
+    wrong = [(k, "text") for k in ADAPTER_FIELDS[:2] if not isinstance(settings[k], str)] + \
+        [(k, "a whole number") for k in ADAPTER_FIELDS[2:] if type(settings[k]) is not int]
+    if wrong:
+        (k, want), = wrong[:1]
+        raise ValueError(f"{path}: its settings' {k} is {settings[k]!r}, not {want}; the file is damaged or not this "
+                         "project's")
     return settings
 
 
@@ -205,7 +214,9 @@ def load_tensors(path, tensors, model):
     wrong = [f"{name} is missing" for name in sorted(expected.keys() - tensors.keys())] + \
         [f"{name} is not one of the adapter's" for name in sorted(tensors.keys() - expected.keys())] + \
         [f"{name} is {tuple(tensors[name].shape)}, not {tuple(t.shape)}" for name, t in sorted(expected.items())
-         if name in tensors and tensors[name].shape != t.shape]
+         if name in tensors and tensors[name].shape != t.shape] + \
+        [f"{name} is {tensors[name].dtype}, not floating point" for name in sorted(expected.keys() & tensors.keys())
+         if not tensors[name].is_floating_point()]  # whole numbers would load rounded: another adapter
     if wrong:
         raise ValueError(f"{path} does not hold the adapter its settings describe: " + "; ".join(wrong[:3]) +
                          (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
@@ -273,40 +284,6 @@ def record_differences(state, record, path):
     return differ
 
 
-def differences(state, args):
-    """The settings of RESUME_MUST_MATCH in which a saved run's state (read_run) differs from args, as flags."""
-    return [f"--{k.replace('_', '-')} {state['args'].get(k)} (now {getattr(args, k)})" for k in RESUME_MUST_MATCH
-            if state["args"].get(k) != getattr(args, k)]
-
-
-def proceeding(args):
-    """What --proceed does with --out: None if it holds this run finished (last.pt of these settings and data, every
-    epoch scored or --max-steps taken, history.json and its best adapter written): nothing to do; args with --resume
-    if it holds this run stopped (or finished with RICES's ICDs, which need the backbone: restore checks them); args
-    with --overwrite if it holds none, or one stopped before its first save. A run of other settings or data, or a
-    finished one without its best adapter, is refused (a ValueError naming them), as --resume refuses it."""
-    path, adapter = os.path.join(args.out, "last.pt"), os.path.join(args.out, "adapter.safetensors")
-    if not os.path.exists(path):
-        return dataclasses.replace(args, overwrite=True)
-    state = read_run(path)
-    differ, step, scored = differences(state, args), state["progress"]["step"], len(state["progress"]["history"])
-    done = scored == args.epochs or args.max_steps is not None and step >= args.max_steps
-    if done and scored and not differ and not os.path.exists(adapter):
-        raise ValueError(f"--proceed: {args.out} holds a finished run ({scored} epoch(s) scored) without its best "
-                         f"adapter {adapter} (removed since?); train it again with --overwrite")
-    if not differ and (not done or args.icds == "rices" or not os.path.exists(os.path.join(args.out, "history.json"))):
-        return dataclasses.replace(args, resume=True)
-    if not differ:  # finished: its record against this run's data, the ICDs drawn as train.py draws them
-        queries, heldout, support, shots = tasks.split_pool(args, families.family_of(args.model))
-        ids = [q.id for q in queries]
-        icds = dict(zip(ids, data.demonstrations(ids, support, shots, args.seed)))
-        differ = record_differences(state, run_record(args, queries, heldout, icds), path)
-    if differ:
-        raise ValueError(f"--proceed: {path} was made with " + ", ".join(differ) + "; give another --out, or "
-                         "--overwrite to replace it")
-    return None
-
-
 def read_run(path):
     """The state a last.pt holds, unpickled with weights_only=True (tensors, numbers, strings, lists, dicts: no code
     of the file runs); anything else (a truncated, corrupt or crafted file) is a ValueError naming it."""
@@ -338,6 +315,8 @@ def claim(args):
         return
     for f in found if args.overwrite else []:
         os.remove(os.path.join(args.out, f))
+    if found and args.overwrite:
+        print(f"--overwrite: removed {', '.join(found)} of the run in {args.out}; training it again")
     files.remove_stale_tmp(args.out)
     files.remove_stale_tmp(args.teacher_cache)
 

@@ -84,6 +84,12 @@ def epoch_steps(n_train, batch_size, grad_accum):
     return math.ceil(math.ceil(n_train / batch_size) / grad_accum)
 
 
+def warmup_steps(warmup, total):
+    """The linear warm-up's steps (Section 4.1): --warmup's share of the run's `total` steps, rounded; a run too short
+    for one (10% of its steps rounds to 0) has none, so its first step runs at the full learning rate."""
+    return round(warmup * total)
+
+
 def epoch_order(n, batch_size, seed, epoch):
     """The batches of one epoch: a permutation that depends only on (seed, epoch), so a resumed run sees the same."""
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()

@@ -110,7 +110,7 @@ def headline_metric(metrics):
 # Every setting that changes an evaluation's result, as the metrics record it (the name holds those a user varies)
 RESULT_SETTINGS = ("model", "image_splitting", "data_root", "task", "split", "setting", "checkpoint", "shots", "icds",
                    "rices_encoder", "protocol", "chair", "seed", "items", "n", "vector_file", "vector_layer",
-                   "new_tokens", "icd_task")
+                   "new_tokens", "icd_task", "data")
 
 
 def result_settings(backbone, args, setting, items):
@@ -118,7 +118,8 @@ def result_settings(backbone, args, setting, items):
     backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
     choice (where there are demonstrations), the tokens generated per query (--new-tokens or the task's), the seed,
     --n-eval (recorded, not compared) and the items scored (their count and a hash of their ids: what was scored,
-    however --n-eval chose it)."""
+    however --n-eval chose it; `data`: a hash of what they hold, checkpoints.data_fingerprint's of their questions,
+    answers, targets, categories and images' bytes, so a result of data edited since is not read as this one's)."""
     splitting, rices = teacher_cache.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
     return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
             "data_root": args.data_root and os.path.abspath(args.data_root), "task": args.task, "split": args.split,
@@ -127,39 +128,96 @@ def result_settings(backbone, args, setting, items):
             "rices_encoder": args.rices_encoder if rices else None,
             "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
             "new_tokens": args.new_tokens or tasks.spec(args.task).max_new_tokens,
-            "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16]}
+            "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16],
+            "data": checkpoints.data_fingerprint(items, [], {it.id: [] for it in items})}
 
 
 def check_replaceable(path, settings):
     """Refuse to replace the result file at `path` (metrics, an analysis, a benchmark, a curve) if it records other
     values of `settings` ({name: value}, as far as the old file records them): a ValueError naming the file and each
-    difference. Paths compare as real paths (a data root through a symlink is the same). An unreadable file holds no
+    difference. Paths compare as real paths (a data root through a symlink is the same), an adapter also by its bytes
+    (a folder of results moved with its adapters holds the same results: same_setting). An unreadable file holds no
     result and is replaced."""
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
     except (OSError, ValueError, RecursionError):
         return
-    path_of = lambda v: os.path.realpath(v) if isinstance(v, str) else v
-    same = lambda k: old[k] == settings[k] or k in ("checkpoint", "data_root") and \
-        path_of(old[k]) == path_of(settings[k])
-    differ = [f"{k} {old[k]!r} (now {settings[k]!r})" for k in settings if isinstance(old, dict) and k in old and
-              not same(k)]
+    differ = [f"{k} {old[k]!r} (now {settings[k]!r})" + (DATA_CHANGED if k == "data" else "") for k in settings
+              if isinstance(old, dict) and k in old and not same_setting(old, k, settings[k])]
     if differ:
         raise ValueError(f"{path} holds the result of other settings: {', '.join(differ)}; it is kept. Give another "
                          "--out, or remove the file to replace it")
 
 
+DATA_CHANGED = " (the scored items' questions, answers or images changed since it was evaluated)"
+
+
+def same_setting(old, name, value):
+    """Whether the metrics `old` record `value` of the setting `name`: equal, or for a path (--checkpoint,
+    --data-root, a vector's file) the same real path, or, wherever the folder now is, for --checkpoint a file of the
+    bytes they scored (their checkpoint_sha256: the same adapter), for a vector's file (<out>/vectors/) one of the
+    same name (its key: a hash of what made it, vectors.vector_path)."""
+    if old.get(name) == value:
+        return True
+    if name not in ("checkpoint", "data_root", "vector_file") or not isinstance(old.get(name), str) or \
+            not isinstance(value, str):
+        return False
+    return os.path.realpath(old[name]) == os.path.realpath(value) or name == "checkpoint" and \
+        old.get("checkpoint_sha256") == adapter_digest(value) or name == "vector_file" and \
+        os.path.basename(old[name]) == os.path.basename(value)
+
+
+def adapter_digest(path):
+    """The sha256 of the adapter file at `path`, as an evaluation records it (checkpoint_sha256); None if unreadable."""
+    try:
+        return files.file_digest(path)
+    except OSError:
+        return None
+
+
+def damage(metrics):
+    """What makes a metrics file no result (None if nothing): not a dict, or a field a result needs missing or not of
+    its kind (the headline score and its interval, the items, the adapter's record and parameters), named."""
+    if not isinstance(metrics, dict):
+        return "it is not a JSON object"
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    headline = next((k for k in ("vqa_accuracy", "cider", "accuracy") if k in metrics), None)
+    interval, run = metrics.get("interval95"), metrics.get("run")
+    checks = [(headline or "vqa_accuracy", headline is not None and number(metrics[headline]), "a number"),
+              ("n", type(metrics.get("n")) is int and metrics["n"] > 0, "a count of items"),
+              ("setting", isinstance(metrics.get("setting"), str), "text"),
+              ("interval95", interval is None or isinstance(interval, list) and len(interval) == 2 and
+               all(map(number, interval)), "null or [low, high]"),
+              ("run", run is None or isinstance(run, dict), "null or the adapter's run record"),
+              ("run.n_train", not isinstance(run, dict) or type(run.get("n_train", 0)) is int, "a count of queries"),
+              ("params", metrics.get("params") is None or type(metrics["params"]) is int, "null or a count"),
+              ("chance", metrics.get("chance") is None or number(metrics["chance"]), "null or a number")]
+    wrong = [f"its {name} is {missing_or(metrics, name)}, not {want}" for name, ok, want in checks if not ok]
+    return wrong[0] if wrong else None
+
+
+def missing_or(metrics, name):
+    """A field's value as damage names it: its repr, or `missing`."""
+    head, _, tail = name.partition(".")
+    value = metrics.get(head, "missing") if not tail else (metrics.get(head) or {}).get(tail, "missing")
+    return value if value == "missing" else repr(value)
+
+
 def same_result(stem, kind, settings):
     """The metrics of an evaluation done before under this name with these settings (every key of `settings` as
-    recorded, --n-eval aside: the items' ids are compared), whose predictions file is the one they score (and MME's
-    results folder is there); None otherwise (it is evaluated, and written, again)."""
+    recorded, --n-eval aside: the items' ids and content are compared, an adapter by its bytes), whole (damage: none)
+    and whose predictions file is the one they score (and MME's results folder is there); None otherwise (it is
+    evaluated, and written, again: a damaged file heals)."""
     try:
         with open(stem + ".metrics.json", encoding="utf-8") as f:
             old = json.load(f)
     except (OSError, ValueError, RecursionError):
         return None
-    same = isinstance(old, dict) and all(old.get(k) == v for k, v in settings.items() if k != "n_eval")
+    if damage(old) is not None:
+        print(f"note: {stem}.metrics.json: {damage(old)}: no result; evaluated again")
+        return None
+    same = all(same_setting(old, k, v) for k, v in settings.items() if k != "n_eval")
     return old if same and scores_its_predictions(stem, kind, old) else None
 
 

@@ -25,14 +25,17 @@ SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "e
 def found(job, parsers):
     """The metrics file of an evaluation job, found among its folder's files by what it records (None if none is
     there): its name as the job names it (results.result_name: the setting, split, SEED protocol, image splitting,
-    ICDs' task and encoder, vector, adapter), the backbone, data root, task, seed, --n-eval, ICDs, tokens generated
-    and adapter file, and the predictions it scores (results.scores_its_predictions). A file that is unreadable, of
-    other settings or beside other predictions is no result of the job, which evaluates it again."""
+    ICDs' task and encoder, vector, adapter), the backbone, data root, task, seed, --n-eval, ICDs, tokens generated,
+    the adapter (by its bytes: a folder moved with its adapters keeps its results) and the task it was trained on,
+    and the predictions it scores (results.scores_its_predictions). A file that is unreadable, damaged
+    (results.damage: said in a line), of other settings or beside other predictions is no result of the job, which
+    evaluates it again."""
     a = job.args(parsers)
     want = {"model": a.model, "task": a.task, "split": a.split, "seed": a.seed, "n_eval": a.n_eval,
             "shots": a.shots or 0, "icds": a.icds if a.shots else None, "icd_task": a.icd_task if a.shots else None,
-            "new_tokens": a.new_tokens or tasks.spec(a.task).max_new_tokens, "vector": a.vector}
-    real = lambda path: isinstance(path, str) and os.path.realpath(path)
+            "new_tokens": a.new_tokens or tasks.spec(a.task).max_new_tokens, "vector": a.vector,
+            "data_root": a.data_root, "checkpoint": a.checkpoint}
+    trained_on = a.checkpoint and tasks.task_id(a.checkpoint_task or a.task)
     for path in sorted(glob.glob(os.path.join(glob.escape(a.out), "*.metrics.json"))):
         try:
             with open(path, encoding="utf-8") as f:
@@ -42,9 +45,13 @@ def found(job, parsers):
             name = results.result_name(a, m["setting"], m["n"], vector)
         except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError):
             continue  # unreadable, or not an evaluation's metrics
-        if os.path.basename(stem) == name and all(m.get(k) == v for k, v in want.items()) and \
-                real(m.get("data_root")) == real(a.data_root) and real(m.get("checkpoint")) == real(a.checkpoint) \
-                and any(k in m for k in ("vqa_accuracy", "cider", "accuracy")) and \
+        if os.path.basename(stem) != name:
+            continue
+        if results.damage(m) is not None:
+            print(f"note: {path}: {results.damage(m)}: no result (the table's run evaluates it again)")
+            continue
+        if all(results.same_setting(m, k, v) for k, v in want.items()) and \
+                (m.get("run") or {}).get("task", trained_on) == trained_on and \
                 results.scores_its_predictions(stem, tasks.spec(a.task).kind, m):
             return path, m
     return None, None
@@ -92,9 +99,11 @@ def params_text(table, records, family, row):
     return ("-" if ours is None else f"{ours:,}") + ("" if paper is None else f" / {paper} M")
 
 
-def write(model, out, name, table, of_cell, parsers):
-    """Assemble the table from its result files and write <out>/<name>.md and .json (and .png for a sweep); print
-    the Markdown. Returns the JSON's dict. parsers: train.py's and evaluate.py's parse_args."""
+def write(model, out, name, table, of_cell, parsers, printing=False):
+    """Assemble the table from its result files and write <out>/<name>.md and .json (and .png for a sweep) where they
+    differ from the files there (a read-only finished table prints); print the Markdown. Returns the JSON's dict.
+    parsers: train.py's and evaluate.py's parse_args. printing (--print): a table there that shows results these
+    files no longer give is kept (kept_table)."""
     family = families.family_of(model)
     records = [cell_record(out, name, family, table, key, of_cell[key], parsers) for key in table.cells]
     by_key = {(r["row"], r["column"]): r for r in records}
@@ -119,12 +128,31 @@ def write(model, out, name, table, of_cell, parsers):
     summary = {"table": table.name, "model": model, "family": family, "paper_backbone": paper,
                "random_weights": random_weights, "rows": list(table.rows), "columns": list(table.columns),
                "cells": records, "marks": {m: MARKS[m] for m in used}}
-    files.atomic_write(stem + ".md", lambda f: f.write(markdown.encode()))
-    files.write_json(stem + ".json", summary, indent=1)
-    if table.figure:
-        draw(table, by_key, stem + ".png")
+    before, lost = written(stem, summary)
+    if printing and lost:
+        print(markdown + f"note: kept {stem}.md and .json, which show {lost} result(s) these files no longer give "
+              "(removed, damaged or of other settings since; the notes above name any damaged file): run the table "
+              "to evaluate them again")
+        return summary
+    if before != (markdown, json.loads(json.dumps(summary))) or table.figure and not os.path.exists(stem + ".png"):
+        files.atomic_write(stem + ".md", lambda f: f.write(markdown.encode()))
+        files.write_json(stem + ".json", summary, indent=1)
+        if table.figure:
+            draw(table, by_key, stem + ".png")
     print(markdown + f"-> {stem}.md, {stem}.json" + (f", {stem}.png" if table.figure else ""))
     return summary
+
+
+def written(stem, summary):
+    """The table written before at `stem` as (its Markdown, its JSON's dict) (None if unreadable), and how many of its
+    cells with a number `summary` has none for."""
+    try:
+        with open(stem + ".md", encoding="utf-8") as md, open(stem + ".json", encoding="utf-8") as js:
+            before = md.read(), json.load(js)
+        ours = {(c["row"], c["column"]) for c in before[1]["cells"] if c["ours"] is not None}
+    except (OSError, ValueError, RecursionError, KeyError, TypeError):
+        return None, 0
+    return before, len(ours - {(c["row"], c["column"]) for c in summary["cells"] if c["ours"] is not None})
 
 
 def draw(table, by_key, path):

@@ -111,7 +111,9 @@ def table_jobs(args, defaults, train_parse, table):
                                   output)
             first = teachers.setdefault(teacher, argv) if teacher else argv  # the run that computes it
             jobs.setdefault(argv, tables.Job("train.py", argv, () if first == argv else (first,)))
-            after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *evaluate]
+            transfer = ["--checkpoint-task", cell.trained_on] if cell.trained_on != cell.task else []  # Table 8's
+            after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *transfer,
+                                        *evaluate]
         protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
         argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args.n_eval, cell.task),
                 *handed_on(args, defaults, EVAL_FLAGS, evaluate), *protocol, *evaluate)
@@ -188,6 +190,8 @@ def run_jobs(jobs, mains, claims=None, seed=0):
                     try:
                         mains[job.script](list(job.argv), load=shared.training if job.script == "train.py" else
                                           shared.evaluation)
+                    except ValueError as e:
+                        raise in_table(job, e) from e
                     finally:
                         shared.clean()
                     if claims:
@@ -198,6 +202,16 @@ def run_jobs(jobs, mains, claims=None, seed=0):
         else:  # every job that may start is another process's, or waits for one
             time.sleep(1)
     return shared
+
+
+def in_table(job, error):
+    """A training job's refusal (a run of other settings in its folder) with the advice a table can follow: it gives
+    each run its --out and --proceed and takes no --overwrite, so the run's folder is moved or removed instead."""
+    if job.script != "train.py":
+        return error
+    out = job.argv[job.argv.index("--out") + 1]
+    return ValueError(f"{error}. From a table, which sets each run's --out and --proceed and takes no --overwrite: "
+                      f"move or remove {out} to train that run again, or give the table another --out")
 
 
 def marked(claims, job):
@@ -224,7 +238,7 @@ def on_devices(gpus, out, argv, script):
     makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of this run
     live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips what is
     done)."""
-    claims = os.path.join(out, "claims", f"{files.this_host()}-{os.getpid()}")
+    claims = worker_claims(out, os.getpid())
     os.makedirs(claims, exist_ok=True)
     procs = [subprocess.Popen([sys.executable, script, *argv, "--table-worker", claims],
                               env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_device(int(device))})
@@ -233,6 +247,11 @@ def on_devices(gpus, out, argv, script):
     if failed:
         raise ValueError(f"{len(failed)} of the --gpus processes failed (their output is above); run the same command "
                          "again to continue")
+
+
+def worker_claims(out, pid):
+    """The claims folder of the --gpus run started by process `pid`: <out>/claims/<host>-<pid>."""
+    return os.path.join(out, "claims", f"{files.this_host()}-{pid}")
 
 
 def visible_device(number):
@@ -248,6 +267,9 @@ def run_table(args, argv, mains, parsers, script):
     {"train.py": train.main, "evaluate.py": evaluate.main}; parsers: (train.py's, evaluate.py's parse_args); script:
     evaluate.py's path (--gpus starts it once per device); argv: this command's flags."""
     train_parse, eval_parse = parsers
+    if args.table_worker and args.table_worker != worker_claims(args.out, os.getppid()):
+        raise ValueError(f"--table-worker {args.table_worker}: --gpus gives it to the processes it starts (their "
+                         "claims folder); run the table with --gpus 0,1,... instead, or without either in one process")
     name = args.table or f"figure-{args.figure}"
     table = tables.layout(name, families.family_of(args.model), train_parse(shlex.split(args.train_args)).n_train)
     of_cell, jobs = table_jobs(args, eval_parse([]), train_parse, table)
@@ -264,7 +286,8 @@ def run_table(args, argv, mains, parsers, script):
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")
-    return None if args.table_worker else table_print.write(args.model, args.out, name, table, of_cell, parsers)
+    return None if args.table_worker else table_print.write(args.model, args.out, name, table, of_cell, parsers,
+                                                            args.print)
 
 
 @dataclass

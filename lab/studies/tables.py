@@ -58,9 +58,13 @@ class Job:
         adapter that is not trained yet is named, not checked."""
         if self.script == "train.py":
             return parsers[0](list(self.argv))
-        k = self.argv.index("--checkpoint") if "--checkpoint" in self.argv else None
-        args = parsers[1](list(self.argv if k is None else self.argv[:k] + self.argv[k + 2:]))
-        return args if k is None else replace(args, checkpoint=self.argv[k + 1])
+        argv, adapter = list(self.argv), {}
+        for name in ("checkpoint", "checkpoint_task"):  # the adapter and, for a transfer, its task
+            if f"--{name.replace('_', '-')}" in argv:
+                k = argv.index(f"--{name.replace('_', '-')}")
+                adapter[name] = argv.pop(k + 1)
+                argv.pop(k)
+        return replace(parsers[1](argv), **adapter)
 
     def key(self):
         """A short name of the job (its claim and done marks under --gpus)."""

@@ -212,3 +212,20 @@ def test_train_args_may_start_with_a_dash_without_an_equals_sign(capsys):
     with pytest.raises(SystemExit):
         evaluate.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", "--train-args", "--resume"])
     assert "--train-args '--resume': train.py says:" in capsys.readouterr().err
+
+
+def test_train_args_asking_for_help_and_table_flags_of_odd_text_name_their_flag(tmp_path, capsys):
+    """--train-args "-h" (a table, --curve): a one-line error naming the flag (before: train.py's help, then an
+    IndexError); --gpus ² (a Unicode digit) and --gpus "" (an empty shell variable): named (before: `invalid literal
+    for int()`, and the whole table in one process without a word); a missing --icd-task file names --icd-task
+    (before: --task)."""
+    table = ["--table", "7", *TINY, "--out", str(tmp_path)]
+    for argv in ([*table, "--train-args", "-h"], [*TINY, "--curve", "--train-args", "--help"]):
+        assert "--train-args asks for train.py's help" in refused(evaluate.parse_args, argv, capsys)
+    for gpus in ("²", "", "0,"):
+        assert f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {gpus!r})" in refused(
+            evaluate.parse_args, [*table, "--gpus", gpus], capsys)
+    for parse, extra in ((train.parse_args, []), (evaluate.parse_args, ["--shots", "1"])):
+        missing = str(tmp_path / "none.jsonl")
+        argv = [*TINY, "--task", "vqav2", "--icd-task", missing, *extra]
+        assert f"--icd-task {missing}: no such file or folder" in refused(parse, argv, capsys)

@@ -101,31 +101,6 @@ def test_two_evaluations_share_their_folder_and_a_training_waits_for_neither(tmp
     assert len(list(tmp_path.glob("*.metrics.json"))) == 2
 
 
-def test_proceed_refuses_a_finished_run_of_other_data_or_without_its_best_adapter(tmp_path, capsys):
-    images = tmp_path / "images"
-    images.mkdir()
-    lines = []
-    for i in range(8):
-        Image.new("RGB", (16, 16), (30 * i, 0, 0)).save(images / f"{i}.png")
-        lines.append(json.dumps({"id": i, "image": f"images/{i}.png", "question": "what colour?", "answer": "red"}))
-    task = tmp_path / "colours.jsonl"
-    task.write_text("\n".join(lines) + "\n")
-    flags = ["--model", "tiny-idefics2", "--task", str(task), "--n-train", "2", "--n-heldout", "1", "--epochs", "1",
-             "--batch-size", "2", "--shots", "1", "--workers", "0", "--threads", "1", "--out", str(tmp_path / "run")]
-    train.main([*flags, "--proceed"])
-    train.main([*flags, "--proceed"])
-    assert "a finished run of these settings" in capsys.readouterr().out
-    task.write_text("\n".join(line.replace("red", "blue") for line in lines) + "\n")  # the answers changed since
-    with pytest.raises(ValueError, match=r"--proceed: .*last.pt was made with other training data"):
-        train.main([*flags, "--proceed"])  # before: skipped as finished, its adapter scored for this data
-    task.write_text("\n".join(lines) + "\n")
-    os.remove(tmp_path / "run" / "adapter.safetensors")
-    with pytest.raises(ValueError, match=r"holds a finished run \(1 epoch\(s\) scored\) without its best adapter"):
-        train.main([*flags, "--proceed"])  # before: resumed, "no epoch scored yet ... continue with --resume"
-    train.main([*flags, "--resume"])
-    assert "its best adapter" in capsys.readouterr().out.splitlines()[-1]
-
-
 def damaged(tmp_path, adapter, tensors=None, settings=None):
     path, real, meta = adapter
     out = str(tmp_path / "adapter.safetensors")
@@ -145,6 +120,8 @@ def damaged(tmp_path, adapter, tensors=None, settings=None):
     (lambda t, s: (None, json.dumps({**json.loads(s), "method": "magic"})), r"do not make an adapter \(unknown method"),
     (lambda t, s: (None, json.dumps({**json.loads(s), "rank": -1})), r"sizes \{'rank': -1\}\) do not make an adapter"),
     (lambda t, s: ({**t, "extra": torch.zeros(2)}, None), r"extra is not one of the adapter's"),
+    (lambda t, s: ({k: v.long() for k, v in t.items()}, None), r"is torch.int64, not floating point"),
+    (lambda t, s: (None, json.dumps({**json.loads(s), "layers": "2"})), r"its settings' layers is '2', not a whole"),
 ])
 def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp_path, adapter, change, message):
     tensors, settings = change(adapter[1], adapter[2]["settings"])
@@ -296,6 +273,7 @@ def trained(tmp_path_factory):
 
 def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_path, monkeypatch, capsys):
     import evaluate
+    from safetensors import safe_open
     from lab.run import checkpoints
     from lab.scores import results
     task, out = trained
@@ -308,9 +286,20 @@ def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_pat
         evaluate.parse_args([*TINY, "--task", other])
     said = capsys.readouterr().err
     assert f"adapter.safetensors is an adapter of the task {os.path.realpath(task)}, not of {other}" in said
-    assert evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default]).checkpoint == default  # named: taken
+    with pytest.raises(SystemExit):  # named, it is still another task's (before: taken, scored as other's)
+        evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default])
+    assert f"give --checkpoint {default} --checkpoint-task {os.path.realpath(task)}" in capsys.readouterr().err
+    assert evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default, "--checkpoint-task", task]
+                               ).checkpoint == default  # a transfer, said so: taken
     record = checkpoints.read_record(default)
     assert record["task"] == os.path.realpath(task) and len(record["data"]) == 16 and record["n_train"] == 2
+    with safe_open(default, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for run in ("[1, 2]", '"vqav2"'):  # before: AttributeError in check_task
+        save_file(tensors, tmp_path / "listed.safetensors", metadata={**meta, "run": run})
+        with pytest.raises(SystemExit):
+            evaluate.parse_args([*TINY, "--task", other, "--checkpoint", str(tmp_path / "listed.safetensors")])
+        assert "listed.safetensors: its metadata 'run' (the run that made it) is " in capsys.readouterr().err
 
 
 def test_resume_on_other_data_is_refused_and_keeps_last_pt_and_a_moved_split_is_said(trained, tmp_path, capsys):

@@ -122,9 +122,11 @@ def test_the_same_items_without_n_eval_or_through_a_symlink_replace_their_result
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--shots", "0", "--batch-size", "64", "--out", str(out)]
     evaluate.main([*flags, "--data-root", root, "--n-eval", str(n)])
     os.symlink(root, tmp_path / "link")
-    evaluate.main([*flags, "--data-root", str(tmp_path / "link")])  # the same items of the same data: replaced
+    evaluate.main([*flags, "--data-root", str(tmp_path / "link")])  # the same items of the same data: not refused
     (name,) = [f for f in os.listdir(out) if f.endswith(".metrics.json")]
-    assert json.loads((out / name).read_text())["n_eval"] is None
+    assert json.loads((out / name).read_text())["n_eval"] == n  # read as the same result (--n-eval is not compared)
+    evaluate.main([*flags, "--data-root", str(tmp_path / "link"), "--again"])
+    assert json.loads((out / name).read_text())["n_eval"] is None  # and replaced when evaluated again
 
 
 def test_other_items_of_the_same_count_are_other_settings(backbone, items, tmp_path):
@@ -186,3 +188,41 @@ def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path
     with pytest.raises(KeyboardInterrupt):
         evaluate.main([*EVAL3, "--out", str(tmp_path), "--again"])
     assert (tmp_path / f"{name}.predictions.jsonl").exists() and not (tmp_path / f"{name}.metrics.json").exists()
+
+
+def test_a_result_of_data_edited_since_is_refused_naming_what_changed(tmp_path):
+    """The scored items' answers edited under a finished result (the same ids): the result is kept and the run
+    refused naming the data (before: read as "the same settings", the old score kept for the new answers)."""
+    root = benchmarks.copy(tmp_path / "root", "vqav2", "coco")
+    flags = [*EVAL, "--data-root", root, "--out", str(tmp_path / "out"), "--workers", "0"]
+    evaluate.main(flags)
+    (name,) = metrics_files(tmp_path / "out")
+    before = (tmp_path / "out" / name).read_bytes()
+    path = os.path.join(root, "vqav2", "v2_mscoco_val2014_annotations.json")
+    annotations = json.load(open(path))
+    for a in annotations["annotations"]:
+        a["multiple_choice_answer"] = "zebra"
+        a["answers"] = [{**x, "answer": "zebra"} for x in a["answers"]]
+    with open(path, "w") as f:
+        json.dump(annotations, f)
+    with pytest.raises(ValueError, match=r"holds the result of other settings: data '[0-9a-f]{16}' \(now "
+                                         r"'[0-9a-f]{16}'\) \(the scored items' questions, answers or images changed"):
+        evaluate.main(flags)
+    assert (tmp_path / "out" / name).read_bytes() == before
+
+
+@pytest.mark.parametrize("field, value, said", [("vqa_accuracy", "high", "its vqa_accuracy is 'high', not a number"),
+                                                ("interval95", "wide", "its interval95 is 'wide', not null or"),
+                                                ("run", [1], "its run is [1], not null or the adapter's run record")])
+def test_a_damaged_metrics_file_is_named_and_evaluated_again(tmp_path, capsys, field, value, said):
+    """A field of a result damaged (text for a number, a list for a record): said, naming the file and the field, and
+    evaluated again, which heals the file (before: read as "the same settings", then a format error naming nothing
+    or an AttributeError)."""
+    flags = [*EVAL, "--out", str(tmp_path), "--workers", "0"]
+    first = evaluate.main(flags)
+    (name,) = metrics_files(tmp_path)
+    whole = (tmp_path / name).read_text()
+    (tmp_path / name).write_text(json.dumps({**json.loads(whole), field: value}))
+    assert evaluate.main(flags) == first and (tmp_path / name).read_text() == whole
+    out = capsys.readouterr().out
+    assert f"note: {tmp_path / name}: {said}" in out and "no result; evaluated again" in out

@@ -20,6 +20,7 @@ import evaluate
 import train
 from helpers import QUIET, refused
 from lab.datasets import tasks
+from lab.disk import files
 from lab.models import backbones
 from lab.run import checkpoints, micro_batches, runs
 from lab.scores import results
@@ -424,6 +425,8 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
     args = evaluate.parse_args([*table, "--gpus", "0,1"])
     table_runs.on_devices(args.gpus, args.out, [], "evaluate.py")
     assert started == ["4", "5"]  # before: "0", "1", devices of another job
+    with pytest.raises(ValueError, match=r"--table-worker .*: --gpus gives it to the processes it starts"):
+        evaluate.main([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
 
 
 def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
@@ -469,3 +472,76 @@ def test_a_table_takes_the_flags_its_cells_take_and_refuses_the_rest(tmp_path, c
             not any(flag in j.argv for j in jobs if word not in j.argv)
     evaluate.parse_args(table("2", "--vector-sets", "2"))  # a flag of other tables' rows: a note, not an error
     assert "note: --vector-sets reaches no cell of Table 2" in capsys.readouterr().err
+
+
+NO_WORK = dict.fromkeys(("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens",
+                         "generated"), 0)
+
+
+def test_a_table_moved_with_its_folder_prints_and_runs_again_as_before(rehearsal, tmp_path, monkeypatch):
+    """A finished table's folder moved (here copied: its results record the old paths): --print gives the same table
+    and writes nothing (a read-only folder prints), and the table run there again does no work (before: every
+    adapter's cell `-?`, table-8.md rewritten so, then `holds the result of other settings: checkpoint`)."""
+    done, root = rehearsal
+    moved = shutil.copytree(root / "idefics2", tmp_path / "moved")
+    writes = []
+    with monkeypatch.context() as m:  # what --print writes: nothing, the files being the same
+        m.setattr(files, "atomic_write", lambda path, write: writes.append(path))
+        assert evaluate.main(table("8", "tiny-idefics2", moved, "--print")) == done["8"][0][1] and writes == []
+    counted = Counted(monkeypatch)
+    assert evaluate.main(table("8", "tiny-idefics2", moved)) == done["8"][0][1]
+    assert {k: v for k, v in counted.work.items() if k != "backbone_loads"} == NO_WORK
+
+
+def test_a_cells_adapter_of_another_task_is_refused_and_print_keeps_the_table(rehearsal, tmp_path, capsys):
+    """A cell's adapter replaced by another task's and its metrics removed: --print keeps the good table (before:
+    rewritten with `-?`), and the table's run refuses the adapter, naming its task (before: scored as VQAv2's)."""
+    _, root = rehearsal
+    moved = shutil.copytree(root / "idefics2", tmp_path / "moved")
+    run = moved / "train" / "vqav2" / "hyper-icl"
+    shutil.copy(moved / "train" / "ok-vqa" / "hyper-icl" / "adapter.safetensors", run / "adapter.safetensors")
+    for metrics in run.glob("*.metrics.json"):
+        os.remove(metrics)
+    before = {f: (moved / f).read_bytes() for f in ("table-8.md", "table-8.json")}
+    printed = evaluate.main(table("8", "tiny-idefics2", moved, "--print"))  # its transfer: the VQAv2 adapter on OK-VQA
+    assert [(c["row"], c["column"]) for c in printed["cells"] if c["ours"] is None] == [("vqav2 -> ok-vqa",
+                                                                                          "Hyper-ICL")]
+    assert {f: (moved / f).read_bytes() for f in before} == before and "note: kept " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        evaluate.main(table("8", "tiny-idefics2", moved))
+    assert "adapter.safetensors is an adapter of the task ok-vqa, not of vqav2" in capsys.readouterr().err
+
+
+def test_a_damaged_result_is_named_by_print_and_healed_by_the_run(tmp_path, capsys):
+    """A cell's metrics whose copied `run` record is a list, or whose score is text: --print names the file and the
+    field and shows no number (before: AttributeError in cell_record, `Unknown format code 'f'` naming no file), and
+    the table's run evaluates it again (before: read as "the same settings", never healed)."""
+    flags = ["--table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
+    args = evaluate.parse_args(flags)
+    of_cell, _ = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    job = of_cell["Zero-shot", "vqav2"]
+    first = evaluate.main(list(job.argv))
+    metrics, = tmp_path.glob("eval/vqav2/*.metrics.json")
+    whole = metrics.read_text()
+    cell = lambda: {(c["row"], c["column"]): c for c in evaluate.main([*flags, "--print"])["cells"]}["Zero-shot",
+                                                                                                     "vqav2"]
+    for field, value in (("run", [1]), ("vqa_accuracy", "high")):
+        metrics.write_text(json.dumps({**json.loads(whole), field: value}))
+        assert cell()["ours"] is None and f"note: {metrics}: its {field} is " in capsys.readouterr().out
+        assert evaluate.main(list(job.argv)) == first and metrics.read_text() == whole
+    assert cell()["ours"] == first["vqa_accuracy"]
+
+
+def test_a_tables_run_of_other_settings_is_refused_with_advice_a_table_can_follow(tmp_path):
+    """A table's training whose folder holds a run of other --train-args: the refusal's advice works when followed
+    (before: "or --overwrite", which a table refuses in --train-args)."""
+    argv = ("--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--out",
+            str(tmp_path / "run"), "--n-train", "2", "--n-heldout", "1", "--epochs", "1", "--batch-size", "2",
+            "--workers", "0", "--proceed")
+    train.main([*argv, "--lr", "1e-3"])
+    job = tables.Job("train.py", argv)
+    with pytest.raises(ValueError, match=rf"--lr 0.001 \(now 0.005\).*move or remove {tmp_path / 'run'} to train"):
+        table_runs.run_jobs([job], {"train.py": train.main})
+    shutil.rmtree(tmp_path / "run")
+    table_runs.run_jobs([job], {"train.py": train.main})
+    assert (tmp_path / "run" / "adapter.safetensors").exists()
