@@ -59,7 +59,7 @@ class HyperICL(lmms):
         if unused:
             raise ValueError(f"hyper_icl: unknown model args {', '.join(sorted(unused))} (it takes backbone, "
                              "checkpoint, device, batch_size)")
-        if not str(batch_size).isdigit() or int(batch_size) < 1:  # checked before the backbone loads
+        if not str(batch_size).isascii() or not str(batch_size).isdigit() or int(batch_size) < 1:  # before loading
             raise ValueError(f"hyper_icl: batch_size={batch_size}: give a number of requests a batch, at least 1")
         self.batch_size, device = int(batch_size), device or ("cuda" if torch.cuda.is_available() else "cpu")
         try:

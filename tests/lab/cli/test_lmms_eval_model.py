@@ -268,6 +268,8 @@ def test_text_only_requests_generation_kwargs_and_bad_model_args(tmp_path, monke
         lmms_eval_model.HyperICL("tiny-idefics2", device="cuda")
     with pytest.raises(ValueError, match="batch_size=0"):
         lmms_eval_model.HyperICL("tiny-idefics2", batch_size=0)
+    with pytest.raises(ValueError, match="batch_size=²: give a number"):  # a Unicode digit: before, int()'s error
+        lmms_eval_model.HyperICL("tiny-idefics2", batch_size="²")
 
 
 def test_hyper_icl_outside_the_project_root_says_why(tmp_path):
