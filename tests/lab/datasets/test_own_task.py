@@ -14,7 +14,7 @@ import evaluate
 import train
 from helpers import coloured_photos, jsonl, TINY, vqa_task
 from lab.datasets import own_task, readers, tasks
-from lab.models import backbones, tiny
+from lab.models import backbones, families
 
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field")
@@ -324,7 +324,7 @@ def test_every_media_token_a_family_names_is_refused_in_text(tmp_path):
     """The image and video tokens each twin's config names; <|video_pad|> in a question reached Qwen's M-RoPE as a
     video of no frames (a TypeError traceback after the model loaded)."""
     named = set()
-    for build in tiny.TINY_BUILDERS.values():
+    for build in (f.twin for f in families.FAMILIES.values()):
         model, processor = build()
         config = model.config
         for key in ("image_token_id", "video_token_id", "image_token_index", "video_token_index",
