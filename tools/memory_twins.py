@@ -3,9 +3,10 @@ peak RSS of real runs beside what `--plan cpu` says for the same flags. Not a te
 alone, one heavy run at a time.
 
 The twins are the published configs (each family record's, lab/models/published_configs.py) with 1-2 decoder layers,
-one vision layer and the perceiver at depth 1, random weights saved in bf16 as the real checkpoints are, the real tokenizers and processor settings
-(tools/twins.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
-JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
+one vision layer and the perceiver at depth 1, random weights saved in bf16 as the real checkpoints are, the real
+tokenizers and processor settings (tools/twins.py). The photographs are skimage.data's colour pictures cut to
+640 x 480, every fourth 480 x 640, as JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by
+/usr/bin/time -v (maximum resident set size).
 
     python tools/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
     python tools/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train

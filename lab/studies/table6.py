@@ -52,7 +52,7 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     <fake_token_around_image>, 64 <image> (perceiver latents), <fake_token_around_image>, pixels at COCO's typical
     480 x 640 (which its processor keeps as is); Idefics one <image> between two wrappers, cross-attending to its
     224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision its base
-    384 x 384 view and a newline (730), the multi-image mode of image_layouts.onevision_piece. Sizes come from the model's
+    384 x 384 view and a newline (730), the multi-image mode of onevision_piece. Sizes come from the model's
     config, so tiny twins get the same format."""
     if family not in SYNTHETIC:
         raise ValueError(f"--random-weights: synthetic Table 6 prompts are written for {', '.join(SYNTHETIC)}, not "

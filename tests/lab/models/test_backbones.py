@@ -120,7 +120,8 @@ def test_plan_at_the_published_size_without_weights(processors, family, tmp_path
                           benchmarks.ROOT, "--n-train", "4", "--n-heldout", "1", "--shots", "8", "--batch-size", "2",
                           "--out", str(tmp_path), "--plan", "cuda"])
     out = capsys.readouterr().out
-    assert f"published_configs.{families.FAMILIES[family].published.__name__}" in out and "tokens a row" in out and "teacher cache" in out
+    config = families.FAMILIES[family].published.__name__
+    assert f"published_configs.{config}" in out and "tokens a row" in out and "teacher cache" in out
     teacher, student = max(figures["rows"]["teacher"].values()), max(figures["rows"]["student"].values())
     assert teacher > 8 * (student - 30) and figures["memory"]["train"] > 2 * 4e9 * (family != "smolvlm")
 
