@@ -1,7 +1,7 @@
 """The adapters plugged into the real transformers backbones (tiny twins, CPU), against the unmodified model: the
-zero-init equivalence (Eq 4-9 with U_k = 0) as a property over random adapters, the paper's four families (all of them:
-tests/lab/models/test_family_records.py), ranks and left padding;
-the fused path against Eq 3-9 written out; padding and the KV cache (Eq 8); the published parameter counts."""
+zero-init equivalence (Eq 4-9 with U_k = 0) as a property over random adapters, ranks and left padding; the fused path
+against Eq 3-9 written out; padding and the KV cache (Eq 8); the published parameter counts. On the paper's four
+families (`family`); tests/lab/models/test_family_records.py runs the same tests on every registered family."""
 import copy
 import functools
 
@@ -11,19 +11,22 @@ from hypothesis import given, settings, strategies as st
 
 import model as M
 from adapters import HyperICL
-from helpers import TEXTS, assert_cached_decoding_equals_full_forward, assert_zero_init_is_the_unmodified_model, \
-    prompts, randomise
-from lab.models import backbones, families, published
+from helpers import PAPER, TEXTS, assert_cached_decoding_equals_full_forward, \
+    assert_zero_init_is_the_unmodified_model, prompts, randomise
+from lab.models import backbones, published
 from lab.methods import registry
 from test_adapters import explicit_hyper_icl
 
-FAMILIES = sorted(families.FAMILIES)
-PAPER = ["idefics", "idefics2", "llava-interleave", "llava-onevision"]  # the paper's four backbones
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def backbone(request):
-    return backbones.load_backbone("tiny-" + request.param)
+@pytest.fixture(scope="module", params=PAPER)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def backbone(family):
+    return backbones.load_backbone("tiny-" + family)
 
 
 @functools.cache
@@ -135,7 +138,6 @@ def test_fast_path_equals_reference_inside_the_model(plain, monkeypatch):
         assert ((fast - want)[real].norm() / want[real].norm()).item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
 def test_hyper_icl_at_init_is_the_base_model_in_bf16(family):
     """Q and K reach the kernel untouched, so zero-initialised Hyper-ICL adds no rounding in bf16 either: bit for
     bit on every family."""

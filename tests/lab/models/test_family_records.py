@@ -1,7 +1,8 @@
 """The family records (lab/models/families.py:Family, FAMILIES) and the image layouts (lab/models/image_layouts.py):
 a family added from one record loads, plans, trains and evaluates; no family or layout name is compared outside the
 records; a record is checked when registered; a transformers without a family's classes refuses that family by name
-and serves the others; the zero-init equivalence of tests/paper/test_plug.py on every registered family."""
+and serves the others; tests/paper's tests over the paper's four families (test_plug.py's, test_fidelity.py's),
+collected here again on every registered family: the module's `family` and `backbone` serve them."""
 import ast
 import dataclasses
 import glob
@@ -27,6 +28,11 @@ from lab.models.image_only import image_only
 from lab.studies import plan
 import benchmarks
 import twins
+from test_fidelity import test_layer_outputs_are_every_layers_own_output  # noqa: F401 (collected here: all families)
+from test_plug import (  # noqa: F401 (collected here on every family)
+    test_cached_decoding_equals_full_forward, test_fast_path_equals_reference_inside_the_model,
+    test_hyper_icl_at_init_is_the_base_model, test_hyper_icl_at_init_is_the_base_model_in_bf16,
+    test_padding_invariance_with_trained_adapter)
 
 FAMILIES = sorted(families.FAMILIES)
 RECORDS = {"lab/models/families.py", "lab/models/image_layouts.py"}  # where family and layout names are compared
@@ -34,6 +40,17 @@ RECORDS = {"lab/models/families.py", "lab/models/image_layouts.py"}  # where fam
 # paper's four backbones' own vision towers (lab/datasets sits below lab/models, so it cannot read a record) and
 # Table 6's synthetic prompts are written for the paper's four. A new comparison anywhere (or one more here) fails.
 NOT_YET_RECORDS = {"lab/datasets/rices.py": 4, "lab/studies/table6.py": 5}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    """Every registered family, for tests/paper's tests collected here."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def backbone(family):
+    return backbones.load_backbone("tiny-" + family)
 
 
 @pytest.fixture
