@@ -35,7 +35,7 @@ class Rows:
     (processor.row_format, set by `formatted`): what stands for an image in a piece and how it is expanded, the end
     of an answer, the positions, the per-token tensor the forward takes and which image tensors it takes."""
     placeholder: str = "<image>"     # a piece's image in its text; the processor's image_token in it is expanded
-    expand: str = "image"            # "image": by replace_image_token of the processed image; "text": by the
+    expand: str = "image"            # "image": by the image layout's tokens for the processed image; "text": by the
     #                                  processor's own call on the piece's text (Idefics2: no replace_image_token)
     end: str | None = None           # the token that closes an answer (None: the tokenizer's eos)
     positions: str = "1-d"           # "1-d": cumsum - 1 over the real tokens; "model": none given, the model makes

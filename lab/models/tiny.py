@@ -1,5 +1,6 @@
 """Tiny offline twins: random weights of a few million parameters with the real processors' settings, one builder
-per family (tiny-<family>), for the tests and the offline runs. Their tokenizers are stand-ins (a small byte-level
+per family (its record's `twin`, loaded as tiny-<family>; each reads its transformers classes when called), for the
+tests and the offline runs. Their tokenizers are stand-ins (a small byte-level
 BPE trained here) holding each family's special tokens; the real vocabularies are in tools/twins.py's checkpoint
 folders where a package ships them (Mistral's, Qwen's)."""
 import torch

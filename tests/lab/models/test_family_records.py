@@ -165,8 +165,7 @@ def test_a_record_without_default_shots_is_refused(shots):
     assert "new" not in data.SHOTS
 
 
-def test_a_registered_record_gives_its_default_shots_to_data(copy_family, monkeypatch):
-    monkeypatch.setattr(data, "SHOTS", dict(data.SHOTS))
+def test_a_registered_record_gives_its_default_shots_to_data(copy_family):
     families.register(record(name="five-shot", config_types=("five",), default_shots=5))
     assert data.default_shots(data.TASKS["vqav2"], "five-shot") == 5
     assert data.default_shots(data.TASKS["mme"], "five-shot") == 2  # the task's own first
