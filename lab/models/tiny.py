@@ -1,8 +1,8 @@
 """Tiny offline twins: random weights of a few million parameters with the real processors' settings, one builder
 per family (its record's `twin`, loaded as tiny-<family>; each reads its transformers classes when called), for the
-tests and the offline runs. Their tokenizers are stand-ins (a small byte-level
-BPE trained here) holding each family's special tokens; the real vocabularies are in tools/twins.py's checkpoint
-folders where a package ships them (Mistral's, Qwen's)."""
+tests and the offline runs. Their tokenizers are stand-ins (a small byte-level BPE trained here) holding each family's
+special tokens; the real vocabularies are in tools/twins.py's checkpoint folders where a package ships them (Mistral's,
+Qwen's)."""
 import torch
 
 from lab.models.image_only import image_only
