@@ -27,7 +27,7 @@ from lab.run import micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where train.py runs from
 
-PAPER = ["idefics", "idefics2", "llava-interleave", "llava-onevision"]  # the paper's backbones: tests/paper runs on them
+PAPER = ["idefics", "idefics2", "llava-interleave", "llava-onevision"]  # the paper's backbones (tests/paper's)
 TINY = ["--model", "tiny-idefics2"]                                         # the tiny Idefics2 twin
 BENCH = [*TINY, "--task", "vqav2", "--data-root", benchmarks.ROOT]          # on the VQAv2 of tools/benchmarks.py
 EVAL = [*BENCH, "--n-eval", "2", "--shots", "0"]                            # a two-item zero-shot evaluation
