@@ -10,14 +10,15 @@ Prompts (PROMPTS): an instruction line, then each in-context demonstration (ICD)
 `<end>`, which closes every answer and is part of the training label, is the family's end token: Idefics2's
 `<end_of_utterance>`, Idefics' eos `</s>` (a base model pretrained on web documents, not dialogues), the LLaVA models'
 eos (plain interleaved text, no chat turns). `<image>` becomes the family's placeholder, which its processor expands.
-What a family needs beyond its processor is one record, lab/models/families.py:Rows, carried as
-`processor.row_format`; LLaVA-OneVision's multi-image mode and Idefics' cross-attention keep a few lines of their own.
+What a family needs beyond its processor is one record, lab/models/families.py:Family: its Rows, carried as
+`processor.row_format`, and its image layout (lab/models/image_layouts.py), carried as `processor.image_layout`,
+which makes a piece's image tokens and pixels and lays a batch's images out for the family's forward.
 
 Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the teacher's has m ICDs, the
 student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
 concatenations of those ids, so the query's ids are identical in teacher and student; rows are left-padded, so the
 query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
-multi-image mode (`onevision_piece`), so the query image gets the same tokens with and without ICDs.
+multi-image mode (image_layouts.onevision_piece), so the query image gets the same tokens with and without ICDs.
 
 The readers of the official formats (lab/datasets/readers.py, mme_seed.py: the layout of --data-root and their checks
 are in docs/real-models.md, "Data layout") and the toy-icl datasets (lab/datasets/toy_world.py) make the Items."""
@@ -29,8 +30,6 @@ from dataclasses import dataclass
 import numpy
 import torch
 from PIL import Image
-from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
-                                                            incremental_to_binary_attention_mask)
 
 
 # -------------------------------------------------------------------------------------------------- items and tasks
@@ -50,7 +49,7 @@ class Item:
 class Task:
     kind: str            # "vqa", "caption", "yes-no" (MME) or "choice" (SEED-Bench): the PROMPTS entry
     max_new_tokens: int  # generation length at evaluation
-    shots: int | None = None  # ICDs per query where the paper fixes them for the task, else DEFAULT_SHOTS
+    shots: int | None = None  # ICDs per query where the paper fixes them for the task, else the backbone's
 
 
 TASKS = {
@@ -60,13 +59,18 @@ TASKS = {
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
-DEFAULT_SHOTS = {"idefics2": 8, "idefics": 32, "llava-interleave": 8, "llava-onevision": 8, **dict.fromkeys(  # paper
-    ["qwen2.5-vl", "qwen3-vl", "internvl3", "gemma3", "idefics3", "smolvlm", "llava-onevision-1.5"], 8)}  # as 7-8B
+SHOTS = {}  # each backbone family's ICDs a query: its record's default_shots (lab/models/families.py:register)
 
 
 def default_shots(task, family):
-    """ICDs per query of a Task (TASKS' entry): its own (MME, SEED: 2, as the paper runs them), else the backbone's."""
-    return task.shots if task.shots is not None else DEFAULT_SHOTS[family]
+    """ICDs per query of a Task (TASKS' entry): its own (MME, SEED: 2, as the paper runs them), else the backbone
+    family's (SHOTS: Idefics 32, the others 8, as the paper runs them)."""
+    if task.shots is not None:
+        return task.shots
+    if family not in SHOTS:
+        raise ValueError(f"backbone family {family!r} has no default shots; register its record "
+                         "(lab/models/families.py:register) or pass --shots")
+    return SHOTS[family]
 
 
 # ---------------------------------------------------------------------------------------------------------- prompts
@@ -142,70 +146,29 @@ def prompt_batch(processor, family, kind, queries, icds=None):
 
 
 def encode_piece(processor, family, text, image, pixels=None):
-    """Token ids and images of one piece of a row (text starting with `<image>`), by the family's processor:
-    {"input_ids": list[int], "images": {name: one entry an image}}; `pixels` (image_pixels) reused where the caller
-    has them. Idefics (cross-attention): its processor's pixel_values [1, 3, H, W] (float); the others: image_pixels."""
-    if processor.row_format.images == "cross-attention":  # list format; the processor starts with BOS, the row's own
-        out = processor(text=[image, text.removeprefix("<image>")], return_tensors="pt")
-        return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
-    pixels = pixels or image_pixels(processor, family, image)
-    return {"input_ids": piece_ids(processor, family, text, pixels), "images": pixels}
+    """Token ids and images of one piece of a row (text starting with `<image>`), by the family's processor and image
+    layout (processor.image_layout, lab/models/image_layouts.py): {"input_ids": list[int], "images": {name: one entry
+    an image}}; `pixels` (the layout's) reused where the caller has them."""
+    return processor.image_layout.piece(processor, family, text, image, pixels)
 
 
 def piece_ids(processor, family, text, pixels):
     """The ids of a piece's text, its `<image>` the family's placeholder, expanded into the tokens its processor gives
-    the image: replace_image_token of the processed image (LLaVA-Interleave: a token a patch; Qwen: merged patches),
-    LLaVA-OneVision's base view (onevision_tokens), or the processor's call on the text (expand "text": Idefics2)."""
+    the image: the processor's call on the text (expand "text": Idefics2), else the image layout's tokens for the
+    processed image (replace_image_token: LLaVA-Interleave a token a patch, Qwen merged patches; LLaVA-OneVision's base
+    view)."""
     form = processor.row_format
     text = text.replace("<image>", form.placeholder, 1)
     if form.expand == "text":
         return processor(text=text, add_special_tokens=False)["input_ids"][0]
-    one = processor.image_token * onevision_tokens(processor) if form.images == "multi-image" else \
-        processor.replace_image_token(pixels, 0)
+    one = processor.image_layout.tokens(processor, pixels)
     return processor.tokenizer(text.replace(processor.image_token, one, 1), add_special_tokens=False)["input_ids"]
-
-
-def image_pixels(processor, family, image):
-    """One image through the family's image processor with the processor's own settings (images_kwargs): a raw
-    family's stopped before rescaling and normalisation (model_inputs does those on the device), uint8 (Idefics2: its
-    crops [3, h, w], each its own size; LLaVA-Interleave [1, 3, 384, 384]; LLaVA-OneVision: onevision_piece); another's
-    whole output, float32 (Qwen: flattened patches and image_grid_thw; InternVL: tiles; Idefics3: crops, rows, cols)."""
-    form, process = processor.row_format, processor.image_processor
-    if form.images == "multi-image":
-        return onevision_piece(process, image)
-    canvas = form.images == "canvas"  # a row's crops go on one canvas (collate), so none is padded here
-    settings = {**getattr(processor, "images_kwargs", {}), **({"do_pad": False} if canvas else {})}
-    if form.raw:
-        out = process([[image]] if canvas else [image], do_rescale=False, do_normalize=False, **settings)
-        crops = [chw(c) for c in (out["pixel_values"][0] if canvas else out["pixel_values"])]
-        return {"pixel_values": crops if canvas else torch.stack(crops)}
-    out = dict(process([[image]] if canvas else [image], return_tensors="pt", **settings))
-    return {**out, "pixel_values": list(out["pixel_values"][0])} if canvas else out
 
 
 def chw(array):
     """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
     numpy on one thread: torch splits such a copy over its threads, slower on a busy CPU (docs/efficiency.md)."""
     return torch.from_numpy(numpy.ascontiguousarray(array))
-
-
-def onevision_tokens(processor):
-    """The tokens of one LLaVA-OneVision image in multi-image mode: its base view and a newline (less CLS under the
-    "default" feature strategy)."""
-    return processor.num_image_tokens + 1 - (processor.vision_feature_select_strategy == "default")
-
-
-def onevision_piece(process, image):
-    """A LLaVA-OneVision image as one of several, the model's multi-image mode: its base 384 x 384 view,
-    num_image_tokens + 1 (newline) = 730 tokens (alone in a prompt, anyres tiles it: 2,929 tokens for 640 x 480). A
-    teacher row holds several images, so the student's lone query image must be in that mode too, or the query's tokens
-    would differ between the rows (Eq 16 compares them token by token): every image, in training and evaluation
-    (`image_inputs` tells the model), padded to a square of the mean colour and resized, as the image processor does
-    for an image among several. Returns image_pixels' dict: pixel_values uint8 [1, 3, H, W], "image_sizes" [1, 2]."""
-    pixels = process.process_image(image, do_convert_rgb=True)
-    square = process.pad_to_square(pixels, tuple(int(x * 255) for x in process.image_mean))
-    view = process.resize(square, process.size, resample=process.resample)
-    return {"pixel_values": chw(view)[None], "image_sizes": torch.tensor([pixels.shape[-2:]])}
 
 
 def load_image(item):
@@ -232,9 +195,8 @@ def encode_query(processor, family, kind, query, with_target=True):
     piece = encode_piece(processor, family, prompt, image)
     ids = piece["input_ids"]
     if with_target:
-        reuse = processor.row_format.images != "cross-attention"  # Idefics: its processor takes both
         piece = encode_piece(processor, family, prompt + answer_text(processor, family, kind, query.target), image,
-                             piece["images"] if reuse else None)
+                             piece["images"] if processor.image_layout.reuses_pixels else None)
         if piece["input_ids"][:len(ids)] != ids:
             raise ValueError(f"item {query.id}: the prompt's tokens are not a prefix of the prompt + answer's")
     return {**piece, "labels": [-100] * len(ids) + piece["input_ids"][len(ids):], "id": query.id}
@@ -269,43 +231,6 @@ def pad_stack(tensors):
     for o, t in zip(out, tensors):
         o[tuple(slice(0, n) for n in t.shape)] = t
     return out
-
-
-def image_inputs(rows, processor, family, input_ids):
-    """The image tensors of a batch as the family's forward takes them (images in row order, row_format.images):
-    "concat" along dim 0 (LLaVA-Interleave [images, 3, H, W]; Qwen's patches and grids); "canvas" (crop_canvas);
-    LLaVA-OneVision's multi-image mode; Idefics' [B, images, 3, H, W] and which image each token cross-attends to.
-    Raw pixels stay uint8, with "pixel_norm" for model_inputs."""
-    form = processor.row_format
-    per_row = lambda: [[x for p in r["images"] for x in p["pixel_values"]] for r in rows]  # each row's crops
-    if form.images == "cross-attention":
-        pixel_values = pad_stack([pad_stack(v) for v in per_row()])
-        latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
-        mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
-        return {"pixel_values": pixel_values, "image_attention_mask": mask}
-    norm = {"pixel_norm": pixel_norm(processor.image_processor)} if form.raw else {}
-    if form.images == "canvas":  # [B, crops, 3, H, W] and its mask; padding crops are all zero (once normalised)
-        return {**crop_canvas(per_row()), **norm}
-    images = [p for r in rows for p in r["images"]]
-    out = {k: torch.cat([p[k] for p in images]) for k in form.inputs}
-    if form.images == "multi-image":  # it tiles exactly the images of one-image samples; none here (onevision_piece),
-        out["pixel_values"] = out["pixel_values"][:, None]  # [images, 1 view, 3, H, W]
-        out["image_sizes"] = torch.cat([p["image_sizes"] for p in images])
-        out["batch_num_images"] = torch.tensor([max(len(out["image_sizes"]), 2)])  # so: one sample of several
-    return {**out, **norm}
-
-
-def crop_canvas(per_row):
-    """A canvas family's crops of each row, [3, h, w] of any size (uint8 raw, or float32), laid top-left on one zero
-    canvas [B, crops, 3, H, W] (the batch's largest), with pixel_attention_mask bool [B, crops, H, W] on real pixels."""
-    n, (h, w) = max(map(len, per_row)), (max(x.shape[k] for v in per_row for x in v) for k in (1, 2))
-    pixels = torch.zeros(len(per_row), n, 3, h, w, dtype=per_row[0][0].dtype)
-    mask = torch.zeros(len(per_row), n, h, w, dtype=torch.bool)
-    for b, crops in enumerate(per_row):
-        for k, x in enumerate(crops):
-            pixels[b, k, :, :x.shape[1], :x.shape[2]] = x
-            mask[b, k, :x.shape[1], :x.shape[2]] = True
-    return {"pixel_values": pixels, "pixel_attention_mask": mask}
 
 
 def pixel_norm(process):
@@ -345,7 +270,7 @@ def collate(rows, processor, family):
     query_target = torch.tensor([left_pad([True] * r["query_len"], False) for r in rows])
     return {"input_ids": input_ids, "attention_mask": attention_mask, **positions(processor, input_ids, attention_mask),
             "labels": torch.tensor([left_pad(r["labels"], -100) for r in rows]), "query_target": query_target,
-            **image_inputs(rows, processor, family, input_ids)}
+            **processor.image_layout.batch(rows, processor, input_ids)}
 
 
 def align_teacher(states, query_target):

@@ -1,11 +1,11 @@
-"""Shared test settings: the repository root, tests/ and tools/ on sys.path (so `python -m pytest tests/paper`, the
-whole suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis without per-example
-deadlines (CI machines are slow), the shared fixtures (`backbone`: the tiny Idefics2 twin, or each family's in a
-module that sets BACKBONES; `plain`: a module's backbone without an adapter; `twin_folder`: the tiny twin as a
-checkpoint folder; `whole`: one uninterrupted tiny run; `items`, `pool`, `bench`: tools/benchmarks.py's VQAv2 and
-COCO; `setup`: a 2-shot micro-batch's inputs; `adapter`, `checkpoint`: Hyper-ICL adapter files), and the benchmarks
-in their official layouts (tools/benchmarks.py) written once, before any test reads them from benchmarks.ROOT. The
-flags of the tiny runs and the other shared helpers: helpers.py."""
+"""Shared test settings: the repository root, tests/, tests/paper/ and tools/ on sys.path (so `python -m pytest
+tests/paper`, the whole suite, a bare `pytest` and a run from inside tests/ all import the same files), hypothesis
+without per-example deadlines (CI machines are slow), the shared fixtures (`backbone`: the tiny Idefics2 twin, or
+each family's in a module that sets BACKBONES; `plain`: a module's backbone without an adapter; `twin_folder`: the
+tiny twin as a checkpoint folder; `whole`: one uninterrupted tiny run; `items`, `pool`, `bench`:
+tools/benchmarks.py's VQAv2 and COCO; `setup`: a 2-shot micro-batch's inputs; `adapter`, `checkpoint`: Hyper-ICL
+adapter files), and the benchmarks in their official layouts (tools/benchmarks.py) written once, before any test
+reads them from benchmarks.ROOT. The flags of the tiny runs and the other shared helpers: helpers.py."""
 import os
 import sys
 
@@ -14,7 +14,7 @@ from hypothesis import settings
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 TOOLS = os.path.join(os.path.dirname(TESTS), "tools")
-sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS, TOOLS) if p not in sys.path]
+sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS, os.path.join(TESTS, "paper"), TOOLS) if p not in sys.path]
 
 import benchmarks  # noqa: E402 (after the paths above)
 import model as M  # noqa: E402

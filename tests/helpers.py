@@ -6,6 +6,7 @@ as the loop makes them; DataLoader workers killed mid-run; float64 references fo
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from lab.run import micro_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where train.py runs from
 
+PAPER = ["idefics", "idefics2", "llava-interleave", "llava-onevision"]  # the paper's backbones (tests/paper's)
 TINY = ["--model", "tiny-idefics2"]                                         # the tiny Idefics2 twin
 BENCH = [*TINY, "--task", "vqav2", "--data-root", benchmarks.ROOT]          # on the VQAv2 of tools/benchmarks.py
 EVAL = [*BENCH, "--n-eval", "2", "--shots", "0"]                            # a two-item zero-shot evaluation
@@ -175,6 +177,28 @@ def naive_attention(q, k, v, mask):
 
 
 TEXTS = ["Question: What colour is the shape? Short answer:", "Question: How many? Short answer:"]
+
+
+ZERO_INIT_WORDS = "question what colour is the shape how many cats are on a table short answer".split()
+
+
+def assert_zero_init_is_the_unmodified_model(backbone, method, rank, lengths, std, seed):
+    """Eq 5-7 with U_k = 0 on `backbone`: random U_q, w, b (or c), U_k = 0, prompts of random `lengths` left-padded in
+    one batch; the adapted logits at every real token equal, bit for bit, the unmodified model's."""
+    words = random.Random(seed)
+    texts = [" ".join(words.choice(ZERO_INIT_WORDS) for _ in range(n)) for n in lengths]
+    batch = prompts(backbone, texts)
+    with torch.no_grad():
+        base = backbone.model(**batch).logits
+        try:
+            torch.manual_seed(seed)
+            for name, p in registry.attach(backbone.model, method, rank=rank).named_parameters():
+                torch.nn.init.zeros_(p) if name.endswith("U_k") else torch.nn.init.normal_(p, std=std)
+            ours = backbone.model(**batch).logits
+        finally:
+            M.detach(backbone.model)
+    real = batch["attention_mask"].bool()
+    assert torch.equal(ours[real], base[real])  # exactly: Q~ = Q bit for bit, and the kernel is the base model's
 
 
 def assert_cached_decoding_equals_full_forward(backbone, new_tokens):

@@ -2,10 +2,11 @@
 peak RSS of real runs beside what `--plan cpu` says for the same flags. Not a test (each run holds ~5-8 GB): run it
 alone, one heavy run at a time.
 
-The twins are the published configs (published.PUBLISHED) with 1-2 decoder layers, one vision layer and the perceiver at
-depth 1, random weights saved in bf16 as the real checkpoints are, the real tokenizers and processor settings
-(tools/twins.py). The photographs are skimage.data's colour pictures cut to 640 x 480, every fourth 480 x 640, as
-JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by /usr/bin/time -v (maximum resident set size).
+The twins are the published configs (each family record's, lab/models/published_configs.py) with 1-2 decoder layers,
+one vision layer and the perceiver at depth 1, random weights saved in bf16 as the real checkpoints are, the real
+tokenizers and processor settings (tools/twins.py). The photographs are skimage.data's colour pictures cut to
+640 x 480, every fourth 480 x 640, as JPEG in the VQAv2 layout. Every run is float32 on the CPU, measured by
+/usr/bin/time -v (maximum resident set size).
 
     python tools/memory_twins.py --root /tmp/hyper-icl-memory --lock /tmp/heavy.lock   # every row of the table
     python tools/memory_twins.py --root /tmp/hyper-icl-memory --only idefics2-2-off-b2-train
@@ -31,7 +32,7 @@ import evaluate  # noqa: E402
 import twins  # noqa: E402
 from lab.disk import files
 from lab.datasets import readers, toy_world
-from lab.models import backbones, chunks, families, published
+from lab.models import backbones, chunks, families
 from lab.studies import table6
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
@@ -77,9 +78,9 @@ def photo(array):
 
 
 def twin_config(family, layers):
-    """published.PUBLISHED's config of `family` with `layers` decoder layers, one vision layer, the perceiver at
+    """The published config of `family` (its record's) with `layers` decoder layers, one vision layer, the perceiver at
     depth 1."""
-    config = published.PUBLISHED[family]()
+    config = families.FAMILIES[family].published()
     text = config.get_text_config()
     text.num_hidden_layers = layers
     if getattr(text, "layer_types", None):
@@ -100,7 +101,7 @@ def write_twin(family, layers, folder):
     else:
         twins.onevision_processor_files(folder)
     torch.manual_seed(0)
-    model = families.FAMILIES[family].model_cls._from_config(twin_config(family, layers), dtype=torch.bfloat16)
+    model = families.FAMILIES[family].model_cls()._from_config(twin_config(family, layers), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     return folder
 

@@ -36,6 +36,8 @@ from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idef
                           SiglipImageProcessorPil)
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from lab.models import tiny
+
 TWINS = ("idefics2", "idefics2-split", "llava-interleave", "llava-onevision")
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=32768)
@@ -171,8 +173,8 @@ def image_only_files(folder, tok, images, settings=None):
                 json.dump(obj, f)
 
 
-QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, spatial_merge_size=2)
-MROPE = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}
+QWEN_VISION = tiny.QWEN_VISION  # the tiny twins' Qwen vision tower and M-RoPE, at the published rope_theta
+MROPE = {**tiny.MROPE, "rope_theta": 1e6}
 
 
 def qwen2_5_vl(folder):

@@ -97,7 +97,7 @@ class HyperICL(lmms):
             part, labelled = piece["input_ids"], [-100] * len(piece["input_ids"])
             if continuation is not None and k == len(chunks) - 1:
                 whole = D.encode_piece(b.processor, b.family, "<image>" + chunk + continuation, image,
-                                       None if b.family == "idefics" else piece["images"])
+                                       piece["images"] if b.processor.image_layout.reuses_pixels else None)
                 if whole["input_ids"][:len(part)] != part:
                     raise ValueError(f"doc {doc_id}: the context's tokens are not a prefix of context + continuation's")
                 labelled += whole["input_ids"][len(part):]

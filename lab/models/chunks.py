@@ -19,7 +19,8 @@ def image_work(config, patches, itemsize):
     d_v, i_v = getattr(vision, "hidden_size", None) or vision.embed_dim, vision.intermediate_size
     layer = patches * (6 * d_v + 2 * i_v)
     connector = patches * (3 * text.intermediate_size + d_v + 3 * text.hidden_size)
-    return max(layer, connector if config.model_type == "idefics2" else 0) * itemsize
+    perceiver = hasattr(getattr(config, "perceiver_config", None), "hidden_size")  # Idefics2's, which feeds the decoder
+    return max(layer, connector if perceiver else 0) * itemsize
 
 
 def image_modules(model):

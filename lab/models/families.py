@@ -1,24 +1,22 @@
 """The backbone families and their checkpoints: the paper's four and seven in use now (Qwen2.5-VL, Qwen3-VL,
-InternVL3, Gemma 3, Idefics3, SmolVLM, LLaVA-OneVision-1.5); a name's family, how each family's rows are made (Rows),
-and a checkpoint loaded by name (a family's short name, a hub id or a folder), frozen, with its processor (images
-only: no video processor, so no torchvision) and the line that says how it encodes images. Every name, the tiny twins
-and toy backbones included, loads through lab/models/backbones.py:load_backbone."""
+InternVL3, Gemma 3, Idefics3, SmolVLM, LLaVA-OneVision-1.5), one record each (Family, registered in FAMILIES: the one
+place a family's name is looked up); a name's family, how each family's rows are made (Rows), and a checkpoint loaded
+by name (a family's short name, a hub id or a folder), frozen, with its processor (images only: no video processor,
+so no torchvision) and the line that says how it encodes images. Every name, the tiny twins and toy backbones
+included, loads through lab/models/backbones.py:load_backbone."""
 import glob
 import inspect
 import json
 import os
-from collections import namedtuple
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from transformers import (Exaone4_5_Processor, Gemma3ForConditionalGeneration, Idefics2ForConditionalGeneration,
-                          Idefics3ForConditionalGeneration, IdeficsForVisionText2Text, InternVLForConditionalGeneration,
-                          InternVLProcessor, LlavaForConditionalGeneration, LlavaOnevision15ForConditionalGeneration,
-                          LlavaOnevisionForConditionalGeneration, LlavaOnevisionProcessor,
-                          Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen3VLForConditionalGeneration,
-                          Qwen3VLProcessor, SmolVLMForConditionalGeneration, SmolVLMProcessor)
+import transformers
 
 import data
+from lab.models import image_layouts, published_configs, tiny
+from lab.models.image_only import image_only
 
 
 @dataclass
@@ -31,71 +29,133 @@ class Backbone:
     images: str = ""  # how its processor encodes images, and where that setting comes from (image_setting)
 
 
-Family = namedtuple("Family", ["hub_id", "model_cls"])  # the checkpoint the paper uses, the class that loads it
-
-
 @dataclass(frozen=True)
 class Rows:
     """How a family's rows are made beyond what its processor does, read by data.py off the processor
     (processor.row_format, set by `formatted`): what stands for an image in a piece and how it is expanded, the end
-    of an answer, the positions, the per-token tensor the forward takes and how a batch's images are laid out."""
+    of an answer, the positions, the per-token tensor the forward takes and which image tensors it takes."""
     placeholder: str = "<image>"     # a piece's image in its text; the processor's image_token in it is expanded
-    expand: str = "image"            # "image": by replace_image_token of the processed image; "text": by the
+    expand: str = "image"            # "image": by the image layout's tokens for the processed image; "text": by the
     #                                  processor's own call on the piece's text (Idefics2: no replace_image_token)
     end: str | None = None           # the token that closes an answer (None: the tokenizer's eos)
     positions: str = "1-d"           # "1-d": cumsum - 1 over the real tokens; "model": none given, the model makes
     #                                  its own from input_ids, token types, image grids and the attention mask (M-RoPE)
     token_types: str | None = None   # the forward's per-token tensor, 1 on image tokens (create_mm_token_type_ids)
-    images: str = "concat"           # "concat": every image tensor along dim 0; "canvas": a row's crops on one canvas
-    #                                  [B, crops, 3, H, W] + pixel_attention_mask; "multi-image": LLaVA-OneVision's
-    #                                  (data.onevision_piece); "cross-attention": Idefics' (its processor's tensors)
     inputs: tuple = ("pixel_values",)  # what of the image processor's output the forward takes, per image
     raw: bool = False                # pixels stopped before rescaling and normalisation (uint8), normalised on the
     #                                  device (data.normalised); else the image processor's own float32 pixels
     splitting: str | None = None     # the image processor's setting that --image-splitting switches (tiles, crops)
 
 
+@dataclass(frozen=True)
+class Family:
+    """One backbone family, the one place its name is looked up (FAMILIES): its checkpoint, its classes by name (read
+    from transformers when the family is asked for, so a transformers without a newer family's classes still serves
+    the others), its config.json model_type(s), its rows, its image layout, its default shots, its published config
+    and its tiny twin. Adding a family is one record in FAMILIES (register), plus a layout class in
+    lab/models/image_layouts.py if it brings a new layout (docs/real-models.md, "Adding a family")."""
+    name: str                         # the short name (--model), `tiny-<name>` its twin
+    hub_id: str                       # the checkpoint the short name loads
+    model_class: str                  # transformers' class that loads it, by name (model_cls)
+    processor_class: str              # its processor's class, by name (processor_cls; AutoProcessor finds the others)
+    config_types: tuple               # the model_type(s) of its checkpoints' config.json (family_of a folder)
+    rows: Rows                        # how its rows are made (processor.row_format)
+    layout: str                       # its image layout, a key of image_layouts.LAYOUTS (processor.image_layout)
+    published: Callable               # () -> its published checkpoint's config (lab/models/published_configs.py)
+    twin: Callable                    # (seed) -> its tiny twin (model, processor) (lab/models/tiny.py)
+    default_shots: int = 8            # the teacher's and n-shot ICL's ICDs a query (data.SHOTS, default_shots)
+    image_only: bool = False          # its processor has a video processor: built without it (load_processor)
+    required_settings: tuple = ()     # processor_config.json settings its processor cannot do without
+    crops: int | None = None          # views an image is split into when splitting is on (Idefics2: 4 crops + whole)
+    needs: str | None = None          # the transformers version that first has its classes (their refusal says so)
+
+    def model_cls(self):
+        """Its model class, from transformers (missing_class's refusal where this transformers lacks it)."""
+        return self.transformers_class(self.model_class)
+
+    def processor_cls(self):
+        """Its processor class, from transformers, images only where it has a video processor (image_only)."""
+        cls = self.transformers_class(self.processor_class)
+        return image_only(cls) if self.image_only else cls
+
+    def transformers_class(self, name):
+        """transformers' class `name`, or an ImportError naming this family and the version it needs."""
+        if not hasattr(transformers, name):
+            raise ImportError(f"{self.name} needs transformers >= {self.needs or 'a newer version'} (for {name}); "
+                              f"this is {transformers.__version__}")
+        return getattr(transformers, name)
+
+
+def register(family):
+    """Add `family` to FAMILIES (and its default shots to data.SHOTS) after checking it: a new name, a layout
+    image_layouts.LAYOUTS knows, config model_types no other family claims, default shots of at least 1. A ValueError
+    names what is wrong."""
+    registry = FAMILIES
+    if family.name in registry:
+        raise ValueError(f"family {family.name!r} is registered already; give the new record another name")
+    if family.layout not in image_layouts.LAYOUTS:
+        raise ValueError(f"family {family.name!r}: image layout {family.layout!r} is none of "
+                         f"{sorted(image_layouts.LAYOUTS)}; add its class to lab/models/image_layouts.py:LAYOUTS")
+    claimed = {t: f.name for f in registry.values() for t in f.config_types}
+    if not family.config_types or any(t in claimed for t in family.config_types):
+        taken = [f"{t} ({claimed[t]})" for t in family.config_types if t in claimed]
+        raise ValueError(f"family {family.name!r}: config model_types {list(family.config_types)} must be at least one "
+                         f"and none another family's" + (f"; taken: {', '.join(taken)}" if taken else ""))
+    if not isinstance(family.default_shots, int) or isinstance(family.default_shots, bool) or family.default_shots < 1:
+        raise ValueError(f"family {family.name!r}: default_shots is {family.default_shots!r}; give the ICDs a query "
+                         "of its n-shot ICL and teacher (an integer of at least 1)")
+    registry[family.name] = family
+    data.SHOTS[family.name] = family.default_shots
+    return family
+
+
 QWEN = dict(placeholder="<|vision_start|><|image_pad|><|vision_end|>", end="<|im_end|>",
             inputs=("pixel_values", "image_grid_thw"))  # flattened patches and each image's grid
-ROWS = {  # each family's Rows
-    "idefics2": Rows(expand="text", end="<end_of_utterance>", images="canvas", raw=True,
-                     splitting="do_image_splitting"),
-    "idefics": Rows(images="cross-attention"),
-    "llava-interleave": Rows(raw=True),
-    "llava-onevision": Rows(images="multi-image", raw=True),
-    "qwen2.5-vl": Rows(**QWEN, positions="model", token_types="mm_token_type_ids"),  # M-RoPE, made by the model
-    "qwen3-vl": Rows(**QWEN, positions="model", token_types="mm_token_type_ids"),    # interleaved M-RoPE
-    "llava-onevision-1.5": Rows(**QWEN),  # Qwen's processor, a Qwen3 text model with 1-D positions
-    "internvl3": Rows(placeholder="<IMG_CONTEXT>", end="<|im_end|>", splitting="crop_to_patches"),  # <img> tiles </img>
-    "gemma3": Rows(placeholder="<start_of_image>", end="<end_of_turn>", token_types="token_type_ids",
-                   splitting="do_pan_and_scan"),  # its image blocks attend both ways: token_type_ids
-    "idefics3": Rows(end="<end_of_utterance>", images="canvas", splitting="do_image_splitting"),
-    "smolvlm": Rows(end="<end_of_utterance>", images="canvas", splitting="do_image_splitting"),
-}
+CANVAS = dict(end="<end_of_utterance>", splitting="do_image_splitting")  # Idefics3's and SmolVLM's rows
+FAMILIES = {}
+for _family in (  # the paper's four (their default shots as the paper runs them), then the seven in use now
+        Family("idefics2", "HuggingFaceM4/idefics2-8b-base", "Idefics2ForConditionalGeneration", "Idefics2Processor",
+               ("idefics2",), Rows(expand="text", end="<end_of_utterance>", raw=True, splitting="do_image_splitting"),
+               "canvas", published_configs.idefics2, tiny.tiny_idefics2, crops=5),
+        Family("idefics", "HuggingFaceM4/idefics-9b", "IdeficsForVisionText2Text", "IdeficsProcessor", ("idefics",),
+               Rows(), "cross-attention", published_configs.idefics, tiny.tiny_idefics, default_shots=32),
+        Family("llava-interleave", "llava-hf/llava-interleave-qwen-7b-hf", "LlavaForConditionalGeneration",
+               "LlavaProcessor", ("llava",), Rows(raw=True), "concat", published_configs.llava_interleave,
+               tiny.tiny_llava_interleave),
+        Family("llava-onevision", "llava-hf/llava-onevision-qwen2-7b-ov-hf", "LlavaOnevisionForConditionalGeneration",
+               "LlavaOnevisionProcessor", ("llava_onevision",), Rows(raw=True), "multi-image",
+               published_configs.llava_onevision, tiny.tiny_llava_onevision, image_only=True,
+               required_settings=("num_image_tokens", "vision_feature_select_strategy")),
+        Family("qwen2.5-vl", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen2_5_VLForConditionalGeneration",
+               "Qwen2_5_VLProcessor", ("qwen2_5_vl",), Rows(**QWEN, positions="model", token_types="mm_token_type_ids"),
+               "concat", published_configs.qwen2_5_vl, tiny.tiny_qwen2_5_vl, image_only=True),  # M-RoPE, the model's
+        Family("qwen3-vl", "Qwen/Qwen3-VL-8B-Instruct", "Qwen3VLForConditionalGeneration", "Qwen3VLProcessor",
+               ("qwen3_vl",), Rows(**QWEN, positions="model", token_types="mm_token_type_ids"), "concat",
+               published_configs.qwen3_vl, tiny.tiny_qwen3_vl, image_only=True),  # interleaved M-RoPE
+        Family("internvl3", "OpenGVLab/InternVL3-8B-hf", "InternVLForConditionalGeneration", "InternVLProcessor",
+               ("internvl",), Rows(placeholder="<IMG_CONTEXT>", end="<|im_end|>", splitting="crop_to_patches"),
+               "concat", published_configs.internvl3, tiny.tiny_internvl3, image_only=True),  # <img> tiles </img>
+        Family("gemma3", "google/gemma-3-4b-it", "Gemma3ForConditionalGeneration", "Gemma3Processor", ("gemma3",),
+               Rows(placeholder="<start_of_image>", end="<end_of_turn>", token_types="token_type_ids",
+                    splitting="do_pan_and_scan"),  # its image blocks attend both ways: token_type_ids
+               "concat", published_configs.gemma3, tiny.tiny_gemma3),
+        Family("idefics3", "HuggingFaceM4/Idefics3-8B-Llama3", "Idefics3ForConditionalGeneration", "Idefics3Processor",
+               ("idefics3",), Rows(**CANVAS), "canvas", published_configs.idefics3, tiny.tiny_idefics3),
+        Family("smolvlm", "HuggingFaceTB/SmolVLM-256M-Instruct", "SmolVLMForConditionalGeneration", "SmolVLMProcessor",
+               ("smolvlm",), Rows(**CANVAS), "canvas", published_configs.smolvlm, tiny.tiny_smolvlm, image_only=True),
+        Family("llava-onevision-1.5", "Deep-VLM/LLaVA-OneVision-1.5-8B-Instruct-hf",
+               "LlavaOnevision15ForConditionalGeneration", "Exaone4_5_Processor",  # transformers maps it to Qwen's
+               ("llava_onevision1_5",), Rows(**QWEN), "concat",  # Qwen's processor, a Qwen3 text model, 1-D positions
+               published_configs.llava_onevision_1_5, tiny.tiny_llava_onevision_1_5, image_only=True, needs="5.25")):
+    register(_family)
 
 
 def formatted(processor, family):
-    """The processor with its family's Rows as processor.row_format (what data.py builds rows by)."""
-    processor.row_format = ROWS[family]
+    """The processor with its family's Rows as processor.row_format and its image layout as processor.image_layout
+    (what data.py builds rows and lays images out by)."""
+    record = FAMILIES[family]
+    processor.row_format, processor.image_layout = record.rows, image_layouts.LAYOUTS[record.layout]
     return processor
-FAMILIES = {
-    "idefics2": Family("HuggingFaceM4/idefics2-8b-base", Idefics2ForConditionalGeneration),
-    "idefics": Family("HuggingFaceM4/idefics-9b", IdeficsForVisionText2Text),
-    "llava-interleave": Family("llava-hf/llava-interleave-qwen-7b-hf", LlavaForConditionalGeneration),
-    "llava-onevision": Family("llava-hf/llava-onevision-qwen2-7b-ov-hf", LlavaOnevisionForConditionalGeneration),
-    "qwen2.5-vl": Family("Qwen/Qwen2.5-VL-7B-Instruct", Qwen2_5_VLForConditionalGeneration),
-    "qwen3-vl": Family("Qwen/Qwen3-VL-8B-Instruct", Qwen3VLForConditionalGeneration),
-    "internvl3": Family("OpenGVLab/InternVL3-8B-hf", InternVLForConditionalGeneration),
-    "gemma3": Family("google/gemma-3-4b-it", Gemma3ForConditionalGeneration),
-    "idefics3": Family("HuggingFaceM4/Idefics3-8B-Llama3", Idefics3ForConditionalGeneration),
-    "smolvlm": Family("HuggingFaceTB/SmolVLM-256M-Instruct", SmolVLMForConditionalGeneration),
-    "llava-onevision-1.5": Family("Deep-VLM/LLaVA-OneVision-1.5-8B-Instruct-hf",
-                                  LlavaOnevision15ForConditionalGeneration),
-}
-CONFIG_TYPES = {"idefics2": "idefics2", "idefics": "idefics", "llava": "llava-interleave",
-                "llava_onevision": "llava-onevision", "qwen2_5_vl": "qwen2.5-vl", "qwen3_vl": "qwen3-vl",
-                "internvl": "internvl3", "gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "smolvlm",
-                "llava_onevision1_5": "llava-onevision-1.5"}
 
 
 def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint", check=None):
@@ -111,7 +171,7 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
     if check:
         check(path)
     processor, images = load_processor(path, family, image_splitting)
-    model, info = FAMILIES[family].model_cls.from_pretrained(  # never a model folder's own code
+    model, info = FAMILIES[family].model_cls().from_pretrained(  # never a model folder's own code
         path, dtype=dtype, attn_implementation="sdpa", device_map={"": placed(device)}, output_loading_info=True,
         trust_remote_code=False)
     if info["missing_keys"]:  # transformers would initialise them at random
@@ -139,10 +199,10 @@ def family_of(name):
                              "config.json") from e
         if not isinstance(config, dict):
             raise ValueError(f"--model: {config_file} is not a JSON object; restore the model folder's config.json")
-        model_type = config.get("model_type")
-        if model_type in CONFIG_TYPES:
-            return CONFIG_TYPES[model_type]
-        raise ValueError(f"--model: {config_file} has model_type {model_type!r}, none of {sorted(CONFIG_TYPES)}")
+        model_type, types = config.get("model_type"), {t: f.name for f in FAMILIES.values() for t in f.config_types}
+        if model_type in types:
+            return types[model_type]
+        raise ValueError(f"--model: {config_file} has model_type {model_type!r}, none of {sorted(types)}")
     if os.path.isdir(name):
         raise ValueError(f"--model: the folder {name} has no config.json; give a checkpoint folder (config.json, "
                          "weights, tokenizer and processor files)")
@@ -187,76 +247,22 @@ def context_limit(processor, config):
     processor.tokenizer.model_max_length = min(processor.tokenizer.model_max_length, positions)
 
 
-class ImageOnly:
-    """A processor without its video processor, which needs torchvision (not a requirement: images never use it)."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name != "video_processor" or argument is not None:
-            super().check_argument_for_proper_class(argument_name, argument)
-
-
-class ImageOnlyOnevisionProcessor(ImageOnly, LlavaOnevisionProcessor):
-    """LlavaOnevisionProcessor, images only."""
-
-
-class ImageOnlyQwen25VLProcessor(ImageOnly, Qwen2_5_VLProcessor):
-    """Qwen2_5_VLProcessor, images only."""
-
-
-class ImageOnlyQwen3VLProcessor(ImageOnly, Qwen3VLProcessor):
-    """Qwen3VLProcessor, images only."""
-
-
-class ImageOnlyOnevision15Processor(ImageOnly, Exaone4_5_Processor):
-    """LLaVA-OneVision-1.5's processor (transformers maps it to Exaone4_5_Processor: Qwen's), images only."""
-
-
-class ImageOnlyInternVLProcessor(ImageOnly, InternVLProcessor):
-    """InternVLProcessor, images only."""
-
-
-class ImageOnlySmolVLMProcessor(ImageOnly, SmolVLMProcessor):
-    """SmolVLMProcessor, images only, built without num2words, which its video prompts alone use (they spell the
-    frame count): a stand-in that refuses to be called takes its place while the processor is built."""
-
-    def __init__(self, image_processor, tokenizer, video_processor=None, image_seq_len=169, chat_template=None,
-                 **kwargs):  # SmolVLMProcessor's signature, which transformers reads its sub-processors off
-        from transformers.models.smolvlm import processing_smolvlm as module
-        held, module.num2words = module.num2words, module.num2words or no_num2words
-        try:
-            super().__init__(image_processor, tokenizer, video_processor, image_seq_len, chat_template, **kwargs)
-        finally:
-            module.num2words = held
-
-
-def no_num2words(*args, **kwargs):
-    """What SmolVLM's video prompts would call: never reached with images only."""
-    raise ImportError("SmolVLM's video prompts need num2words (pip install num2words); images do not")
-
-
-IMAGE_ONLY = {  # the families whose processor has a video processor: built without it (load_processor)
-    "llava-onevision": ImageOnlyOnevisionProcessor, "qwen2.5-vl": ImageOnlyQwen25VLProcessor,
-    "qwen3-vl": ImageOnlyQwen3VLProcessor, "llava-onevision-1.5": ImageOnlyOnevision15Processor,
-    "internvl3": ImageOnlyInternVLProcessor, "smolvlm": ImageOnlySmolVLMProcessor}
-REQUIRED_SETTINGS = {"llava-onevision": ("num_image_tokens", "vision_feature_select_strategy")}  # processor_config.json
-
-
 def load_processor(path, family, image_splitting="checkpoint"):
     """The processor of the checkpoint at `path` (a hub id or a folder), its images resized by PIL on every machine,
     and the line that says how it encodes images (image_setting): (processor, line). A family with a video processor
-    (IMAGE_ONLY) gets its processor class built from its tokenizer, image processor and processor_config.json (the
-    settings its __init__ takes) without the video processor that AutoProcessor would build, which needs torchvision
-    (not a requirement: images never use it)."""
+    (Family.image_only) gets its processor class built from its tokenizer, image processor and processor_config.json
+    (the settings its __init__ takes) without the video processor that AutoProcessor would build, which needs
+    torchvision (not a requirement: images never use it; lab/models/image_only.py)."""
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise ValueError(f"{path} has no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the checkpoint's "
                          "tokenizer files into it")
-    code = {"trust_remote_code": False}  # never a model folder's own code
-    if family not in IMAGE_ONLY:
+    code, record = {"trust_remote_code": False}, FAMILIES[family]  # never a model folder's own code
+    if not record.image_only:
         processor = formatted(AutoProcessor.from_pretrained(path, backend="pil", **code), family)
         return processor, image_setting(processor, family, image_splitting)
-    cls, (config_file, settings) = IMAGE_ONLY[family], processor_config(path, family in REQUIRED_SETTINGS)
-    missing = [k for k in REQUIRED_SETTINGS.get(family, ()) if k not in settings]
+    cls, (config_file, settings) = record.processor_cls(), processor_config(path, bool(record.required_settings))
+    missing = [k for k in record.required_settings if k not in settings]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)} ({family}'s processor settings); restore the "
                          "checkpoint's processor_config.json")
@@ -303,22 +309,21 @@ def image_setting(processor, family, splitting="checkpoint", source="the checkpo
     that comes from. A family that does neither: any setting but "checkpoint" is a ValueError, as is any other."""
     if splitting not in IMAGE_SPLITTING:  # "yes", True: never silently off
         raise ValueError(f"image splitting {splitting!r} is none of {', '.join(IMAGE_SPLITTING)}")
-    setting = ROWS[family].splitting
+    record = FAMILIES[family]
+    setting = record.rows.splitting
     if setting is None:
         if splitting != "checkpoint":
             raise ValueError(f"--image-splitting {splitting}: only Idefics2 splits images (and Idefics3, SmolVLM, "
                              f"InternVL3 and Gemma 3 tile them), not {family}; drop the flag")
-        if family == "llava-onevision":
-            return f"images: multi-image mode, {data.onevision_tokens(processor)} tokens each (data.onevision_piece)"
-        return ""
+        return image_layouts.LAYOUTS[record.layout].describe(processor)
     images = processor.image_processor
     if splitting != "checkpoint":  # on the image processor (its settings) and in the processor's call
         source = f"--image-splitting {splitting}"
         setattr(images, setting, splitting == "on")
         processor.images_kwargs = {**getattr(processor, "images_kwargs", {}), setting: splitting == "on"}
     on = splitting_on(processor)
-    if family == "idefics2":
-        return (f"image splitting: {'on' if on else 'off'} ({source}): {5 if on else 1} crop(s) x "
+    if record.crops:
+        return (f"image splitting: {'on' if on else 'off'} ({source}): {record.crops if on else 1} crop(s) x "
                 f"{processor.image_seq_len} tokens an image")
     return (f"image splitting: {'on' if on else 'off'} ({source}, {setting}): "
             + ("tiles or crops an image by its size (--plan counts its tokens)" if on else "one view an image"))

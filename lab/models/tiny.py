@@ -1,22 +1,11 @@
 """Tiny offline twins: random weights of a few million parameters with the real processors' settings, one builder
-per family (tiny-<family>), for the tests and the offline runs. Their tokenizers are stand-ins (a small byte-level
-BPE trained here) holding each family's special tokens; the real vocabularies are in tools/twins.py's checkpoint
-folders where a package ships them (Mistral's, Qwen's)."""
+per family (its record's `twin`, loaded as tiny-<family>; each reads its transformers classes when called), for the
+tests and the offline runs. Their tokenizers are stand-ins (a small byte-level BPE trained here) holding each family's
+special tokens; the real vocabularies are in tools/twins.py's checkpoint folders where a package ships them (Mistral's,
+Qwen's)."""
 import torch
-from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor,
-                          GotOcr2ImageProcessorPil, Idefics2Config, Idefics2ForConditionalGeneration, Idefics2Processor,
-                          Idefics2ImageProcessorPil, Idefics3Config, Idefics3ForConditionalGeneration,
-                          Idefics3ImageProcessorPil, Idefics3Processor, IdeficsConfig, IdeficsForVisionText2Text,
-                          IdeficsImageProcessorPil, IdeficsProcessor, InternVLConfig, InternVLForConditionalGeneration,
-                          LlavaConfig, LlavaForConditionalGeneration, LlavaOnevision15Config,
-                          LlavaOnevision15ForConditionalGeneration, LlavaOnevisionConfig,
-                          LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil, LlavaProcessor,
-                          PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                          Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
-                          SiglipImageProcessorPil, SmolVLMConfig, SmolVLMForConditionalGeneration,
-                          SmolVLMImageProcessorPil)
 
-from lab.models import families
+from lab.models.image_only import image_only
 
 
 TINY_CORPUS = ("Answer the question about the image in a few words. Describe the image in one sentence. "
@@ -31,6 +20,7 @@ def tiny_tokenizer(special, extra, vocab_size=384, corpus=TINY_CORPUS, **named):
     """A byte-level BPE tokenizer trained on a fixed corpus (deterministic), with the family's special tokens:
     `special`, every special token, in id order after the 256 byte symbols' merges; the last `extra` of them are the
     additional special tokens; named: bos_token=..., etc."""
+    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -62,6 +52,8 @@ def _idefics_tokenizer(**corpus):
 
 def tiny_idefics2(seed=0):
     """Idefics2 (Mistral text model with grouped-query attention, perceiver resampler) at toy size."""
+    from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessorPil,
+                             Idefics2Processor)
     tok = _idefics_tokenizer()
     n_latents = 4
     processor = Idefics2Processor(Idefics2ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 28,
@@ -78,6 +70,7 @@ def tiny_idefics2(seed=0):
 
 def tiny_idefics(seed=0):
     """Idefics (LLaMA text model with gated cross-attention to a perceiver over CLIP features) at toy size."""
+    from transformers import IdeficsConfig, IdeficsForVisionText2Text, IdeficsImageProcessorPil, IdeficsProcessor
     tok = _idefics_tokenizer()
     processor = IdeficsProcessor(IdeficsImageProcessorPil(image_size=28), tok, image_size=28)
     config = IdeficsConfig(
@@ -106,6 +99,7 @@ def _qwen_config(tok):
 
 def tiny_llava_interleave(seed=0):
     """LLaVA-Interleave (Qwen text model, SigLIP vision tower, one token per patch) at toy size."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, SiglipImageProcessorPil
     tok = _qwen_tokenizer()
     processor = LlavaProcessor(SiglipImageProcessorPil(size={"height": 28, "width": 28}), tok, patch_size=14,
                                vision_feature_select_strategy="full")
@@ -114,9 +108,11 @@ def tiny_llava_interleave(seed=0):
 
 def tiny_llava_onevision(seed=0):
     """LLaVA-OneVision (Qwen2 text model, SigLIP vision tower, any-resolution tiling) at toy size."""
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                             LlavaOnevisionImageProcessorPil, LlavaOnevisionProcessor)
     tok = _qwen_tokenizer()
     pinpoints = [[28, 28], [28, 56], [56, 28], [56, 56]]
-    processor = families.ImageOnlyOnevisionProcessor(
+    processor = image_only(LlavaOnevisionProcessor)(
         LlavaOnevisionImageProcessorPil(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints), tok, None,
         num_image_tokens=4, vision_feature_select_strategy="full")
     config = LlavaOnevisionConfig(**_qwen_config(tok), image_grid_pinpoints=pinpoints)
@@ -148,6 +144,7 @@ def _text(tok, **more):
 def _qwen_images(patch, temporal=2):
     """Qwen's dynamic-resolution image processor at toy size: images resized to multiples of 2 patches, 4 to 16
     merged tokens (the benchmarks' 64 x 64 images: 4)."""
+    from transformers import Qwen2VLImageProcessorPil
     unit = (2 * patch) ** 2
     return Qwen2VLImageProcessorPil(size={"shortest_edge": 4 * unit, "longest_edge": 16 * unit}, patch_size=patch,
                                     merge_size=2, temporal_patch_size=temporal)
@@ -159,8 +156,9 @@ QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, o
 
 def tiny_qwen2_5_vl(seed=0):
     """Qwen2.5-VL (Qwen2 text model with M-RoPE, a windowed ViT over dynamic-resolution patches) at toy size."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
     tok = _qwen_vl_tokenizer()
-    processor = families.ImageOnlyQwen25VLProcessor(_qwen_images(14), tok, None)
+    processor = image_only(Qwen2_5_VLProcessor)(_qwen_images(14), tok, None)
     config = Qwen2_5_VLConfig(text_config=_text(tok, rope_parameters=MROPE),
                               vision_config=dict(QWEN_VISION, patch_size=14, temporal_patch_size=2, window_size=56,
                                                  fullatt_block_indexes=[0]), **_qwen_vl_ids(tok))
@@ -170,8 +168,9 @@ def tiny_qwen2_5_vl(seed=0):
 def tiny_qwen3_vl(seed=0):
     """Qwen3-VL (Qwen3 text model with interleaved M-RoPE, DeepStack: the vision layer's features added to the first
     decoder layer's image tokens) at toy size."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     tok = _qwen_vl_tokenizer()
-    processor = families.ImageOnlyQwen3VLProcessor(_qwen_images(16), tok, None)
+    processor = image_only(Qwen3VLProcessor)(_qwen_images(16), tok, None)
     config = Qwen3VLConfig(text_config=_text(tok, rope_parameters={**MROPE, "mrope_interleaved": True}),
                            vision_config=dict(QWEN_VISION, patch_size=16, temporal_patch_size=2,
                                               num_position_embeddings=16, deepstack_visual_indexes=[0]),
@@ -181,8 +180,9 @@ def tiny_qwen3_vl(seed=0):
 
 def tiny_llava_onevision_1_5(seed=0):
     """LLaVA-OneVision-1.5 (Qwen3 text model, 1-D positions; a RICE ViT over Qwen's patches, no temporal patch)."""
+    from transformers import Exaone4_5_Processor, LlavaOnevision15Config, LlavaOnevision15ForConditionalGeneration
     tok = _qwen_vl_tokenizer()
-    processor = families.ImageOnlyOnevision15Processor(_qwen_images(14, temporal=1), tok, None)
+    processor = image_only(Exaone4_5_Processor)(_qwen_images(14, temporal=1), tok, None)
     config = LlavaOnevision15Config(text_config=_text(tok, model_type="qwen3"),
                                     vision_config=dict(QWEN_VISION, patch_size=14), **_qwen_vl_ids(tok))
     return _seeded(LlavaOnevision15ForConditionalGeneration, config, seed), processor
@@ -195,10 +195,12 @@ INTERNVL_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>", "c
 def tiny_internvl3(seed=0):
     """InternVL3 (Qwen2 text model, InternViT over 28 x 28 tiles, pixel shuffle to one token a tile; up to 4 tiles and
     a thumbnail) at toy size."""
+    from transformers import (GotOcr2ImageProcessorPil, InternVLConfig, InternVLForConditionalGeneration,
+                             InternVLProcessor)
     tok = _qwen_vl_tokenizer(INTERNVL_TOKENS.values(), extra_special_tokens=INTERNVL_TOKENS)
     images = GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, crop_to_patches=False, min_patches=1,
                                       max_patches=4)
-    processor = families.ImageOnlyInternVLProcessor(images, tok, None, image_seq_length=1)
+    processor = image_only(InternVLProcessor)(images, tok, None, image_seq_length=1)
     config = InternVLConfig(vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                                intermediate_size=64, image_size=[28, 28], patch_size=[14, 14]),
                             text_config=_text(tok, model_type="qwen2"), image_token_id=tok.context_image_token_id,
@@ -212,6 +214,7 @@ GEMMA_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", 
 def tiny_gemma3(seed=0):
     """Gemma 3 (sliding-window and global layers, SigLIP at 28 x 28 pooled to 4 tokens, bidirectional attention inside
     an image: token_type_ids) at toy size."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
     tok = tiny_tokenizer(["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
                           *GEMMA_TOKENS.values()], 5, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                          unk_token="<unk>", extra_special_tokens=GEMMA_TOKENS)
@@ -231,10 +234,11 @@ IDEFICS3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<pad>", "<fake_toke
 def _idefics3_like(config_cls, model_cls, images_cls, processor_cls, seed):
     """Idefics3 or SmolVLM (a LLaMA text model, SigLIP at 56 x 56 with pixel shuffle to 4 tokens a crop, images split
     into a grid of crops + the whole image) at toy size."""
+    from transformers import SmolVLMProcessor
     tok = tiny_tokenizer(IDEFICS3_SPECIAL, len(IDEFICS3_SPECIAL) - 3, vocab_size=448, bos_token="<|begin_of_text|>",
                          eos_token="<|end_of_text|>", pad_token="<pad>")
     images = images_cls(size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True)
-    processor = processor_cls(images, tok, *([None] if processor_cls is families.ImageOnlySmolVLMProcessor else []),
+    processor = processor_cls(images, tok, *([None] if processor_cls is image_only(SmolVLMProcessor) else []),
                               image_seq_len=4)
     config = config_cls(text_config=_text(tok, model_type="llama"), vision_config=dict(TINY_VISION, image_size=56),
                         scale_factor=2, image_token_id=tok.convert_tokens_to_ids("<image>"))
@@ -242,16 +246,13 @@ def _idefics3_like(config_cls, model_cls, images_cls, processor_cls, seed):
 
 
 def tiny_idefics3(seed=0):
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                             Idefics3Processor)
     return _idefics3_like(Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
                           Idefics3Processor, seed)
 
 
 def tiny_smolvlm(seed=0):
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil, SmolVLMProcessor
     return _idefics3_like(SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessorPil,
-                          families.ImageOnlySmolVLMProcessor, seed)
-
-
-TINY_BUILDERS = {"idefics2": tiny_idefics2, "idefics": tiny_idefics, "llava-interleave": tiny_llava_interleave,
-                 "llava-onevision": tiny_llava_onevision, "qwen2.5-vl": tiny_qwen2_5_vl, "qwen3-vl": tiny_qwen3_vl,
-                 "llava-onevision-1.5": tiny_llava_onevision_1_5, "internvl3": tiny_internvl3, "gemma3": tiny_gemma3,
-                 "idefics3": tiny_idefics3, "smolvlm": tiny_smolvlm}
+                          image_only(SmolVLMProcessor), seed)

@@ -138,7 +138,7 @@ def toy_scenes(processor, n, rng):
     """n scenes of the meta-training world and their pixels (through the processor, once): (scenes, pixel dicts)."""
     scenes = [toy_world.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(toy_world.icl_jpeg(s))).convert("RGB")] for s in scenes]
-    out = processor.image_processor(images, do_rescale=False, do_normalize=False, do_pad=False)  # data.image_pixels
+    out = processor.image_processor(images, do_rescale=False, do_normalize=False, do_pad=False)  # image_layouts.Canvas
     return scenes, [{"pixel_values": [data.chw(c) for c in crops]} for crops in out["pixel_values"]]
 
 

@@ -37,9 +37,9 @@ MEMORY_ASSUMPTIONS = (
 def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None):
     """The processor and a meta-device model (no weights) of --model `name`, its image setting, where each came from
     and the dtype of its weight files (the config's; the published checkpoints' bf16 for a short name; float32 built):
-    a folder's own config.json and processor; for a short name published.PUBLISHED's config and the processor of
-    --processor `processor_dir` or of the local Hugging Face cache (the plan never reaches the hub); a tiny or toy
-    backbone is built (with --image-splitting `image_splitting`)."""
+    a folder's own config.json and processor; for a short name its record's published config (published_configs) and
+    the processor of --processor `processor_dir` or of the local Hugging Face cache (the plan never reaches the hub); a
+    tiny or toy backbone is built (with --image-splitting `image_splitting`)."""
     if backbones.is_built(name):
         backbone = backbones.load_backbone(name, image_splitting=image_splitting)
         return backbone.processor, backbone.model, backbone.images, f"{name} (built)", torch.float32
@@ -65,7 +65,8 @@ def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None
         raise ValueError(f"{'--processor' if processor_dir else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
     model = published.published_model(family, config=config)  # on the meta device: no weights
-    source = f'published.PUBLISHED["{family}"]' if config is None else f"{name}/config.json"
+    source = f"published_configs.{families.FAMILIES[family].published.__name__}" if config is None else \
+        f"{name}/config.json"
     families.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype

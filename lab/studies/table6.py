@@ -52,7 +52,7 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     <fake_token_around_image>, 64 <image> (perceiver latents), <fake_token_around_image>, pixels at COCO's typical
     480 x 640 (which its processor keeps as is); Idefics one <image> between two wrappers, cross-attending to its
     224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision its base
-    384 x 384 view and a newline (730), the multi-image mode of data.onevision_piece. Sizes come from the model's
+    384 x 384 view and a newline (730), the multi-image mode of onevision_piece. Sizes come from the model's
     config, so tiny twins get the same format."""
     if family not in SYNTHETIC:
         raise ValueError(f"--random-weights: synthetic Table 6 prompts are written for {', '.join(SYNTHETIC)}, not "
@@ -79,7 +79,7 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
         image = lambda: torch.full((count,), image_id)
         pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
             {"pixel_values": torch.randn(n, 1, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n),
-             "batch_num_images": torch.tensor([max(n, 2)])}  # one sample of several images, as data.image_inputs
+             "batch_num_images": torch.tensor([max(n, 2)])}  # one sample of several images, as MultiImage.batch
     pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else query_text)]) for i in range(n)]
     ids = torch.cat(pieces)[None]
     if family == "idefics":  # which image each token cross-attends to: the latest one before it
@@ -303,7 +303,7 @@ def attention_model(name, random_weights=None):
     if random_weights == "mid":
         return published.mid_model(family)[0]
     if random_weights == "published":
-        text = published.PUBLISHED[family]().get_text_config()
+        text = families.FAMILIES[family].published().get_text_config()
         sizes = {k: getattr(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
                  if getattr(text, k, None)}
         return published.grown_twin(family, num_hidden_layers=1, intermediate_size=64, **sizes)[0]

@@ -6,9 +6,10 @@ import benchmarks
 import data
 import model as M
 import train
+from helpers import PAPER
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
 from lab.datasets import tasks
-from lab.models import backbones, families
+from lab.models import backbones
 from lab.run import teacher_cache
 from lab.scores import metrics
 
@@ -30,7 +31,12 @@ def prompts(backbone):
     return data.model_inputs(data.prompt_batch(backbone.processor, backbone.family, "vqa", items, None), "cpu")
 
 
-@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+@pytest.fixture(scope="module", params=PAPER)
+def family(request):
+    """The paper's four families (every registered one: tests/lab/models/test_family_records.py)."""
+    return request.param
+
+
 def test_layer_outputs_are_every_layers_own_output(family):
     backbone, norm = with_final_norm_not_one(family)
     inputs = prompts(backbone)

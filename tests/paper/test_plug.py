@@ -1,9 +1,9 @@
 """The adapters plugged into the real transformers backbones (tiny twins, CPU), against the unmodified model: the
-zero-init equivalence (Eq 4-9 with U_k = 0) as a property over random adapters, families, ranks and left padding;
-the fused path against Eq 3-9 written out; padding and the KV cache (Eq 8); the published parameter counts."""
+zero-init equivalence (Eq 4-9 with U_k = 0) as a property over random adapters, ranks and left padding; the fused path
+against Eq 3-9 written out; padding and the KV cache (Eq 8); the published parameter counts. On the paper's four
+families (`family`); tests/lab/models/test_family_records.py runs the same tests on every registered family."""
 import copy
 import functools
-import random
 
 import pytest
 import torch
@@ -11,18 +11,22 @@ from hypothesis import given, settings, strategies as st
 
 import model as M
 from adapters import HyperICL
-from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts, randomise
-from lab.models import backbones, families, published
+from helpers import PAPER, TEXTS, assert_cached_decoding_equals_full_forward, \
+    assert_zero_init_is_the_unmodified_model, prompts, randomise
+from lab.models import backbones, published
 from lab.methods import registry
 from test_adapters import explicit_hyper_icl
 
-FAMILIES = sorted(families.FAMILIES)
-WORDS = "question what colour is the shape how many cats are on a table short answer".split()
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def backbone(request):
-    return backbones.load_backbone("tiny-" + request.param)
+@pytest.fixture(scope="module", params=PAPER)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def backbone(family):
+    return backbones.load_backbone("tiny-" + family)
 
 
 @functools.cache
@@ -31,7 +35,7 @@ def twin(family):
     return backbones.load_backbone("tiny-" + family)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", PAPER)
 @settings(max_examples=20)
 @given(method=st.sampled_from(["hyper-icl", "static-layer", "static-layer-head", "output-level"]),
        rank=st.integers(1, 8), lengths=st.lists(st.integers(1, 10), min_size=1, max_size=3),
@@ -41,20 +45,7 @@ def test_zero_init_is_the_unmodified_model(family, method, rank, lengths, std, s
     take any value); every method that carries U_k is then the base attention of Eq 4. Checked on the real model:
     random U_q, w, b (or c), U_k = 0, prompts of random lengths left-padded in one batch; the adapted logits at every
     real token equal, bit for bit, the logits of the unmodified transformers model (stock SDPA, no adapter)."""
-    backbone, words = twin(family), random.Random(seed)
-    texts = [" ".join(words.choice(WORDS) for _ in range(n)) for n in lengths]
-    batch = prompts(backbone, texts)
-    with torch.no_grad():
-        base = backbone.model(**batch).logits
-        try:
-            torch.manual_seed(seed)
-            for name, p in registry.attach(backbone.model, method, rank=rank).named_parameters():
-                torch.nn.init.zeros_(p) if name.endswith("U_k") else torch.nn.init.normal_(p, std=std)
-            ours = backbone.model(**batch).logits
-        finally:
-            M.detach(backbone.model)
-    real = batch["attention_mask"].bool()
-    assert torch.equal(ours[real], base[real])  # exactly: Q~ = Q bit for bit, and the kernel is the base model's
+    assert_zero_init_is_the_unmodified_model(twin(family), method, rank, lengths, std, seed)
 
 
 def test_hyper_icl_at_init_is_the_base_model(plain):
@@ -147,7 +138,6 @@ def test_fast_path_equals_reference_inside_the_model(plain, monkeypatch):
         assert ((fast - want)[real].norm() / want[real].norm()).item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", FAMILIES)
 def test_hyper_icl_at_init_is_the_base_model_in_bf16(family):
     """Q and K reach the kernel untouched, so zero-initialised Hyper-ICL adds no rounding in bf16 either: bit for
     bit on every family."""

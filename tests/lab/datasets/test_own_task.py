@@ -15,7 +15,7 @@ import evaluate
 import train
 from helpers import coloured_photos, jsonl, TINY, vqa_task
 from lab.datasets import own_task, readers, tasks
-from lab.models import backbones, tiny
+from lab.models import backbones, families
 
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "hubble_deep_field")
@@ -338,7 +338,7 @@ def test_a_choice_record_whose_letters_are_its_options_in_order_still_reads(fold
 @pytest.fixture(scope="module")
 def twins():
     """{family: (its tiny twin's config, its tokenizer)}, every family's."""
-    built = {family: build() for family, build in tiny.TINY_BUILDERS.items()}
+    built = {name: family.twin() for name, family in families.FAMILIES.items()}
     return {family: (model.config, processor.tokenizer) for family, (model, processor) in built.items()}
 
 

@@ -120,7 +120,8 @@ def test_plan_at_the_published_size_without_weights(processors, family, tmp_path
                           benchmarks.ROOT, "--n-train", "4", "--n-heldout", "1", "--shots", "8", "--batch-size", "2",
                           "--out", str(tmp_path), "--plan", "cuda"])
     out = capsys.readouterr().out
-    assert f'published.PUBLISHED["{family}"]' in out and "tokens a row" in out and "teacher cache" in out
+    config = families.FAMILIES[family].published.__name__
+    assert f"published_configs.{config}" in out and "tokens a row" in out and "teacher cache" in out
     teacher, student = max(figures["rows"]["teacher"].values()), max(figures["rows"]["student"].values())
     assert teacher > 8 * (student - 30) and figures["memory"]["train"] > 2 * 4e9 * (family != "smolvlm")
 
@@ -128,7 +129,7 @@ def test_plan_at_the_published_size_without_weights(processors, family, tmp_path
 @pytest.mark.parametrize("family", ["internvl3", "idefics3"])
 def test_image_splitting_sets_the_tile_count(family, pool):
     on, off = (backbones.load_backbone("tiny-" + family, image_splitting=s) for s in ("on", "off"))
-    assert f"image splitting: on (--image-splitting on, {families.ROWS[family].splitting})" in on.images
+    assert f"image splitting: on (--image-splitting on, {families.FAMILIES[family].rows.splitting})" in on.images
     tokens = lambda b: len(D.query_pieces(b.processor, b.family, "vqa", pool[:1])[0]["input_ids"])
     assert tokens(on) > tokens(off)
 

@@ -94,7 +94,7 @@ def test_evaluate_plan_loads_no_weights(twins, monkeypatch, capsys):
     planned = evaluate.main(["--plan", "--model", "llava-onevision", "--processor", twins["llava-onevision"],
                              "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "4", "--shots", "2"])
     out = capsys.readouterr().out
-    assert "images: multi-image mode, 730 tokens each (data.onevision_piece)" in out
+    assert "images: multi-image mode, 730 tokens each (image_layouts.onevision_piece)" in out
     assert "peak memory, evaluation at batch 4" in out and "cache" not in planned
     assert min(planned["rows"]["teacher"].values()) > 3 * 730  # three images of 730 tokens, multi-image mode
 

@@ -47,7 +47,7 @@ def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp
                              "--train-args", "--n-train 2 --n-heldout 1"])
     out = capsys.readouterr().out
     assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
-    assert "config published.PUBLISHED[\"idefics2\"]" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
+    assert "config published_configs.idefics2" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-internvl3"])
