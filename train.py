@@ -84,6 +84,8 @@ class Config:
     workers: int = field(default_factory=feed.default_workers)  # DataLoader workers that prepare batches
     plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
     processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
+    accelerator: str = "h200"         # --plan: the GPU its times are for (lab/studies/roofline.py); cuda: here's
+    plan_json: Optional[str] = None   # --plan: also write its times to this file as JSON
     benchmark: bool = False            # time the run with and without teacher reuse
     build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
     build_tries: int = 3               # its seeds to try (--seed, --seed + 1, ...)

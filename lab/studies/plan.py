@@ -4,9 +4,12 @@ peak memory of training and evaluation, and whether reading the cache or recompu
 train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
 a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
 tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read."""
+import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -17,6 +20,13 @@ from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.methods import registry
 from lab.run import teacher_cache
+
+@dataclass
+class Settings:
+    """The plan's flags of its times (the scripts' Configs gather them: a field = a flag, its comment the help)."""
+    accelerator: str = "h200"         # the GPU the plan's times are for (roofline.ACCELERATORS); --plan cuda: here's
+    plan_json: Optional[str] = None   # also write the plan's times to this file as JSON (docs/efficiency.md)
+
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 

@@ -24,7 +24,7 @@ from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import plan
+from lab.studies import plan, roofline
 
 ACCELERATOR = "an H200 (~989 TFLOP/s dense bf16) at ~40% of its peak"
 
@@ -57,13 +57,24 @@ def flop_model(model):
     merged = [] if share == 1 else [(n, m) for n, m in model.model.named_modules() if n.split(".")[0] in dict(image)
                                     and any(part in n.split(".")[-1] for part in MERGED)]
     merged = [(n, m) for n, m in merged if not any(n.startswith(o + ".") for o, _ in merged)]  # outermost only
+    resampler = [(n, m) for n, m in model.model.named_modules() if n.split(".")[-1] == "perceiver_resampler"]
+    keys = [(n, m) for _, r in resampler for n, m in r.named_modules() if n.split(".")[-1] in ("k_proj", "v_proj")]
+    perceiver = getattr(model.config, "perceiver_config", None)
+    vision_layers = getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)
+    vision_width = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
     return {"decoder": count((n, c) for n, c in model.get_decoder().named_children()
                              if n in ("layers", "gated_cross_attn_layers")),
             "layers": layers, "heads": heads, "attention": layers * heads * head_dim,
-            "head": text.hidden_size * text.vocab_size, "vision": count(image) - count(merged),
+            "head": text.hidden_size * text.vocab_size, "vision": count(image) - count(merged) - count(resampler),
             "merged": count(merged), "merge_share": share,
-            "vision_attention": (getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)) *
-            (getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)),
+            "parameters_image": count(image), "resampler_keys": count(keys), "resampler": count(resampler) - count(keys),
+            "latents": perceiver.resampler_n_latents if resampler else 0,
+            "resampler_attention": resampler and perceiver.resampler_depth * perceiver.resampler_n_heads *
+            perceiver.resampler_head_dim,
+            "vision_attention": vision_layers * vision_width, "vision_layers": vision_layers,
+            "vision_width": vision_width, "image_layers": vision_layers + (perceiver.resampler_depth if resampler else 0),
+            "kv": layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
+            "activation": layers * (3 * text.intermediate_size + 5 * text.hidden_size),
             "patches": math.prod(size // patch for size, patch in zip(sides(getattr(vision, "image_size", 0)),
                                                                         sides(vision.patch_size)))}
 
@@ -76,15 +87,62 @@ def sides(size):
 def forward_flops(f, tokens, images, logits=1, patches=None):
     """FLOPs of one forward over `tokens` tokens holding `images` images of `patches` patches each (None: the
     config's image size), computing logits at `logits` positions (the time model in the module's docstring)."""
-    patches = patches or f["patches"]
-    image = 2 * (f["vision"] + f["merged"] * f["merge_share"]) * patches + 4 * f["vision_attention"] * patches ** 2
-    return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + images * image
+    return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + \
+        images * image_flops(f, patches or f["patches"])
+
+
+def image_flops(f, patches):
+    """FLOPs of one image of `patches` vision patches, as its towers compute them: the vision tower and a connector
+    at every patch, a connector after a merge of patches at the merged tokens (merge_share), a perceiver resampler
+    at its latents (its keys and values over the patches and the latents, its queries and MLP over the latents)."""
+    tower = 2 * (f["vision"] + f["merged"] * f["merge_share"]) * patches + 4 * f["vision_attention"] * patches ** 2
+    context = patches + f["latents"]
+    return tower + 2 * f["resampler_keys"] * context + 2 * f["resampler"] * f["latents"] + \
+        4 * f["resampler_attention"] * f["latents"] * context
+
+
+def step_flops(f, past):
+    """FLOPs of one generated token: a one-token forward over a cache of `past` tokens."""
+    return 2 * f["decoder"] + 4 * f["attention"] * past + 2 * f["head"]
 
 
 def generate_flops(f, prompt, images, new, patches=None):
     """FLOPs of answering one prompt: its forward, then `new` tokens, each a one-token forward over the cache."""
-    step = lambda k: 2 * f["decoder"] + 4 * f["attention"] * (prompt + k) + 2 * f["head"]
-    return forward_flops(f, prompt, images, 1, patches) + sum(step(k) for k in range(new))
+    return forward_flops(f, prompt, images, 1, patches) + sum(step_flops(f, prompt + k) for k in range(new))
+
+
+def moved(f, batch, tokens, images, patches, past=0, b=2):
+    """Bytes a forward of `batch` rows of `tokens` new tokens (`images` images of `patches` patches each, a cache of
+    `past` tokens before them) moves, in `b`-byte values: the weights it runs read once (the image side's only with
+    images), the KV cache read and written, each decoder layer's activations B T (3 i + 5 d) and each vision layer's
+    12 d_v a patch written and read once."""
+    weights = f["decoder"] + f["head"] + (f["parameters_image"] if images else 0)
+    rows = 2 * f["kv"] * (past + tokens) + f["activation"] * tokens + images * patches * 12 * f["vision_attention"]
+    return b * (weights + batch * rows)
+
+
+def prefill(acc, f, batch, tokens, images, patches, logits=1, passes=1):
+    """Time (roofline.Time) of a forward (passes=2: and its backward) of `batch` rows of `tokens` tokens holding
+    `images` images each."""
+    return roofline.forward(acc, passes * batch * forward_flops(f, tokens, images, logits, patches),
+                            passes * moved(f, batch, tokens, images, patches),
+                            f["layers"] + (f["image_layers"] if images else 0), passes)
+
+
+def step(acc, f, batch, past):
+    """Time of one generated token of `batch` rows over a cache of `past` tokens."""
+    return roofline.forward(acc, batch * step_flops(f, past), moved(f, batch, 1, 0, 0, past), f["layers"])
+
+
+def answer(acc, f, batch, prompt, images, patches, new):
+    """Time of answering a batch of prompts: the prefill, then `new` generated tokens."""
+    return sum((step(acc, f, batch, prompt + k) for k in range(new)), prefill(acc, f, batch, prompt, images, patches))
+
+
+def query_times(acc, f, batch, prompt, images, patches, new):
+    """One query's time to the first token (its batch's prefill) and a generated token's (the cache half-grown)."""
+    return {"ttft": prefill(acc, f, batch, prompt, images, patches), "per_token": step(acc, f, batch,
+                                                                                        prompt + new // 2)}
 
 
 class Tokens:
