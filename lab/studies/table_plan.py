@@ -1,7 +1,8 @@
 """The cost of a table before it runs (evaluate.py --table N --plan [cuda]): each job's work counted once (teacher
 passes, training steps, held-out forwards, evaluation items, prompt and generated tokens, the training vectors'
-forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on an H200 from the FLOPs of that
-work (forward_flops) at plan.ACCELERATOR_TFLOPS, in total and per --gpus. No weights are read: the processor and a
+forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on --accelerator (an H200 by
+default) from the FLOPs and bytes of each forward at the run's batch size (roofline.py: a bound and an expected time),
+by phase, in total and per --gpus. No weights are read: the processor and a
 meta-device model (plan.plan_backbone), the data's files and one image for the tokens an image stands for.
 
 Time model (stated in the output): a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers,
@@ -11,7 +12,9 @@ patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', 
 merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; Qwen2.5-VL's windowed vision
 layers counted as full attention, an upper bound); a training step's student is a forward and a backward of about
 the same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
-cache. Checked against torch.utils.flop_counter on the tiny twins (tests/lab/studies/test_table_plan.py)."""
+cache. Bytes (moved): the weights a forward runs read once, the KV cache read and written, the activations written and
+read once. Checked against torch.utils.flop_counter on the tiny twins (tests/lab/studies/test_table_plan.py)."""
+import json
 import math
 import os
 
@@ -19,15 +22,13 @@ import torch
 
 import data
 import model as M
+from lab.disk import files
 from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
 from lab.run import runs, teacher_cache
 from lab.studies import plan, roofline
-
-ACCELERATOR = "an H200 (~989 TFLOP/s dense bf16) at ~40% of its peak"
-
 
 VISION_PARTS = ("vision", "visual", "connector", "projector", "resampler")  # the image side's modules, by name
 MERGED = ("merger", "connector", "projector")  # what runs after a merge of patches into image tokens, by name
@@ -145,6 +146,44 @@ def query_times(acc, f, batch, prompt, images, patches, new):
                                                                                         prompt + new // 2)}
 
 
+def train_times(acc, f, batch, micro_batches, n, teacher, student, heldout, shots, patches, answer):
+    """A training's time by phase: "teacher" (its passes over the n queries, in batches; teacher: their mean tokens,
+    0: it reads another run's cache), "training" (micro_batches forwards and backwards of the student at its mean
+    tokens, logits at the answer's, and `heldout` held-out forwards)."""
+    k = math.ceil(n / batch)
+    return {"teacher": prefill(acc, f, batch, teacher, shots + 1, patches, 0) * k if teacher else roofline.ZERO,
+            "training": prefill(acc, f, batch, student, 1, patches, answer + 1, passes=2) * micro_batches +
+            prefill(acc, f, batch, student, 1, patches) * math.ceil(heldout / batch)}
+
+
+def eval_times(acc, f, batch, n, prompt, images, patches, new):
+    """An evaluation's time by phase, its n items in batches of `batch` at the mean prompt: "prefill" and "decoding"
+    (`new` tokens, the most the task generates)."""
+    k = math.ceil(n / batch)
+    return {"prefill": prefill(acc, f, batch, prompt, images, patches) * k,
+            "decoding": sum((step(acc, f, batch, prompt + j) for j in range(new)), roofline.ZERO) * k}
+
+
+def run_record(script, task, method, shots, batch, query, hours):
+    """One entry of the plan's JSON: a run at one batch size, its query's times (None: a training) and hours."""
+    ms = lambda key: query[key].json(1e-3) if query else None
+    return {"script": script, "task": task, "method": method, "shots": shots, "batch": batch,
+            "ttft_ms": ms("ttft"), "per_token_ms": ms("per_token"), "hours": hours.json(3600)}
+
+
+def query_line(query, batch):
+    """The plan's words for one query's times at `batch`."""
+    pair = lambda t: f"{t.bound * 1e3:.3g} / {t.expected * 1e3:.3g} ms"
+    return f"batch {batch}: to the first token {pair(query['ttft'])}, a generated token {pair(query['per_token'])}"
+
+
+def write_json(path, acc, runs, hours):
+    """--plan-json: the plan's times ({"accelerator", "runs", "hours"}: docs/efficiency.md), written atomically."""
+    text = json.dumps({"accelerator": acc.name, "runs": runs, "hours": hours.json(3600)}, indent=1)
+    files.atomic_write(path, lambda f: f.write(text.encode()))
+    print(f"plan's times written to {path}")
+
+
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
     token) plus what an image adds beyond it (one query encoded in full: teacher_cache.query_tokens' count), and
@@ -192,6 +231,7 @@ class Work:
             args.model, family, args.image_splitting, args.processor)
         self.f, self.params = flop_model(self.model), sum(p.numel() for p in self.model.parameters())
         self.dtype = plan.backbones.autocast_dtype(args.plan)
+        self.acc = roofline.accelerator(args.accelerator, args.plan)
 
     def once(self, key, make):
         if key not in self.memo:
@@ -265,7 +305,12 @@ def train_work(cfg, w, computes_teacher):
     output = registry.ANCHORS[cfg.anchor].teacher  # the cached tensor: states, or LIVE's logits
     cache = teacher_cache.cache_file_bytes(output, w.model.config, teacher_cache.query_tokens(
         w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
-    return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher),
+    mean = lambda rows: sum(rows) / max(1, len(rows))
+    micro = min(steps * cfg.grad_accum, epochs * math.ceil(len(queries) / cfg.batch_size))
+    answer = mean([tokens.count(tokens.answer(q)) for q in queries])
+    times = train_times(w.acc, f, cfg.batch_size, micro, len(queries), mean(teacher), mean(student),
+                        epochs * len(heldout), shots, p, round(answer))
+    return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher), "times": times,
             "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries),
             "teacher_cache_bytes": cache, "adapter_bytes": 4 * w.adapter(cfg)}
 
@@ -278,26 +323,35 @@ def eval_work(a, w):
     icds = data.demonstrations([it.id for it in items], support, a.shots, a.seed) if a.shots else [[] for _ in items]
     prompts = [tokens.row(it, d, False) for it, d in zip(items, icds)]
     flops = sum(generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
+    prompt, images = sum(prompts) / len(prompts), (a.shots or 0) + 1
+    times = lambda batch: eval_times(w.acc, f, batch, len(items), prompt, images, tokens.patches, new)
+    queries = {b: query_times(w.acc, f, b, prompt, images, tokens.patches, new) for b in {1, a.batch_size}}
     if a.vector:
         shots = data.default_shots(tasks.spec(a.task), w.family)
         icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
         forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
         flops += forwards * forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * f["layers"] * \
             forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
+        extraction = prefill(w.acc, f, 1, icl, shots + 1, tokens.patches) * forwards + prefill(
+            w.acc, f, 1, tokens.row(items[0], [], True), 1, tokens.patches) * (a.vector_heldout * f["layers"])
+        times = lambda batch, plain=times: plain(batch) | {"prefill": plain(batch)["prefill"] + extraction}
     return {"items": len(items), "prompt_tokens": sum(prompts), "generated_at_most": new * len(items),
-            "flops": flops}
+            "flops": flops, "times": times(a.batch_size), "at_batch": {b: times(b) for b in queries},
+            "queries": queries}
 
 
 def plan_table(args, table, jobs, parsers):
-    """Print and return a table's plan: per job its work and peak memory, then the totals (jobs, backbone loads, the
-    counts, disk, FLOPs) and the time on ACCELERATOR, in total and per --gpus (the slower of the work shared out
-    and the longest chain of jobs that wait for each other). parsers: train.py's and evaluate.py's parse_args."""
+    """Print and return a table's plan: per job its work, peak memory and time (bound / expected: roofline), an
+    evaluation's query at batch 1 and at its batch, then the totals (jobs, backbone loads, the counts, disk, FLOPs)
+    and the time by phase, in total and per --gpus (the slower of the work shared out and the longest chain of jobs
+    that wait for each other); --plan-json the same times. parsers: train.py's and evaluate.py's parse_args."""
     w = Work(args, families.family_of(args.model))
     print(f"plan of {table.name} for {args.model}: {len(jobs)} jobs; {w.source}" + (f"; {w.images}" if w.images
                                                                                       else ""))
     total = dict.fromkeys(("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens",
                            "generated_at_most", "flops", "teacher_cache_bytes", "adapter_bytes"), 0)
-    hours, chain = {}, {}
+    hours, chain, records = {}, {}, []
+    phases = dict.fromkeys(("teacher", "training", "prefill", "decoding"), roofline.ZERO)
     for job in jobs:
         a, training = job.args(parsers), job.script == "train.py"
         if training:
@@ -314,22 +368,40 @@ def plan_table(args, table, jobs, parsers):
                                     a.vector or icl) +
                     f": {work['items']:,} items, {work['prompt_tokens']:,} prompt tokens, <= "
                     f"{work['generated_at_most']:,} generated")
-        hours[job.argv] = work["flops"] / (plan.ACCELERATOR_TFLOPS * 1e12) / 3600
-        chain[job.argv] = hours[job.argv] + max((chain[x] for x in job.after), default=0)
+        hours[job.argv] = sum(work["times"].values(), roofline.ZERO) * (1 / 3600)
+        chain[job.argv] = hours[job.argv] + max((chain[x] for x in job.after), default=roofline.ZERO,
+                                                key=lambda t: t.expected)
         for k in total:
             total[k] += work.get(k, 0)
+        for k, t in work["times"].items():
+            phases[k] += t
+        method = getattr(a, "method", None) if training else (a.vector or ("adapter" if a.checkpoint else "icl"))
         print(f"  {job.script} {what}; peak ~{size(w.memory(a, training))}; {work['flops']:.3g} FLOPs = "
-              f"{hours[job.argv]:.3g} h")
+              f"{hours[job.argv].bound:.3g} / {hours[job.argv].expected:.3g} h")
+        if training:
+            records.append(run_record(job.script, a.task, method, a.shots, a.batch_size, None, hours[job.argv]))
+        for b, query in ({} if training else work["queries"]).items():
+            print(f"    one query, bound / expected: {query_line(query, b)}")
+            at = sum(work["at_batch"][b].values(), roofline.ZERO) * (1 / 3600)
+            records.append(run_record(job.script, a.task, method, a.shots or 0, b, query, at))
     gpus = len(args.gpus.split(",")) if args.gpus else 1
-    loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values())
-    wall = max(gpu_hours / gpus, max(chain.values(), default=0))
-    total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours, "wall_hours": wall, "gpus": gpus}
+    loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values(), roofline.ZERO)
+    longest = max(chain.values(), default=roofline.ZERO, key=lambda t: t.expected)
+    wall = roofline.Time(max(gpu_hours.bound / gpus, longest.bound), max(gpu_hours.expected / gpus, longest.expected))
+    total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours.expected, "wall_hours":
+              wall.expected, "bound_hours": gpu_hours.bound, "gpus": gpus, "runs": records,
+              "phases": {k: t * (1 / 3600) for k, t in phases.items()}}
     print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process); teacher "
           f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training "
           f"steps, {total['heldout_forwards']:,} held-out forwards; {total['items']:,} evaluation items, "
           f"{total['prompt_tokens']:,} prompt tokens, <= {total['generated_at_most']:,} generated")
     print(f"disk: teacher caches {size(total['teacher_cache_bytes'])}, adapters {size(total['adapter_bytes'])}")
-    print(f"time: {total['flops']:.3g} FLOPs = {gpu_hours:.3g} GPU-hours on {ACCELERATOR} "
-          f"({plan.ACCELERATOR_TFLOPS} TFLOP/s); on {gpus} GPU(s) ~{wall:.3g} h (the work shared out, or the longest "
-          "chain of jobs waiting for each other); time model: lab/studies/table_plan.py")
+    print(roofline.stated(w.acc))
+    print("time by phase, bound / expected GPU-hours: " + ", ".join(
+        f"{k} {t.bound / 3600:.3g} / {t.expected / 3600:.3g}" for k, t in phases.items()))
+    print(f"time: {total['flops']:.3g} FLOPs = {gpu_hours.bound:.3g} / {gpu_hours.expected:.3g} GPU-hours (bound / "
+          f"expected) on {w.acc.name}; on {gpus} GPU(s) {wall.bound:.3g} / {wall.expected:.3g} h (the work shared "
+          "out, or the longest chain of jobs waiting for each other); time model: lab/studies/table_plan.py")
+    if args.plan_json:
+        write_json(args.plan_json, w.acc, records, gpu_hours * 3600)
     return total

@@ -36,7 +36,8 @@ ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_layer": "
              "vector_heldout": "--vector", "fv_heads": "fv", "fv_trials": "fv"}  # flags handed on only to the cells
 # whose own flags hold the word
 TABLE_FLAGS = ("model", "data_root", "out", "n_eval", "train_args", "seed_protocol", "plan", "processor", "table",
-               "figure", "print", "print_commands", "gpus", "table_worker")  # evaluate.py's flags a table reads itself
+               "figure", "print", "print_commands", "gpus", "table_worker", "accelerator",
+               "plan_json")  # evaluate.py's flags a table reads itself
 JOB_FLAGS = ("model", "task", "data_root", "out", "teacher_cache", "proceed", "resume", "overwrite", "method",
              "icd_task", "plan", "processor", "benchmark", "build_toy", "build_tries")  # train.py's, set per job
 

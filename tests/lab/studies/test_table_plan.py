@@ -1,5 +1,7 @@
 """The plan of a table (lab/studies/table_plan.py): the time model is the FLOP counter's count, Qwen's flattened
 patches and merged connectors counted, GPU hours at the published size without weights."""
+import json
+
 import pytest
 
 import benchmarks
@@ -44,10 +46,19 @@ def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp
     monkeypatch.setattr(backbones, "load_backbone", refuse)
     planned = evaluate.main(["--table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
                              "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
-                             "--train-args", "--n-train 2 --n-heldout 1"])
+                             "--train-args", "--n-train 2 --n-heldout 1", "--plan-json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
-    assert "config published.PUBLISHED[\"idefics2\"]" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
+    assert 0 < planned["bound_hours"] < planned["gpu_hours"]
+    assert "config published.PUBLISHED[\"idefics2\"]" in out and "(bound / expected) on an H200 SXM" in out
+    assert "on 4 GPU(s)" in out and "time by phase" in out and "one query, bound / expected: batch 1:" in out
+    written = json.loads((tmp_path / "plan.json").read_text())  # --plan-json: the issue's schema, the printed hours
+    assert written["accelerator"] == "an H200 SXM" and written["runs"] == planned["runs"]
+    assert written["hours"]["expected"] == pytest.approx(planned["gpu_hours"])
+    assert {"script", "task", "method", "shots", "batch", "ttft_ms", "per_token_ms", "hours"} == set(written["runs"][0])
+    evaluations = [r for r in written["runs"] if r["script"] == "evaluate.py"]
+    assert {r["batch"] for r in evaluations} == {1, 8}  # each evaluation at batch 1 and at its own
+    assert all(0 < r["ttft_ms"]["bound"] < r["ttft_ms"]["expected"] for r in evaluations)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-internvl3"])
