@@ -19,7 +19,7 @@ from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.methods import registry
-from lab.run import teacher_cache
+from lab.run import runs, teacher_cache
 
 @dataclass
 class Settings:
@@ -206,7 +206,43 @@ def plan(args, queries=None):
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
                                     budget=size(args.image_memory * 1e9)))
+    figures["times"] = plan_times(args, model, rows, batch, shots, len(queries), training, processor, family, kind,
+                                  sample, icds)
     return figures
+
+
+def plan_times(args, model, rows, batch, shots, n, training, processor, family, kind, sample, icds):
+    """Print (and --plan-json) the run's time on --accelerator, bound and expected (roofline): one query's time to
+    the first token and per generated token at batch 1 and at the run's batch (an evaluation's prompt; a training's
+    teacher row), and the run's hours by phase. Rows: the sample's, as collated (each batch's image canvas)."""
+    from lab.studies import roofline, table_plan
+    acc, f, new = roofline.accelerator(args.accelerator, args.plan), table_plan.flop_model(model), \
+        tasks.spec(args.task).max_new_tokens
+    patch = table_plan.sides(model.config.vision_config.patch_size)
+    name = "teacher" if shots else "student"
+    patches = lambda s: s["patches"] or (s["pixels"][0] // patch[0]) * (s["pixels"][1] // patch[1])
+    one = plan_rows(processor, family, kind, sample[:1], icds[:1], 1)  # a query alone: its own image canvas
+    mean = lambda values: sum(values) / len(values)
+    at = {1: (max(one[name].values()), patches(one["images"][name][0])),
+          batch: (mean(rows[name].values()), max(map(patches, rows["images"][name])))}
+    images, records = (shots if training or shots else 0) + 1, []
+    print(roofline.stated(acc))
+    for b, (prompt, p) in at.items():
+        query = table_plan.query_times(acc, f, b, prompt, images, p, new)
+        if training:
+            micro = runs.epoch_steps(n, b, 1) * args.epochs
+            times = table_plan.train_times(acc, f, b, micro, n, prompt, mean(rows["student"].values()),
+                                           args.epochs * args.n_heldout, shots, p, mean(rows["answers"].values()))
+        else:
+            times = table_plan.eval_times(acc, f, b, n, prompt, images, p, new)
+        hours = sum(times.values(), roofline.ZERO) * (1 / 3600)
+        print(f"one query, bound / expected: {table_plan.query_line(query, b)}; the run at batch {b}: "
+              + ", ".join(f"{k} {t.bound / 3600:.3g} / {t.expected / 3600:.3g} h" for k, t in times.items()))
+        records.append(table_plan.run_record("train.py" if training else "evaluate.py", args.task,
+                                             getattr(args, "method", None), shots, b, query, hours))
+    if args.plan_json:
+        table_plan.write_json(args.plan_json, acc, records, hours * 3600)  # the run's, at its own batch (last)
+    return records
 
 
 def plan_cache(args, config, sizes, dtype, teacher_flops=None):

@@ -70,8 +70,8 @@ def flop_model(model):
             "merged": count(merged), "merge_share": share,
             "parameters_image": count(image), "resampler_keys": count(keys), "resampler": count(resampler) - count(keys),
             "latents": perceiver.resampler_n_latents if resampler else 0,
-            "resampler_attention": resampler and perceiver.resampler_depth * perceiver.resampler_n_heads *
-            perceiver.resampler_head_dim,
+            "resampler_attention": perceiver.resampler_depth * perceiver.resampler_n_heads *
+            perceiver.resampler_head_dim if resampler else 0,
             "vision_attention": vision_layers * vision_width, "vision_layers": vision_layers,
             "vision_width": vision_width, "image_layers": vision_layers + (perceiver.resampler_depth if resampler else 0),
             "kv": layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
