@@ -206,15 +206,16 @@ def plan(args, queries=None):
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
                                     budget=size(args.image_memory * 1e9)))
-    figures["times"] = plan_times(args, model, rows, batch, shots, len(queries), training, processor, family, kind,
-                                  sample, icds)
+    figures["times"] = plan_times(args, model, rows, batch, shots if training else args.shots or 0, len(queries),
+                                  training, processor, family, kind, sample, icds)
     return figures
 
 
 def plan_times(args, model, rows, batch, shots, n, training, processor, family, kind, sample, icds):
     """Print (and --plan-json) the run's time on --accelerator, bound and expected (roofline): one query's time to
     the first token and per generated token at batch 1 and at the run's batch (an evaluation's prompt; a training's
-    teacher row), and the run's hours by phase. Rows: the sample's, as collated (each batch's image canvas)."""
+    teacher row), and the run's hours by phase. Rows: the sample's, as collated (each batch's image canvas); shots:
+    the run's (an evaluation's 0: zero-shot or an adapter, its student rows)."""
     from lab.studies import roofline, table_plan
     acc, f, new = roofline.accelerator(args.accelerator, args.plan), table_plan.flop_model(model), \
         tasks.spec(args.task).max_new_tokens
@@ -225,7 +226,7 @@ def plan_times(args, model, rows, batch, shots, n, training, processor, family, 
     mean = lambda values: sum(values) / len(values)
     at = {1: (max(one[name].values()), patches(one["images"][name][0])),
           batch: (mean(rows[name].values()), max(map(patches, rows["images"][name])))}
-    images, records = (shots if training or shots else 0) + 1, []
+    images, records = shots + 1, []
     print(roofline.stated(acc))
     for b, (prompt, p) in at.items():
         query = table_plan.query_times(acc, f, b, prompt, images, p, new)
