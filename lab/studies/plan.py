@@ -254,22 +254,23 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     if registry.ANCHORS[args.anchor].teacher is None:
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    per_query = teacher_cache.cache_file_bytes(registry.ANCHORS[args.anchor].teacher, config, sizes, dtype)
+    per_query = teacher_cache.cache_bytes(config, sizes, dtype)  # both tensors: every method's run reads this pass
     total = per_query * n_queries
     folder = args.teacher_cache
     while not os.path.isdir(folder):
         folder = os.path.dirname(os.path.abspath(folder))
     writable = os.access(folder, os.W_OK | os.X_OK)
-    versus = read_or_recompute(folder, per_query, teacher_flops) if teacher_flops and writable else None
+    read = teacher_cache.cache_file_bytes(registry.ANCHORS[args.anchor].teacher, config, sizes, dtype)  # its own
+    versus = read_or_recompute(folder, read, teacher_flops) if teacher_flops and writable else None
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
               f"{n_queries}; it would take {size(total)})")
     else:
         free, text = shutil.disk_usage(folder).free, config.get_text_config()
-        tensor = "logits answer tokens x vocabulary" if registry.ANCHORS[args.anchor].teacher == "logits" else \
-            f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
-        print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
-              f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "
+        tensor = f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size} in {str(dtype).split('.')[-1]}" \
+            " and logits answer tokens x vocabulary in float32, one pass's for every distilling method"
+        print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor}; "
+              f"{size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "
               f"{size(free)} free there"
               + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
               + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))

@@ -302,8 +302,7 @@ def train_work(cfg, w, computes_teacher):
     flops = sum(forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
         2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
     flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
-    output = registry.ANCHORS[cfg.anchor].teacher  # the cached tensor: states, or LIVE's logits
-    cache = teacher_cache.cache_file_bytes(output, w.model.config, teacher_cache.query_tokens(
+    cache = teacher_cache.cache_bytes(w.model.config, teacher_cache.query_tokens(  # states and logits, one pass
         w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
     mean = lambda rows: sum(rows) / max(1, len(rows))
     micro = min(steps * cfg.grad_accum, epochs * math.ceil(len(queries) / cfg.batch_size))
@@ -325,7 +324,7 @@ def eval_work(a, w):
     flops = sum(generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
     prompt, images = sum(prompts) / len(prompts), (a.shots or 0) + 1
     times = lambda batch: eval_times(w.acc, f, batch, len(items), prompt, images, tokens.patches, new)
-    queries = {b: query_times(w.acc, f, b, prompt, images, tokens.patches, new) for b in {1, a.batch_size}}
+    queries = {b: query_times(w.acc, f, b, prompt, images, tokens.patches, new) for b in sorted({1, a.batch_size})}
     if a.vector:
         shots = data.default_shots(tasks.spec(a.task), w.family)
         icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
