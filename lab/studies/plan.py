@@ -260,8 +260,7 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     while not os.path.isdir(folder):
         folder = os.path.dirname(os.path.abspath(folder))
     writable = os.access(folder, os.W_OK | os.X_OK)
-    read = teacher_cache.cache_file_bytes(registry.ANCHORS[args.anchor].teacher, config, sizes, dtype)  # its own
-    versus = read_or_recompute(folder, read, teacher_flops) if teacher_flops and writable else None
+    versus = read_or_recompute(folder, per_query, teacher_flops) if teacher_flops and writable else None
     if args.no_teacher_cache:
         print(f"teacher cache: none (--no-teacher-cache: {args.epochs * n_queries} teacher forwards instead of "
               f"{n_queries}; it would take {size(total)})")
