@@ -64,18 +64,42 @@ def test_a_decoding_step_is_bandwidth_bound_and_a_batch_shares_its_weights():
         roofline.accelerator("h300")
 
 
-def test_idefics2s_image_flops_are_the_counters_at_the_published_size():
-    """table_plan.image_flops of one 640 x 480 image (1,530 patches) against torch's FLOP counter on the published
-    vision tower and connector, built on the meta device (its perceiver at 64 latents: before, charged at every patch,
-    2x the counter), within 10%."""
+def image_side(family, model, height, width):
+    """Run the image side of a published-size `family` model on one image of height x width (meta device): its
+    vision tower and connector as get_image_features runs them, without its data-dependent steps (the meta device
+    has no values: no padding mask, no dropped padding images)."""
+    inner, vision = model.model, model.config.vision_config
+    pixels = torch.zeros(1, 3, height, width, device="meta", dtype=torch.bfloat16)
+    patches = torch.ones(1, height // vision.patch_size, width // vision.patch_size, dtype=torch.bool, device="meta")
+    if family in ("idefics2", "idefics3", "smolvlm"):
+        states = inner.vision_model(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
+        return inner.connector(states, **({"attention_mask": patches.view(1, -1)} if family == "idefics2" else {}))
+    if family == "idefics":
+        return inner.perceiver_resampler(inner.vision_model(pixels).last_hidden_state)
+    states = inner.vision_tower(pixel_values=pixels).last_hidden_state
+    if family == "internvl3":  # its class token dropped, then the pixel shuffle
+        side = int((states.shape[1] - 1) ** 0.5)
+        states = inner.pixel_shuffle(states[:, 1:].reshape(1, side, side, -1), model.config.downsample_ratio)
+        states = states.reshape(1, -1, states.shape[-1])
+    return inner.multi_modal_projector(states)
+
+
+@pytest.mark.parametrize("family", ["idefics2", "idefics", "llava-interleave", "llava-onevision", "internvl3",
+                                    "gemma3", "idefics3", "smolvlm"])
+def test_each_familys_image_flops_are_the_counters_at_the_published_size(family):
+    """table_plan.image_flops of one image against torch's FLOP counter on the published vision tower and connector
+    on the meta device, within 10%: Idefics2's perceiver at its 64 latents (before, charged at every patch: 2x the
+    counter) on a 640 x 480 photograph, the others at their config's image size (a pixel shuffle's merged tokens,
+    Gemma 3's pooled ones). Qwen's towers read their grid's values (not on the meta device): the tiny twins' check,
+    test_table_plan.py."""
     from torch.utils.flop_counter import FlopCounterMode
     import transformers.masking_utils
-    model = published.published_model("idefics2")
-    pixels = torch.zeros(1, 3, 480, 640, device="meta", dtype=torch.bfloat16)
-    patches = torch.ones(1, 480 // 14, 640 // 14, dtype=torch.bool, device="meta")
+    model = published.published_model(family)
+    f = table_plan.flop_model(model)
+    height, width = (480, 640) if family == "idefics2" else table_plan.sides(model.config.vision_config.image_size)
+    patch = table_plan.sides(model.config.vision_config.patch_size)
     no_mask = mock.patch.object(transformers.masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *a, **k: True)
     with no_mask, FlopCounterMode(display=False) as counter:  # no padding: a mask would change no FLOP
-        states = model.model.vision_model(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
-        model.model.connector(states, attention_mask=patches.view(1, -1))
-    planned = table_plan.image_flops(table_plan.flop_model(model), 34 * 45)
+        image_side(family, model, height, width)
+    planned = table_plan.image_flops(f, (height // patch[0]) * (width // patch[1]))
     assert planned == pytest.approx(counter.get_total_flops(), rel=0.1)
