@@ -70,8 +70,9 @@ def image_side(family, model, height, width):
     has no values: no padding mask, no dropped padding images)."""
     inner, vision = model.model, model.config.vision_config
     pixels = torch.zeros(1, 3, height, width, device="meta", dtype=torch.bfloat16)
-    patches = torch.ones(1, height // vision.patch_size, width // vision.patch_size, dtype=torch.bool, device="meta")
     if family in ("idefics2", "idefics3", "smolvlm"):
+        patches = torch.ones(1, height // vision.patch_size, width // vision.patch_size, dtype=torch.bool,
+                             device="meta")
         states = inner.vision_model(pixel_values=pixels, patch_attention_mask=patches).last_hidden_state
         return inner.connector(states, **({"attention_mask": patches.view(1, -1)} if family == "idefics2" else {}))
     if family == "idefics":
