@@ -4,7 +4,6 @@ peak memory of training and evaluation, and whether reading the cache or recompu
 train.py / evaluate.py --plan: the rows of a sample of the task's queries, encoded by the real processor exactly as
 a run encodes them (data.teacher_batch, data.student_batch), and the model's config on the meta device, give the
 tokens per row, the teacher cache on disk and an estimate of peak accelerator memory; no weights are read."""
-import json
 import os
 import shutil
 import time
@@ -20,6 +19,7 @@ from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.methods import registry
 from lab.run import runs, teacher_cache
+from lab.studies import flops, roofline
 
 @dataclass
 class Settings:
@@ -216,10 +216,9 @@ def plan_times(args, model, rows, batch, shots, n, training, processor, family, 
     the first token and per generated token at batch 1 and at the run's batch (an evaluation's prompt; a training's
     teacher row), and the run's hours by phase. Rows: the sample's, as collated (each batch's image canvas); shots:
     the run's (an evaluation's 0: zero-shot or an adapter, its student rows)."""
-    from lab.studies import roofline, table_plan
-    acc, f, new = roofline.accelerator(args.accelerator, args.plan), table_plan.flop_model(model), \
+    acc, f, new = roofline.accelerator(args.accelerator, args.plan), flops.flop_model(model), \
         tasks.spec(args.task).max_new_tokens
-    patch = table_plan.sides(model.config.vision_config.patch_size)
+    patch = flops.sides(model.config.vision_config.patch_size)
     name = "teacher" if shots else "student"
     patches = lambda s: s["patches"] or (s["pixels"][0] // patch[0]) * (s["pixels"][1] // patch[1])
     one = plan_rows(processor, family, kind, sample[:1], icds[:1], 1)  # a query alone: its own image canvas
@@ -229,20 +228,20 @@ def plan_times(args, model, rows, batch, shots, n, training, processor, family, 
     images, records = shots + 1, []
     print(roofline.stated(acc))
     for b, (prompt, p) in at.items():
-        query = table_plan.query_times(acc, f, b, prompt, images, p, new)
+        query = roofline.query_times(acc, f, b, prompt, images, p, new)
         if training:
             micro = runs.epoch_steps(n, b, 1) * args.epochs
-            times = table_plan.train_times(acc, f, b, micro, n, prompt, mean(rows["student"].values()),
-                                           args.epochs * args.n_heldout, shots, p, mean(rows["answers"].values()))
+            times = roofline.train_times(acc, f, b, micro, n, prompt, mean(rows["student"].values()),
+                                         args.epochs * args.n_heldout, shots, p, mean(rows["answers"].values()))
         else:
-            times = table_plan.eval_times(acc, f, b, n, prompt, images, p, new)
+            times = roofline.eval_times(acc, f, b, n, prompt, images, p, new)
         hours = sum(times.values(), roofline.ZERO) * (1 / 3600)
-        print(f"one query, bound / expected: {table_plan.query_line(query, b)}; the run at batch {b}: "
+        print(f"one query, bound / expected: {roofline.query_line(query, b)}; the run at batch {b}: "
               + ", ".join(f"{k} {t.bound / 3600:.3g} / {t.expected / 3600:.3g} h" for k, t in times.items()))
-        records.append(table_plan.run_record("train.py" if training else "evaluate.py", args.task,
-                                             getattr(args, "method", None), shots, b, query, hours))
+        records.append(roofline.run_record("train.py" if training else "evaluate.py", args.task,
+                                           getattr(args, "method", None), shots, b, query, hours))
     if args.plan_json:
-        table_plan.write_json(args.plan_json, acc, records, hours * 3600)  # the run's, at its own batch (last)
+        roofline.write_json(args.plan_json, acc, records, hours * 3600)  # the run's, at its own batch (last)
     return records
 
 

@@ -6,9 +6,14 @@ bound. It is expected to take max(F / (c P), Q / (b W)) + o x (layers it runs): 
 transformers forward achieves, and o, the host's time a layer costs (kernel launches, Python), are the two constants
 fitted per accelerator (Accelerator.fitted names the measurements); b, the share of the bandwidth a weight read
 achieves, is the same for every accelerator (BANDWIDTH_SHARE)."""
+import json
+import math
 from collections import namedtuple
 
 import torch
+
+from lab.disk import files
+from lab.studies import flops
 
 Accelerator = namedtuple("Accelerator", "name flops bandwidth compute overhead fitted")
 
@@ -75,3 +80,65 @@ def stated(acc):
             f"bound max(FLOPs / peak, bytes / bandwidth); expected max(FLOPs / ({acc.compute:.3g} x peak), bytes / "
             f"({BANDWIDTH_SHARE} x bandwidth)) + {acc.overhead * 1e3:.3g} ms a layer run ({acc.fitted}); "
             "lab/studies/roofline.py")
+
+
+def prefill(acc, f, batch, tokens, images, patches, logits=1, passes=1):
+    """Time (Time) of a forward (passes=2: and its backward) of `batch` rows of `tokens` tokens holding
+    `images` images each."""
+    return forward(acc, passes * batch * flops.forward_flops(f, tokens, images, logits, patches),
+                            passes * flops.moved(f, batch, tokens, images, patches),
+                            f["layers"] + (f["image_layers"] if images else 0), passes)
+
+
+def step(acc, f, batch, past):
+    """Time of one generated token of `batch` rows over a cache of `past` tokens."""
+    return forward(acc, batch * flops.step_flops(f, past), flops.moved(f, batch, 1, 0, 0, past), f["layers"])
+
+
+def answer(acc, f, batch, prompt, images, patches, new):
+    """Time of answering a batch of prompts: the prefill, then `new` generated tokens."""
+    return sum((step(acc, f, batch, prompt + k) for k in range(new)), prefill(acc, f, batch, prompt, images, patches))
+
+
+def query_times(acc, f, batch, prompt, images, patches, new):
+    """One query's time to the first token (its batch's prefill) and a generated token's (the cache half-grown)."""
+    return {"ttft": prefill(acc, f, batch, prompt, images, patches), "per_token": step(acc, f, batch,
+                                                                                        prompt + new // 2)}
+
+
+def train_times(acc, f, batch, micro_batches, n, teacher, student, heldout, shots, patches, answer):
+    """A training's time by phase: "teacher" (its passes over the n queries, in batches; teacher: their mean tokens,
+    0: it reads another run's cache), "training" (micro_batches forwards and backwards of the student at its mean
+    tokens, logits at the answer's, and `heldout` held-out forwards)."""
+    k = math.ceil(n / batch)
+    return {"teacher": prefill(acc, f, batch, teacher, shots + 1, patches, 0) * k if teacher else ZERO,
+            "training": prefill(acc, f, batch, student, 1, patches, answer + 1, passes=2) * micro_batches +
+            prefill(acc, f, batch, student, 1, patches) * math.ceil(heldout / batch)}
+
+
+def eval_times(acc, f, batch, n, prompt, images, patches, new):
+    """An evaluation's time by phase, its n items in batches of `batch` at the mean prompt: "prefill" and "decoding"
+    (`new` tokens, the most the task generates)."""
+    k = math.ceil(n / batch)
+    return {"prefill": prefill(acc, f, batch, prompt, images, patches) * k,
+            "decoding": sum((step(acc, f, batch, prompt + j) for j in range(new)), ZERO) * k}
+
+
+def run_record(script, task, method, shots, batch, query, hours):
+    """One entry of the plan's JSON: a run at one batch size, its query's times (None: a training) and hours."""
+    ms = lambda key: query[key].json(1e-3) if query else None
+    return {"script": script, "task": task, "method": method, "shots": shots, "batch": batch,
+            "ttft_ms": ms("ttft"), "per_token_ms": ms("per_token"), "hours": hours.json(3600)}
+
+
+def query_line(query, batch):
+    """The plan's words for one query's times at `batch`."""
+    pair = lambda t: f"{t.bound * 1e3:.3g} / {t.expected * 1e3:.3g} ms"
+    return f"batch {batch}: to the first token {pair(query['ttft'])}, a generated token {pair(query['per_token'])}"
+
+
+def write_json(path, acc, runs, hours):
+    """--plan-json: the plan's times ({"accelerator", "runs", "hours"}: docs/efficiency.md), written atomically."""
+    text = json.dumps({"accelerator": acc.name, "runs": runs, "hours": hours.json(3600)}, indent=1)
+    files.atomic_write(path, lambda f: f.write(text.encode()))
+    print(f"plan's times written to {path}")

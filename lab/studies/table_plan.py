@@ -4,17 +4,7 @@ forwards), backbone loads, peak memory per cell (plan.memory), disk, and the tim
 default) from the FLOPs and bytes of each forward at the run's batch size (roofline.py: a bound and an expected time),
 by phase, in total and per --gpus. No weights are read: the processor and a
 meta-device model (plan.plan_backbone), the data's files and one image for the tokens an image stands for.
-
-Time model (stated in the output): a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers,
-4 x layers x heads x head size x T^2 for attention (as torch's FLOP counter counts SDPA, unmasked), 2 x width x
-vocabulary at each position whose logits are computed, and per image 2 x (vision tower and connector parameters) x
-patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', or Qwen's grid; a connector after a
-merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; Qwen2.5-VL's windowed vision
-layers counted as full attention, an upper bound); a training step's student is a forward and a backward of about
-the same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
-cache. Bytes (moved): the weights a forward runs read once, the KV cache read and written, the activations written and
-read once. Checked against torch.utils.flop_counter on the tiny twins (tests/lab/studies/test_table_plan.py)."""
-import json
+FLOPs and bytes: lab/studies/flops.py; time: lab/studies/roofline.py."""
 import math
 import os
 
@@ -22,167 +12,12 @@ import torch
 
 import data
 import model as M
-from lab.disk import files
 from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import plan, roofline
-
-VISION_PARTS = ("vision", "visual", "connector", "projector", "resampler")  # the image side's modules, by name
-MERGED = ("merger", "connector", "projector")  # what runs after a merge of patches into image tokens, by name
-
-
-def merge_share(config):
-    """The image tokens a vision patch becomes where the model merges patches before its connector (Qwen's 2 x 2
-    merger: 1/4; InternVL's pixel shuffle, downsample_ratio 0.5: 1/4; Idefics3's, scale_factor 2: 1/4); else 1."""
-    merge = getattr(config.vision_config, "spatial_merge_size", None)
-    if merge:
-        return 1 / merge ** 2
-    if getattr(config, "downsample_ratio", None):
-        return config.downsample_ratio ** 2
-    return 1 / config.scale_factor ** 2 if getattr(config, "scale_factor", None) else 1
-
-
-def flop_model(model):
-    """What forward_flops needs of a model (meta device is enough): decoder-layer parameters, attention sizes, the LM
-    head's width x vocabulary, the image side's parameters (the children of model.model named by VISION_PARTS; those
-    of its modules named by MERGED apart, with the share of a patch they see, merge_share) and its layers, width and
-    patches (the config's image size)."""
-    text, vision = model.config.get_text_config(), model.config.vision_config
-    layers, heads, head_dim = M.attention_shape(model)
-    count = lambda named: sum(p.numel() for n, child in named for p in child.parameters())
-    image = [(n, c) for n, c in model.model.named_children() if any(part in n for part in VISION_PARTS)]
-    share = merge_share(model.config)
-    merged = [] if share == 1 else [(n, m) for n, m in model.model.named_modules() if n.split(".")[0] in dict(image)
-                                    and any(part in n.split(".")[-1] for part in MERGED)]
-    merged = [(n, m) for n, m in merged if not any(n.startswith(o + ".") for o, _ in merged)]  # outermost only
-    resampler = [(n, m) for n, m in model.model.named_modules() if n.split(".")[-1] == "perceiver_resampler"]
-    keys = [(n, m) for _, r in resampler for n, m in r.named_modules() if n.split(".")[-1] in ("k_proj", "v_proj")]
-    perceiver = getattr(model.config, "perceiver_config", None)
-    vision_layers = getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)
-    vision_width = getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)
-    return {"decoder": count((n, c) for n, c in model.get_decoder().named_children()
-                             if n in ("layers", "gated_cross_attn_layers")),
-            "layers": layers, "heads": heads, "attention": layers * heads * head_dim,
-            "head": text.hidden_size * text.vocab_size, "vision": count(image) - count(merged) - count(resampler),
-            "merged": count(merged), "merge_share": share,
-            "parameters_image": count(image), "resampler_keys": count(keys), "resampler": count(resampler) - count(keys),
-            "latents": perceiver.resampler_n_latents if resampler else 0,
-            "resampler_attention": perceiver.resampler_depth * perceiver.resampler_n_heads *
-            perceiver.resampler_head_dim if resampler else 0,
-            "vision_attention": vision_layers * vision_width, "vision_layers": vision_layers,
-            "vision_width": vision_width, "image_layers": vision_layers + (perceiver.resampler_depth if resampler else 0),
-            "kv": layers * (getattr(text, "num_key_value_heads", None) or heads) * head_dim,
-            "activation": layers * (3 * text.intermediate_size + 5 * text.hidden_size),
-            "patches": math.prod(size // patch for size, patch in zip(sides(getattr(vision, "image_size", 0)),
-                                                                        sides(vision.patch_size)))}
-
-
-def sides(size):
-    """(height, width) of a config's size: one number (both sides) or a pair (InternVL's [448, 448])."""
-    return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-
-
-def forward_flops(f, tokens, images, logits=1, patches=None):
-    """FLOPs of one forward over `tokens` tokens holding `images` images of `patches` patches each (None: the
-    config's image size), computing logits at `logits` positions (the time model in the module's docstring)."""
-    return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + \
-        images * image_flops(f, patches or f["patches"])
-
-
-def image_flops(f, patches):
-    """FLOPs of one image of `patches` vision patches, as its towers compute them: the vision tower and a connector
-    at every patch, a connector after a merge of patches at the merged tokens (merge_share), a perceiver resampler
-    at its latents (its keys and values over the patches and the latents, its queries and MLP over the latents)."""
-    tower = 2 * (f["vision"] + f["merged"] * f["merge_share"]) * patches + 4 * f["vision_attention"] * patches ** 2
-    context = patches + f["latents"]
-    return tower + 2 * f["resampler_keys"] * context + 2 * f["resampler"] * f["latents"] + \
-        4 * f["resampler_attention"] * f["latents"] * context
-
-
-def step_flops(f, past):
-    """FLOPs of one generated token: a one-token forward over a cache of `past` tokens."""
-    return 2 * f["decoder"] + 4 * f["attention"] * past + 2 * f["head"]
-
-
-def generate_flops(f, prompt, images, new, patches=None):
-    """FLOPs of answering one prompt: its forward, then `new` tokens, each a one-token forward over the cache."""
-    return forward_flops(f, prompt, images, 1, patches) + sum(step_flops(f, prompt + k) for k in range(new))
-
-
-def moved(f, batch, tokens, images, patches, past=0, b=2):
-    """Bytes a forward of `batch` rows of `tokens` new tokens (`images` images of `patches` patches each, a cache of
-    `past` tokens before them) moves, in `b`-byte values: the weights it runs read once (the image side's only with
-    images), the KV cache read and written, each decoder layer's activations B T (3 i + 5 d) and each vision layer's
-    12 d_v a patch written and read once."""
-    weights = f["decoder"] + f["head"] + (f["parameters_image"] if images else 0)
-    rows = 2 * f["kv"] * (past + tokens) + f["activation"] * tokens + images * patches * 12 * f["vision_attention"]
-    return b * (weights + batch * rows)
-
-
-def prefill(acc, f, batch, tokens, images, patches, logits=1, passes=1):
-    """Time (roofline.Time) of a forward (passes=2: and its backward) of `batch` rows of `tokens` tokens holding
-    `images` images each."""
-    return roofline.forward(acc, passes * batch * forward_flops(f, tokens, images, logits, patches),
-                            passes * moved(f, batch, tokens, images, patches),
-                            f["layers"] + (f["image_layers"] if images else 0), passes)
-
-
-def step(acc, f, batch, past):
-    """Time of one generated token of `batch` rows over a cache of `past` tokens."""
-    return roofline.forward(acc, batch * step_flops(f, past), moved(f, batch, 1, 0, 0, past), f["layers"])
-
-
-def answer(acc, f, batch, prompt, images, patches, new):
-    """Time of answering a batch of prompts: the prefill, then `new` generated tokens."""
-    return sum((step(acc, f, batch, prompt + k) for k in range(new)), prefill(acc, f, batch, prompt, images, patches))
-
-
-def query_times(acc, f, batch, prompt, images, patches, new):
-    """One query's time to the first token (its batch's prefill) and a generated token's (the cache half-grown)."""
-    return {"ttft": prefill(acc, f, batch, prompt, images, patches), "per_token": step(acc, f, batch,
-                                                                                        prompt + new // 2)}
-
-
-def train_times(acc, f, batch, micro_batches, n, teacher, student, heldout, shots, patches, answer):
-    """A training's time by phase: "teacher" (its passes over the n queries, in batches; teacher: their mean tokens,
-    0: it reads another run's cache), "training" (micro_batches forwards and backwards of the student at its mean
-    tokens, logits at the answer's, and `heldout` held-out forwards)."""
-    k = math.ceil(n / batch)
-    return {"teacher": prefill(acc, f, batch, teacher, shots + 1, patches, 0) * k if teacher else roofline.ZERO,
-            "training": prefill(acc, f, batch, student, 1, patches, answer + 1, passes=2) * micro_batches +
-            prefill(acc, f, batch, student, 1, patches) * math.ceil(heldout / batch)}
-
-
-def eval_times(acc, f, batch, n, prompt, images, patches, new):
-    """An evaluation's time by phase, its n items in batches of `batch` at the mean prompt: "prefill" and "decoding"
-    (`new` tokens, the most the task generates)."""
-    k = math.ceil(n / batch)
-    return {"prefill": prefill(acc, f, batch, prompt, images, patches) * k,
-            "decoding": sum((step(acc, f, batch, prompt + j) for j in range(new)), roofline.ZERO) * k}
-
-
-def run_record(script, task, method, shots, batch, query, hours):
-    """One entry of the plan's JSON: a run at one batch size, its query's times (None: a training) and hours."""
-    ms = lambda key: query[key].json(1e-3) if query else None
-    return {"script": script, "task": task, "method": method, "shots": shots, "batch": batch,
-            "ttft_ms": ms("ttft"), "per_token_ms": ms("per_token"), "hours": hours.json(3600)}
-
-
-def query_line(query, batch):
-    """The plan's words for one query's times at `batch`."""
-    pair = lambda t: f"{t.bound * 1e3:.3g} / {t.expected * 1e3:.3g} ms"
-    return f"batch {batch}: to the first token {pair(query['ttft'])}, a generated token {pair(query['per_token'])}"
-
-
-def write_json(path, acc, runs, hours):
-    """--plan-json: the plan's times ({"accelerator", "runs", "hours"}: docs/efficiency.md), written atomically."""
-    text = json.dumps({"accelerator": acc.name, "runs": runs, "hours": hours.json(3600)}, indent=1)
-    files.atomic_write(path, lambda f: f.write(text.encode()))
-    print(f"plan's times written to {path}")
-
+from lab.studies import flops, plan, roofline
 
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
@@ -196,7 +31,7 @@ class Tokens:
         piece, = data.query_pieces(processor, family, kind, [reference])
         (whole, _), = teacher_cache.query_sizes([piece])
         self.image = whole - self.count(data.prompt_text(kind, reference) + self.answer(reference))
-        crops, (height, width) = piece["images"]["pixel_values"], sides(patch)
+        crops, (height, width) = piece["images"]["pixel_values"], flops.sides(patch)
         crops = crops.reshape(-1, *crops.shape[-3:]) if torch.is_tensor(crops) else crops  # Idefics: one tensor
         self.patches = int(piece["images"]["image_grid_thw"].prod(-1).sum()) if "image_grid_thw" in piece["images"] \
             else sum((c.shape[-2] // height) * (c.shape[-1] // width) for c in crops)
@@ -229,7 +64,7 @@ class Work:
         self.args, self.family, self.memo = args, family, {}
         self.processor, self.model, self.images, self.source, _ = plan.plan_backbone(
             args.model, family, args.image_splitting, args.processor)
-        self.f, self.params = flop_model(self.model), sum(p.numel() for p in self.model.parameters())
+        self.f, self.params = flops.flop_model(self.model), sum(p.numel() for p in self.model.parameters())
         self.dtype = plan.backbones.autocast_dtype(args.plan)
         self.acc = roofline.accelerator(args.accelerator, args.plan)
 
@@ -299,18 +134,18 @@ def train_work(cfg, w, computes_teacher):
     steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
     epochs = math.ceil(steps / per_epoch)
     p = tokens.patches
-    flops = sum(forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
-        2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
-    flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
+    count = sum(flops.forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
+        2 * flops.forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
+    count += epochs * sum(flops.forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
     cache = teacher_cache.cache_bytes(w.model.config, teacher_cache.query_tokens(  # states and logits, one pass
         w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
     mean = lambda rows: sum(rows) / max(1, len(rows))
     micro = min(steps * cfg.grad_accum, epochs * math.ceil(len(queries) / cfg.batch_size))
     answer = mean([tokens.count(tokens.answer(q)) for q in queries])
-    times = train_times(w.acc, f, cfg.batch_size, micro, len(queries), mean(teacher), mean(student),
-                        epochs * len(heldout), shots, p, round(answer))
+    times = roofline.train_times(w.acc, f, cfg.batch_size, micro, len(queries), mean(teacher), mean(student),
+                                 epochs * len(heldout), shots, p, round(answer))
     return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher), "times": times,
-            "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries),
+            "heldout_forwards": epochs * len(heldout), "flops": count, "queries": len(queries),
             "teacher_cache_bytes": cache, "adapter_bytes": 4 * w.adapter(cfg)}
 
 
@@ -321,21 +156,22 @@ def eval_work(a, w):
     (items, support), tokens, new, f = w.items(a), w.tokens(a.task), tasks.spec(a.task).max_new_tokens, w.f
     icds = data.demonstrations([it.id for it in items], support, a.shots, a.seed) if a.shots else [[] for _ in items]
     prompts = [tokens.row(it, d, False) for it, d in zip(items, icds)]
-    flops = sum(generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
+    count = sum(flops.generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
     prompt, images = sum(prompts) / len(prompts), (a.shots or 0) + 1
-    times = lambda batch: eval_times(w.acc, f, batch, len(items), prompt, images, tokens.patches, new)
-    queries = {b: query_times(w.acc, f, b, prompt, images, tokens.patches, new) for b in sorted({1, a.batch_size})}
+    times = lambda batch: roofline.eval_times(w.acc, f, batch, len(items), prompt, images, tokens.patches, new)
+    queries = {b: roofline.query_times(w.acc, f, b, prompt, images, tokens.patches, new)
+               for b in sorted({1, a.batch_size})}
     if a.vector:
         shots = data.default_shots(tasks.spec(a.task), w.family)
         icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
         forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
-        flops += forwards * forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * f["layers"] * \
-            forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
-        extraction = prefill(w.acc, f, 1, icl, shots + 1, tokens.patches) * forwards + prefill(
+        count += forwards * flops.forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * \
+            f["layers"] * flops.forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
+        extraction = roofline.prefill(w.acc, f, 1, icl, shots + 1, tokens.patches) * forwards + roofline.prefill(
             w.acc, f, 1, tokens.row(items[0], [], True), 1, tokens.patches) * (a.vector_heldout * f["layers"])
         times = lambda batch, plain=times: plain(batch) | {"prefill": plain(batch)["prefill"] + extraction}
     return {"items": len(items), "prompt_tokens": sum(prompts), "generated_at_most": new * len(items),
-            "flops": flops, "times": times(a.batch_size), "at_batch": {b: times(b) for b in queries},
+            "flops": count, "times": times(a.batch_size), "at_batch": {b: times(b) for b in queries},
             "queries": queries}
 
 
@@ -378,11 +214,12 @@ def plan_table(args, table, jobs, parsers):
         print(f"  {job.script} {what}; peak ~{size(w.memory(a, training))}; {work['flops']:.3g} FLOPs = "
               f"{hours[job.argv].bound:.3g} / {hours[job.argv].expected:.3g} h")
         if training:
-            records.append(run_record(job.script, a.task, method, a.shots, a.batch_size, None, hours[job.argv]))
+            records.append(roofline.run_record(job.script, a.task, method, a.shots, a.batch_size, None,
+                                               hours[job.argv]))
         for b, query in ({} if training else work["queries"]).items():
-            print(f"    one query, bound / expected: {query_line(query, b)}")
+            print(f"    one query, bound / expected: {roofline.query_line(query, b)}")
             at = sum(work["at_batch"][b].values(), roofline.ZERO) * (1 / 3600)
-            records.append(run_record(job.script, a.task, method, a.shots or 0, b, query, at))
+            records.append(roofline.run_record(job.script, a.task, method, a.shots or 0, b, query, at))
     gpus = len(args.gpus.split(",")) if args.gpus else 1
     loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values(), roofline.ZERO)
     longest = max(chain.values(), default=roofline.ZERO, key=lambda t: t.expected)
@@ -402,5 +239,5 @@ def plan_table(args, table, jobs, parsers):
           f"expected) on {w.acc.name}; on {gpus} GPU(s) {wall.bound:.3g} / {wall.expected:.3g} h (the work shared "
           "out, or the longest chain of jobs waiting for each other); time model: lab/studies/table_plan.py")
     if args.plan_json:
-        write_json(args.plan_json, w.acc, records, gpu_hours * 3600)
+        roofline.write_json(args.plan_json, w.acc, records, gpu_hours * 3600)
     return total

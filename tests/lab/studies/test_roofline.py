@@ -1,4 +1,4 @@
-"""The plan's time on a GPU (lab/studies/roofline.py, table_plan's prefill / step): its bound below and its expected
+"""The plan's time on a GPU (lab/studies/roofline.py, roofline.prefill / step): its bound below and its expected
 time within 1.5x of the published measurements of one Idefics2-8B VQAv2 query (issue 61), on COCO-size photographs
 and the real-processor twin's processor, no weights; the image FLOPs against torch's FLOP counter at the published
 size on the meta device."""
@@ -12,7 +12,7 @@ import evaluate
 from memory_twins import write_photos
 from twins import write_twin
 from lab.models import published
-from lab.studies import roofline, table_plan
+from lab.studies import flops, roofline
 
 STAVE = {0: (98e-3, 23.9e-3), 8: (1430e-3, 23.9e-3)}  # H200, batch 1: to the first token, a generated token
 TABLE6 = {0: 56.69e-3, 8: 158.21e-3}                  # the paper's Table 6, a query (read as at batch 1 on an H100)
@@ -55,10 +55,10 @@ def test_the_papers_table6_is_the_plan_of_one_query_on_an_h100(setting, shots, t
 def test_a_decoding_step_is_bandwidth_bound_and_a_batch_shares_its_weights():
     """A generated token reads every weight once: ~14.2 GB for Idefics2-8B's decoder in bf16, ~3 ms on an H200; eight
     queries share that read (the step at batch 8 well under 8 steps at batch 1)."""
-    f, acc = table_plan.flop_model(published.published_model("idefics2")), roofline.ACCELERATORS["h200"]
-    assert 14.0e9 < table_plan.moved(f, 1, 1, 0, 0, 100) < 14.5e9
-    one, eight = table_plan.step(acc, f, 1, 100), table_plan.step(acc, f, 8, 100)
-    assert one.bound == pytest.approx(table_plan.moved(f, 1, 1, 0, 0, 100) / 4.8e12)
+    f, acc = flops.flop_model(published.published_model("idefics2")), roofline.ACCELERATORS["h200"]
+    assert 14.0e9 < flops.moved(f, 1, 1, 0, 0, 100) < 14.5e9
+    one, eight = roofline.step(acc, f, 1, 100), roofline.step(acc, f, 8, 100)
+    assert one.bound == pytest.approx(flops.moved(f, 1, 1, 0, 0, 100) / 4.8e12)
     assert eight.expected < 1.1 * one.expected and 2.9e-3 < one.bound < 3.1e-3
     with pytest.raises(ValueError, match="--accelerator h300: not one the plan knows"):
         roofline.accelerator("h300")
@@ -88,7 +88,7 @@ def image_side(family, model, height, width):
 @pytest.mark.parametrize("family", ["idefics2", "idefics", "llava-interleave", "llava-onevision", "internvl3",
                                     "gemma3", "idefics3", "smolvlm"])
 def test_each_familys_image_flops_are_the_counters_at_the_published_size(family):
-    """table_plan.image_flops of one image against torch's FLOP counter on the published vision tower and connector
+    """flops.image_flops of one image against torch's FLOP counter on the published vision tower and connector
     on the meta device, within 10%: Idefics2's perceiver at its 64 latents (before, charged at every patch: 2x the
     counter) on a 640 x 480 photograph, the others at their config's image size (a pixel shuffle's merged tokens,
     Gemma 3's pooled ones). Qwen's towers read their grid's values (not on the meta device): the tiny twins' check,
@@ -96,11 +96,11 @@ def test_each_familys_image_flops_are_the_counters_at_the_published_size(family)
     from torch.utils.flop_counter import FlopCounterMode
     import transformers.masking_utils
     model = published.published_model(family)
-    f = table_plan.flop_model(model)
-    height, width = (480, 640) if family == "idefics2" else table_plan.sides(model.config.vision_config.image_size)
-    patch = table_plan.sides(model.config.vision_config.patch_size)
+    f = flops.flop_model(model)
+    height, width = (480, 640) if family == "idefics2" else flops.sides(model.config.vision_config.image_size)
+    patch = flops.sides(model.config.vision_config.patch_size)
     no_mask = mock.patch.object(transformers.masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *a, **k: True)
     with no_mask, FlopCounterMode(display=False) as counter:  # no padding: a mask would change no FLOP
         image_side(family, model, height, width)
-    planned = table_plan.image_flops(f, (height // patch[0]) * (width // patch[1]))
+    planned = flops.image_flops(f, (height // patch[0]) * (width // patch[1]))
     assert planned == pytest.approx(counter.get_total_flops(), rel=0.1)

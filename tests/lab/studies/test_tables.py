@@ -235,7 +235,7 @@ def test_a_table_does_each_piece_of_work_once_and_a_second_run_does_none(rehears
     assert first.work["backbone_loads"] == 1 and again.work["backbone_loads"] == 1
     # the teacher of a task: once for Hyper-ICL, MimIC (states) and LIVE (logits) alike; 3 tasks x 2 queries
     assert set(first.teacher.values()) == {1} and first.work["teacher_passes"] == 3 * 2
-    assert {output for _, output in first.teacher} == {"states"}  # LIVE read the logits of the states' pass
+    assert len(first.teacher) == 3 * 2  # one pass a query, whichever method ran it (LIVE, the first): the others read
     assert first.work["steps"] == 5 * 3  # LoRA, LIVE, MimIC, Hyper-ICL, HiFICL on 3 tasks: 2 queries, 1 step each
     assert first.work["items"] == 10 * 3 * 2  # every cell evaluated once, on 2 items
     for name in ("1", "8"):
