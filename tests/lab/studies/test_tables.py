@@ -338,7 +338,7 @@ def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, ca
     assert {k: planned[k] for k in counts} == {k: ran.work[k] for k in counts}
     assert ran.work["generated"] <= planned["generated_at_most"] and not (tmp_path / "plan").exists()
     out = capsys.readouterr().out
-    assert "GPU-hours on an H200" in out and "peak ~" in out and "disk: teacher caches" in out
+    assert "GPU-hours (bound / expected) on an H200 SXM" in out and "peak ~" in out and "disk: teacher caches" in out
 
 
 def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column(rehearsal, tmp_path, monkeypatch):
