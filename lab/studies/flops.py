@@ -1,15 +1,17 @@
-"""The work of a forward without running it: its FLOPs and the bytes it moves, from the model's sizes (flop_model,
-on the meta device is enough).
+"""The work of a forward without running it, from the model's sizes (flop_model: the meta device is enough): its
+FLOPs and the bytes it moves (roofline.py turns them into time).
 
-a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers,
-4 x layers x heads x head size x T^2 for attention (as torch's FLOP counter counts SDPA, unmasked), 2 x width x
-vocabulary at each position whose logits are computed, and per image 2 x (vision tower and connector parameters) x
-patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', or Qwen's grid; a connector after a
-merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; Qwen2.5-VL's windowed vision
-layers counted as full attention, an upper bound); a training step's student is a forward and a backward of about
-the same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
-cache. Bytes (moved): the weights a forward runs read once, the KV cache read and written, the activations written and
-read once. Checked against torch.utils.flop_counter on the tiny twins (tests/lab/studies/test_table_plan.py)."""
+FLOPs: a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers, 4 x layers x heads x head
+size x T^2 for attention (as torch's FLOP counter counts SDPA, unmasked), 2 x width x vocabulary at each position
+whose logits are computed, and per image what its towers compute (image_flops): 2 x (vision tower and connector
+parameters) x patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', or Qwen's grid; a
+connector after a merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; a perceiver
+resampler at its latents; Qwen2.5-VL's windowed vision layers counted as full attention, an upper bound); a training
+step's student is a forward and a backward of about the same cost (the frozen backbone's weights get no gradient);
+generating a token is a forward of one token over the cache. Bytes (moved): the weights a forward runs read once, the
+KV cache read and written, the activations written and read once. Checked against torch.utils.flop_counter on the
+tiny twins (tests/lab/studies/test_table_plan.py) and on the published vision towers and connectors
+(tests/lab/studies/test_roofline.py)."""
 import math
 
 import model as M

@@ -60,17 +60,18 @@ class Time(namedtuple("Time", "bound expected")):
         return Time(self.bound * k, self.expected * k)
 
     def json(self, unit=1.0):
+        """{"bound", "expected"} in `unit`s of a second (1e-3: ms; 3600: hours)."""
         return {"bound": self.bound / unit, "expected": self.expected / unit}
 
 
 ZERO = Time(0.0, 0.0)
 
 
-def forward(acc, flops, moved, layers, passes=1):
-    """Time of `passes` passes (1: a forward; 2: a forward and its backward) doing `flops` FLOPs and moving `moved`
+def forward(acc, work, moved, layers, passes=1):
+    """Time of `passes` passes (1: a forward; 2: a forward and its backward) doing `work` FLOPs and moving `moved`
     bytes in all, running `layers` layers each pass."""
-    bound = max(flops / acc.flops, moved / acc.bandwidth)
-    compute = max(flops / (acc.flops * acc.compute), moved / (acc.bandwidth * BANDWIDTH_SHARE))
+    bound = max(work / acc.flops, moved / acc.bandwidth)
+    compute = max(work / (acc.flops * acc.compute), moved / (acc.bandwidth * BANDWIDTH_SHARE))
     return Time(bound, compute + passes * layers * acc.overhead)
 
 
@@ -83,11 +84,11 @@ def stated(acc):
 
 
 def prefill(acc, f, batch, tokens, images, patches, logits=1, passes=1):
-    """Time (Time) of a forward (passes=2: and its backward) of `batch` rows of `tokens` tokens holding
-    `images` images each."""
+    """Time of a forward (passes=2: and its backward) of `batch` rows of `tokens` tokens holding `images` images of
+    `patches` patches each, logits at `logits` positions (f: flops.flop_model)."""
     return forward(acc, passes * batch * flops.forward_flops(f, tokens, images, logits, patches),
-                            passes * flops.moved(f, batch, tokens, images, patches),
-                            f["layers"] + (f["image_layers"] if images else 0), passes)
+                   passes * flops.moved(f, batch, tokens, images, patches),
+                   f["layers"] + (f["image_layers"] if images else 0), passes)
 
 
 def step(acc, f, batch, past):
@@ -95,15 +96,10 @@ def step(acc, f, batch, past):
     return forward(acc, batch * flops.step_flops(f, past), flops.moved(f, batch, 1, 0, 0, past), f["layers"])
 
 
-def answer(acc, f, batch, prompt, images, patches, new):
-    """Time of answering a batch of prompts: the prefill, then `new` generated tokens."""
-    return sum((step(acc, f, batch, prompt + k) for k in range(new)), prefill(acc, f, batch, prompt, images, patches))
-
-
 def query_times(acc, f, batch, prompt, images, patches, new):
     """One query's time to the first token (its batch's prefill) and a generated token's (the cache half-grown)."""
-    return {"ttft": prefill(acc, f, batch, prompt, images, patches), "per_token": step(acc, f, batch,
-                                                                                        prompt + new // 2)}
+    return {"ttft": prefill(acc, f, batch, prompt, images, patches),
+            "per_token": step(acc, f, batch, prompt + new // 2)}
 
 
 def train_times(acc, f, batch, micro_batches, n, teacher, student, heldout, shots, patches, answer):
