@@ -2,9 +2,9 @@
 passes, training steps, held-out forwards, evaluation items, prompt and generated tokens, the training vectors'
 forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on --accelerator (an H200 by
 default) from the FLOPs and bytes of each forward at the run's batch size (roofline.py: a bound and an expected time),
-by phase, in total and per --gpus. No weights are read: the processor and a
-meta-device model (plan.plan_backbone), the data's files and one image for the tokens an image stands for.
-FLOPs and bytes: lab/studies/flops.py; time: lab/studies/roofline.py."""
+by phase, in total and per --gpus. No weights are read: the processor and a meta-device model (plan.plan_backbone),
+the data's files and one image for the tokens an image stands for. FLOPs and bytes: lab/studies/flops.py; time:
+lab/studies/roofline.py."""
 import math
 import os
 
