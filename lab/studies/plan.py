@@ -21,6 +21,7 @@ from lab.methods import registry
 from lab.run import runs, teacher_cache
 from lab.studies import flops, roofline
 
+
 @dataclass
 class Settings:
     """The plan's flags of its times (the scripts' Configs gather them: a field = a flag, its comment the help)."""
