@@ -75,10 +75,11 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
+    queries = {f.split("-")[0].split(".")[0] for f in cached}  # a query's states and logits: two files, one key
     rows = {"training peak": (trained, plan["memory"]["train"]),
             "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
             "share of a step waiting for its batches": (sum(waiting) / sum(step_times), None),
-            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(cached),
+            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(queries),
                                     plan["cache"] / plan["queries"])}
     adapter = os.path.join(root, "run", "adapter.safetensors")
     for setting, extra, planned in (("0-shot", ["--shots", "0"], "eval_adapter"),
