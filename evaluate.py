@@ -47,14 +47,15 @@ from lab.datasets import api_checks, mme_seed, readers, rices, tasks
 from lab.models import backbones, chunks, families
 from lab.run import checkpoints, feed, torchrun
 from lab.scores import chair, results, test_server
-from lab.studies import analyses, curves, table6, table_runs, vectors
+from lab.studies import analyses, curves, plan, table6, table_runs, vectors
 from lab.cli import eval_cli, modes
 from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
 from lab.datasets.tasks import load_task  # a task's items by split, for predict() from Python (README)
 
 
 @dataclass
-class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Settings, vectors.Settings):
+class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Settings, vectors.Settings,
+             plan.Settings):
     """Every setting of an evaluation; each field an evaluate.py flag, as in train.py's Config (lab/cli/flags.py). The
     other modes' flags are their studies' own Settings, gathered here (lab/cli/modes.py runs those modes)."""
     # what is evaluated, on what

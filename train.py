@@ -84,6 +84,8 @@ class Config:
     workers: int = field(default_factory=feed.default_workers)  # DataLoader workers that prepare batches
     plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
     processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
+    accelerator: str = "h200"         # --plan: the GPU its times are for (lab/studies/roofline.py); cuda: here's
+    plan_json: Optional[str] = None   # --plan: also write its times to this file as JSON
     benchmark: bool = False            # time the run with and without teacher reuse
     build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
     build_tries: int = 3               # its seeds to try (--seed, --seed + 1, ...)
@@ -147,18 +149,23 @@ def run_teacher(backbone, batch, output="states"):
     """The frozen teacher, no adapter, on a teacher batch [ICDs; query + target] (data.teacher_batch): per row, its
     states [L, T_q, d] at the query + target tokens, every decoder layer's own output h'^(l) (Eq 12-16; the student
     reads the same tokens); output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in
-    float32. On the backbone's device."""
+    float32; "both": {"states", "logits"} of each row from the one forward (what the loop caches, so that every
+    distilling method of a task reads the teacher's one pass). On the backbone's device."""
     device = backbone.model.device
     batch = backbones.to_device(batch, device)
     with M.without_adapter(backbone.model), backbones.autocast(device):
-        if output == "logits":
-            logits, labels = M.target_logits(backbone.model, batch)
-            answer = M.answer_positions(labels)
-            return [logits[b, answer[b]].float() for b in range(len(answer))]
-        inputs = {**data.model_inputs(batch), "logits_to_keep": 1, "use_cache": False}  # no logits, no KV cache
-        kept = M.layer_outputs(backbone.model, keep=batch["query_target"], **inputs)[1]  # L x [sum of T_q, d]
-    ends = batch["query_target"].sum(1).cumsum(0).tolist()
-    return [torch.stack([h[end - n:end] for h in kept]) for end, n in zip(ends, batch["query_target"].sum(1).tolist())]
+        if output == "states":  # no logits, no KV cache
+            inputs = {**data.model_inputs(batch), "logits_to_keep": 1, "use_cache": False}
+            kept = M.layer_outputs(backbone.model, keep=batch["query_target"], **inputs)[1]  # L x [sum of T_q, d]
+        else:  # the logits of the answer window, the states beside them
+            (logits, labels), kept = M.layer_outputs(backbone.model, lambda: M.target_logits(backbone.model, batch),
+                                                     keep=batch["query_target"])
+            answers = [logits[b, a].float() for b, a in enumerate(M.answer_positions(labels))]
+            if output == "logits":
+                return answers
+    ends, sizes = batch["query_target"].sum(1).cumsum(0).tolist(), batch["query_target"].sum(1).tolist()
+    states = [torch.stack([h[end - n:end] for h in kept]) for end, n in zip(ends, sizes)]
+    return states if output == "states" else [{"states": s, "logits": a} for s, a in zip(states, answers)]
 
 
 # --------------------------------------------------------------------------------------------------------- the loop
@@ -178,7 +185,7 @@ def train(cfg, load=None):
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))
-    kind, output = tasks.spec(cfg.task).kind, registry.ANCHORS[cfg.anchor].teacher  # output: the teacher's (or None)
+    kind = tasks.spec(cfg.task).kind
     # the adapter (identity at its start: Eq 5-8), AdamW, linear warm-up then cosine decay to 0 (Section 4.1)
     sizes = registry.sizes(cfg.method, cfg.rank, cfg.virtual_tokens)  # --rank, --virtual-tokens: those it takes
     adapter = runs.attached(backbone, cfg.method, sizes)
@@ -194,8 +201,8 @@ def train(cfg, load=None):
                     return runs.finish(run)
                 parts = {}
                 for prepared in step:  # the student's rows, the teacher's states the cache holds, a batch of the rest
-                    # the teacher: each query's states computed once, in the first epoch, then read from the cache
-                    computed = run_teacher(backbone, prepared["teacher"], output) if prepared["teacher"] else []
+                    # the teacher: each query's states and logits computed once, in the first epoch, then cached
+                    computed = run_teacher(backbone, prepared["teacher"], "both") if prepared["teacher"] else []
                     student, h_teacher = micro_batches.pair(run, prepared, computed)  # on the device, aligned
                     part = losses(backbone, cfg, student, h_teacher, run.student_model, run.progress)  # Eq 17
                     (part["loss"] / cfg.grad_accum).backward()

@@ -233,7 +233,7 @@ def micro_batch(backbone, cfg, queries, icds, cache):
     run = SimpleNamespace(backbone=backbone, cfg=cfg, kind=tasks.spec(cfg.task).kind, device="cpu", cache=cache,
                           regime=False)
     prepared = next(micro_batches.prepared(run, [(queries, icds)], workers=0))
-    computed = train.run_teacher(backbone, prepared["teacher"], cache["output"]) if prepared["teacher"] else []
+    computed = train.run_teacher(backbone, prepared["teacher"], "both") if prepared["teacher"] else []
     return micro_batches.pair(run, prepared, computed)
 
 
@@ -242,7 +242,7 @@ def teacher_states(backbone, cfg, queries, icds, cache):
     computed by the teacher and stored where not (lab/run/micro_batches.py)."""
     cache |= {"images": None, "processor": None, "task": cfg.task, "output": "states", "folder": cfg.teacher_cache}
     prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, "vqa", cache), (queries, icds))
-    computed = train.run_teacher(backbone, prepared["teacher"]) if prepared["teacher"] else []  # as the loop runs it
+    computed = train.run_teacher(backbone, prepared["teacher"], "both") if prepared["teacher"] else []  # as the loop
     return micro_batches.stored(cache, prepared, computed, cfg.epochs)
 
 

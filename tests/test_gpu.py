@@ -75,10 +75,11 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
+    queries = {f.split("-")[0].split(".")[0] for f in cached}  # a query's states and logits: two files, one key
     rows = {"training peak": (trained, plan["memory"]["train"]),
             "step time, s (median)": (statistics.median(step_times[1:] or step_times), None),
             "share of a step waiting for its batches": (sum(waiting) / sum(step_times), None),
-            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(cached),
+            "cache bytes a query": (sum(os.path.getsize(os.path.join(cache, f)) for f in cached) / len(queries),
                                     plan["cache"] / plan["queries"])}
     adapter = os.path.join(root, "run", "adapter.safetensors")
     for setting, extra, planned in (("0-shot", ["--shots", "0"], "eval_adapter"),
@@ -164,3 +165,68 @@ def test_hificl_and_mimic_on_cuda_equal_the_float64_reference(cls):
         for want, got in zip(*results):
             seen = torch.isfinite(want)
             assert ((got.double().cpu() - want)[seen].norm() / want[seen].norm()).item() <= 1e-4, (T, S, pad)
+
+
+# The plan's time against a GPU's (issue 61): one Idefics2-8B query (published config, random weights, bf16) at
+# batch 1 and 8, zero-shot and 8-shot, on COCO-size photographs with the real-processor twin's processor.
+def planned_queries(twin, photos):
+    """The plan's query times {(shots, batch): its --plan-json entry} (on a GPU: its own device's figures)."""
+    planned = {}
+    for shots in (0, 8):
+        figures = evaluate.main(["--plan", "cuda", "--model", "idefics2", "--processor", str(twin), "--task", "vqav2",
+                                 "--data-root", photos, "--n-eval", "8", "--batch-size", "8", "--shots", str(shots)])
+        planned |= {(shots, r["batch"]): r for r in figures["times"]}
+    return planned
+
+
+def query_photos(root):
+    return write_twin("idefics2", root / "twin"), write_photos(str(root / "photos"), {"train": 16, "val": 8})
+
+
+def test_the_gpu_query_plan_dry(tmp_path):
+    """The plan side of test_query_times_on_a_gpu, on any machine: four entries, each bound below its expected."""
+    planned = planned_queries(*query_photos(tmp_path))
+    assert sorted(planned) == [(0, 1), (0, 8), (8, 1), (8, 8)]
+    for key, run in planned.items():
+        for what in ("ttft_ms", "per_token_ms"):
+            assert 0 < run[what]["bound"] < run[what]["expected"], (key, what)
+    assert planned[8, 8]["ttft_ms"]["expected"] > planned[8, 1]["ttft_ms"]["expected"]  # a batch's prefill: 8 rows
+
+
+def measure(backbone, batch, new=8):
+    """Seconds to the first token and per generated token of generate on `batch` (CUDA), the median of 3."""
+    def timed(tokens):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        evaluate.generate(backbone, batch, tokens, tokens)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    timed(2)  # warm-up: kernels chosen, memory allocated
+    first = statistics.median(timed(1) for _ in range(3))
+    return first, (statistics.median(timed(new) for _ in range(3)) - first) / (new - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_query_times_on_a_gpu(tmp_path):
+    """Measured time to the first token and per generated token beside the plan's: at or above the roofline bound (a
+    count would be wrong), at most 1.5x the expected time."""
+    import data
+    from lab.datasets import tasks
+    twin, photos = query_photos(tmp_path)
+    planned = planned_queries(twin, photos)
+    processor = backbones.load_backbone(str(twin)).processor
+    backbone = families.ready(published.published_model("idefics2", device="cuda"), processor, "idefics2",
+                              "idefics2 (random weights)", None)
+    items, pool = tasks.load_task("vqav2", "val", photos)[:8], tasks.load_task("vqav2", "train", photos)
+    failures = []
+    for (shots, batch), run in sorted(planned.items()):
+        icds = data.demonstrations([q.id for q in items[:batch]], pool, shots, 0) if shots else None
+        inputs = data.model_inputs(data.prompt_batch(processor, "idefics2", "vqa", items[:batch], icds), "cuda")
+        for what, seconds in zip(("ttft_ms", "per_token_ms"), measure(backbone, inputs)):
+            ms, bound, expected = seconds * 1e3, run[what]["bound"], run[what]["expected"]
+            print(f"{shots}-shot batch {batch} {what}: measured {ms:.1f}, plan bound {bound:.1f} expected "
+                  f"{expected:.1f}")
+            if not bound <= ms <= 1.5 * expected:
+                failures.append((shots, batch, what, ms, bound, expected))
+    assert not failures, failures

@@ -77,22 +77,27 @@ def pair(run, prepared, computed):
 
 
 def stored(cache, prepared, computed, epochs):
-    """prepared["found"]'s tensors (cached_states) with `computed` put where the cache had none and written to it
-    (not with --no-teacher-cache); the hits and misses counted in `cache`. A full disk is an OSError naming the
-    cache's size and folder (teacher_cache.no_room, over --epochs)."""
+    """prepared["found"]'s tensors (cached_states) with the run's tensor of `computed` (train.run_teacher's "both")
+    put where the cache had none, and both tensors written to it (not with --no-teacher-cache), so that a method
+    distilling from the other reads this pass; the hits and misses counted in `cache`. A full disk is an OSError
+    naming the cache's size and folder (teacher_cache.no_room, over --epochs)."""
     queries, found, output = prepared["queries"], prepared["found"], cache["output"]
     states, missing = list(found["states"]), [i for i, s in enumerate(found["states"]) if s is None]
     cache["misses"] += len(missing)
     cache["hits"] += len(queries) - len(missing)
-    for i, s in zip(missing, computed):
-        states[i] = s
+    for i, both in zip(missing, computed):
+        states[i] = both[output]
         if cache["folder"] is not None:
+            key = found["keys"][i]
             try:
-                files.write_cache(found["paths"][i], {output: s.cpu()}, found["keys"][i] + output)
+                for name, tensor in both.items():
+                    files.write_cache(teacher_cache.tensor_file(cache["folder"], key, name), {name: tensor.cpu()},
+                                      key + name)
             except OSError as e:  # a full disk mid-run: the sentence of the room check before the first step
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                room = cache.get("room") or teacher_cache.no_room(
-                    cache["folder"], epochs, s.nbytes * len(missing), len(missing), len(queries))
+                need = sum(t.nbytes for t in both.values()) * len(missing)
+                room = cache.get("room") or teacher_cache.no_room(cache["folder"], epochs, need, len(missing),
+                                                                  len(queries))
                 raise OSError(e.errno, f"{e.strerror} writing {found['paths'][i]}: {room}") from None
     return states

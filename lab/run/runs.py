@@ -135,7 +135,8 @@ def step(run, parts):
     run.progress["step"] += 1
     run.updating = False
     run.bar.update()
-    run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}"})
+    run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}",
+                                                                       "teacher passes": run.cache["misses"]})
     if run.progress["step"] % run.cfg.save_every == 0:
         checkpoints.save_run(run)
     at_boundary(run)

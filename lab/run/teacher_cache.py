@@ -61,11 +61,18 @@ def identity(backbone, task, output, folder):
             "hits": 0, "misses": 0}
 
 
+TENSORS = ("states", "logits")  # what one teacher pass caches of a query: every distilling method reads one of them
+
+
 def teacher_file(cache, query, icds):
     """One query's cache key and file in the cache's folder: its teacher states, or LIVE's answer logits."""
     key = teacher_key(cache["id"], cache["task"], query, icds, cache.get("images"), cache.get("processor"))
-    suffix = "-logits" if cache["output"] == "logits" else ""  # the states' files have none
-    return key, os.path.join(cache["folder"], key + suffix + ".safetensors")
+    return key, tensor_file(cache["folder"], key, cache["output"])
+
+
+def tensor_file(folder, key, output):
+    """The file of one query's teacher tensor `output` (TENSORS), both written by the one pass that computed them."""
+    return os.path.join(folder, key + ("-logits" if output == "logits" else "") + ".safetensors")  # states: none
 
 
 def query_sizes(pieces):
@@ -119,6 +126,11 @@ def image_key(processor):
     return families.splitting_on(processor)
 
 
+def cache_bytes(config, sizes, dtype):
+    """The mean bytes a query's teacher pass caches (both its files, TENSORS) over `sizes` (query_sizes)."""
+    return sum(cache_file_bytes(output, config, sizes, dtype) for output in TENSORS)
+
+
 def cache_file_bytes(output, config, sizes, dtype):
     """The mean bytes of a query's cache file (files.write_cache) over `sizes` (query_sizes): its teacher tensor, states
     [L, T_q, d] in the training dtype or LIVE's logits [answers, vocabulary] in float32, and CACHE_HEADER."""
@@ -138,8 +150,8 @@ def check_cache_room(backbone, kind, queries, icds, cache, epochs):
     if not todo:
         return 0
     sizes = query_tokens(backbone.processor, backbone.family, kind, todo)  # no image loaded
-    per_query = cache_file_bytes(cache["output"], backbone.model.config, sizes,
-                                 backbones.autocast_dtype(next(backbone.model.parameters()).device))
+    per_query = cache_bytes(backbone.model.config, sizes,
+                            backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(cache["folder"]).free
     facts = cache["folder"], epochs, need, len(todo), len(queries)
     cache["room"] = no_room(*facts)  # what a full disk mid-run says (micro_batches.stored)

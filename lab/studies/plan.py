@@ -7,6 +7,8 @@ tokens per row, the teacher cache on disk and an estimate of peak accelerator me
 import os
 import shutil
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,7 +18,16 @@ from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.methods import registry
-from lab.run import teacher_cache
+from lab.run import runs, teacher_cache
+from lab.studies import flops, roofline
+
+
+@dataclass
+class Settings:
+    """The plan's flags of its times (the scripts' Configs gather them: a field = a flag, its comment the help)."""
+    accelerator: str = "h200"         # the GPU the plan's times are for (roofline.ACCELERATORS); --plan cuda: here's
+    plan_json: Optional[str] = None   # also write the plan's times to this file as JSON (docs/efficiency.md)
+
 
 PLAN_SAMPLE = 32    # queries whose rows the plan encodes (every query when there are fewer)
 
@@ -197,7 +208,43 @@ def plan(args, queries=None):
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
                                     budget=size(args.image_memory * 1e9)))
+    figures["times"] = plan_times(args, model, rows, batch, shots if training else args.shots or 0, len(queries),
+                                  training, processor, family, kind, sample, icds)
     return figures
+
+
+def plan_times(args, model, rows, batch, shots, n, training, processor, family, kind, sample, icds):
+    """Print (and --plan-json) the run's time on --accelerator, bound and expected (roofline): one query's time to
+    the first token and per generated token at batch 1 and at the run's batch (an evaluation's prompt; a training's
+    teacher row), and the run's hours by phase. Rows: the sample's, as collated (each batch's image canvas); shots:
+    the run's (an evaluation's 0: zero-shot or an adapter, its student rows)."""
+    acc, f, new = roofline.accelerator(args.accelerator, args.plan), flops.flop_model(model), \
+        tasks.spec(args.task).max_new_tokens
+    patch = flops.sides(model.config.vision_config.patch_size)
+    name = "teacher" if shots else "student"
+    patches = lambda s: s["patches"] or (s["pixels"][0] // patch[0]) * (s["pixels"][1] // patch[1])
+    one = plan_rows(processor, family, kind, sample[:1], icds[:1], 1)  # a query alone: its own image canvas
+    mean = lambda values: sum(values) / len(values)
+    at = {1: (max(one[name].values()), patches(one["images"][name][0])),
+          batch: (mean(rows[name].values()), max(map(patches, rows["images"][name])))}
+    images, records = shots + 1, []
+    print(roofline.stated(acc))
+    for b, (prompt, p) in at.items():
+        query = roofline.query_times(acc, f, b, prompt, images, p, new)
+        if training:
+            micro = runs.epoch_steps(n, b, 1) * args.epochs
+            times = roofline.train_times(acc, f, b, micro, n, prompt, mean(rows["student"].values()),
+                                         args.epochs * args.n_heldout, shots, p, mean(rows["answers"].values()))
+        else:
+            times = roofline.eval_times(acc, f, b, n, prompt, images, p, new)
+        hours = sum(times.values(), roofline.ZERO) * (1 / 3600)
+        print(f"one query, bound / expected: {roofline.query_line(query, b)}; the run at batch {b}: "
+              + ", ".join(f"{k} {t.bound / 3600:.3g} / {t.expected / 3600:.3g} h" for k, t in times.items()))
+        records.append(roofline.run_record("train.py" if training else "evaluate.py", args.task,
+                                           getattr(args, "method", None), shots, b, query, hours))
+    if args.plan_json:
+        roofline.write_json(args.plan_json, acc, records, hours * 3600)  # the run's, at its own batch (last)
+    return records
 
 
 def plan_cache(args, config, sizes, dtype, teacher_flops=None):
@@ -208,7 +255,7 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
     if registry.ANCHORS[args.anchor].teacher is None:
         print(f"teacher cache: none (--anchor none: {args.method} trains without a teacher)")
         return 0
-    per_query = teacher_cache.cache_file_bytes(registry.ANCHORS[args.anchor].teacher, config, sizes, dtype)
+    per_query = teacher_cache.cache_bytes(config, sizes, dtype)  # both tensors: every method's run reads this pass
     total = per_query * n_queries
     folder = args.teacher_cache
     while not os.path.isdir(folder):
@@ -220,10 +267,10 @@ def plan_cache(args, config, sizes, dtype, teacher_flops=None):
               f"{n_queries}; it would take {size(total)})")
     else:
         free, text = shutil.disk_usage(folder).free, config.get_text_config()
-        tensor = "logits answer tokens x vocabulary" if registry.ANCHORS[args.anchor].teacher == "logits" else \
-            f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size}"
-        print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor} in "
-              f"{str(dtype).split('.')[-1]}; {size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "
+        tensor = f"states {text.num_hidden_layers} layers x T_q x {text.hidden_size} in {str(dtype).split('.')[-1]}" \
+            " and logits answer tokens x vocabulary in float32, one pass's for every distilling method"
+        print(f"teacher cache: {size(total)} for {n_queries} queries ({size(per_query)} each: {tensor}; "
+              f"{size(per_query * 1000)} per 1,000) in {args.teacher_cache}; "
               f"{size(free)} free there"
               + ("" if total <= free else " -- it does NOT fit: give --teacher-cache DIR or --no-teacher-cache")
               + ("" if writable else f" -- {folder} is NOT writable: give --teacher-cache DIR"))

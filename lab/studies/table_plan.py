@@ -1,17 +1,10 @@
 """The cost of a table before it runs (evaluate.py --table N --plan [cuda]): each job's work counted once (teacher
 passes, training steps, held-out forwards, evaluation items, prompt and generated tokens, the training vectors'
-forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on an H200 from the FLOPs of that
-work (forward_flops) at plan.ACCELERATOR_TFLOPS, in total and per --gpus. No weights are read: the processor and a
-meta-device model (plan.plan_backbone), the data's files and one image for the tokens an image stands for.
-
-Time model (stated in the output): a forward over T tokens costs 2 x (decoder parameters) x T for the linear layers,
-4 x layers x heads x head size x T^2 for attention (as torch's FLOP counter counts SDPA, unmasked), 2 x width x
-vocabulary at each position whose logits are computed, and per image 2 x (vision tower and connector parameters) x
-patches + 4 x vision layers x width x patches^2 (patches: its crops' or tiles', or Qwen's grid; a connector after a
-merge of patches, Qwen's merger or a pixel shuffle, at the merged tokens: merge_share; Qwen2.5-VL's windowed vision
-layers counted as full attention, an upper bound); a training step's student is a forward and a backward of about
-the same cost (the frozen backbone's weights get no gradient); generating a token is a forward of one token over the
-cache. Checked against torch.utils.flop_counter on the tiny twins (tests/lab/studies/test_table_plan.py)."""
+forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on --accelerator (an H200 by
+default) from the FLOPs and bytes of each forward at the run's batch size (roofline.py: a bound and an expected time),
+by phase, in total and per --gpus. No weights are read: the processor and a meta-device model (plan.plan_backbone),
+the data's files and one image for the tokens an image stands for. FLOPs and bytes: lab/studies/flops.py; time:
+lab/studies/roofline.py."""
 import math
 import os
 
@@ -24,68 +17,7 @@ from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import plan
-
-ACCELERATOR = "an H200 (~989 TFLOP/s dense bf16) at ~40% of its peak"
-
-
-VISION_PARTS = ("vision", "visual", "connector", "projector", "resampler")  # the image side's modules, by name
-MERGED = ("merger", "connector", "projector")  # what runs after a merge of patches into image tokens, by name
-
-
-def merge_share(config):
-    """The image tokens a vision patch becomes where the model merges patches before its connector (Qwen's 2 x 2
-    merger: 1/4; InternVL's pixel shuffle, downsample_ratio 0.5: 1/4; Idefics3's, scale_factor 2: 1/4); else 1."""
-    merge = getattr(config.vision_config, "spatial_merge_size", None)
-    if merge:
-        return 1 / merge ** 2
-    if getattr(config, "downsample_ratio", None):
-        return config.downsample_ratio ** 2
-    return 1 / config.scale_factor ** 2 if getattr(config, "scale_factor", None) else 1
-
-
-def flop_model(model):
-    """What forward_flops needs of a model (meta device is enough): decoder-layer parameters, attention sizes, the LM
-    head's width x vocabulary, the image side's parameters (the children of model.model named by VISION_PARTS; those
-    of its modules named by MERGED apart, with the share of a patch they see, merge_share) and its layers, width and
-    patches (the config's image size)."""
-    text, vision = model.config.get_text_config(), model.config.vision_config
-    layers, heads, head_dim = M.attention_shape(model)
-    count = lambda named: sum(p.numel() for n, child in named for p in child.parameters())
-    image = [(n, c) for n, c in model.model.named_children() if any(part in n for part in VISION_PARTS)]
-    share = merge_share(model.config)
-    merged = [] if share == 1 else [(n, m) for n, m in model.model.named_modules() if n.split(".")[0] in dict(image)
-                                    and any(part in n.split(".")[-1] for part in MERGED)]
-    merged = [(n, m) for n, m in merged if not any(n.startswith(o + ".") for o, _ in merged)]  # outermost only
-    return {"decoder": count((n, c) for n, c in model.get_decoder().named_children()
-                             if n in ("layers", "gated_cross_attn_layers")),
-            "layers": layers, "heads": heads, "attention": layers * heads * head_dim,
-            "head": text.hidden_size * text.vocab_size, "vision": count(image) - count(merged),
-            "merged": count(merged), "merge_share": share,
-            "vision_attention": (getattr(vision, "num_hidden_layers", None) or getattr(vision, "depth", 0)) *
-            (getattr(vision, "hidden_size", None) or getattr(vision, "embed_dim", 0)),
-            "patches": math.prod(size // patch for size, patch in zip(sides(getattr(vision, "image_size", 0)),
-                                                                        sides(vision.patch_size)))}
-
-
-def sides(size):
-    """(height, width) of a config's size: one number (both sides) or a pair (InternVL's [448, 448])."""
-    return tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-
-
-def forward_flops(f, tokens, images, logits=1, patches=None):
-    """FLOPs of one forward over `tokens` tokens holding `images` images of `patches` patches each (None: the
-    config's image size), computing logits at `logits` positions (the time model in the module's docstring)."""
-    patches = patches or f["patches"]
-    image = 2 * (f["vision"] + f["merged"] * f["merge_share"]) * patches + 4 * f["vision_attention"] * patches ** 2
-    return 2 * f["decoder"] * tokens + 4 * f["attention"] * tokens ** 2 + 2 * f["head"] * logits + images * image
-
-
-def generate_flops(f, prompt, images, new, patches=None):
-    """FLOPs of answering one prompt: its forward, then `new` tokens, each a one-token forward over the cache."""
-    step = lambda k: 2 * f["decoder"] + 4 * f["attention"] * (prompt + k) + 2 * f["head"]
-    return forward_flops(f, prompt, images, 1, patches) + sum(step(k) for k in range(new))
-
+from lab.studies import flops, plan, roofline
 
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
@@ -99,7 +31,7 @@ class Tokens:
         piece, = data.query_pieces(processor, family, kind, [reference])
         (whole, _), = teacher_cache.query_sizes([piece])
         self.image = whole - self.count(data.prompt_text(kind, reference) + self.answer(reference))
-        crops, (height, width) = piece["images"]["pixel_values"], sides(patch)
+        crops, (height, width) = piece["images"]["pixel_values"], flops.sides(patch)
         crops = crops.reshape(-1, *crops.shape[-3:]) if torch.is_tensor(crops) else crops  # Idefics: one tensor
         self.patches = int(piece["images"]["image_grid_thw"].prod(-1).sum()) if "image_grid_thw" in piece["images"] \
             else sum((c.shape[-2] // height) * (c.shape[-1] // width) for c in crops)
@@ -132,8 +64,9 @@ class Work:
         self.args, self.family, self.memo = args, family, {}
         self.processor, self.model, self.images, self.source, _ = plan.plan_backbone(
             args.model, family, args.image_splitting, args.processor)
-        self.f, self.params = flop_model(self.model), sum(p.numel() for p in self.model.parameters())
+        self.f, self.params = flops.flop_model(self.model), sum(p.numel() for p in self.model.parameters())
         self.dtype = plan.backbones.autocast_dtype(args.plan)
+        self.acc = roofline.accelerator(args.accelerator, args.plan)
 
     def once(self, key, make):
         if key not in self.memo:
@@ -201,14 +134,18 @@ def train_work(cfg, w, computes_teacher):
     steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
     epochs = math.ceil(steps / per_epoch)
     p = tokens.patches
-    flops = sum(forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
-        2 * forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
-    flops += epochs * sum(forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
-    output = registry.ANCHORS[cfg.anchor].teacher  # the cached tensor: states, or LIVE's logits
-    cache = teacher_cache.cache_file_bytes(output, w.model.config, teacher_cache.query_tokens(
+    count = sum(flops.forward_flops(f, t, shots + 1, 0, p) for t in teacher) + epochs * sum(
+        2 * flops.forward_flops(f, t, 1, tokens.count(tokens.answer(q)) + 1, p) for t, q in zip(student, queries))
+    count += epochs * sum(flops.forward_flops(f, tokens.row(q, [], True), 1, 1, p) for q in heldout)
+    cache = teacher_cache.cache_bytes(w.model.config, teacher_cache.query_tokens(  # states and logits, one pass
         w.processor, w.family, tasks.spec(cfg.task).kind, queries), w.dtype) * len(queries) if teacher else 0
-    return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher),
-            "heldout_forwards": epochs * len(heldout), "flops": flops, "queries": len(queries),
+    mean = lambda rows: sum(rows) / max(1, len(rows))
+    micro = min(steps * cfg.grad_accum, epochs * math.ceil(len(queries) / cfg.batch_size))
+    answer = mean([tokens.count(tokens.answer(q)) for q in queries])
+    times = roofline.train_times(w.acc, f, cfg.batch_size, micro, len(queries), mean(teacher), mean(student),
+                                 epochs * len(heldout), shots, p, round(answer))
+    return {"steps": steps, "teacher_passes": len(teacher), "teacher_tokens": sum(teacher), "times": times,
+            "heldout_forwards": epochs * len(heldout), "flops": count, "queries": len(queries),
             "teacher_cache_bytes": cache, "adapter_bytes": 4 * w.adapter(cfg)}
 
 
@@ -219,27 +156,37 @@ def eval_work(a, w):
     (items, support), tokens, new, f = w.items(a), w.tokens(a.task), tasks.spec(a.task).max_new_tokens, w.f
     icds = data.demonstrations([it.id for it in items], support, a.shots, a.seed) if a.shots else [[] for _ in items]
     prompts = [tokens.row(it, d, False) for it, d in zip(items, icds)]
-    flops = sum(generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
+    count = sum(flops.generate_flops(f, t, len(d) + 1, new, tokens.patches) for t, d in zip(prompts, icds))
+    prompt, images = sum(prompts) / len(prompts), (a.shots or 0) + 1
+    times = lambda batch: roofline.eval_times(w.acc, f, batch, len(items), prompt, images, tokens.patches, new)
+    queries = {b: roofline.query_times(w.acc, f, b, prompt, images, tokens.patches, new)
+               for b in sorted({1, a.batch_size})}
     if a.vector:
         shots = data.default_shots(tasks.spec(a.task), w.family)
         icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
         forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
-        flops += forwards * forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * f["layers"] * \
-            forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
+        count += forwards * flops.forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * \
+            f["layers"] * flops.forward_flops(f, tokens.row(items[0], [], True), 1, 1, tokens.patches)
+        extraction = roofline.prefill(w.acc, f, 1, icl, shots + 1, tokens.patches) * forwards + roofline.prefill(
+            w.acc, f, 1, tokens.row(items[0], [], True), 1, tokens.patches) * (a.vector_heldout * f["layers"])
+        times = lambda batch, plain=times: plain(batch) | {"prefill": plain(batch)["prefill"] + extraction}
     return {"items": len(items), "prompt_tokens": sum(prompts), "generated_at_most": new * len(items),
-            "flops": flops}
+            "flops": count, "times": times(a.batch_size), "at_batch": {b: times(b) for b in queries},
+            "queries": queries}
 
 
 def plan_table(args, table, jobs, parsers):
-    """Print and return a table's plan: per job its work and peak memory, then the totals (jobs, backbone loads, the
-    counts, disk, FLOPs) and the time on ACCELERATOR, in total and per --gpus (the slower of the work shared out
-    and the longest chain of jobs that wait for each other). parsers: train.py's and evaluate.py's parse_args."""
+    """Print and return a table's plan: per job its work, peak memory and time (bound / expected: roofline), an
+    evaluation's query at batch 1 and at its batch, then the totals (jobs, backbone loads, the counts, disk, FLOPs)
+    and the time by phase, in total and per --gpus (the slower of the work shared out and the longest chain of jobs
+    that wait for each other); --plan-json the same times. parsers: train.py's and evaluate.py's parse_args."""
     w = Work(args, families.family_of(args.model))
     print(f"plan of {table.name} for {args.model}: {len(jobs)} jobs; {w.source}" + (f"; {w.images}" if w.images
                                                                                       else ""))
     total = dict.fromkeys(("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens",
                            "generated_at_most", "flops", "teacher_cache_bytes", "adapter_bytes"), 0)
-    hours, chain = {}, {}
+    hours, chain, records = {}, {}, []
+    phases = dict.fromkeys(("teacher", "training", "prefill", "decoding"), roofline.ZERO)
     for job in jobs:
         a, training = job.args(parsers), job.script == "train.py"
         if training:
@@ -256,22 +203,41 @@ def plan_table(args, table, jobs, parsers):
                                     a.vector or icl) +
                     f": {work['items']:,} items, {work['prompt_tokens']:,} prompt tokens, <= "
                     f"{work['generated_at_most']:,} generated")
-        hours[job.argv] = work["flops"] / (plan.ACCELERATOR_TFLOPS * 1e12) / 3600
-        chain[job.argv] = hours[job.argv] + max((chain[x] for x in job.after), default=0)
+        hours[job.argv] = sum(work["times"].values(), roofline.ZERO) * (1 / 3600)
+        chain[job.argv] = hours[job.argv] + max((chain[x] for x in job.after), default=roofline.ZERO,
+                                                key=lambda t: t.expected)
         for k in total:
             total[k] += work.get(k, 0)
+        for k, t in work["times"].items():
+            phases[k] += t
+        method = getattr(a, "method", None) if training else (a.vector or ("adapter" if a.checkpoint else "icl"))
         print(f"  {job.script} {what}; peak ~{size(w.memory(a, training))}; {work['flops']:.3g} FLOPs = "
-              f"{hours[job.argv]:.3g} h")
+              f"{hours[job.argv].bound:.3g} / {hours[job.argv].expected:.3g} h")
+        if training:
+            records.append(roofline.run_record(job.script, a.task, method, a.shots, a.batch_size, None,
+                                               hours[job.argv]))
+        for b, query in ({} if training else work["queries"]).items():
+            print(f"    one query, bound / expected: {roofline.query_line(query, b)}")
+            at = sum(work["at_batch"][b].values(), roofline.ZERO) * (1 / 3600)
+            records.append(roofline.run_record(job.script, a.task, method, a.shots or 0, b, query, at))
     gpus = len(args.gpus.split(",")) if args.gpus else 1
-    loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values())
-    wall = max(gpu_hours / gpus, max(chain.values(), default=0))
-    total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours, "wall_hours": wall, "gpus": gpus}
+    loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values(), roofline.ZERO)
+    longest = max(chain.values(), default=roofline.ZERO, key=lambda t: t.expected)
+    wall = roofline.Time(max(gpu_hours.bound / gpus, longest.bound), max(gpu_hours.expected / gpus, longest.expected))
+    total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours.expected, "wall_hours":
+              wall.expected, "bound_hours": gpu_hours.bound, "gpus": gpus, "runs": records,
+              "phases": {k: t * (1 / 3600) for k, t in phases.items()}}
     print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process); teacher "
           f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training "
           f"steps, {total['heldout_forwards']:,} held-out forwards; {total['items']:,} evaluation items, "
           f"{total['prompt_tokens']:,} prompt tokens, <= {total['generated_at_most']:,} generated")
     print(f"disk: teacher caches {size(total['teacher_cache_bytes'])}, adapters {size(total['adapter_bytes'])}")
-    print(f"time: {total['flops']:.3g} FLOPs = {gpu_hours:.3g} GPU-hours on {ACCELERATOR} "
-          f"({plan.ACCELERATOR_TFLOPS} TFLOP/s); on {gpus} GPU(s) ~{wall:.3g} h (the work shared out, or the longest "
-          "chain of jobs waiting for each other); time model: lab/studies/table_plan.py")
+    print(roofline.stated(w.acc))
+    print("time by phase, bound / expected GPU-hours: " + ", ".join(
+        f"{k} {t.bound / 3600:.3g} / {t.expected / 3600:.3g}" for k, t in phases.items()))
+    print(f"time: {total['flops']:.3g} FLOPs = {gpu_hours.bound:.3g} / {gpu_hours.expected:.3g} GPU-hours (bound / "
+          f"expected) on {w.acc.name}; on {gpus} GPU(s) {wall.bound:.3g} / {wall.expected:.3g} h (the work shared "
+          "out, or the longest chain of jobs waiting for each other); time model: lab/studies/table_plan.py")
+    if args.plan_json:
+        roofline.write_json(args.plan_json, w.acc, records, gpu_hours * 3600)
     return total

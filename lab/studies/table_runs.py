@@ -4,8 +4,8 @@ process per device taking the next job; --print-commands: the jobs as shell line
 
 Once each: a job is one train.py or evaluate.py command, and cells that need the same command share its job (Table
 4's zero-shot is Table 1's, Table 8's adapter is Table 1's run). Every run of a task reads and writes one teacher
-cache, <out>/teacher/<task>, so the teacher's states of a (backbone, task, queries, ICDs) are computed by the first
-run that distils from them and read by the others (LIVE's teacher logits are a second pass: another tensor). A
+cache, <out>/teacher/<task>, so the teacher's states and answer logits of a (backbone, task, queries, ICDs) are
+computed in one pass by the first run that distils from them and read by the others, LIVE (the logits) included. A
 finished training is skipped (train.py --proceed), a stopped one continued, an evaluation of the same settings read
 (evaluate.py), so the same command after Ctrl-C, kill -9 or a lost node finishes with the table one run gives."""
 import contextlib
@@ -36,7 +36,8 @@ ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_layer": "
              "vector_heldout": "--vector", "fv_heads": "fv", "fv_trials": "fv"}  # flags handed on only to the cells
 # whose own flags hold the word
 TABLE_FLAGS = ("model", "data_root", "out", "n_eval", "train_args", "seed_protocol", "plan", "processor", "table",
-               "figure", "print", "print_commands", "gpus", "table_worker")  # evaluate.py's flags a table reads itself
+               "figure", "print", "print_commands", "gpus", "table_worker", "accelerator",
+               "plan_json")  # evaluate.py's flags a table reads itself
 JOB_FLAGS = ("model", "task", "data_root", "out", "teacher_cache", "proceed", "resume", "overwrite", "method",
              "icd_task", "plan", "processor", "benchmark", "build_toy", "build_tries")  # train.py's, set per job
 
@@ -106,9 +107,8 @@ def table_jobs(args, defaults, train_parse, table):
                     *handed_on(args, defaults, TRAIN_FLAGS, cell.train),
                     *shlex.split(args.train_args), *cell.train)
             cfg = train_parse(list(argv))
-            output = registry.ANCHORS[cfg.anchor].teacher  # what the teacher's cached tensors depend on
-            teacher = output and (cfg.task, cfg.shots, cfg.icds, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout,
-                                  output)
+            teacher = registry.ANCHORS[cfg.anchor].teacher and (  # what the teacher's cached tensors depend on
+                cfg.task, cfg.shots, cfg.icds, cfg.icd_task, cfg.seed, cfg.n_train, cfg.n_heldout)
             first = teachers.setdefault(teacher, argv) if teacher else argv  # the run that computes it
             jobs.setdefault(argv, tables.Job("train.py", argv, () if first == argv else (first,)))
             transfer = ["--checkpoint-task", cell.trained_on] if cell.trained_on != cell.task else []  # Table 8's

@@ -193,6 +193,10 @@ def test_the_teacher_states_need_no_vocabulary_wide_logits(lm_head_positions, po
     logits = train.run_teacher(b, batch, output="logits")  # LIVE's teacher
     answer_tokens = [sum(t != -100 for t in p["labels"]) for p in pieces]
     assert seen[1] == max(answer_tokens) + 1 and [len(x) for x in logits] == answer_tokens
+    both = train.run_teacher(b, batch, output="both")  # what the loop caches: one forward, every method's tensor
+    assert len(seen) == 3 and seen[2] == seen[1]
+    for row, s, l in zip(both, states, logits):
+        assert torch.equal(row["states"], s) and torch.equal(row["logits"], l)
 
 
 def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positions):

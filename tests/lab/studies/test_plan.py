@@ -68,7 +68,7 @@ def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path
         assert planned["rows"][kind] == {q: rows[kind][q] for q in planned["rows"][kind]}, kind
     folder = tmp_path / "run" / "teacher"
     files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
-    assert len(files) == 3
+    assert len(files) == 3 * 2  # each query's states and answer logits, from its one teacher pass
     measured = sum(os.path.getsize(folder / f) for f in files)
     assert abs(planned["cache"] - measured) <= 0.05 * measured, (planned["cache"], measured)
     out = capsys.readouterr().out
@@ -116,7 +116,7 @@ def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, 
         m.setattr(train, "losses", lambda *a, **k: steps.append(1))
         train.main(flags)
     message = str(e.value)
-    for part in ("kB for 4 queries", str(tmp_path / "cache"), "1.0 kB free", "--teacher-cache DIR",
+    for part in ("MB for 4 queries", str(tmp_path / "cache"), "1.0 kB free", "--teacher-cache DIR",
                  "--no-teacher-cache", "8 teacher forwards instead of 4"):
         assert part in message, part
     assert "\n" not in message and steps == [] and os.listdir(tmp_path / "cache") == []
@@ -239,7 +239,7 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
     train.main(flags)
     folder = tmp_path / "run" / "teacher"
     written = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
-    assert len(os.listdir(folder)) == 40 and abs(needs[0] - written) <= 0.01 * written, (needs, written)
+    assert len(os.listdir(folder)) == 40 * 2 and abs(needs[0] - written) <= 0.01 * written, (needs, written)
 
     def full(*args):
         raise OSError(28, "No space left on device")
@@ -269,5 +269,6 @@ def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_b
         return batch
     monkeypatch.setattr(data, "teacher_batch", recording)
     planned = train.main(plan_flags(twins["idefics2"], tmp_path))
-    assert planned["rows"]["images"]["teacher"] == built and built[0]["images"] == 2 * 3  # 2 rows of 2 ICDs + query
+    assert planned["rows"]["images"]["teacher"] == built[:-1] and built[0]["images"] == 2 * 3  # 2 rows of 2 ICDs +
+    assert built[-1]["images"] == 3  # query; the last batch the query alone: its canvas at batch 1 (plan_times)
     assert built[0]["bytes"] > 0 and planned["memory"]["vision"] > built[0]["bytes"]

@@ -1,5 +1,7 @@
 """The plan of a table (lab/studies/table_plan.py): the time model is the FLOP counter's count, Qwen's flattened
 patches and merged connectors counted, GPU hours at the published size without weights."""
+import json
+
 import pytest
 
 import benchmarks
@@ -7,7 +9,7 @@ import data as D
 import evaluate
 from lab.datasets import tasks
 from lab.models import backbones
-from lab.studies import table_plan
+from lab.studies import flops, table_plan
 
 
 @pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
@@ -17,20 +19,19 @@ def test_the_time_model_is_the_flop_counters_count(name):
     gated cross-attention projects its image keys again at each generated token, which the model leaves out)."""
     from torch.utils.flop_counter import FlopCounterMode
     import model as M
-    from lab.studies import table_plan
     backbone = backbones.load_backbone(name)
     items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:1]
     icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 8, 0)
     batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
-    f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
+    f, tokens = flops.flop_model(backbone.model), int(batch["attention_mask"].sum())
     counter = table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0], 14)
     assert counter.row(items[0], icds[0], False) == tokens and counter.patches == f["patches"] == 4  # 28 x 28 / 14
     with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
         backbone.model(**batch, logits_to_keep=1)
     with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as generating:
         evaluate.generate(backbone, batch, 5, 5)
-    assert table_plan.forward_flops(f, tokens, 9) == pytest.approx(forward.get_total_flops(), rel=0.1)
-    assert table_plan.generate_flops(f, tokens, 9, 5) == pytest.approx(generating.get_total_flops(), rel=0.1)
+    assert flops.forward_flops(f, tokens, 9) == pytest.approx(forward.get_total_flops(), rel=0.1)
+    assert flops.generate_flops(f, tokens, 9, 5) == pytest.approx(generating.get_total_flops(), rel=0.1)
 
 
 def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp_path, monkeypatch, capsys):
@@ -44,10 +45,19 @@ def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp
     monkeypatch.setattr(backbones, "load_backbone", refuse)
     planned = evaluate.main(["--table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
                              "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
-                             "--train-args", "--n-train 2 --n-heldout 1"])
+                             "--train-args", "--n-train 2 --n-heldout 1", "--plan-json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
-    assert "config published_configs.idefics2" in out and "GPU-hours on an H200" in out and "on 4 GPU(s)" in out
+    assert 0 < planned["bound_hours"] < planned["gpu_hours"]
+    assert "config published_configs.idefics2" in out and "(bound / expected) on an H200 SXM" in out
+    assert "on 4 GPU(s)" in out and "time by phase" in out and "one query, bound / expected: batch 1:" in out
+    written = json.loads((tmp_path / "plan.json").read_text())  # --plan-json: the issue's schema, the printed hours
+    assert written["accelerator"] == "an H200 SXM" and written["runs"] == planned["runs"]
+    assert written["hours"]["expected"] == pytest.approx(planned["gpu_hours"])
+    assert {"script", "task", "method", "shots", "batch", "ttft_ms", "per_token_ms", "hours"} == set(written["runs"][0])
+    evaluations = [r for r in written["runs"] if r["script"] == "evaluate.py"]
+    assert {r["batch"] for r in evaluations} == {1, 8}  # each evaluation at batch 1 and at its own
+    assert all(0 < r["ttft_ms"]["bound"] < r["ttft_ms"]["expected"] for r in evaluations)
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-internvl3"])
@@ -61,11 +71,11 @@ def test_the_time_model_counts_flattened_patches_and_merged_connectors(name):
     items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:1]
     icds = D.demonstrations([items[0].id], tasks.load_task("vqav2", "train", benchmarks.ROOT), 2, 0)
     batch = D.model_inputs(D.prompt_batch(backbone.processor, backbone.family, "vqa", items, icds))
-    f, tokens = table_plan.flop_model(backbone.model), int(batch["attention_mask"].sum())
+    f, tokens = flops.flop_model(backbone.model), int(batch["attention_mask"].sum())
     counter = table_plan.Tokens(backbone.processor, backbone.family, "vqa", items[0],
                                 backbone.model.config.vision_config.patch_size)
     assert counter.row(items[0], icds[0], False) == tokens
     with M.attention_as(backbone.model, "eager"), FlopCounterMode(display=False) as forward:
         backbone.model(**batch, logits_to_keep=1)
-    assert table_plan.forward_flops(f, tokens, 3, 1, counter.patches) == \
+    assert flops.forward_flops(f, tokens, 3, 1, counter.patches) == \
         pytest.approx(forward.get_total_flops(), rel=0.05)
