@@ -74,13 +74,20 @@ def numbers(name):
 
 
 def main(argv=None):
-    """python -m lab <mode> [flags]: the mode's flags parsed and checked, then run."""
+    """python -m lab <mode> [flags]: the mode's flags parsed and checked (parse), then the mode run."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in ([], ["-h"], ["--help"]):
         print(overview())
         if not argv:
             refuse("name a mode (above)")
         return None
+    mode, args, rest, command = parse(argv)
+    return mode.run(args, rest, command)
+
+
+def parse(argv):
+    """(the Mode, its parsed flags, the flags after its words, its words: ["python", "-m", "lab", "table", "1"]) of
+    python -m lab's argv; one line and exit 2 for an unknown mode or a missing number."""
     matched = [words for words in MODES if tuple(argv[:len(words)]) == words]
     if not matched:
         after = [" ".join(w) for w in MODES if w[0] == argv[0]]
@@ -96,5 +103,5 @@ def main(argv=None):
         preset[mode.number] = rest.pop(0)
         command.append(preset[mode.number])
     prog = " ".join(command) + (" N" if mode.number and mode.number not in preset else "")
-    parse = modes.parse_train if mode.side == "train" else modes.parse_evaluate
-    return mode.run(parse(rest, mode.shown, preset, prog), rest, command)
+    parse_flags = modes.parse_train if mode.side == "train" else modes.parse_evaluate
+    return mode, parse_flags(rest, mode.shown, preset, prog), rest, command

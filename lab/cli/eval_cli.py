@@ -14,12 +14,10 @@ from lab.scores import results
 from lab.cli import flags
 
 
-BENCH, CURVE = "with --benchmark or --benchmark-attention", "with --curve"
 APPLIES = {  # flag: (where it applies, whether it does with these flags); flags.check_applies
     "seed_protocol": ("to the SEED-Bench tasks (multiple choice) and a table's SEED cells",
                       lambda a: a.table or a.figure or tasks.spec(a.task).kind == "choice"),
     "chair": ("to COCO captions, against COCO's instance annotations (--task coco)", lambda a: a.task == "coco"),
-    "random_weights": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
     "force": ("to a --checkpoint", lambda a: a.checkpoint is not None),
     "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices or a table's RICES row", lambda a: a.icds == "rices" or a.table or a.figure),
@@ -28,17 +26,10 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "new_tokens": ("where answers are generated (not --seed-protocol likelihood, --benchmark-attention, --gates, "
                    "--hyperbolicity)", lambda a: not (a.seed_protocol == "likelihood" or a.benchmark_attention or
                                                       a.gates or a.hyperbolicity)),
-    "attention_tokens": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
-    "rounds": (BENCH, lambda a: a.benchmark or a.benchmark_attention),
-    "bench_shots": ("with --benchmark", lambda a: a.benchmark),
-    **{name: (CURVE, lambda a: a.curve) for name in ("curve_queries", "curve_seeds", "curve_methods", "no_tune")},
-    "train_args": ("with --curve, --table or --figure", lambda a: a.curve or a.table or a.figure),
     **{name: ("with --vector or a table's TV and FV rows (--table, --figure)", lambda a: a.vector is not None or
               a.table or a.figure) for name in ("vector_layer", "vector_sets", "vector_heldout")},
     **{name: ("with --vector fv or a table's FV row (--table, --figure)", lambda a: a.vector == "fv" or a.table or
               a.figure) for name in ("fv_heads", "fv_trials")},
-    **{name: ("with --table or --figure", lambda a: a.table or a.figure) for name in ("print", "print_commands", "gpus",
-                                                                                     "table_worker")},
 }
 
 
@@ -52,9 +43,7 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, studi
     argv = list(sys.argv[1:] if argv is None else argv)
     if script:
         flags.refuse_moved(argv, "evaluate.py", [f.name for f in dataclasses.fields(defaults) if f.name not in shown])
-    p = flags.parser(doc, defaults, exclusive=[("benchmark", "benchmark_attention", "gates", "hyperbolicity", "curve",
-                                                "table", "figure"), ("print", "print_commands", "gpus")], shown=shown,
-                     prog=prog)
+    p = flags.parser(doc, defaults, exclusive=[("print", "print_commands", "gpus")], shown=shown, prog=prog)
     # `--train-args VALUE` as `--train-args=VALUE`: a value starting with '-' ("--resume") is the flag's, not a flag
     for k in range(len(argv) - 1):
         if argv[k] == "--train-args":

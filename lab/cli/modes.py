@@ -59,13 +59,13 @@ TABLE = [*EVALUATE, "print", "print_commands", "gpus", "table_worker", "train_ar
 BENCH = ["random_weights", "attention_tokens", "rounds"]
 
 
-def parse_train(argv=None, shown=tuple(TRAIN), preset=None, prog=None):
+def parse_train(argv=None, shown=tuple(TRAIN), preset=None, prog="python -m lab train"):
     """lab's train flags (train.py's with the harness's; shown: those that are flags), checked as train.py checks
     its own (lab/cli/train_cli.py); preset: a mode's own values; each method's own rank and anchor filled."""
     return train_cli.parse_args(argv, train.__doc__, Training(), shown, preset, prog=prog).filled()
 
 
-def parse_evaluate(argv=None, shown=tuple(EVALUATE), preset=None, prog=None):
+def parse_evaluate(argv=None, shown=tuple(EVALUATE), preset=None, prog="python -m lab evaluate"):
     """lab's evaluate flags (evaluate.py's with the harness's, the vectors' and, as `shown` says, a study's),
     checked as evaluate.py checks its own (lab/cli/eval_cli.py) and the studies' (lab/cli/study_flags.py)."""
     studies = lambda p, args, defaults: study_flags.check_studies(p, args, defaults, parse_train)

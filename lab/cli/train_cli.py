@@ -26,9 +26,7 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "teacher_cache": ("without --no-teacher-cache", lambda a: not a.no_teacher_cache),
     "no_teacher_cache": ("where a teacher runs (an --anchor other than none)",
                          lambda a: ANCHORS[a.anchor].teacher is not None),
-    "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
-    "build_tries": ("with --build-toy", lambda a: a.build_toy),
 }
 
 

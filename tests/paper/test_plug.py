@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import model as M
 from adapters import HyperICL
-from helpers import TEXTS, assert_cached_decoding_equals_full_forward, prompts, randomise
+from helpers import assert_cached_decoding_equals_full_forward, prompts, randomise, TEXTS
 from lab.models import backbones, families, published
 from lab.methods import registry
 from test_adapters import explicit_hyper_icl
