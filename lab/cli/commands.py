@@ -54,6 +54,9 @@ MODES = {
 }
 
 
+SWITCHES = {"--" + name.replace("_", "-"): mode for name, mode in flags.MODE_OF.items()} | {"--benchmark": "benchmark"}
+
+
 def overview():
     """python -m lab --help: the modes, one a line."""
     rows = [(" ".join(words) + (" N" if mode.number else ""), mode.what) for words, mode in MODES.items()]
@@ -95,6 +98,8 @@ def parse(argv):
                f"unknown mode {argv[0]!r}; the modes: {', '.join(' '.join(w) for w in MODES)} (python -m lab --help)")
     words = matched[0]
     mode, rest, command = MODES[words], argv[len(words):], ["python", "-m", "lab", *words]
+    if switch := next((a.split("=", 1)[0] for a in rest if a.split("=", 1)[0] in SWITCHES), None):  # --table 2 would
+        refuse(f"{switch} was a flag and is a mode now: python -m lab {SWITCHES[switch]} ...")  # be --table-worker 2
     preset = dict(mode.preset)
     if mode.number and rest[:1] not in (["-h"], ["--help"]):
         if not rest or rest[0] not in numbers(mode.number):
