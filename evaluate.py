@@ -1,19 +1,14 @@
 """Evaluation: generate, score, the paper's evaluation (Table 1, Table 2); every other mode is `python -m lab`.
 
-How a score is made (Section 4.1): the items of --task's evaluation split (lab/datasets/tasks.py:eval_items) are batched
-as left-padded prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the
-backbone decodes greedily (generate), each answer is cut at its first line (postprocess) and score() applies the
-official metric (lab/scores/metrics.py): VQA accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the
-accuracy of MME's yes/no and SEED-Bench's option letters, which SEED-Bench's likelihood protocol ranks by log p(option)
-instead (option_logliks); --chair adds CHAIR (lab/scores/chair.py, Table 5). evaluate() writes the predictions and the
-metrics; the default job (evaluate_with_baselines) prints 0-shot, the paper's N-shot ICL and the adapter side by side.
+How a score is made (Section 4.1): the items of --task's evaluation split are batched as left-padded prompts
+(data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the backbone decodes
+greedily (generate), each answer is cut at its first line (postprocess) and score() applies the official metric
+(lab/scores/metrics.py), or SEED-Bench's likelihood protocol ranks the options by log p(option) (option_logliks);
+--chair adds CHAIR (Table 5). The default job (evaluate_with_baselines): 0-shot, N-shot ICL and the adapter.
 
-    python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
-                                                         8-shot and the default train.py run's adapter
+    python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
-    python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
     python evaluate.py --model idefics2 --task seed --data-root D --shots 2 --seed-protocol likelihood
-                                                         Table 2: SEED-Bench, 2-shot, official option ranking
     python -m lab --help                                 the tables, figures, vectors, Table 6, the analyses, plans
 """
 import contextlib
@@ -110,7 +105,7 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
     specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
-    rows = option_rows if likelihood else feed.prompt_rows
+    rows = feed.option_rows if likelihood else feed.prompt_rows
     build = functools.partial(rows, backbone.processor, backbone.family, kind)
     batches = feed.prepared(build, specs, workers, backbone.model.device)
     for i, batch in tqdm(zip(mine, batches), total=len(mine), desc=f"{backbone.name} {task}", unit="batch",
@@ -132,23 +127,8 @@ def option_logliks(backbone, items, icds=None):
     length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
     the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
     text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
-    return option_scores(backbone, option_rows(backbone.processor, backbone.family, None, (items, icds)), len(items))
-
-
-def option_rows(processor, family, kind, spec):
-    """The batch of option_logliks for spec = (items, their ICDs or None): four rows an item, one per option, under
-    the "choice-likelihood" prompt (`kind` is that one)."""
-    items, icds = spec
-    kind, rows = "choice-likelihood", []
-    for it, ds in zip(items, icds or [[] for _ in items]):
-        if len(it.answers) != len(D.SEED_LETTERS):
-            raise ValueError(f"item {it.id}: --seed-protocol likelihood ranks {len(D.SEED_LETTERS)} options, it has "
-                             f"{len(it.answers)}")
-        with_text = [replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
-        prefix = D.encode_prefix(processor, family, kind, with_text)
-        rows += [D.join(prefix, D.encode_query(processor, family, kind, replace(it, target=o)))
-                 for o in it.answers]
-    return D.collate(rows, processor, family)
+    return option_scores(backbone, feed.option_rows(backbone.processor, backbone.family, None, (items, icds)),
+                         len(items))
 
 
 @torch.no_grad()
@@ -199,21 +179,14 @@ def evaluate(backbone, args, items, setting, vector=None):
 
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
-    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter). Where N-shot
-    ICL is at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the
-    line says so: the backbone does not learn in context and no score beside it shows anything."""
+    one; prints them side by side (reports.side_by_side) and returns the adapter's metrics (zero-shot's without an
+    adapter)."""
     shots = D.default_shots(tasks.spec(args.task), backbone.family)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric, icl, verdict, chance = results.headline_metric(done[0]), done[1], "", results.chance(items)
-    if metric != "cider" and icl[metric] <= chance + 5:
-        verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
-                   "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
-                   "distilled")
-    print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
-          f"{len(items)} items)" + verdict)
+    reports.side_by_side(args, items, done)  # one line; it says so where N-shot ICL is at chance
     return done[-1] if args.checkpoint else done[0]
 
 

@@ -5,14 +5,10 @@ Hyper-ICL (Eq 16-17): the teacher (backbone, no adapter, no gradient) reads [ICD
 (model.layer_outputs) at the query's tokens + lambda * cross-entropy on the target. HiFICL: cross-entropy only,
 no teacher.
 
-The teacher's states depend only on the query and its (fixed) ICDs, so they are computed once, in the first
-epoch, and read back from a cache in later ones; the cache key covers the backbone's weights, the task, the
-query, its ICDs, their image files, the processor's settings and the prompt format, so a change of any of them
-recomputes. Nothing is lost on interruption: `<out>/last.pt` (adapter, optimiser, schedule, step) is written
-atomically every epoch, every --save-every steps, on Ctrl-C or SIGTERM (at the next step boundary) and on an error,
-and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
-on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
-without --resume or --overwrite, and one process at a time holds a folder (`locked`).
+The teacher's states depend only on the query and its fixed ICDs: computed once, in the first epoch, then read
+from a cache (lab/run/teacher_cache.py). Nothing is lost on interruption: `<out>/last.pt` is written atomically every
+epoch, on Ctrl-C or SIGTERM and on an error, and --resume continues bit-for-bit (lab/run/runs.py);
+`<out>/adapter.safetensors` is the best epoch's adapter.
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data

@@ -1,7 +1,7 @@
 """What evaluate.py's evaluate() records and prints around a score: the settings a result file keeps (the adapter's
 bytes and run record), the checks before any work (a result of other settings under the same name, the test server's
 file), a result read back instead of redone, and after the score the interval, chance, MME's and SEED-Bench's own
-scores, the files written and the summary lines."""
+scores, the files written and the summary lines; the default job's line."""
 import hashlib
 import os
 
@@ -69,3 +69,16 @@ def written(args, kind, items, predictions, setting, stem, metrics, scored):
         print(f"SEED-Bench ({args.seed_protocol}): " +
               ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
     return metrics
+
+
+def side_by_side(args, items, done):
+    """The default job's line: each setting's headline metric (0-shot, N-shot ICL, the adapter). Where N-shot ICL is
+    at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the line says so:
+    the backbone does not learn in context and no score beside it shows anything."""
+    metric, icl, verdict, chance = results.headline_metric(done[0]), done[1], "", results.chance(items)
+    if metric != "cider" and icl[metric] <= chance + 5:
+        verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
+                   "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
+                   "distilled")
+    print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
+          f"{len(items)} items)" + verdict)
