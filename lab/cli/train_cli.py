@@ -57,10 +57,11 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, prog=
         p.error(missing)
     flags.check_image_memory(p, args.image_memory)
     flags.check_applies(p, args, defaults, APPLIES, args.filled())
-    args.out = args.out or (toy_backbone.TOY_BUILD_OUT if getattr(args, "build_toy", False) else
+    building = getattr(args, "build_toy", False)  # python -m lab build-toy: --out is a file
+    args.out = args.out or (toy_backbone.TOY_BUILD_OUT if building else
                             checkpoints.default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
-    flags.check_folders(p, {"--out": None if getattr(args, "build_toy", False) else args.out, "--teacher-cache": args.teacher_cache,
+    flags.check_folders(p, {"--out": None if building else args.out, "--teacher-cache": args.teacher_cache,
                             "--rices-cache": args.rices_cache})
     return args
 

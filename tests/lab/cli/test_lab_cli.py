@@ -42,7 +42,7 @@ def parsers(monkeypatch, capsys):
     made, real = [], flags.parser
     monkeypatch.setattr(flags, "parser", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     sides = {"train.py": [], "evaluate.py": []}
-    calls = [("train.py", lambda: train.parse_args(["--help"])), ("evaluate.py", lambda: evaluate.parse_args(["--help"]))]
+    calls = [(f"{s.__name__}.py", lambda s=s: s.parse_args(["--help"])) for s in (train, evaluate)]
     calls += [(mode.side + ".py", lambda words=words: commands.parse([*words, "--help"]))
               for words, mode in commands.MODES.items()]
     for side, call in calls:
@@ -103,8 +103,8 @@ def test_a_moved_mode_flag_names_the_new_command_with_the_other_flags_shell_quot
 
 def test_a_moved_harness_flag_names_the_scripts_own_command_under_lab(capsys):
     code, line = refusal("train.py", ["--teacher-cache", "my cache", "--lr", "1e-3"], capsys)
-    assert code == 2 and line == "error: --teacher-cache is lab's now: python -m lab train --teacher-cache 'my cache' " \
-                                 "--lr 1e-3"
+    assert code == 2 and line == \
+        "error: --teacher-cache is lab's now: python -m lab train --teacher-cache 'my cache' --lr 1e-3"
     assert refusal("evaluate.py", ["--vector", "tv", "--shots", "2"], capsys)[1] == \
         "error: --vector is lab's now: python -m lab evaluate --vector tv --shots 2"
 

@@ -143,9 +143,9 @@ def test_image_splitting_is_explicit(twins):
 
 # Hostile inputs of the newest surface (issue 32): each ends in a one-line ValueError naming the file, flag or entry.
 def plan_flags(model, tmp_path, *more):
-    return ["plan", "train", "--model", str(model), "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "3", "--n-heldout",
-            "1", "--batch-size", "2", "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"), "--plan", "cpu",
-            *more]
+    return ["plan", "train", "--model", str(model), "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "3",
+            "--n-heldout", "1", "--batch-size", "2", "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"),
+            "--plan", "cpu", *more]
 
 
 def copy_twin(twins, name, tmp_path):

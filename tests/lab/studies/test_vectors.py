@@ -99,9 +99,9 @@ def test_head_outputs_add_up_to_the_attention_output(backbone):
 
 
 def vector_args(tmp_path, method, *extra):
-    return lab_evaluate_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--vector",
-                              method, "--shots", "2", "--vector-sets", "3", "--vector-heldout", "2", "--batch-size", "2",
-                              "--out", str(tmp_path), *extra])
+    return lab_evaluate_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                              "--vector", method, "--shots", "2", "--vector-sets", "3", "--vector-heldout", "2",
+                              "--batch-size", "2", "--out", str(tmp_path), *extra])
 
 
 @torch.no_grad()
