@@ -22,10 +22,10 @@ class Mode:
     number: str = None
 
 
-E = [f for f in modes.names(modes.evaluate.Config)]  # evaluate.py's flags with the harness's
+E = modes.names(modes.evaluate.Config)  # evaluate.py's flags with the harness's
 MODES = {
     ("train",): Mode("one training run, every flag: train.py's and the harness's (RICES, caches, --proceed)",
-                     "train", modes.TRAIN, lambda args, argv, command: modes.train.launch(args)),
+                     "train", modes.TRAIN, modes.train_run),
     ("evaluate",): Mode("one evaluation, every flag: evaluate.py's, the harness's, task and function vectors",
                         "evaluate", modes.EVALUATE, modes.evaluate_run),
     ("table",): Mode("a paper table (1-11) for --model, every cell run once, beside the paper's numbers",

@@ -54,7 +54,7 @@ class Evaluation(evaluate.Config, table6.Settings, analyses.Settings, curves.Set
 
 names = lambda *classes: [f.name for cls in classes for f in dataclasses.fields(cls)]
 TRAIN = [n for n in names(Training) if n not in names(TrainModes)]  # python -m lab train's flags
-EVALUATE = [n for n in names(evaluate.Config, vectors.Settings)]    # python -m lab evaluate's flags
+EVALUATE = names(evaluate.Config, vectors.Settings)                 # python -m lab evaluate's flags
 TABLE = [*EVALUATE, "print", "print_commands", "gpus", "table_worker", "train_args", *names(EvalPlan)]
 BENCH = ["random_weights", "attention_tokens", "rounds"]
 
@@ -75,6 +75,11 @@ def parse_evaluate(argv=None, shown=tuple(EVALUATE), preset=None, prog="python -
 def train_main(argv=None, load=None):
     """python -m lab train [flags]: train.py's run with every flag (a table's and a curve's trainings)."""
     return train.launch(parse_train(argv), load)
+
+
+def train_run(args, argv=None, command=None):
+    """python -m lab train: train.py's run of the parsed flags."""
+    return train.launch(args)
 
 
 def evaluate_main(argv=None, load=None):
