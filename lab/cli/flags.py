@@ -142,28 +142,35 @@ LAB_ONLY = {
 MODE_OF = {"table": "table", "figure": "figure", "curve": "curve", "benchmark_attention": "benchmark-attention",
            "gates": "gates", "hyperbolicity": "hyperbolicity", "build_toy": "build-toy"}  # first match wins
 WITH_NUMBER = ("table", "figure")  # the flags whose value is the mode's number
+OWNER = {**dict.fromkeys(("random_weights", "bench_shots", "attention_tokens", "rounds"), "benchmark"),
+         **dict.fromkeys(("curve_queries", "curve_seeds", "curve_methods", "no_tune"), "curve"),
+         **dict.fromkeys(("train_args", "print", "print_commands", "gpus", "table_worker"), "table"),
+         "processor": "plan", "build_tries": "build_toy"}  # a mode's own flag given without the mode: that mode
 
 
 def refuse_moved(argv, script, harness):
     """Exit 2 with one line naming the new command where argv holds a flag of `script` ("train.py", "evaluate.py")
     that is lab's now: one of LAB_ONLY's or of `harness` (the Config's fields that are not the script's flags). The
     command: the mode the flags ask for (MODE_OF; --benchmark: train.py's benchmark-teacher, evaluate.py's benchmark;
-    --plan: plan <script>), else the script's own under `python -m lab`, then the user's other flags, shell-quoted."""
+    --plan: plan <script>) or that the first such flag belongs to (OWNER), else the script's own under
+    `python -m lab`; then the user's other flags, shell-quoted."""
     moved = {"--" + name.replace("_", "-"): name for name in (*LAB_ONLY[script], *harness)}
     names = [moved[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in moved]
     if not names:
         return
     own, rest = script.removesuffix(".py"), list(argv)
-    name = next((m for m in (*MODE_OF, "benchmark", "plan") if m in names), names[0])
-    flag = "--" + name.replace("_", "-")
-    words = [MODE_OF.get(name) or {"benchmark": "benchmark-teacher" if own == "train" else "benchmark"}.get(name)
-             or ("plan" if name == "plan" else own)] + ([own] if name == "plan" else [])
-    if name in MODE_OF or name == "benchmark":  # the mode's flag goes; its number (--table 1) follows the mode
+    switch = next((m for m in (*MODE_OF, "benchmark", "plan") if m in names), None)
+    name, mode = switch or names[0], switch or OWNER.get(names[0])
+    words = {None: [own], "plan": ["plan", own], "benchmark": ["benchmark-teacher" if own == "train" else "benchmark"]
+             }.get(mode) or [MODE_OF[mode], *(["N"] if mode in WITH_NUMBER and not switch else [])]
+    if switch and switch != "plan":  # the mode's flag goes (--plan stays: plan's own); its number follows the mode
+        flag = "--" + switch.replace("_", "-")
         k = next(k for k, a in enumerate(rest) if a.split("=", 1)[0] == flag)
         value = rest.pop(k).partition("=")[2]
-        value = value or (rest.pop(k) if name in WITH_NUMBER and k < len(rest) else "")
+        value = value or (rest.pop(k) if switch in WITH_NUMBER and k < len(rest) else "")
         words += [value] if value else []
-    print(f"error: {flag} is lab's now: {shlex.join(['python', '-m', 'lab', *words, *rest])}", file=sys.stderr)
+    print(f"error: --{name.replace('_', '-')} is lab's now: {shlex.join(['python', '-m', 'lab', *words, *rest])}",
+          file=sys.stderr)
     raise SystemExit(2)
 
 

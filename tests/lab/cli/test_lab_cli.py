@@ -118,6 +118,10 @@ def test_train_py_modes_name_theirs_plan_keeping_its_value(capsys):
         "error: --build-toy is lab's now: python -m lab build-toy --seed 3 --build-tries 2"
     assert refusal("evaluate.py", ["--plan", "--curve"], capsys)[1] == \
         "error: --curve is lab's now: python -m lab curve --plan"  # a mode before --plan
+    assert refusal("train.py", ["--processor", "d"], capsys)[1] == \
+        "error: --processor is lab's now: python -m lab plan train --processor d"  # a mode's own flag: its mode
+    assert refusal("evaluate.py", ["--gpus", "0,1"], capsys)[1] == \
+        "error: --gpus is lab's now: python -m lab table N --gpus 0,1"
 
 
 def test_the_old_script_refuses_from_the_shell_with_exit_2_and_one_line(tmp_path):

@@ -1,3 +1,4 @@
+import evaluate as E
 """VQAv2's test server (lab/scores/test_server.py): evaluate.py --split test-dev / test on a generated test2015 layout
 (the official questions files, no annotations, images in coco/test2015/) writes EvalAI's file over every test2015
 question; --n-eval below the split writes none; a file missing ids is never written. Under torchrun the file is

@@ -11,6 +11,7 @@ import torch
 
 import benchmarks
 import data as D
+import evaluate as E
 import model as M
 import train
 from lab.datasets import tasks

@@ -10,6 +10,7 @@ import transformers
 
 import benchmarks
 import data
+import train
 from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
