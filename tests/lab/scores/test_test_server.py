@@ -1,4 +1,3 @@
-import evaluate as E
 """VQAv2's test server (lab/scores/test_server.py): evaluate.py --split test-dev / test on a generated test2015 layout
 (the official questions files, no annotations, images in coco/test2015/) writes EvalAI's file over every test2015
 question; --n-eval below the split writes none; a file missing ids is never written. Under torchrun the file is
@@ -9,6 +8,7 @@ import os
 import pytest
 from PIL import Image
 
+import evaluate as E
 from lab.datasets import readers
 from lab.scores import test_server
 from lab.scores.metrics import normalize_vqa_answer
