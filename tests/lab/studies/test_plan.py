@@ -159,16 +159,16 @@ def test_plan_names_a_missing_config_an_unknown_model_type_and_a_bad_processor_f
     config = folder / "config.json"
     config.write_text(config.read_text().replace('"model_type": "idefics2"', '"model_type": "gpt2"'))
     with pytest.raises(ValueError, match="config.json has model_type 'gpt2'"):
-        lab_train(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     config.unlink()
     with pytest.raises(ValueError, match="has no config.json"):
-        lab_train(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     (tmp_path / "afile").write_text("")
     for bad in (tmp_path / "nope", tmp_path / "afile"):
         with pytest.raises(ValueError, match="--processor .*: not a folder"):
-            lab_train(plan_flags(twins["idefics2"], tmp_path, "--processor", str(bad)))
+            lab(plan_flags(twins["idefics2"], tmp_path, "--processor", str(bad)))
     with pytest.raises(ValueError, match="is not a idefics2 processor"):  # LLaVA-OneVision's, for an Idefics2
-        lab_train(plan_flags(twins["idefics2"], tmp_path, "--processor", twins["llava-onevision"]))
+        lab(plan_flags(twins["idefics2"], tmp_path, "--processor", twins["llava-onevision"]))
 
 
 def test_plan_names_missing_tokenizer_files_and_processor_settings(twins, tmp_path):
@@ -176,22 +176,22 @@ def test_plan_names_missing_tokenizer_files_and_processor_settings(twins, tmp_pa
     for f in folder.glob("tokenizer*"):
         f.unlink()
     with pytest.raises(ValueError, match="has no tokenizer file"):  # was: a 6-token tokenizer, silently
-        lab_train(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     folder = copy_twin(twins, "llava-onevision", tmp_path)
     settings = folder / "processor_config.json"
     settings.write_text(settings.read_text().replace('"num_image_tokens"', '"renamed"'))
     with pytest.raises(ValueError, match="processor_config.json lacks num_image_tokens"):  # was: a TypeError
-        lab_train(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     settings.unlink()
     with pytest.raises(ValueError, match="processor_config.json cannot be read"):
-        lab_train(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
 
 
 def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # the tests may run as root, who writes anywhere
     flags = plan_flags(twins["idefics2"], tmp_path, "--teacher-cache", str(tmp_path / "cache"))
     flags[flags.index("--batch-size") + 1] = "100000"
-    lab_train(flags)
+    lab(flags)
     out = capsys.readouterr().out
     assert "batch 3," in out and "at batch 3:" in out and "is NOT writable" in out
 
@@ -268,6 +268,6 @@ def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_b
             built.append(plan.image_sizes(batch))
         return batch
     monkeypatch.setattr(data, "teacher_batch", recording)
-    planned = lab_train(plan_flags(twins["idefics2"], tmp_path))
+    planned = lab(plan_flags(twins["idefics2"], tmp_path))
     assert planned["rows"]["images"]["teacher"] == built and built[0]["images"] == 2 * 3  # 2 rows of 2 ICDs + query
     assert built[0]["bytes"] > 0 and planned["memory"]["vision"] > built[0]["bytes"]
