@@ -366,8 +366,8 @@ def saved_progress(out):
 def test_kill_9_while_an_epoch_is_scored_then_resume_reproduces_the_run(whole, tmp_path):
     """A real kill -9 in a subprocess at the start of epoch 1's held-out scoring (after its last step's checkpoint)."""
     shutil.copytree(whole / "teacher", tmp_path / "teacher")
-    die = "import os, signal, sys, train; from lab.run import runs; " \
-          "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); train.main(sys.argv[1:])"
+    die = "import os, signal, sys; from lab.cli import modes; from lab.run import runs; " \
+          "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); modes.train_main(sys.argv[1:])"
     killed = subprocess.run([sys.executable, "-c", die, *run_flags(tmp_path, "run")], cwd=ROOT, capture_output=True)
     assert killed.returncode == -signal.SIGKILL
     progress = saved_progress(tmp_path / "run")
@@ -464,8 +464,8 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
                                                    "it (train.py writes <out>/adapter.safetensors)"
 
 
-HOLD = "import pathlib, sys, time, train; train.train = lambda args, *_: (pathlib.Path(sys.argv[1]).touch(), " \
-       "time.sleep(120)); train.main(sys.argv[2:])"
+HOLD = "import pathlib, sys, time, train; from lab.cli import modes; train.train = lambda args, *_: (" \
+       "pathlib.Path(sys.argv[1]).touch(), time.sleep(120)); modes.train_main(sys.argv[2:])"
 
 
 def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_holder(tmp_path):
@@ -477,7 +477,7 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
         while not ready.exists():
             assert first.poll() is None, "the first run ended early"
             time.sleep(0.2)
-        second = [[sys.executable, "train.py", *run_flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
+        second = [[sys.executable, "-m", "lab", "train", *run_flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
                   [sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
                    benchmarks.ROOT, "--shots", "0", "--out", str(out)]]
         for argv in second:
