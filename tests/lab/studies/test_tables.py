@@ -366,7 +366,7 @@ def test_print_commands_gives_one_idempotent_line_a_job_in_dependency_order(rehe
     _, root = rehearsal
     lines = lab(table("4", "tiny-idefics", root / "idefics", "--print-commands"))
     assert capsys.readouterr().out.split("\n")[:-1] == lines and lines[-1].endswith("--print")
-    trains = [line for line in lines if line.startswith("python train.py")]
+    trains = [line for line in lines if line.startswith("python -m lab train ")]
     assert len(trains) == 4 * 2 and all("--proceed" in line for line in trains) and len(lines) == 8 + 10 + 1
     for k, line in enumerate(lines[:-1]):  # an adapter's evaluation after its training
         if "--checkpoint" in line:
