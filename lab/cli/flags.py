@@ -175,9 +175,8 @@ def refuse_moved(argv, script, harness):
 
 
 def field_help(cls):
-    """{field: help} of the dataclass `cls` and of the dataclasses it derives from (evaluate.py's Config gathers the
-    studies' Settings): the comment after each field in its source, and the comment lines below it indented past the
-    fields (a comment at the fields' indent heads a group of them)."""
+    """{field: help} of the dataclass `cls` and of the dataclasses it derives from (the harness's settings, lab's
+    Configs the studies' Settings): the comment after each field in its source, on the field's one line."""
     bases = [c for c in cls.__mro__[1:] if dataclasses.is_dataclass(c)]
     return {k: v for base in reversed(bases) for k, v in field_help(base).items()} | own_help(cls)
 
@@ -189,12 +188,4 @@ def own_help(cls):
     names = {a.start[0]: a.string for a, b in zip(tokens, tokens[1:])
              if a.type == tokenize.NAME and a.start[1] == 4 and b.string == ":"}
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
-    helps, name = {}, None
-    for row, line in enumerate(lines, 1):
-        if row in names:
-            name, helps[names[row]] = names[row], comments.get(row, "")
-        elif name and row in comments and line.lstrip().startswith("#") and line.index("#") > 4:
-            helps[name] += " " + comments[row]
-        else:
-            name = None
-    return helps
+    return {name: comments.get(row, "") for row, name in names.items()}
