@@ -162,7 +162,8 @@ def evaluate(backbone, args, items, setting, vector=None):
     settings and the scores), prints one summary line and returns the metrics. A metrics file of other settings under
     that name is refused first, and one of these settings read back (lab/scores/reports.py)."""
     kind, icds, (steering, vector_info) = tasks.spec(args.task).kind, None, vector or (None, {})
-    stem, metrics, done = reports.begin(backbone, args, setting, items, kind, vector_info)
+    params = args.checkpoint and sum(p.numel() for p in M.adapter_modules(backbone.model).parameters())  # # Params
+    stem, metrics, done = reports.begin(backbone, args, setting, items, kind, vector_info, params)
     if done:
         return done
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split

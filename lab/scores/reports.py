@@ -5,16 +5,15 @@ scores, the files written and the summary lines; the default job's line."""
 import hashlib
 import os
 
-import model as M
 from lab.datasets import mme_seed, readers
 from lab.run import checkpoints, torchrun
 from lab.scores import results, test_server
 from lab.scores.metrics import mme_scores, seed_scores
 
 
-def begin(backbone, args, setting, items, kind, vector_info):
+def begin(backbone, args, setting, items, kind, vector_info, params):
     """Before any work: the result's file stem (<out>/<result_name>), its settings (results.result_settings, the
-    vector's facts, the adapter's sha256, parameters and run record, SEED's protocol) and the result these settings
+    vector's facts, the adapter's sha256, `params` and run record, SEED's protocol) and the result these settings
     left before (read back, not redone, unless --again; None: none). A metrics file of other settings under that name,
     or another evaluation's test-server file, is refused first."""
     stem = os.path.join(args.out, results.result_name(args, setting, len(items), vector_info))
@@ -22,8 +21,7 @@ def begin(backbone, args, setting, items, kind, vector_info):
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
         with open(args.checkpoint, "rb") as f:
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
-        metrics |= {"params": sum(p.numel() for p in M.adapter_modules(backbone.model).parameters()),
-                    "run": checkpoints.read_record(args.checkpoint)}  # what made the adapter: a table's column
+        metrics |= {"params": params, "run": checkpoints.read_record(args.checkpoint)}  # a table's column
     if kind == "choice":
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
