@@ -153,7 +153,7 @@ def lines(path):
 
 def test_the_six_files_hold_the_paper_together_in_at_most_1550_lines():
     """No file has a cap of its own (a cap decided where code went); the six together stay small. 1,550: this
-    branch's 1,534; issue 58 aims at 1,400 (data.py's family code leaving it is 60 of that)."""
+    branch's 1,535; issue 58 aims at 1,400 (data.py's family code leaving it is 60 of that)."""
     assert sum(lines(f + ".py") for f in PAPER) <= 1550
 
 
