@@ -1,37 +1,18 @@
-"""Evaluation: generate, score, the paper's evaluation (Table 1, Table 2); the other modes are handed to lab/cli.
+"""Evaluation: generate, score, the paper's evaluation (Table 1, Table 2); every other mode is `python -m lab`.
 
-How a score is made (Section 4.1): the items of --task's evaluation split (lab/datasets/tasks.py:eval_items) are batched
-as left-padded prompts (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the
-backbone decodes greedily (generate), each answer is cut at its first line (postprocess) and score() applies the
-official metric (lab/scores/metrics.py): VQA accuracy (vqaEval.py), CIDEr-D (pycocoevalcap, PTB-tokenised), or the
-accuracy of MME's yes/no and SEED-Bench's option letters, which SEED-Bench's likelihood protocol ranks by log p(option)
-instead (option_logliks). evaluate() writes the predictions and the metrics; the default job
-(evaluate_with_baselines) prints 0-shot, the paper's N-shot ICL and the adapter side by side.
+How a score is made (Section 4.1): the items of --task's evaluation split are batched as left-padded prompts
+(data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the backbone decodes
+greedily (generate), each answer is cut at its first line (postprocess) and score() applies the official metric
+(lab/scores/metrics.py), or SEED-Bench's likelihood protocol ranks the options by log p(option) (option_logliks);
+--chair adds CHAIR (Table 5). The default job (evaluate_with_baselines): 0-shot, N-shot ICL and the adapter.
 
-Beside them, scored here: CHAIR (--chair, lab/scores/chair.py, Table 5), task and function vectors (--vector,
-lab/studies/vectors.py, Table 1). The other modes are lab's, dispatched by lab/cli/modes.py: efficiency (--benchmark,
---benchmark-attention, lab/studies/table6.py, Table 6), the gate and delta-hyperbolicity (--gates, --hyperbolicity,
-lab/studies/analyses.py, Tables 10 and 9), learning curves (--curve, lab/studies/curves.py), and the paper's tables,
-every cell once (--table, --figure, lab/studies/table_runs.py). The flags are Config's fields, each study's its own.
-
-    python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour, 0-shot,
-                                                         8-shot and the default train.py run's adapter
+    python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
-    python evaluate.py --model idefics2 --task vqav2 --data-root D --shots 8     8-shot ICL (random ICDs)
-    python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint ... --split test-dev
-                                                         the EvalAI file of VQAv2 test-dev (lab/scores/test_server.py)
     python evaluate.py --model idefics2 --task seed --data-root D --shots 2 --seed-protocol likelihood
-                                                         Table 2: SEED-Bench, 2-shot, official option ranking
-    python evaluate.py --benchmark [--model idefics2 --random-weights]           Table 6
-    python evaluate.py --gates | --hyperbolicity --checkpoint PATH               Table 10 | Table 9
-    python evaluate.py --curve                           every method on the toy world, tuned: learning curves
-    python evaluate.py --table 1 --model idefics2 --data-root D [--plan | --gpus 0,1 | --print-commands | --print]
-                                                         a paper table: every cell run once, beside the paper's
+    python -m lab --help                                 the tables, figures, vectors, Table 6, the analyses, plans
 """
 import contextlib
 import functools
-import hashlib
-import os
 import re
 import sys
 from dataclasses import dataclass, field, replace
@@ -43,21 +24,19 @@ from tqdm import tqdm
 import data as D
 import model as M
 from lab.disk import files
-from lab.datasets import api_checks, mme_seed, readers, rices, tasks
-from lab.models import backbones, chunks, families
+from lab.datasets import api_checks, readers, rices, tasks
+from lab.models import backbones, families
 from lab.run import checkpoints, feed, torchrun
-from lab.scores import chair, results, test_server
-from lab.studies import analyses, curves, plan, table6, table_runs, vectors
-from lab.cli import eval_cli, modes
-from lab.scores.metrics import cider_d, mme_scores, multiple_choice_accuracy, seed_scores, vqa_accuracy
+from lab.scores import chair, reports, results
+from lab.cli import eval_cli, harness
+from lab.scores.metrics import cider_d, multiple_choice_accuracy, vqa_accuracy
 from lab.datasets.tasks import load_task  # a task's items by split, for predict() from Python (README)
 
 
 @dataclass
-class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Settings, vectors.Settings,
-             plan.Settings):
-    """Every setting of an evaluation; each field an evaluate.py flag, as in train.py's Config (lab/cli/flags.py). The
-    other modes' flags are their studies' own Settings, gathered here (lab/cli/modes.py runs those modes)."""
+class Config(harness.EvalSettings):
+    """The evaluation's settings; each field an evaluate.py flag, as in train.py's Config (lab/cli/flags.py). The
+    harness's (lab/cli/harness.py) are inherited with their defaults: flags of `python -m lab evaluate` only."""
     # what is evaluated, on what
     model: str = "toy-idefics2"       # backbone, as train.py's --model
     task: str = "toy-icl-colour"      # benchmark (data.TASKS) or a task of one's own, as train.py's --task
@@ -65,9 +44,6 @@ class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Set
     checkpoint_task: Optional[str] = None  # --checkpoint's task where it is not --task's (Table 8), else refused
     shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
-    icd_task: Optional[str] = None    # --shots' ICDs from this task's training split (Table 8), the queries --task's
-    rices_encoder: Optional[str] = None  # RICES's image encoder, a CLIP hub id or path (None: the backbone's own)
-    rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
     split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
     n_eval: Optional[int] = None      # the first N items (None: all); MME, SEED: about N, stratified by --seed
     eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)
@@ -84,9 +60,6 @@ class Config(table6.Settings, analyses.Settings, curves.Settings, table_runs.Set
     workers: int = field(default_factory=feed.default_workers)  # DataLoader workers, as train.py's
     threads: Optional[int] = None     # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
     image_splitting: Literal[families.IMAGE_SPLITTING] = "checkpoint"  # Idefics2's image crops, as train.py's
-    image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once, as train.py's
-    plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
-    processor: Optional[str] = None   # --plan: a local folder of the checkpoint's processor
 
 
 # --------------------------------- generate and score (Section 4.1: greedy decoding, left-padded prompts of data.py)
@@ -133,7 +106,7 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
     specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
-    rows = option_rows if likelihood else feed.prompt_rows
+    rows = feed.option_rows if likelihood else feed.prompt_rows
     build = functools.partial(rows, backbone.processor, backbone.family, kind)
     batches = feed.prepared(build, specs, workers, backbone.model.device)
     for i, batch in tqdm(zip(mine, batches), total=len(mine), desc=f"{backbone.name} {task}", unit="batch",
@@ -155,23 +128,8 @@ def option_logliks(backbone, items, icds=None):
     length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
     the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
     text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
-    return option_scores(backbone, option_rows(backbone.processor, backbone.family, None, (items, icds)), len(items))
-
-
-def option_rows(processor, family, kind, spec):
-    """The batch of option_logliks for spec = (items, their ICDs or None): four rows an item, one per option, under
-    the "choice-likelihood" prompt (`kind` is that one)."""
-    items, icds = spec
-    kind, rows = "choice-likelihood", []
-    for it, ds in zip(items, icds or [[] for _ in items]):
-        if len(it.answers) != len(D.SEED_LETTERS):
-            raise ValueError(f"item {it.id}: --seed-protocol likelihood ranks {len(D.SEED_LETTERS)} options, it has "
-                             f"{len(it.answers)}")
-        with_text = [replace(d, target=d.answers[D.SEED_LETTERS.index(d.target)]) for d in ds]
-        prefix = D.encode_prefix(processor, family, kind, with_text)
-        rows += [D.join(prefix, D.encode_query(processor, family, kind, replace(it, target=o)))
-                 for o in it.answers]
-    return D.collate(rows, processor, family)
+    return option_scores(backbone, feed.option_rows(backbone.processor, backbone.family, None, (items, icds)),
+                         len(items))
 
 
 @torch.no_grad()
@@ -199,60 +157,26 @@ def score(kind, items, predictions):
 
 
 def evaluate(backbone, args, items, setting, vector=None):
-    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter, a task or
-    function vector: `vector` as load_vector returns it) on --n-eval items. Writes <out>/<result_name>.predictions.jsonl
-    (id, prediction, references per item) and .metrics.json (the settings, result_settings, and the scores), prints one
-    summary line and returns the metrics. A metrics file of other settings under that name is refused first."""
-    icds, (steering, vector_info) = None, vector or (None, {})
-    kind = tasks.spec(args.task).kind
-    stem = os.path.join(args.out, results.result_name(args, setting, len(items), vector_info))
-    metrics = {**results.result_settings(backbone, args, setting, items), **vector_info}
-    if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
-        with open(args.checkpoint, "rb") as f:
-            metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
-        metrics |= {"params": sum(p.numel() for p in M.adapter_modules(backbone.model).parameters()),
-                    "run": checkpoints.read_record(args.checkpoint)}  # what made the adapter: a table's column
-    if kind == "choice":
-        metrics["protocol"] = args.seed_protocol
-    results.check_replaceable(stem + ".metrics.json",  # first: before any work
-                              {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
-    if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
-        test_server.check_replaceable(args, setting, stem)
-    elif not args.again and results.same_result(stem, kind, metrics):  # evaluated before: read, not redone
-        print(f"{args.model} {args.task}/{args.split} {setting}: read {stem}.metrics.json (the same settings)")
-        return results.same_result(stem, kind, metrics)
+    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter; `vector`:
+    (its steering context, its facts), a task or function vector of `python -m lab evaluate --vector`) on --n-eval
+    items. Writes <out>/<result_name>.predictions.jsonl (id, prediction, references per item) and .metrics.json (the
+    settings and the scores), prints one summary line and returns the metrics. A metrics file of other settings under
+    that name is refused first, and one of these settings read back (lab/scores/reports.py)."""
+    kind, icds, (steering, vector_info) = tasks.spec(args.task).kind, None, vector or (None, {})
+    params = args.checkpoint and sum(p.numel() for p in M.adapter_modules(backbone.model).parameters())  # # Params
+    stem, metrics, done = reports.begin(backbone, args, setting, items, kind, vector_info, params)
+    if done:
+        return done
     if args.shots and not steering:  # Direct-ICD baseline: demonstrations from the training split
-        support = tasks.icd_support(args)
-        icds = rices.choose_demonstrations(backbone, args, items, support, args.shots)
-    with vectors.steer(backbone.model, **steering) if steering else contextlib.nullcontext():  # TV / FV: + vector
+        icds = rices.choose_demonstrations(backbone, args, items, tasks.icd_support(args), args.shots)
+    with steering or contextlib.nullcontext():  # TV / FV: the vector patched in
         predictions = predict(backbone, args.task, items, icds, args.batch_size, args.seed_protocol == "likelihood",
                               args.workers, args.new_tokens)
     if readers.server_split(args.task, args.split):  # no answers to score: the test server's file (test_server)
-        if torchrun.rank_and_world()[0] == 0:  # predictions gathered from every process by now
-            metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
-            metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
-        return metrics
-    metric, value = score(kind, items, predictions)
-    extra = chair.chair_metrics(items, predictions, args.chair) if args.chair else {}
-    metrics |= {metric: value, "interval95": results.item_interval(kind, items, predictions),
-                "chance": results.chance(items), **extra}
-    if kind == "yes-no":
-        metrics["mme"] = mme_scores(items, predictions)
-    elif kind == "choice":
-        metrics["seed_bench"] = seed_scores(items, predictions)
-    if torchrun.rank_and_world()[0] != 0:  # under torchrun the first process writes
-        return metrics
-    metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
-    print(f"{args.model} {args.task}/{args.split} {setting}: {metric} {value:.2f}"
-          + "".join(f", {k} {v:.2f}" for k, v in extra.items()) + f" on {len(items)} items -> {stem}.metrics.json")
-    if kind == "yes-no":  # MME's totals only where its subtasks are (a yes-no task of one's own has its own)
-        m, mme = metrics["mme"], set(mme_seed.MME_PERCEPTION + mme_seed.MME_COGNITION)
-        print(("" if mme.isdisjoint(m["subtasks"]) else f"MME perception {m['perception']:.2f}, cognition "
-               f"{m['cognition']:.2f}; ") + ", ".join(f"{k} {v['score']:.1f}" for k, v in m["subtasks"].items()))
-    elif kind == "choice":
-        print(f"SEED-Bench ({args.seed_protocol}): " +
-              ", ".join(f"{k} {v:.1f}" for k, v in metrics["seed_bench"]["dimensions"].items()))
-    return metrics
+        return reports.server_file(args, kind, items, predictions, setting, stem, metrics)
+    scored = dict([score(kind, items, predictions)])
+    scored |= chair.chair_metrics(items, predictions, args.chair) if args.chair else {}
+    return reports.written(args, kind, items, predictions, setting, stem, metrics, scored)
 
 
 def icl_shots(backbone, args):
@@ -269,21 +193,14 @@ def icl_shots(backbone, args):
 
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
-    one; prints them side by side and returns the adapter's metrics (zero-shot's without an adapter). Where N-shot
-    ICL is at chance (at most the most frequent answer's share of the items + 5 points; not for CIDEr), the
-    line says so: the backbone does not learn in context and no score beside it shows anything."""
+    one; prints them side by side (reports.side_by_side) and returns the adapter's metrics (zero-shot's without an
+    adapter)."""
     shots = icl_shots(backbone, args)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
         done.append(evaluate(backbone, args, items, setting))
-    metric, icl, verdict, chance = results.headline_metric(done[0]), done[1], "", results.chance(items)
-    if metric != "cider" and icl[metric] <= chance + 5:
-        verdict = (f": NOT A RESULT: {icl['setting']} ICL is at chance ({icl[metric]:.1f} <= {chance:.1f}, always "
-                   "the most frequent answer, + 5): this backbone does not learn in context, so nothing here can be "
-                   "distilled")
-    print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
-          f"{len(items)} items)" + verdict)
+    reports.side_by_side(args, items, done)  # one line; it says so where N-shot ICL is at chance
     return done[-1] if args.checkpoint else done[0]
 
 
@@ -291,56 +208,54 @@ def evaluate_with_baselines(backbone, args, items, setting):
 
 
 def parse_args(argv=None):
-    """evaluate.py's flags, their defaults a Config's (lab/cli/eval_cli.py); --train-args checked by train.py's."""
-    return eval_cli.parse_args(argv, __doc__, Config(), lambda flags: trainer().parse_args(flags))
+    """evaluate.py's flags (lab/cli/eval_cli.py), the fields Config itself writes, their defaults a Config's. A flag of
+    lab's (a harness setting, a study's, another mode) names its new command."""
+    return eval_cli.parse_args(argv, __doc__, Config(), shown=Config.__annotations__, script=True)
 
 
 def adapted(backbone, args):
     """The setting these flags evaluate on `backbone`, --checkpoint's adapter attached first: its method, n-shot ICL
-    ("8-shot", with RICES "8-shot-rices"), a vector ("tv"), or an adapter with ICDs ("hyper-icl+8-shot")."""
-    setting = args.vector or f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+    ("8-shot", with RICES "8-shot-rices"), or an adapter with ICDs ("hyper-icl+8-shot")."""
+    setting = f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
     if args.checkpoint:
         method = checkpoints.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
         print(f"adapter: {args.checkpoint} ({method})")
         return method if not args.shots else f"{method}+{setting}"
-    asked = args.shots is not None or args.vector
+    asked = args.shots is not None
     print(f"no adapter: {setting} evaluation" + ("" if asked else
                                                  f" ({results.default_checkpoint(args.model, args.task)} not found)"))
     return setting
 
 
 def main(argv=None, load=None):
-    """python evaluate.py [flags]: the evaluation of an adapter, n-shot ICL or a vector on --task's items; without
-    --checkpoint, --shots or --vector the default job (0-shot, the paper's N-shot ICL and the default run's adapter,
-    side by side). Under torchrun the items are shared by the processes. The other modes (--table, --figure,
-    --curve, --benchmark, --benchmark-attention, --gates, --hyperbolicity, --plan) are lab's: lab/cli/modes.py.
-    load: what loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once
-    for all its cells)."""
-    args = parse_args(argv)
-    if modes.chosen(args):
-        return modes.run(args, sys.argv[1:] if argv is None else list(argv), load, SCRIPTS)
+    """python evaluate.py [flags]: the evaluation of an adapter or n-shot ICL on --task's items; without --checkpoint
+    or --shots the default job (0-shot, the paper's N-shot ICL and the default run's adapter, side by side). The
+    other modes are lab's (`python -m lab --help`). load: as launch's."""
+    return launch(parse_args(argv), load)
+
+
+def launch(args, load=None, vector=None):
+    """The evaluation of the parsed flags `args`; under torchrun the items are shared by the processes. load: what
+    loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all its
+    cells); vector(backbone, args) -> (setting, (steering, facts)): a task or function vector's, computed or read
+    (`python -m lab evaluate --vector`)."""
     backbones.choose_threads(args.model, args.threads)
     with torchrun.process_group(), checkpoints.locked(args.out, shared=True):  # evaluations share --out
         files.remove_stale_tmp(args.out)
         items = tasks.eval_items(args)
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-        backbone = modes.loaded(args, load)
+        backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
+                                                     image_memory=args.image_memory * 1e9)
+        if backbone.images:
+            print(backbone.images)
+        if vector:
+            setting, steered = vector(backbone, args)
+            return evaluate(backbone, args, items, setting, steered)
         setting, default = adapted(backbone, args), results.default_checkpoint(args.model, args.task)
-        if args.shots is None and not args.vector and args.checkpoint in (None, default) and args.split in D.SPLITS:
+        if args.shots is None and args.checkpoint in (None, default) and args.split in D.SPLITS:
             return evaluate_with_baselines(backbone, args, items, setting)  # the default job
-        return evaluate(backbone, args, items, setting, vectors.load_vector(backbone, args) if args.vector else None)
-
-
-def trainer():
-    """train.py, for the modes that train (--table, --figure, --curve: lab/cli/modes.py): their trainings run in this
-    process, so that the backbone loads once for all of them (lab/studies/table_runs.py:Shared), and a wing never
-    imports a script. Nothing of the evaluation above needs it; imported when one of those modes asks for it."""
-    import train
-    return train
-
-
-SCRIPTS = modes.Scripts(main, parse_args, generate, evaluate, adapted, os.path.abspath(__file__), trainer)
+        return evaluate(backbone, args, items, setting)
 
 
 if __name__ == "__main__":

@@ -5,18 +5,15 @@ Hyper-ICL (Eq 16-17): the teacher (backbone, no adapter, no gradient) reads [ICD
 (model.layer_outputs) at the query's tokens + lambda * cross-entropy on the target. HiFICL: cross-entropy only,
 no teacher.
 
-The teacher's states depend only on the query and its (fixed) ICDs, so they are computed once, in the first
-epoch, and read back from a cache in later ones; the cache key covers the backbone's weights, the task, the
-query, its ICDs, their image files, the processor's settings and the prompt format, so a change of any of them
-recomputes. Nothing is lost on interruption: `<out>/last.pt` (adapter, optimiser, schedule, step) is written
-atomically every epoch, every --save-every steps, on Ctrl-C or SIGTERM (at the next step boundary) and on an error,
-and --resume continues bit-for-bit (an epoch stopped while it was being scored is scored
-on resume); `<out>/adapter.safetensors` is the best epoch's adapter. A folder that holds a run is never trained into
-without --resume or --overwrite, and one process at a time holds a folder (`locked`).
+The teacher's states depend only on the query and its fixed ICDs: computed once, in the first epoch, then read
+from a cache (lab/run/teacher_cache.py). Nothing is lost on interruption: `<out>/last.pt` is written atomically every
+epoch, on Ctrl-C or SIGTERM and on an error, and --resume continues bit-for-bit (lab/run/runs.py);
+`<out>/adapter.safetensors` is the best epoch's adapter.
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
-    python train.py --build-toy                       # meta-train a toy-idefics2 of your own (probed, ~5 min)
+    python -m lab build-toy                           # meta-train a toy-idefics2 of your own (probed, ~5 min)
+    python -m lab train --help                        # every flag: the harness's too (RICES, caches, --proceed)
 """
 import os
 import sys
@@ -29,20 +26,21 @@ from transformers import get_cosine_schedule_with_warmup
 import data
 import model as M
 from lab.datasets import rices, tasks
-from lab.models import backbones, chunks, families
+from lab.models import backbones, families
 from lab.methods import registry
 from lab.run import anchors, checkpoints, feed, micro_batches, proceed, runs, torchrun
-from lab.cli import train_cli
+from lab.cli import harness, train_cli
 
 
 @dataclass
-class Config:
-    """Every setting of a run; each field a train.py flag, its value the default, its comment the help (lab/cli)."""
+class Config(harness.TrainSettings):
+    """The paper's settings and one run's; each field a train.py flag, its value the default, its comment the help
+    (lab/cli/flags.py). The harness's settings (lab/cli/harness.py) are inherited with their defaults: flags of
+    `python -m lab train` only."""
     # what is trained, on what
     model: str = "toy-idefics2"       # backbone: a name (lab/models/published.py, tiny-*, toy-idefics2), file, folder
     task: str = "toy-icl-colour"      # data.TASKS, or one's own: a .jsonl, a folder, a LLaVA .json (README)
-    method: Literal[tuple(registry.METHODS)] = "hyper-icl"  # what is learned (adapters.py); each trains with its
-                                                           # own --anchor
+    method: registry.Name = "hyper-icl"  # what is learned (adapters.py); each trains with its own --anchor
     # the paper's settings (Section 4.1)
     n_train: int = 1000               # training queries
     lr: float = 5e-3                  # AdamW, every method (the baselines' code: MimIC 1e-5, LoRA 5e-4, LIVE 1e-3)
@@ -53,7 +51,6 @@ class Config:
     anchor: Optional[Literal[tuple(registry.ANCHORS)]] = None  # None: the method's (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
     icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
-    icd_task: Optional[str] = None    # the teacher's ICDs from this task's training split, the queries --task's
     # not stated in the paper
     n_heldout: int = 32               # queries held out of the training pool to pick the best epoch
     epochs: int = 3                   # passes over the training queries (the best epoch is kept)
@@ -62,33 +59,18 @@ class Config:
     weight_decay: float = 0.0         # AdamW's
     clip: float = 1.0                 # gradient norm clipping
     virtual_tokens: int = 8           # HiFICL's n virtual key-value pairs
-    anchor_norm: Literal["none", "first"] = "none"  # none: Eq 17; first: the anchor over its first-step value
     temperature: float = 1.0          # T of LIVE's KL
     seed: int = 0                     # the query split, ICD draw, order and adapter init
     image_splitting: Literal[families.IMAGE_SPLITTING] = "checkpoint"  # Idefics2's image crops: as the checkpoint says
-    image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once (chunks.image_work)
-    rices_encoder: Optional[str] = None              # RICES's image encoder (default: the backbone's vision tower)
-    rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
-    # files: the data, the run's folder, the teacher cache, checkpoints
+    # files: the data, the run's folder
     data_root: Optional[str] = None    # the datasets' folder (data.py, README)
     out: Optional[str] = None          # None: runs/<model>-<task>-<method> (lab/cli/train_cli.py)
-    teacher_cache: Optional[str] = None  # None: <out>/teacher
-    no_teacher_cache: bool = False     # recompute the teacher at every step (no disk)
-    save_every: int = 50               # checkpoint every this many steps (and every epoch)
     max_steps: Optional[int] = None    # stop after this many steps (the schedule spans every epoch; --resume goes on)
     resume: bool = False               # continue from <out>/last.pt
-    proceed: bool = False              # start, continue (--resume) or, finished, skip: one command whatever --out holds
     overwrite: bool = False            # replace the run in --out (without it a folder holding a run is refused)
-    # the machine, and the other modes
+    # the machine
     threads: Optional[int] = None      # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
     workers: int = field(default_factory=feed.default_workers)  # DataLoader workers that prepare batches
-    plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
-    processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
-    accelerator: str = "h200"         # --plan: the GPU its times are for (lab/studies/roofline.py); cuda: here's
-    plan_json: Optional[str] = None   # --plan: also write its times to this file as JSON
-    benchmark: bool = False            # time the run with and without teacher reuse
-    build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
-    build_tries: int = 3               # its seeds to try (--seed, --seed + 1, ...)
 
     def filled(self):
         """This config with the method's own rank and anchor where none is given (lab/methods/registry.py): each
@@ -223,16 +205,20 @@ def train(cfg, load=None):
 
 
 def parse_args(argv=None):
-    """train.py's flags (lab/cli/train_cli.py), their defaults a Config's; each method's own rank and anchor filled."""
-    return train_cli.parse_args(argv, __doc__, Config()).filled()
+    """train.py's flags (lab/cli/train_cli.py), the fields Config itself writes, their defaults a Config's; each
+    method's own rank and anchor filled. A flag of lab's (a harness setting, another mode) names its new command."""
+    return train_cli.parse_args(argv, __doc__, Config(), shown=Config.__annotations__, script=True).filled()
 
 
 def main(argv=None, load=None):
-    """python train.py [flags]: one training run in --out (--proceed: started, continued or, finished, skipped);
-    --build-toy, --plan and --benchmark are lab's (lab/cli/train_cli.py:other_mode). load: as train's."""
-    cfg = parse_args(argv)
-    if cfg.build_toy or cfg.plan or cfg.benchmark:
-        return train_cli.other_mode(cfg, train)
+    """python train.py [flags]: one training run in --out. The harness's flags and the other modes are lab's
+    (`python -m lab train`, `python -m lab plan train`, ...: lab/cli/commands.py). load: as train's."""
+    return launch(parse_args(argv), load)
+
+
+def launch(cfg, load=None):
+    """One training run of the parsed flags `cfg` in cfg.out, the folder locked (--proceed: started, continued or,
+    finished, skipped). load: as train's."""
     backbones.choose_threads(cfg.model, cfg.threads)
     with torchrun.process_group(), checkpoints.locked(cfg.out):
         run = proceed.proceeding(cfg) if cfg.proceed else cfg

@@ -18,6 +18,7 @@ sys.path[:0] = [p for p in (os.path.dirname(TESTS), TESTS, os.path.join(TESTS, "
 
 import benchmarks  # noqa: E402 (after the paths above)
 import model as M  # noqa: E402
+from helpers import lab_train
 
 settings.register_profile("repo", deadline=None, print_blob=True)
 settings.load_profile("repo")
@@ -125,10 +126,9 @@ def checkpoint(tmp_path_factory):
 def whole(tmp_path_factory):
     """An uninterrupted run (helpers.run_flags): its folder `run` (adapter.safetensors, history.json, last.pt) and
     its teacher cache `teacher`, made once for the session; tests read it and copy what they change."""
-    import train
-    from helpers import run_flags
+    from helpers import lab_train, run_flags
     tmp = tmp_path_factory.mktemp("whole")
-    train.main(run_flags(tmp, "run"))
+    lab_train(run_flags(tmp, "run"))
     return tmp
 
 

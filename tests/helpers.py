@@ -1,6 +1,7 @@
 """What the tests share beside conftest.py's fixtures: the repository's root; the flags of the tiny runs, one set
 (TINY, BENCH, EVAL, TRAIN, TRAIN_NO_CACHE, RUN and run_flags, SMALL and small_run, QUIET; with_flag, and refused for a
-parser's one-line error); small inputs written by hand (VQAv2's files, a task of one's own on coloured photos);
+parser's one-line error); python -m lab in this process (lab, lab_args; lab_train, lab_evaluate and their
+parsers); small inputs written by hand (VQAv2's files, a task of one's own on coloured photos);
 prompts for the tiny twins, randomised adapters and the cached-decoding check; a micro-batch and the teacher's states
 as the loop makes them; DataLoader workers killed mid-run; float64 references for the baselines' attention."""
 import json
@@ -21,6 +22,7 @@ import benchmarks
 import data
 import model as M
 import train
+from lab.cli import commands, modes
 from lab.datasets import tasks
 from lab.methods import registry
 from lab.run import micro_batches
@@ -39,6 +41,20 @@ RUN = [*BENCH, "--n-train", "8", "--n-heldout", "4", "--batch-size", "4", "--sho
 QUIET = [*TINY, "--data-root", benchmarks.ROOT, "--threads", "1", "--workers", "0"]  # a table's or a test's --task
 SMALL = [*BENCH, "--n-train", "12", "--n-heldout", "4", "--batch-size", "4", "--shots", "2", "--epochs", "2",
          "--save-every", "1"]                                               # 2 epochs of 3 steps, 2 shots
+
+
+lab_train, lab_evaluate = modes.train_main, modes.evaluate_main        # python -m lab train / evaluate [flags]
+lab_train_args, lab_evaluate_args = modes.parse_train, modes.parse_evaluate  # their flags, parsed and checked
+
+
+def lab(argv):
+    """python -m lab <mode> [flags] of argv (lab/cli/commands.py), in this process: what the mode returns."""
+    return commands.main(list(argv))
+
+
+def lab_args(argv):
+    """The flags of python -m lab <mode> [flags], parsed and checked as the mode does before it runs."""
+    return commands.parse(list(argv))[1]
 
 
 def run_flags(tmp, name, *extra):

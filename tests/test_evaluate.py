@@ -13,7 +13,7 @@ import benchmarks
 import data as D
 import evaluate as E
 import train
-from helpers import BENCH, EVAL, ROOT, TINY
+from helpers import BENCH, EVAL, lab_evaluate, lab_evaluate_args, lab_train_args, ROOT, TINY
 from lab.datasets import mme_seed, tasks
 from lab.models import backbones, families
 
@@ -50,8 +50,8 @@ def test_likelihood_ranking_matches_plain_forward(backbone):
 @pytest.mark.parametrize("task, protocol", [("mme", None), ("seed", "likelihood")])
 def test_evaluate_on_mme_and_seed(backbone, tmp_path, task, protocol):
     protocol = ["--seed-protocol", protocol] if protocol else []  # MME refuses a SEED protocol
-    args = E.parse_args(["--model", "tiny-idefics2", "--task", task, "--shots", "2", "--out", str(tmp_path),
-                         "--data-root", benchmarks.ROOT, *protocol])
+    args = lab_evaluate_args(["--model", "tiny-idefics2", "--task", task, "--shots", "2", "--out", str(tmp_path),
+                              "--data-root", benchmarks.ROOT, *protocol])
     items = tasks.load_task(task, "val", benchmarks.ROOT)[:4]
     metrics = E.evaluate(backbone, args, items, "2-shot")
     if task == "mme":
@@ -103,8 +103,8 @@ def read_outputs(out, stem, n):
 ])
 def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, flags, setting):
     flags = [checkpoint if f is None else f for f in flags]
-    metrics = E.main(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4",
-                      "--data-root", benchmarks.ROOT, "--out", str(tmp_path), *flags])
+    metrics = lab_evaluate(["--model", "tiny-idefics2", "--task", task, "--n-eval", str(N_EVAL), "--batch-size", "4",
+                            "--data-root", benchmarks.ROOT, "--out", str(tmp_path), *flags])
     n = int(flags[-1]) if "--n-eval" in flags else N_EVAL
     records, saved = read_outputs(str(tmp_path), f"{task}-val-{setting}-", n)
     items = tasks.load_task(task, "val", benchmarks.ROOT)[:n]
@@ -119,8 +119,8 @@ def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, f
 
 
 def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_path):
-    metrics = E.main(["--model", "tiny-idefics2", "--task", "mme", "--shots", "0", "--n-eval", "29",
-                      "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
+    metrics = lab_evaluate(["--model", "tiny-idefics2", "--task", "mme", "--shots", "0", "--n-eval", "29",
+                            "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     # the evaluation part holds 168 questions on 84 images, 6 per subtask: round(29 x 84 / 168) = 14 images
     # (round half to even), one per subtask, both of its questions
     subtasks = mme_seed.MME_PERCEPTION + mme_seed.MME_COGNITION
@@ -133,13 +133,13 @@ def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_
 
 def test_no_flags_uses_the_default_checkpoint_if_it_exists(tmp_path, monkeypatch, checkpoint, capsys):
     monkeypatch.chdir(tmp_path)
-    assert E.main([*BENCH, "--n-eval", "2"])["setting"] == "0-shot"
+    assert lab_evaluate([*BENCH, "--n-eval", "2"])["setting"] == "0-shot"
     assert "no adapter: 0-shot evaluation" in capsys.readouterr().out
-    default = os.path.join(train.parse_args(BENCH).out, "adapter.safetensors")  # where `python train.py` writes
+    default = os.path.join(lab_train_args(BENCH).out, "adapter.safetensors")  # where `python train.py` writes
     os.makedirs(os.path.dirname(default))
     with open(checkpoint, "rb") as src, open(default, "wb") as dst:
         dst.write(src.read())
-    metrics = E.main([*BENCH, "--n-eval", "2"])
+    metrics = lab_evaluate([*BENCH, "--n-eval", "2"])
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == default
     assert os.path.isfile(os.path.join(os.path.dirname(default), "vqav2-val-hyper-icl-seed0-n2.metrics.json"))
 
@@ -176,7 +176,7 @@ def test_new_tokens_bounds_every_evaluation(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "generate", lambda b, inputs, n, *a: asked.append(n) or real(b, inputs, n, *a))
     flags = [*TINY, "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "2", "--shots", "0", "--out",
              str(tmp_path), "--workers", "0"]
-    metrics = evaluate.main([*flags, "--new-tokens", "1"])
+    metrics = lab_evaluate([*flags, "--new-tokens", "1"])
     assert asked == [1] and metrics["new_tokens"] == 1  # before: the task's 5, the flag taken without effect
     with pytest.raises(ValueError, match="holds the result of other settings: new_tokens 1 \\(now 5\\)"):
-        evaluate.main(flags)  # the result of 1 token is not replaced by one of 5 under the same name
+        lab_evaluate(flags)  # the result of 1 token is not replaced by one of 5 under the same name

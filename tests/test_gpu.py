@@ -17,13 +17,13 @@ import torch
 import adapters
 import evaluate
 import model as M
-import train
 from memory_twins import write_photos
 from twins import write_twin
 from lab.disk import files
 from lab.models import backbones, chunks, families, published
 from lab.methods import mimic
 from lab.run import feed, runs
+from helpers import lab, lab_evaluate, lab_train
 
 
 def peak(device, run):
@@ -46,7 +46,7 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     common = ["--task", "vqav2", "--data-root", photos, "--shots", str(shots), "--batch-size", str(batch)]
     flags = [*common, "--n-train", str(batch * steps), "--n-heldout", "4", "--epochs", "1",
              "--out", os.path.join(root, "run")]
-    plan = train.main([*plan_flags, *flags, "--plan", device])
+    plan = lab(["plan", "train", *plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
     step_times, waiting, stepping = [], [], []
     steps_of, prepared = runs.remaining_steps, feed.prepared
@@ -72,7 +72,7 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
             yield batch
     monkeypatch.setattr(runs, "remaining_steps", timed_steps)
     monkeypatch.setattr(feed, "prepared", timed_batches)
-    _, trained = peak(device, lambda: train.main(["--model", "idefics2", *flags]))
+    _, trained = peak(device, lambda: lab_train(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]
     queries = {f.split("-")[0].split(".")[0] for f in cached}  # a query's states and logits: two files, one key
@@ -88,10 +88,10 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
         if hasattr(backbone.model, "icl_settings"):
             M.detach(backbone.model)
         evaluation = [*common, "--n-eval", str(n_eval), "--split", "val", "--out", os.path.join(root, setting)]
-        _, used = peak(device, lambda: evaluate.main(["--model", "idefics2", *evaluation, *extra]))
+        _, used = peak(device, lambda: lab_evaluate(["--model", "idefics2", *evaluation, *extra]))
         rows[f"evaluation peak, {setting}"] = (used, plan["memory"][planned])
-    table6 = evaluate.main(["--benchmark", "--model", "idefics2", "--task", "vqav2", "--data-root", photos,
-                            "--split", "val", "--checkpoint", adapter, "--out", os.path.join(root, "bench"), *bench])
+    table6 = lab(["benchmark", "--model", "idefics2", "--task", "vqav2", "--data-root", photos, "--split", "val",
+                  "--checkpoint", adapter, "--out", os.path.join(root, "bench"), *bench])
     print_table(rows, table6)
     return rows, table6
 

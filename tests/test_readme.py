@@ -1,9 +1,9 @@
 """The README and the shape of the code: every name, test, path and link that the README and docs/*.md write exists,
 and every name and path the tests' docstrings and comments write;
-the six files of the paper and each file of lab/ stay within their sizes; imports run one way (the paper's four bottom
-files, then lab/'s wings bottom first, then train.py and evaluate.py: the README's Files table) with no circle inside
-lab/; no line over 120 characters; the README is a front door (short, the equation map, the two commands) whose Python
-example runs."""
+the six files of the paper stay small together; imports run one way (the paper's four bottom files, then lab/'s wings
+bottom first, then train.py and evaluate.py, then lab's command line, lab/cli/commands.py and modes.py, which alone
+import the two scripts: the README's Files table) with no circle inside lab/; no line over 120 characters; the README
+is a front door (short, the equation map, the two commands) whose Python example runs."""
 import ast
 import functools
 import glob
@@ -151,14 +151,14 @@ def lines(path):
     return len(read(path).rstrip("\n").split("\n"))
 
 
-def test_the_six_files_hold_the_paper_in_under_2000_lines():
-    sizes = {f: lines(f + ".py") for f in PAPER}
-    assert {f: n for f, n in sizes.items() if n > 400} == {} and sum(sizes.values()) <= 2000, sizes
+def test_the_six_files_hold_the_paper_together_in_at_most_1550_lines():
+    """No file has a cap of its own (a cap decided where code went); the six together stay small. 1,550: this
+    branch's 1,535; issue 58 aims at 1,400 (data.py's family code leaving it is 60 of that)."""
+    assert sum(lines(f + ".py") for f in PAPER) <= 1550
 
 
-def test_each_lab_file_holds_one_concept_in_at_most_400_lines():
+def test_each_wing_of_lab_says_what_it_holds():
     assert len(LAB) > 10 and set(WINGS) == {m.split(".")[0] for m in LAB}  # the harness is there, in its wings
-    assert {f: n for f in LAB if (n := lines(lab_path(f))) > 400} == {}
     assert all(ast.get_docstring(ast.parse(read(f"lab/{w}/__init__.py"))) for w in WINGS)  # what a wing holds
 
 
@@ -179,9 +179,10 @@ def project_imports(path):
 
 
 # Who may import whom (README, "Files"): data, lorentz, adapters import no project file; model imports those;
-# lab/ imports the four and itself, each wing only the wings below it; train.py lab and below; evaluate.py everything.
+# lab/ imports the four and itself, each wing only the wings below it; train.py lab and below; evaluate.py lab and
+# below; lab's command line (python -m lab: lab/cli/commands.py, modes.py) everything.
 LEVEL = {"data": 0, "lorentz": 0, "adapters": 0, "model": 1, **{f"lab.{f}": 2 for f in LAB}, "train": 3,
-         "evaluate": 4}
+         "evaluate": 3, "lab.cli.modes": 4, "lab.cli.commands": 5}
 
 
 def test_imports_run_one_way():
@@ -222,6 +223,15 @@ def test_the_training_and_evaluation_path_imports_no_study_and_no_command_line()
     """Nothing under run/ or datasets/ reaches studies/ or cli/, through any chain of imports."""
     path = lab_closure([f for f in LAB if f.split(".")[0] in ("run", "datasets")])
     assert {f for f in path if f.split(".")[0] in ("studies", "cli")} == set()
+
+
+def test_the_scripts_reach_no_study_and_not_labs_command_line():
+    """train.py and evaluate.py, through any chain of imports, reach neither lab/studies/ nor python -m lab's modes
+    (lab/cli/commands.py, modes.py and the studies' flag checks, study_flags.py)."""
+    for script in ("train", "evaluate"):
+        path = lab_closure([m[4:] for m in project_imports(script + ".py") if m.startswith("lab.")])
+        assert {f for f in path if f.startswith("studies.") or f in ("cli.commands", "cli.modes", "cli.study_flags")} \
+            == set(), script
 
 
 def test_no_import_circle_inside_lab():
@@ -270,9 +280,10 @@ def test_the_readme_is_a_front_door():
     mapped = {n for a, b in re.findall(r"^\| Eq (\d+)(?:-(\d+))? \|", README, flags=re.M)
               for n in range(int(a), int(b or a) + 1)}
     assert mapped == set(range(1, 20))  # Eq 1-19, each in a row of the equation map
-    rows = re.findall(r"^\| `(\w+\.py|lab/\w+/)` \|", README, flags=re.M)  # Files, in import order
-    assert {f"{f}.py" for f in PAPER} | {f"lab/{w}/" for w in WINGS} <= set(rows)
-    row = {m: rows.index(f"lab/{m.split('.')[1]}/" if m.startswith("lab.") else m + ".py") for m in LEVEL}
+    rows = re.findall(r"^\| `(\w+\.py|lab/\w+/|python -m lab)` \|", README, flags=re.M)  # Files, in import order
+    assert {f"{f}.py" for f in PAPER} | {f"lab/{w}/" for w in WINGS} | {"python -m lab"} <= set(rows)
+    row = {m: rows.index("python -m lab" if LEVEL[m] > LEVEL["evaluate"] else f"lab/{m.split('.')[1]}/"
+                         if m.startswith("lab.") else m + ".py") for m in LEVEL}  # lab's command line: the last row
     assert {(m, i) for m in LEVEL for i in project_imports(lab_path(m[4:]) if m.startswith("lab.") else m + ".py")
             if row[i] > row[m]} == set()  # each file imports only files above it in the table
 

@@ -15,7 +15,7 @@ import data
 import lorentz
 import model as M
 import train
-from helpers import BENCH, micro_batch, small_run
+from helpers import BENCH, lab_train, lab_train_args, micro_batch, small_run
 from lab.datasets import tasks
 from lab.methods import registry
 from lab.models import backbones
@@ -25,7 +25,7 @@ from lab.run import checkpoints, runs
 @pytest.mark.parametrize("method", ["hyper-icl", "hificl"])
 def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args, backbone, queries, icds = setup
-    args = train.parse_args([*BENCH, "--method", method, "--teacher-cache", str(tmp_path)])
+    args = lab_train_args([*BENCH, "--method", method, "--teacher-cache", str(tmp_path)])
     registry.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
         cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
@@ -129,18 +129,18 @@ def test_anchor_norm_first_divides_the_anchor_by_its_first_step_value(setup, tmp
         torch.testing.assert_close(later["anchor"], train.losses(backbone, args, student, teacher * 2)["anchor"] /
                                    progress["anchor_scale"])
     out = tmp_path / "normed"
-    train.main(small_run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
+    lab_train(small_run(tmp_path, "--anchor-norm", "first", "--max-steps", "1", name="normed"))
     scale = torch.load(out / "last.pt", weights_only=False)["progress"]["anchor_scale"]
     assert scale > 1  # the tiny twin's hyperbolic anchor at its start (tens), now the unit of the loss
     with pytest.raises(SystemExit, match="--anchor-norm first .now none."):  # a resume must keep it
-        train.main(small_run(tmp_path, "--resume", name="normed"))
+        lab_train(small_run(tmp_path, "--resume", name="normed"))
 
 
 def test_demonstrations_are_drawn_without_the_held_out_queries():
     """The held-out queries pick the best epoch, so they must not reach the adapter as demonstrations in the teacher's
     rows; the training queries may (each never as its own)."""
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
-                             "--n-train", "40", "--n-heldout", "60"])
+    args = lab_train_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                           "--n-train", "40", "--n-heldout", "60"])
     queries, heldout, support, shots = tasks.split_pool(args, "idefics2")
     held = {q.id for q in heldout}
     assert held and not held & {it.id for it in support}
@@ -193,8 +193,8 @@ def traced(tmp_path_factory):
     try:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(runs, "heldout_loss", scored)
-            train.main([*BENCH, "--n-train", "10", "--n-heldout", "2", "--batch-size", "2", "--shots", "1", "--epochs",
-                        "4", "--clip", "1e-3", "--out", str(out), "--teacher-cache", str(out / "teacher")])
+            lab_train([*BENCH, "--n-train", "10", "--n-heldout", "2", "--batch-size", "2", "--shots", "1", "--epochs",
+                       "4", "--clip", "1e-3", "--out", str(out), "--teacher-cache", str(out / "teacher")])
     finally:
         hook.remove()
     return trace, out

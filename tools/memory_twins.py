@@ -30,6 +30,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import train  # noqa: E402
 import evaluate  # noqa: E402
 import twins  # noqa: E402
+from lab.cli import commands
 from lab.disk import files
 from lab.datasets import readers, toy_world
 from lab.models import backbones, chunks, families
@@ -122,7 +123,7 @@ def planned(run, root):
     """What --plan cpu says of the run, training or 8-shot evaluation: (peak bytes, peak bytes once loaded)."""
     script = RUNS[run][4]
     with contextlib.redirect_stdout(io.StringIO()):
-        figures = (train.main if script == "train" else evaluate.main)([*flags(run, root), "--plan", "cpu"])
+        figures = commands.main(["plan", script, *flags(run, root), "--plan", "cpu"])
     part = "train" if script == "train" else "eval_icl"
     return figures["memory"][part], figures["memory"][part + "_loaded"]
 
@@ -206,7 +207,7 @@ def published_table(root):
                  "--out", os.path.join(root, "runs", "published"), "--plan", "cuda"] + \
             (["--image-splitting", splitting] if splitting != "checkpoint" else [])
         with contextlib.redirect_stdout(io.StringIO()):
-            figures = train.main(flags)
+            figures = commands.main(["plan", "train", *flags])
         rows, mem = figures["rows"], figures["memory"]
         print(f"| {name} | {max(rows['student'].values())} / {max(rows['teacher'].values()):,} | "
               f"{figures['cache'] / figures['queries'] * 1000 / 1e9:.1f} GB | ~{mem['train'] / 1e9:.1f} GB | "

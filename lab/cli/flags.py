@@ -1,9 +1,12 @@
-"""The flags of train.py and evaluate.py, made from their Config, and the checks of numeric flags and folders."""
+"""The flags of train.py and evaluate.py, made from their Config, the checks of numeric flags and folders, and the
+one-line pointer from a flag the scripts gave to `python -m lab` to its new command."""
 import argparse
 import dataclasses
 import inspect
 import math
 import os
+import shlex
+import sys
 import textwrap
 import tokenize
 import typing
@@ -59,8 +62,9 @@ def check_image_memory(p, gb):
 
 def check_at_least(p, args, bounds):
     """A parser error for each flag of {name: least or (least, most)} given outside [least, most] (most: MAX_INT
-    unless given; a list flag: any of its values), naming the flag."""
-    for name, bound in bounds.items():
+    unless given; a list flag: any of its values), naming the flag. A name the Config lacks (a mode's, on a script)
+    is passed over."""
+    for name, bound in ((k, b) for k, b in bounds.items() if hasattr(args, k)):
         (least, most), value = bound if isinstance(bound, tuple) else (bound, MAX_INT), getattr(args, name)
         values = [v for v in (value if isinstance(value, list) else [value]) if v is not None]
         if any(v < least for v in values):
@@ -80,9 +84,10 @@ def check_applies(p, args, defaults, applies, view=None):
     """A parser error for each flag of `applies` ({field: (where it applies, test(flags) -> whether it does here)})
     given a value other than its default where it does nothing: one line naming the flag and where it applies, so a
     flag of another method or mode is never taken without a word (a new flag is one entry of its script's table).
-    view: the flags the tests read (train.py's, each method's own anchor filled in), else args."""
+    view: the flags the tests read (train.py's, each method's own anchor filled in), else args. A name the Config
+    lacks (a mode's, on a script) is passed over."""
     for name, (where, test) in applies.items():
-        if getattr(args, name) != getattr(defaults, name) and not test(view or args):
+        if hasattr(args, name) and getattr(args, name) != getattr(defaults, name) and not test(view or args):
             p.error(f"--{name.replace('_', '-')} applies {where}; here it would do nothing")
 
 
@@ -98,16 +103,21 @@ class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFo
     """The module docstring as written, and every flag's default."""
 
 
-def parser(doc, config, exclusive=()):
-    """The flags of the dataclass instance `config` (train.py's or evaluate.py's Config), one a field: --field-name,
-    the field's value its default, its comment its help (field_help), its type the type (Optional unwrapped; bool: a
-    switch; list[X]: one or more X; Literal: the choices) with SPELLING's additions; the Config's own fields first,
-    then those it gathers from the studies' Settings, in the order it names them. Each tuple of field names in
-    `exclusive` is a group of flags that exclude each other."""
-    p, helps = argparse.ArgumentParser(description=doc, formatter_class=Help), field_help(type(config))
-    groups = {name: group for names in exclusive for group in [p.add_mutually_exclusive_group()] for name in names}
+def parser(doc, config, exclusive=(), shown=None, prog=None):
+    """The flags of the dataclass instance `config` (train.py's or evaluate.py's Config, or lab's with more), one a
+    field: --field-name, the field's value its default, its comment its help (field_help), its type the type
+    (Optional unwrapped; bool: a switch; list[X]: one or more X; Literal: the choices) with SPELLING's additions; the
+    Config's own fields first, then those it inherits, in the order it names them. shown: the fields that are flags
+    (None: all; the others keep their defaults). Each tuple of field names in `exclusive` is a group of flags that
+    exclude each other. prog: the command's name in the help (None: the script's file)."""
+    p, helps = argparse.ArgumentParser(prog, description=doc, formatter_class=Help), field_help(type(config))
+    shown = {f.name for f in dataclasses.fields(config)} if shown is None else set(shown)
+    groups = {name: group for names in exclusive if shown & set(names) for group in [p.add_mutually_exclusive_group()]
+              for name in names if name in shown}
     order = [name for cls in type(config).__mro__ for name in vars(cls).get("__annotations__", {})]
     for f in sorted(dataclasses.fields(config), key=lambda f: order.index(f.name)):
+        if f.name not in shown:
+            continue
         kind, (origin, args) = f.type, (typing.get_origin(f.type), typing.get_args(f.type))
         if origin is typing.Union:  # Optional[X]: X
             kind = next(t for t in args if t is not type(None))
@@ -120,10 +130,55 @@ def parser(doc, config, exclusive=()):
     return p
 
 
+# The flags the scripts gave to `python -m lab` (lab/cli/commands.py) beside their Config's harness fields
+# (lab/cli/harness.py): the other modes' and the studies' (tests/lab/cli/test_lab_cli.py holds them to lab's parsers).
+# A mode's flag names its mode (a value of --table and --figure is the mode's number); any other, the script's own
+# command there.
+LAB_ONLY = {
+    "train.py": ("plan", "processor", "accelerator", "plan_json", "benchmark", "build_toy", "build_tries"),
+    "evaluate.py": ("plan", "processor", "accelerator", "plan_json", "benchmark", "benchmark_attention", "random_weights", "bench_shots",
+                    "attention_tokens", "rounds", "gates", "hyperbolicity", "curve", "curve_queries", "curve_seeds",
+                    "curve_methods", "no_tune", "train_args", "table", "figure", "print", "print_commands", "gpus",
+                    "table_worker", "vector", "vector_layer", "vector_sets", "vector_heldout", "fv_heads",
+                    "fv_trials")}
+MODE_OF = {"table": "table", "figure": "figure", "curve": "curve", "benchmark_attention": "benchmark-attention",
+           "gates": "gates", "hyperbolicity": "hyperbolicity", "build_toy": "build-toy"}  # first match wins
+WITH_NUMBER = ("table", "figure")  # the flags whose value is the mode's number
+OWNER = {**dict.fromkeys(("random_weights", "bench_shots", "attention_tokens", "rounds"), "benchmark"),
+         **dict.fromkeys(("curve_queries", "curve_seeds", "curve_methods", "no_tune"), "curve"),
+         **dict.fromkeys(("train_args", "print", "print_commands", "gpus", "table_worker"), "table"),
+         **dict.fromkeys(("processor", "accelerator", "plan_json"), "plan"), "build_tries": "build_toy"}  # a mode's own flag given without the mode: that mode
+
+
+def refuse_moved(argv, script, harness):
+    """Exit 2 with one line naming the new command where argv holds a flag of `script` ("train.py", "evaluate.py")
+    that is lab's now: one of LAB_ONLY's or of `harness` (the Config's fields that are not the script's flags). The
+    command: the mode the flags ask for (MODE_OF; --benchmark: train.py's benchmark-teacher, evaluate.py's benchmark;
+    --plan: plan <script>) or that the first such flag belongs to (OWNER), else the script's own under
+    `python -m lab`; then the user's other flags, shell-quoted."""
+    moved = {"--" + name.replace("_", "-"): name for name in (*LAB_ONLY[script], *harness)}
+    names = [moved[a.split("=", 1)[0]] for a in argv if a.split("=", 1)[0] in moved]
+    if not names:
+        return
+    own, rest = script.removesuffix(".py"), list(argv)
+    switch = next((m for m in (*MODE_OF, "benchmark", "plan") if m in names), None)
+    name, mode = switch or names[0], switch or OWNER.get(names[0])
+    words = {None: [own], "plan": ["plan", own], "benchmark": ["benchmark-teacher" if own == "train" else "benchmark"]
+             }.get(mode) or [MODE_OF[mode], *(["N"] if mode in WITH_NUMBER and not switch else [])]
+    if switch and switch != "plan":  # the mode's flag goes (--plan stays: plan's own); its number follows the mode
+        flag = "--" + switch.replace("_", "-")
+        k = next(k for k, a in enumerate(rest) if a.split("=", 1)[0] == flag)
+        value = rest.pop(k).partition("=")[2]
+        value = value or (rest.pop(k) if switch in WITH_NUMBER and k < len(rest) else "")
+        words += [value] if value else []
+    print(f"error: --{name.replace('_', '-')} is lab's now: {shlex.join(['python', '-m', 'lab', *words, *rest])}",
+          file=sys.stderr)
+    raise SystemExit(2)
+
+
 def field_help(cls):
-    """{field: help} of the dataclass `cls` and of the dataclasses it derives from (evaluate.py's Config gathers the
-    studies' Settings): the comment after each field in its source, and the comment lines below it indented past the
-    fields (a comment at the fields' indent heads a group of them)."""
+    """{field: help} of the dataclass `cls` and of the dataclasses it derives from (the harness's settings, lab's
+    Configs the studies' Settings): the comment after each field in its source, on the field's one line."""
     bases = [c for c in cls.__mro__[1:] if dataclasses.is_dataclass(c)]
     return {k: v for base in reversed(bases) for k, v in field_help(base).items()} | own_help(cls)
 
@@ -135,12 +190,4 @@ def own_help(cls):
     names = {a.start[0]: a.string for a, b in zip(tokens, tokens[1:])
              if a.type == tokenize.NAME and a.start[1] == 4 and b.string == ":"}
     comments = {t.start[0]: t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT}
-    helps, name = {}, None
-    for row, line in enumerate(lines, 1):
-        if row in names:
-            name, helps[names[row]] = names[row], comments.get(row, "")
-        elif name and row in comments and line.lstrip().startswith("#") and line.index("#") > 4:
-            helps[name] += " " + comments[row]
-        else:
-            name = None
-    return helps
+    return {name: comments.get(row, "") for row, name in names.items()}

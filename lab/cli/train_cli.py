@@ -1,15 +1,13 @@
-"""train.py's command line: the checks of its flags (the fields of train.py's Config), and its other modes."""
+"""train.py's command line: the checks of its flags (the fields of train.py's Config; `python -m lab train` and its
+other modes check theirs here too)."""
 import dataclasses
 import os
-import tempfile
-import time
+import sys
 
-from lab.disk import files
 from lab.datasets import rices, tasks
-from lab.models import backbones, families, toy_backbone
+from lab.models import families, toy_backbone
 from lab.methods import registry
 from lab.run import checkpoints
-from lab.studies import plan
 from lab.cli import flags
 
 
@@ -28,17 +26,23 @@ APPLIES = {  # flag: (where it applies, whether it does with these flags); flags
     "teacher_cache": ("without --no-teacher-cache", lambda a: not a.no_teacher_cache),
     "no_teacher_cache": ("where a teacher runs (an --anchor other than none)",
                          lambda a: ANCHORS[a.anchor].teacher is not None),
-    "processor": ("with --plan", lambda a: a.plan is not None),
     "rices_encoder": ("with --icds rices", lambda a: a.icds == "rices"),
-    "build_tries": ("with --build-toy", lambda a: a.build_toy),
 }
 
 
-def parse_args(argv, doc, defaults):
-    """train.py's flags, one a field of `defaults` (train.py's Config: lab/cli/flags.py:parser); returns that Config
-    with the parsed values, checked, and --out and --teacher-cache filled in."""
-    p = flags.parser(doc, defaults, exclusive=[("resume", "overwrite", "proceed")])
+def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, prog=None):
+    """train.py's flags, one a field of `defaults` (train.py's Config, or lab's with the modes' fields:
+    lab/cli/flags.py:parser); returns that Config with the parsed values, checked, and --out and --teacher-cache
+    filled in. shown: the fields that are flags (None: all); preset: {field: value} where the flags leave the default
+    (a mode's own); script: train.py's own parser, which names lab's command for a flag that moved there; prog:
+    the command's name in the help."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if script:
+        flags.refuse_moved(argv, "train.py", [f.name for f in dataclasses.fields(defaults) if f.name not in shown])
+    p = flags.parser(doc, defaults, exclusive=[("resume", "overwrite", "proceed")], shown=shown, prog=prog)
     args = dataclasses.replace(defaults, **vars(p.parse_args(argv)))
+    args = dataclasses.replace(args, **{k: v for k, v in (preset or {}).items() if getattr(args, k) == getattr(
+        defaults, k)})
     flags.check_at_least(p, args, {"rank": 1, "virtual_tokens": 1, "n_train": 1, "n_heldout": 1, "epochs": 1,
                                    "batch_size": 1, "grad_accum": 1, "save_every": 1, "max_steps": 1, "shots": 0,
                                    "build_tries": 1, "threads": (1, flags.MAX_THREADS), "seed": (0, flags.MAX_SEED),
@@ -53,10 +57,11 @@ def parse_args(argv, doc, defaults):
         p.error(missing)
     flags.check_image_memory(p, args.image_memory)
     flags.check_applies(p, args, defaults, APPLIES, args.filled())
-    args.out = args.out or (toy_backbone.TOY_BUILD_OUT if args.build_toy else
+    building = getattr(args, "build_toy", False)  # python -m lab build-toy: --out is a file
+    args.out = args.out or (toy_backbone.TOY_BUILD_OUT if building else
                             checkpoints.default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
-    flags.check_folders(p, {"--out": None if args.build_toy else args.out, "--teacher-cache": args.teacher_cache,
+    flags.check_folders(p, {"--out": None if building else args.out, "--teacher-cache": args.teacher_cache,
                             "--rices-cache": args.rices_cache})
     return args
 
@@ -71,58 +76,3 @@ def check_world(p, batch_size, n_train):
         p.error(f"torchrun's {world} processes need at least {world} queries in every micro-batch; --batch-size "
                 f"{batch_size} with --n-train {n_train} gives {smallest}: give --batch-size {world} (or a "
                 "multiple of it that divides --n-train)")
-
-
-def other_mode(cfg, train):
-    """train.py's other modes: --build-toy (a toy-idefics2 that learns in context, meta-trained to --out; an existing
-    file needs --overwrite), --plan (the run's plan: lab/studies/plan.py) and --benchmark (benchmark); train:
-    train.py's train, which --benchmark times."""
-    if cfg.build_toy:
-        check_build_out(cfg.out, cfg.overwrite)
-        return toy_backbone.build_toy(cfg.out, {**toy_backbone.TOY_RECIPE, "seed": cfg.seed}, cfg.build_tries,
-                                      cfg.threads or 1)
-    if cfg.plan:
-        return plan.plan(cfg)
-    backbones.choose_threads(cfg.model, cfg.threads)
-    return benchmark(cfg, train)
-
-
-def benchmark(args, train):
-    """Time the same run with and without teacher reuse; print both and the ratio (not a test: a measurement)."""
-    times = {}
-    for reuse in (False, True):
-        with tempfile.TemporaryDirectory() as out:
-            run = dataclasses.replace(args, out=out, teacher_cache=os.path.join(out, "teacher"),
-                                      no_teacher_cache=not reuse, benchmark=False)
-            start = time.perf_counter()
-            train(run)
-            times[reuse] = time.perf_counter() - start
-    print(f"{args.epochs} epochs: teacher recomputed every step {times[False]:.1f} s, computed once "
-          f"{times[True]:.1f} s; speed-up x{times[False] / times[True]:.2f}")
-    return times
-
-
-def check_build_out(path, overwrite):
-    """Refuse, before the minutes-long build, an --out that the build could not be written to or used from: not a
-    .safetensors name (--model takes no other), a folder, an existing file without --overwrite, a path under a
-    file, or a folder that cannot be written (tried with a temporary file)."""
-    if not families.is_toy_file(path):
-        raise ValueError(f"--out {path}: a toy backbone must be a .safetensors file (--model takes no other); "
-                         f"name it e.g. {path}.safetensors")
-    if os.path.isdir(path):
-        raise ValueError(f"--out {path} is a folder; name the file to write, e.g. "
-                         f"{os.path.join(path, 'backbone.safetensors')}")
-    if os.path.exists(path) and not overwrite:
-        raise ValueError(f"--out {path} exists; pass --overwrite to replace it, or another --out")
-    folder = above = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(above):
-        above = os.path.dirname(above)
-    if not os.path.isdir(above):
-        raise ValueError(f"--out {path}: {above} is a file, not a folder; choose another --out")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = files.tmp_name(path)
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"--out {path}: cannot write in {folder} ({e.strerror or e}); choose a writable --out") from e

@@ -5,6 +5,7 @@ and which settings it reads. To add a method: its module in a file of lab/method
 elsewhere than the decoder's self-attention, and its loss if it brings one), then its record below
 (docs/baselines.md, "A method of your own")."""
 from dataclasses import dataclass, field
+from typing import Literal
 
 import lorentz
 import model as M
@@ -35,6 +36,8 @@ METHODS = {
     "live": Method(live.LIVE, live.MLPPlug(), sizes=(), anchor="kl", lr=1e-3),  # LIVE, on the MLPs, its KL
     "lora": Method(lora.lora_config, lora.LinearPlug(), rank=16, anchor="none", lr=5e-4),  # LoRA (peft), CE
 }
+
+Name = Literal[tuple(METHODS)]  # a method's name, the type of train.py's --method
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""Batches built by torch DataLoader workers while the model runs: the builders of prompts and student rows, a
-worker's error raised as the worker raised it, the default number of workers."""
+"""Batches built by torch DataLoader workers while the model runs: the builders of prompts, SEED-Bench's option rows
+and student rows, a worker's error raised as the worker raised it, the default number of workers."""
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import os
 import signal
 import threading
@@ -132,3 +132,19 @@ def student_rows(processor, family, kind, queries):
 def prompt_rows(processor, family, kind, spec):
     """The prompt batch of spec = (items, their ICDs or None): data.prompt_batch."""
     return data.prompt_batch(processor, family, kind, *spec)
+
+
+def option_rows(processor, family, kind, spec):
+    """The batch of evaluate.option_logliks for spec = (items, their ICDs or None): four rows an item, one per option,
+    under the "choice-likelihood" prompt (`kind` is that one)."""
+    items, icds = spec
+    kind, rows = "choice-likelihood", []
+    for it, ds in zip(items, icds or [[] for _ in items]):
+        if len(it.answers) != len(data.SEED_LETTERS):
+            raise ValueError(f"item {it.id}: --seed-protocol likelihood ranks {len(data.SEED_LETTERS)} options, it has "
+                             f"{len(it.answers)}")
+        with_text = [replace(d, target=d.answers[data.SEED_LETTERS.index(d.target)]) for d in ds]
+        prefix = data.encode_prefix(processor, family, kind, with_text)
+        rows += [data.join(prefix, data.encode_query(processor, family, kind, replace(it, target=o)))
+                 for o in it.answers]
+    return data.collate(rows, processor, family)

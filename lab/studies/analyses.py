@@ -21,8 +21,8 @@ from lab.scores import results
 
 @dataclass
 class Settings:
-    """evaluate.py's flags of the appendix analyses (its Config gathers them: a field = a flag, its comment the
-    help)."""
+    """The appendix analyses, python -m lab gates and hyperbolicity (lab/cli/modes.py:Evaluation gathers them: a
+    field = a flag, its comment the help)."""
     gates: bool = False               # Table 10: a Hyper-ICL checkpoint's gates and Corr(g, Delta A)
     hyperbolicity: bool = False       # Table 9: delta-hyperbolicity of teacher and student (--checkpoint) states
 

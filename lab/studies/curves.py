@@ -39,7 +39,8 @@ ICL_LEVELS = (0, 1, 2, 4, 8)     # n-shot ICL, the horizontal lines of the figur
 
 @dataclass
 class Settings:
-    """evaluate.py's flags of --curve (its Config gathers them: a field = a flag, its comment the help)."""
+    """The flags of python -m lab curve (lab/cli/modes.py:Evaluation gathers them: a field = a flag, its comment the
+    help)."""
     curve: bool = False               # learning curves of every method, its rate tuned (lab/studies/curves.py)
     curve_queries: list[int] = field(default_factory=lambda: list(CURVE_QUERIES))  # training queries per run
     curve_seeds: int = CURVE_SEEDS    # seeds per point

@@ -27,7 +27,8 @@ BENCH_SHOTS = (8, 16, 32)  # --bench-shots' default: the n-shot ICL rows
 
 @dataclass
 class Settings:
-    """evaluate.py's flags of Table 6 (its Config gathers them: a field = a flag, its comment the help)."""
+    """The flags of python -m lab benchmark and benchmark-attention, Table 6 (lab/cli/modes.py:Evaluation gathers
+    them: a field = a flag, its comment the help)."""
     benchmark: bool = False           # Table 6: FLOPs, latency of 0-shot, the adapter(s), --bench-shots (lab/studies)
     benchmark_attention: bool = False  # one attention layer: latency and peak memory of SDPA and of each method
     random_weights: Optional[Literal["published", "mid"]] = None  # --benchmark*: random weights, real size or mid

@@ -232,15 +232,16 @@ def claimed(claims, job):
         yield False
 
 
-def on_devices(gpus, out, argv, script):
+def on_devices(gpus, out, argv, command):
     """--gpus: one process per device (CUDA_VISIBLE_DEVICES: the device of that number among those this process
-    sees, as a scheduler's CUDA_VISIBLE_DEVICES lists them), each running `script` with argv and --table-worker (which
+    sees, as a scheduler's CUDA_VISIBLE_DEVICES lists them), each running `command` (its words: python -m lab table
+    N) with argv and --table-worker (which
     makes it a worker), taking the next job not claimed by another (run_jobs); waits for all. The claims of this run
     live in <out>/claims/<this process's id>, so a rerun after a stop runs every job again (each one skips what is
     done)."""
     claims = worker_claims(out, os.getpid())
     os.makedirs(claims, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, script, *argv, "--table-worker", claims],
+    procs = [subprocess.Popen([sys.executable, *command[1:], *argv, "--table-worker", claims],
                               env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_device(int(device))})
              for device in gpus.split(",")]
     failed = [p for p in procs if p.wait() != 0]
@@ -261,11 +262,12 @@ def visible_device(number):
     return str(number) if seen is None else [d.strip() for d in seen.split(",")][number]
 
 
-def run_table(args, argv, mains, parsers, script):
-    """evaluate.py --table N / --figure N: the table's jobs run (or with --print-commands printed, with --plan
+def run_table(args, argv, mains, parsers, command):
+    """python -m lab table N / figure N: the table's jobs run (or with --print-commands printed, with --plan
     planned), then the table printed beside the paper's numbers (table_print.write; --print: that alone). mains:
-    {"train.py": train.main, "evaluate.py": evaluate.main}; parsers: (train.py's, evaluate.py's parse_args); script:
-    evaluate.py's path (--gpus starts it once per device); argv: this command's flags."""
+    {"train.py": lab's train, "evaluate.py": lab's evaluate} (lab/cli/modes.py); parsers: their parse_args; command:
+    the words of this mode, ["python", "-m", "lab", "table", "1"] (--gpus starts it once per device, run from the
+    project's root); argv: this command's flags after them."""
     train_parse, eval_parse = parsers
     if args.table_worker and args.table_worker != worker_claims(args.out, os.getppid()):
         raise ValueError(f"--table-worker {args.table_worker}: --gpus gives it to the processes it starts (their "
@@ -276,12 +278,12 @@ def run_table(args, argv, mains, parsers, script):
     if args.plan:
         return table_plan.plan_table(args, table, jobs, parsers)
     if args.print_commands:
-        table_line = ["python", os.path.basename(script), *(a for a in argv if a != "--print-commands"), "--print"]
+        table_line = [*command, *(a for a in argv if a != "--print-commands"), "--print"]
         lines = [j.line() for j in jobs] + [shlex.join(table_line)]
         print("\n".join(lines))
         return lines
     if args.gpus and not args.table_worker:
-        on_devices(args.gpus, args.out, argv, script)
+        on_devices(args.gpus, args.out, argv, command)
     elif not args.print:
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "

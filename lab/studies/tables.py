@@ -43,18 +43,19 @@ class Table:
 
 @dataclass(frozen=True)
 class Job:
-    """One command of a table: train.py or evaluate.py and its flags, and the jobs that must be done before it (the
-    training whose adapter it scores; the first run that computes the teacher it distils from)."""
+    """One command of a table: train.py's or evaluate.py's run with lab's flags (`python -m lab train`, `python -m lab
+    evaluate`), and the jobs that must be done before it (the training whose adapter it scores; the first run that
+    computes the teacher it distils from)."""
     script: str
     argv: tuple
     after: tuple = ()
 
     def line(self):
-        """The job as one idempotent shell line."""
-        return shlex.join(["python", self.script, *self.argv])
+        """The job as one idempotent shell line, run from the project's root."""
+        return shlex.join(["python", "-m", "lab", self.script.removesuffix(".py"), *self.argv])
 
     def args(self, parsers):
-        """The job's flags parsed by its script's parse_args (parsers: train.py's, evaluate.py's), before it runs: an
+        """The job's flags parsed by its command's parser (parsers: lab's train's, evaluate's), before it runs: an
         adapter that is not trained yet is named, not checked."""
         if self.script == "train.py":
             return parsers[0](list(self.argv))

@@ -33,8 +33,8 @@ FV_TRIALS = 25     # corrupted prompts per head for the average indirect effect 
 
 @dataclasses.dataclass
 class Settings:
-    """evaluate.py's flags of --vector (Table 1): zero-shot with a training-free in-context vector (its Config gathers
-    them: a field = a flag, its comment the help)."""
+    """python -m lab evaluate's flags of --vector (Table 1): zero-shot with a training-free in-context vector
+    (lab/cli/modes.py:Evaluation gathers them: a field = a flag, its comment the help)."""
     vector: Optional[Literal["tv", "fv"]] = None  # task vector (Hendel et al. 2023), function vector (Todd et al.)
     vector_layer: Optional[int] = None  # its decoder layer (None: the lowest loss on --vector-heldout queries)
     vector_sets: int = VECTOR_SETS    # ICL prompts of --shots ICDs averaged into it

@@ -12,6 +12,7 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import teacher_cache
 from lab.scores import metrics
+from helpers import lab_train_args
 
 
 # ------------------------------------------------------------------------- h^(L): the last layer's own output
@@ -54,8 +55,8 @@ def test_layer_outputs_are_every_layers_own_output(family):
 
 def test_teacher_and_student_both_align_the_last_layers_own_output():
     backbone, norm = with_final_norm_not_one("idefics2")
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
-                             "--no-teacher-cache"])
+    args = lab_train_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                           "--no-teacher-cache"])
     queries = tasks.load_task(args.task, "train", args.data_root)[:3]
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
     student = data.student_batch(backbone.processor, backbone.family, "vqa", pieces)
@@ -73,7 +74,7 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
 
 
 def test_the_teacher_cache_key_names_the_state_definition(monkeypatch):
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT])
+    args = lab_train_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT])
     query = tasks.load_task(args.task, "train", args.data_root)[0]
     key = teacher_cache.teacher_key("b", args.task, query, [])
     monkeypatch.setattr(M, "LAYER_OUTPUTS_VERSION", M.LAYER_OUTPUTS_VERSION + 1)

@@ -21,10 +21,9 @@ from lmms_eval import evaluator  # noqa: E402
 from lmms_eval.tasks import TaskManager, get_task_dict  # noqa: E402
 
 import data as D  # noqa: E402
-import train  # noqa: E402
 from lab.datasets import tasks, toy_world  # noqa: E402
 from lab.cli import lmms_eval_model  # noqa: E402
-from helpers import ROOT  # noqa: E402
+from helpers import lab_train, ROOT  # noqa: E402
 TASK, N = "toy-icl-colour", 16
 assert E.__file__ == os.path.join(ROOT, "evaluate.py")
 
@@ -87,8 +86,8 @@ def items():
 def adapter(tmp_path_factory):
     """The default job's adapter (Hyper-ICL, toy-idefics2, toy-icl-colour), from a short run (about 25 s)."""
     out = str(tmp_path_factory.mktemp("run"))
-    train.main(["--model", "toy-idefics2", "--task", TASK, "--out", out, "--n-train", "64", "--n-heldout", "8",
-                "--epochs", "3", "--lr", "2e-2"])
+    lab_train(["--model", "toy-idefics2", "--task", TASK, "--out", out, "--n-train", "64", "--n-heldout", "8",
+               "--epochs", "3", "--lr", "2e-2"])
     return os.path.join(out, "adapter.safetensors")
 
 

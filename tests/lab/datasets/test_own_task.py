@@ -13,7 +13,8 @@ from PIL import Image
 import data as D
 import evaluate
 import train
-from helpers import coloured_photos, jsonl, TINY, vqa_task
+from helpers import (coloured_photos, jsonl, lab, lab_evaluate, lab_evaluate_args, lab_train, lab_train_args, TINY,
+                     vqa_task)
 from lab.datasets import own_task, readers, tasks
 from lab.models import backbones, families
 
@@ -117,9 +118,9 @@ def test_names_of_run_folders_and_result_files(own):
     key = lambda task: hashlib.sha256(os.path.realpath(task).encode()).hexdigest()[:8]  # two data.jsonl: two names
     assert tasks.file_name(own["vqa"]) == f"my-vqa-{key(own['vqa'])}"
     assert tasks.file_name(own["caption"]) == f"captions-{key(own['caption'])}"
-    args = train.parse_args([*TINY, "--task", own["vqa"]])
+    args = lab_train_args([*TINY, "--task", own["vqa"]])
     assert args.out == os.path.join("runs", f"tiny-idefics2-my-vqa-{key(own['vqa'])}-hyper-icl")
-    assert evaluate.parse_args([*TINY, "--task", own["caption"], "--shots", "0"]).out == \
+    assert lab_evaluate_args([*TINY, "--task", own["caption"], "--shots", "0"]).out == \
         f"runs/eval-tiny-idefics2-captions-{key(own['caption'])}"
 
 
@@ -127,11 +128,11 @@ def test_names_of_run_folders_and_result_files(own):
 def test_trains_two_steps_and_evaluates_through_the_command_line(own, kind, tmp_path):
     out = str(tmp_path / "run")
     flags = [*TINY, "--task", own[kind], "--batch-size", "1"]
-    train.main([*flags, "--out", out, "--n-train", "2", "--n-heldout", "1", "--shots", "1", "--epochs", "1"])
+    lab_train([*flags, "--out", out, "--n-train", "2", "--n-heldout", "1", "--shots", "1", "--epochs", "1"])
     with open(os.path.join(out, "history.json")) as f:
         assert [h["step"] for h in json.load(f)][-1] == 2
     n_eval = len(tasks.load_task(own[kind], "val"))
-    metrics = evaluate.main([*flags, "--checkpoint", os.path.join(out, "adapter.safetensors")])
+    metrics = lab_evaluate([*flags, "--checkpoint", os.path.join(out, "adapter.safetensors")])
     metric = {"caption": "cider", "vqa": "vqa_accuracy", "llava": "vqa_accuracy"}.get(kind, "accuracy")
     assert metrics["setting"] == "hyper-icl" and metrics["n"] == n_eval and 0 <= metrics[metric] <= 100
     stem = f"{tasks.file_name(own[kind])}-val-hyper-icl" + ("-generate" if kind == "choice" else "")
@@ -144,8 +145,8 @@ def test_the_readmes_two_commands(own, tmp_path, monkeypatch, capsys):
     """train.py, then evaluate.py with no flags but the task: 0-shot, the task's N-shot ICL and the default adapter."""
     monkeypatch.chdir(tmp_path)
     flags = [*TINY, "--task", own["yes-no"]]
-    train.main([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
-    metrics = evaluate.main(flags)
+    lab_train([*flags, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--epochs", "1"])
+    metrics = lab_evaluate(flags)
     name = tasks.file_name(own["yes-no"])
     run = os.path.join("runs", f"tiny-idefics2-{name}-hyper-icl")
     assert metrics["setting"] == "hyper-icl" and metrics["checkpoint"] == os.path.join(run, "adapter.safetensors")
@@ -157,10 +158,10 @@ def test_the_readmes_two_commands(own, tmp_path, monkeypatch, capsys):
 
 def test_n_shot_rices_and_the_plan(own, tmp_path, capsys):
     flags = [*TINY, "--task", own["choice"], "--out", str(tmp_path)]
-    metrics = evaluate.main([*flags, "--shots", "2", "--icds", "rices"])
+    metrics = lab_evaluate([*flags, "--shots", "2", "--icds", "rices"])
     assert metrics["setting"] == "2-shot-rices" and metrics["n"] == 6 and metrics["protocol"] == "generate"
     assert set(metrics["seed_bench"]["dimensions"]) == {"choice"}
-    evaluate.main([*flags, "--plan", "cpu"])
+    lab(["plan", "evaluate", *flags, "--plan", "cpu"])
     assert "plan: tiny-idefics2 on " + own["choice"] in capsys.readouterr().out
 
 
@@ -251,7 +252,7 @@ def test_bad_files_and_folders_are_named(own, photos, tmp_path, capsys):
     with pytest.raises(ValueError, match="a single file splits into train and val only"):
         tasks.load_task(own["vqa"], "test")
     with pytest.raises(SystemExit):
-        train.parse_args([*TINY, "--task", "not-a-task"])
+        lab_train_args([*TINY, "--task", "not-a-task"])
     assert "argument --task: 'not-a-task' is neither a task (vqav2, " in capsys.readouterr().err
 
 
@@ -391,12 +392,12 @@ def test_two_tasks_of_one_name_get_two_run_folders_and_the_benchmarks_keep_their
     import train
     a, b = vqa_task(tmp_path / "a"), vqa_task(tmp_path / "b")
     mine = vqa_task(tmp_path / "my", name="vqav2.jsonl")
-    outs = {task: train.parse_args([*TINY, "--task", task]).out for task in (a, b, mine, "vqav2")}
+    outs = {task: lab_train_args([*TINY, "--task", task]).out for task in (a, b, mine, "vqav2")}
     assert len(set(outs.values())) == 4 and outs["vqav2"] == "runs/tiny-idefics2-vqav2-hyper-icl"
     assert outs[a].startswith("runs/tiny-idefics2-data-") and outs[a].endswith("-hyper-icl")
-    assert train.parse_args([]).out == "runs/toy-idefics2-toy-icl-colour-hyper-icl"  # the default job's, as README
-    assert evaluate.parse_args([*TINY, "--task", a, "--shots", "0"]).out != \
-        evaluate.parse_args([*TINY, "--task", b, "--shots", "0"]).out
+    assert lab_train_args([]).out == "runs/toy-idefics2-toy-icl-colour-hyper-icl"  # the default job's, as README
+    assert lab_evaluate_args([*TINY, "--task", a, "--shots", "0"]).out != \
+        lab_evaluate_args([*TINY, "--task", b, "--shots", "0"]).out
 
 
 def test_an_image_written_two_ways_lands_on_one_side_of_the_split(tmp_path):

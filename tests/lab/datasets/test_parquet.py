@@ -13,11 +13,11 @@ import pytest
 from PIL import Image
 
 import benchmarks
-import evaluate
 import hub_layouts
 from lab.datasets import parquet, tasks
 from lab.scores import metrics
 from twins import write_twin
+from helpers import lab, lab_evaluate_args
 
 
 TASKS = ("vqav2", "ok-vqa", "coco", "flickr30k", "mme", "seed")
@@ -149,8 +149,8 @@ def test_parquet_files_not_named_as_shards_are_named_not_skipped(roots, tmp_path
 
 def test_the_plan_counts_the_hub_layouts_tokens(roots, tmp_path, capsys):
     twin = write_twin("idefics2", tmp_path / "twin")
-    planned = evaluate.main(["--plan", "--model", "idefics2", "--processor", twin, "--task", "mme", "--data-root",
-                             roots[1], "--n-eval", "4"])
+    planned = lab(["plan", "evaluate", "--model", "idefics2", "--processor", twin, "--task", "mme", "--data-root",
+                   roots[1], "--n-eval", "4"])
     assert "parquet shard(s) of lmms-lab/MME" in capsys.readouterr().out
     assert planned["queries"] == 4 and min(planned["rows"]["teacher"].values()) > min(
         planned["rows"]["student"].values())
@@ -172,8 +172,8 @@ def test_n_eval_draws_the_same_questions_from_both_layouts(roots, task):
     """Issue 52, item 13: --n-eval's stratified subset draws images by their order, not their paths (the hub's are
     cache hashes): before, 32 of 56 MME question keys differed at --n-eval 28."""
     original, hub, _ = roots
-    drawn = [tasks.eval_items(evaluate.parse_args(["--model", "tiny-idefics2", "--task", task, "--data-root", root,
-                                                   "--n-eval", "28", "--shots", "0"])) for root in (original, hub)]
+    drawn = [tasks.eval_items(lab_evaluate_args(["--model", "tiny-idefics2", "--task", task, "--data-root", root,
+                                                 "--n-eval", "28", "--shots", "0"])) for root in (original, hub)]
     assert len(drawn[0]) >= 20 and by_content(drawn[1]) == by_content(drawn[0])
 
 

@@ -10,9 +10,7 @@ from PIL import Image
 
 import benchmarks
 import data as D
-import evaluate
-import train
-from helpers import dead_pid, QUIET, refused
+from helpers import dead_pid, lab_args, lab_evaluate_args, lab_train_args, QUIET, refused
 from lab.datasets import rices, tasks
 from lab.disk import files
 
@@ -99,14 +97,13 @@ def test_rices_encoder_that_cannot_be_loaded(tmp_path):
 def test_rices_on_a_family_without_its_own_tower_is_refused_before_any_work(tmp_path, capsys):
     """Table 1 on a new family stopped at its RICES cell after every training, and --rices-encoder, the way out, was
     refused with --table; a single evaluation or training was refused only after the backbone loaded."""
-    table = ["--table", "1", *QUIET, "--out", str(tmp_path)]
+    table = ["table", "1", *QUIET, "--out", str(tmp_path)]
     qwen = [a.replace("tiny-idefics2", "tiny-qwen2.5-vl") for a in table]
-    assert "RICES row: --icds rices: the backbone's own vision tower is read for" in refused(evaluate.parse_args, qwen,
-                                                                                             capsys)
-    assert evaluate.parse_args([*qwen, "--rices-encoder", "clip"]).rices_encoder == "clip"
+    assert "RICES row: --icds rices: the backbone's own vision tower is read for" in refused(lab_args, qwen, capsys)
+    assert lab_args([*qwen, "--rices-encoder", "clip"]).rices_encoder == "clip"
     single = ["--model", "tiny-gemma3", "--task", "vqav2", "--icds", "rices", "--shots", "2"]
-    assert "not gemma3; give --rices-encoder" in refused(evaluate.parse_args, single, capsys)
-    assert "not gemma3; give --rices-encoder" in refused(train.parse_args, single[:-2], capsys)
+    assert "not gemma3; give --rices-encoder" in refused(lab_evaluate_args, single, capsys)
+    assert "not gemma3; give --rices-encoder" in refused(lab_train_args, single[:-2], capsys)
 
 
 def test_a_rices_encoder_that_is_not_clip_is_refused_naming_it(tmp_path):

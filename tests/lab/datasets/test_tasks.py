@@ -9,10 +9,8 @@ from hypothesis import strategies as st
 
 import benchmarks
 import data as D
-import evaluate
-import train
 from data import Item
-from helpers import ANNOTATION, QUESTION, run_flags, vqa_files
+from helpers import ANNOTATION, lab_evaluate, lab_train, lab_train_args, QUESTION, run_flags, vqa_files
 from lab.datasets import mme_seed, readers, tasks
 
 
@@ -57,7 +55,7 @@ def test_pool_split_properties(questions, fraction, seed):
 
 def test_default_shots():
     assert [D.default_shots(D.TASKS[t], "idefics") for t in ("mme", "seed", "seed2", "vqav2")] == [2, 2, 2, 32]
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "mme", "--data-root", benchmarks.ROOT])
+    args = lab_train_args(["--model", "tiny-idefics2", "--task", "mme", "--data-root", benchmarks.ROOT])
     assert tasks.split_pool(args, "idefics2")[3] == 2
 
 
@@ -133,11 +131,12 @@ def test_the_benchmarks_are_seeded(tmp_path):
 def test_an_empty_split_is_a_clear_error(tmp_path):
     root = vqa_files(tmp_path, {"questions": []}, {"annotations": []})
     with pytest.raises(ValueError, match="vqav2 has no val items to evaluate"):
-        evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", str(root), "--shots", "0",
-                       "--out", str(tmp_path / "eval")])
+        lab_evaluate(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", str(root), "--shots", "0",
+                      "--out", str(tmp_path / "eval")])
     vqa_files(tmp_path, {"questions": [QUESTION]}, {"annotations": [ANNOTATION]}, split="train")
-    with pytest.raises(ValueError, match="vqav2 has 1 training items: none left to train on after --n-heldout 4"):
-        train.main([*run_flags(tmp_path, "run"), "--data-root", str(root)])
+    with pytest.raises(ValueError, match=r"vqav2 has 1 training items, too few for --n-heldout 4 and a query to train "
+                                         r"on with 1 ICDs from the rest \(at least 6\): a task needs at least 3"):
+        lab_train([*run_flags(tmp_path, "run"), "--data-root", str(root)])
 
 
 def test_the_benchmarks_go_to_the_users_cache_or_a_folder_named_and_another_users_is_refused(tmp_path, monkeypatch):

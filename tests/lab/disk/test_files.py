@@ -9,8 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
-from helpers import dead_pid, ROOT, run_flags, TRAIN
+from helpers import dead_pid, lab_train, lab_train_args, ROOT, run_flags, TRAIN
 from lab.datasets import tasks
 from lab.disk import files
 from lab.run import checkpoints
@@ -34,7 +33,7 @@ def test_the_lock_file_is_never_opened_through_a_link(tmp_path):
     out.mkdir()
     os.symlink(precious, out / ".lock")
     with pytest.raises(OSError, match=rf"the lock file {out / '.lock'} is a symbolic link, which is never followed"):
-        train.main([*TRAIN, "--out", str(out), "--teacher-cache", str(tmp_path / "teacher")])
+        lab_train([*TRAIN, "--out", str(out), "--teacher-cache", str(tmp_path / "teacher")])
     os.symlink(precious, out / "history.json")
     files.write_json(out / "history.json", [])  # an atomic write replaces the link itself, never its target
     assert precious.read_text() == "mine" and not os.path.islink(out / "history.json")
@@ -53,7 +52,7 @@ def test_two_swapped_words_of_a_cache_file_are_seen(tmp_path, capsys):
 
 
 def test_stale_temporary_files_are_removed_and_files_follow_the_umask(tmp_path):
-    args = train.parse_args(run_flags(tmp_path, "run"))
+    args = lab_train_args(run_flags(tmp_path, "run"))
     os.makedirs(args.teacher_cache)
     stale = files.tmp_name(tmp_path / "teacher" / "x.safetensors", dead_pid())
     fresh = files.tmp_name(tmp_path / "teacher" / "y.safetensors")
@@ -133,7 +132,7 @@ def user_files(folder):
 
 def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    args = train.parse_args(run_flags(tmp_path, "run", "--rices-cache", str(tmp_path / "rices")))
+    args = lab_train_args(run_flags(tmp_path, "run", "--rices-cache", str(tmp_path / "rices")))
     folders = [args.out, args.teacher_cache, args.rices_cache, str(tmp_path / "data"), str(tmp_path)]
     mine = [p for f in folders for p in user_files(f)]
     stale = [files.tmp_name(os.path.join(f, "x.safetensors"), dead_pid()) for f in folders]

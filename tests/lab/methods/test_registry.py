@@ -13,12 +13,11 @@ import torch
 
 import benchmarks
 import data
-import evaluate
 import model as M
 import train
 from adapters import OutputLevel, StaticGate, StaticGateHead
-from helpers import (assert_cached_decoding_equals_full_forward, left_padded_mask, micro_batch, naive_attention,
-                     prompts, rand, randomised, ROOT, TEXTS)
+from helpers import (assert_cached_decoding_equals_full_forward, lab_evaluate, lab_train, lab_train_args,
+                     left_padded_mask, micro_batch, naive_attention, prompts, rand, randomised, ROOT, TEXTS)
 from lab.datasets import tasks
 from lab.methods import registry
 from lab.models import published
@@ -164,20 +163,20 @@ def test_save_load_roundtrip_and_wrong_method_refused(plain, method, tmp_path):
 @pytest.mark.parametrize("method", BASELINES)
 def test_trains_and_evaluates_end_to_end(method, tmp_path):
     out = str(tmp_path / method)
-    train.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
-                "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs",
-                "1", "--lr", "1e-2"])
+    lab_train(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
+               "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1", "--epochs",
+               "1", "--lr", "1e-2"])
     history = json.load(open(f"{out}/history.json"))
     assert len(history) == 1 and math.isfinite(history[0]["heldout_loss"])
-    metrics = evaluate.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
-                             "--checkpoint", f"{out}/adapter.safetensors", "--n-eval", "1"])
+    metrics = lab_evaluate(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                            "--checkpoint", f"{out}/adapter.safetensors", "--n-eval", "1"])
     assert metrics["setting"] == method and 0 <= metrics["vqa_accuracy"] <= 100
 
 
 @pytest.mark.parametrize("method,anchor", [("mimic", "mse"), ("live", "kl"), ("lora", "none")])
 def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, method, anchor, tmp_path):
-    args = train.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
-                             "--method", method, "--teacher-cache", str(tmp_path)])
+    args = lab_train_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                           "--method", method, "--teacher-cache", str(tmp_path)])
     assert args.anchor == anchor and args.lam == 0.5
     pool = tasks.load_task(args.task, "train", args.data_root)
     queries = pool[:3]

@@ -18,6 +18,7 @@ import model as M
 import train
 from lab.disk import files
 from lab.models import backbones, families, toy_backbone
+from helpers import lab
 
 
 FAMILIES = BACKBONES = sorted(families.FAMILIES)  # BACKBONES: conftest.py's backbone on each family's tiny twin
@@ -116,9 +117,9 @@ def processors(tmp_path_factory):
 
 @pytest.mark.parametrize("family", NEW)
 def test_plan_at_the_published_size_without_weights(processors, family, tmp_path, capsys):
-    figures = train.main(["--model", family, "--processor", processors[family], "--task", "vqav2", "--data-root",
-                          benchmarks.ROOT, "--n-train", "4", "--n-heldout", "1", "--shots", "8", "--batch-size", "2",
-                          "--out", str(tmp_path), "--plan", "cuda"])
+    figures = lab(["plan", "train", "--model", family, "--processor", processors[family], "--task", "vqav2",
+                   "--data-root", benchmarks.ROOT, "--n-train", "4", "--n-heldout", "1", "--shots", "8", "--batch-size",
+                   "2", "--out", str(tmp_path), "--plan", "cuda"])
     out = capsys.readouterr().out
     config = families.FAMILIES[family].published.__name__
     assert f"published_configs.{config}" in out and "tokens a row" in out and "teacher cache" in out

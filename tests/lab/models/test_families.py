@@ -19,7 +19,7 @@ import benchmarks
 import data as D
 import evaluate as E
 import train
-from helpers import ROOT, TRAIN
+from helpers import lab, ROOT, TRAIN
 from lab.datasets import tasks
 from lab.models import backbones, families, tiny
 from lab.models.backbones import load_backbone, stop_ids
@@ -354,7 +354,7 @@ def test_a_generation_config_that_is_not_json_is_named_not_ignored(twin_folder, 
 def test_a_config_field_of_the_wrong_type_names_config_json_under_plan(twin_folder, tmp_path):
     folder = edited(twin_folder, tmp_path, "config.json", lambda c: c["text_config"].update(hidden_size="big"))
     with pytest.raises(ValueError, match=rf"{folder / 'config.json'} is not a valid config \(.*hidden_size") as e:
-        train.main(["--plan", *TRAIN[:1], str(folder), *TRAIN[2:]])
+        lab(["plan", "train", *TRAIN[:1], str(folder), *TRAIN[2:]])
     assert "\n" not in str(e.value)                                          # one line, as the CLI prints it
 
 
@@ -362,7 +362,7 @@ def test_a_config_with_fewer_than_one_layer_names_config_json_and_the_field_also
     folder = edited(twin_folder, tmp_path, "config.json", lambda c: c["text_config"].update(num_hidden_layers=-3))
     message = rf"{folder / 'config.json'}: text_config.num_hidden_layers is -3; it must be an integer of at least 1"
     with pytest.raises(ValueError, match=message):
-        train.main(["--plan", *TRAIN[:1], str(folder), *TRAIN[2:]])
+        lab(["plan", "train", *TRAIN[:1], str(folder), *TRAIN[2:]])
     with pytest.raises(ValueError, match=message):
         backbones.load_backbone(str(folder))
 

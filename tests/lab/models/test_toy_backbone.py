@@ -11,6 +11,7 @@ import train
 from lab.datasets import toy_world
 from lab.disk import files
 from lab.models import backbones, toy_backbone
+from helpers import lab
 
 
 SHIPPED = toy_backbone.TOY_REFERENCE  # lab/models/toy-idefics2.safetensors
@@ -63,7 +64,7 @@ def test_a_build_that_never_learns_in_context_is_retried_then_refused(tmp_path, 
     monkeypatch.setattr(toy_backbone, "meta_train", never_learns)
     out = tmp_path / "backbone.safetensors"
     with pytest.raises(ValueError, match="no toy-idefics2 build learned in context in 3 tries .seeds 5..7"):
-        train.main(["--build-toy", "--seed", "5", "--out", str(out)])
+        lab(["build-toy", "--seed", "5", "--out", str(out)])
     assert seeds == [5, 6, 7] and capsys.readouterr().out.count("does not learn in context, rejected") == 3
     assert list(tmp_path.iterdir()) == []
 
@@ -152,5 +153,5 @@ def test_build_toy_checks_out_before_it_builds(tmp_path, monkeypatch, out, overw
         return real_open(path, *a)
     monkeypatch.setattr(os, "open", refused)
     with pytest.raises(ValueError, match=message):
-        train.main(["--build-toy", "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])])
+        lab(["build-toy", "--out", str(tmp_path / out), *(["--overwrite"] if overwrite else [])])
     assert sorted(os.listdir(tmp_path)) == ["afile", "folder.safetensors", "old.safetensors", "readonly"]

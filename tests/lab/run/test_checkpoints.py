@@ -23,8 +23,8 @@ import benchmarks
 import evaluate
 import model as M
 import train
-from helpers import (kill_workers_once, QUIET, ROOT, RUN, run_flags, small_run, TINY, TRAIN, TRAIN_NO_CACHE, vqa_task,
-                     with_flag)
+from helpers import (kill_workers_once, lab_evaluate, lab_evaluate_args, lab_train, lab_train_args, QUIET, ROOT, RUN,
+                     run_flags, small_run, TINY, TRAIN, TRAIN_NO_CACHE, vqa_task, with_flag)
 from lab.disk import files
 from lab.methods import registry
 from lab.models import backbones
@@ -32,19 +32,19 @@ from lab.run import checkpoints, runs
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    whole = train.main(small_run(tmp_path, name="whole"))
-    train.main(small_run(tmp_path, "--max-steps", "4", name="split"))
+    whole = lab_train(small_run(tmp_path, name="whole"))
+    lab_train(small_run(tmp_path, "--max-steps", "4", name="split"))
     assert torch.load(tmp_path / "split" / "last.pt", weights_only=False)["progress"]["step"] == 4
-    resumed = train.main(small_run(tmp_path, "--resume", name="split"))
+    resumed = lab_train(small_run(tmp_path, "--resume", name="split"))
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert os.path.exists(tmp_path / "whole" / "adapter.safetensors")
     with pytest.raises(SystemExit, match="--lr 0.005 .now 0.1."):
-        train.main(small_run(tmp_path, "--resume", "--lr", "0.1", name="split"))
+        lab_train(small_run(tmp_path, "--resume", "--lr", "0.1", name="split"))
 
 
 def test_ctrl_c_saves_and_resume_continues(tmp_path, monkeypatch):
-    whole = train.main(small_run(tmp_path, name="whole"))
+    whole = lab_train(small_run(tmp_path, name="whole"))
     step = train.losses
     calls = []
 
@@ -55,9 +55,9 @@ def test_ctrl_c_saves_and_resume_continues(tmp_path, monkeypatch):
         return step(*a)
     monkeypatch.setattr(train, "losses", interrupt)
     with pytest.raises(SystemExit, match="interrupted: saved step 3"):
-        train.main(small_run(tmp_path, name="cut"))
+        lab_train(small_run(tmp_path, name="cut"))
     monkeypatch.setattr(train, "losses", step)
-    resumed = train.main(small_run(tmp_path, "--resume", name="cut"))
+    resumed = lab_train(small_run(tmp_path, "--resume", name="cut"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
@@ -70,7 +70,7 @@ def test_a_worker_killed_in_step_2_leaves_last_pt_of_step_1(tmp_path, monkeypatc
         return (killer if calls["n"] == 2 else real)(*args, **kwargs)
     monkeypatch.setattr(train, "losses", losses)
     with pytest.raises(OSError, match=r"a DataLoader worker failed"):
-        train.main([*TRAIN_NO_CACHE, "--n-train", "6", "--workers", "1", "--out", str(tmp_path)])
+        lab_train([*TRAIN_NO_CACHE, "--n-train", "6", "--workers", "1", "--out", str(tmp_path)])
     state = torch.load(tmp_path / "last.pt", weights_only=True)
     assert state["progress"]["step"] == 1
 
@@ -86,12 +86,12 @@ def test_two_evaluations_share_their_folder_and_a_training_waits_for_neither(tmp
         leave.wait(60)
         return predict(*args, **kwargs)
     monkeypatch.setattr(evaluate, "predict", held)
-    first = threading.Thread(target=evaluate.main, args=([*flags, "--shots", "0"],))
+    first = threading.Thread(target=lab_evaluate, args=([*flags, "--shots", "0"],))
     first.start()
     try:
         assert inside.wait(60)
         monkeypatch.setattr(evaluate, "predict", predict)
-        assert evaluate.main([*flags, "--shots", "1"])["setting"] == "1-shot"
+        assert lab_evaluate([*flags, "--shots", "1"])["setting"] == "1-shot"
         with pytest.raises(ValueError, match="is in use by another run"):  # a training there: refused, as before
             with checkpoints.locked(str(tmp_path)):
                 pass
@@ -132,10 +132,10 @@ def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp
 
 def test_resume_with_another_clip_or_icds_is_refused(tmp_path):
     run = [*TRAIN, "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher")]
-    train.main([*run, "--max-steps", "1"])
+    lab_train([*run, "--max-steps", "1"])
     for flag, value in (("--clip", "0.5"), ("--icds", "rices")):
         with pytest.raises(SystemExit, match=rf"last.pt was made with {flag} "):
-            train.main([*run, "--resume", flag, value])
+            lab_train([*run, "--resume", flag, value])
 
 
 class Planted:
@@ -150,20 +150,20 @@ class Planted:
 
 def test_a_crafted_last_pt_runs_no_code_and_is_refused_in_one_line(tmp_path):
     run = [*TRAIN, "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher")]
-    train.main([*run, "--max-steps", "1"])
+    lab_train([*run, "--max-steps", "1"])
     path, marker = tmp_path / "run" / "last.pt", tmp_path / "ran"
     assert torch.load(path, weights_only=True)["progress"]["step"] == 1  # the project's own: plain data only
     state = torch.load(path, weights_only=True)
     torch.save({**state, "progress": Planted(str(marker))}, path)
     with pytest.raises(ValueError, match=rf"^--resume: {path} is not a checkpoint of this project") as e:
-        train.main([*run, "--resume"])
+        lab_train([*run, "--resume"])
     assert not marker.exists() and "weights_only" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_sigint_right_after_the_optimiser_step_resumes_bit_for_bit(tmp_path, monkeypatch):
     run = lambda name, *extra: [*with_flag(TRAIN, "--n-train", "12"), "--out", str(tmp_path / name),
                                 "--teacher-cache", str(tmp_path / "teacher"), *extra]
-    whole = train.main(run("whole"))
+    whole = lab_train(run("whole"))
     real, calls, before = torch.optim.lr_scheduler.LambdaLR.step, [], signal.getsignal(signal.SIGINT)
 
     def interrupted(self, *a, **k):  # the scheduler's step comes right after AdamW's: the signal lands between them
@@ -173,10 +173,10 @@ def test_a_sigint_right_after_the_optimiser_step_resumes_bit_for_bit(tmp_path, m
             os.kill(os.getpid(), signal.SIGINT)
     monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "step", interrupted)
     with pytest.raises(SystemExit, match=r"interrupted: saved step 2 to .*last.pt \(Ctrl-C\)"):
-        train.main(run("cut"))
+        lab_train(run("cut"))
     monkeypatch.setattr(torch.optim.lr_scheduler.LambdaLR, "step", real)
     assert signal.getsignal(signal.SIGINT) is before   # the handler does not outlive the run (Python's, or SIG_IGN)
-    resumed = train.main(run("cut", "--resume"))
+    resumed = lab_train(run("cut", "--resume"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
@@ -214,7 +214,7 @@ def test_a_disk_full_mid_run_names_the_way_out_and_saves_the_last_completed_step
     try:
         with pytest.raises(OSError, match=r"No space left on device writing .*teacher.*: the teacher cache needs .*"
                                           r"give --teacher-cache DIR on a disk with room, or --no-teacher-cache"):
-            train.main([*with_flag(TRAIN, "--n-train", "12"), "--out", str(out), "--teacher-cache", str(teacher)])
+            lab_train([*with_flag(TRAIN, "--n-train", "12"), "--out", str(out), "--teacher-cache", str(teacher)])
     finally:
         monkeypatch.undo()
         if real_tmpfs:
@@ -227,10 +227,10 @@ def test_resume_after_the_model_folders_weights_changed_is_refused_naming_it(tmp
     shutil.copytree(twin_folder, model)
     run = [*with_flag(TRAIN, "--model", str(model)), "--out", str(tmp_path / "run"),
            "--teacher-cache", str(tmp_path / "teacher")]
-    train.main([*run, "--max-steps", "1"])
+    lab_train([*run, "--max-steps", "1"])
     backbones.load_backbone("tiny-idefics2", seed=1).model.save_pretrained(model)  # other weights, same config
     with pytest.raises(SystemExit, match=rf"last.pt was made with other weights of --model {model} \(fingerprint"):
-        train.main([*run, "--resume"])
+        lab_train([*run, "--resume"])
 
 
 def test_a_refused_adapter_file_leaves_the_attached_adapter_in_place(tmp_path, backbone):
@@ -266,8 +266,8 @@ def trained(tmp_path_factory):
     import train
     folder = tmp_path_factory.mktemp("own")
     task, out = vqa_task(folder), str(folder / "run")
-    train.main([*TINY, "--task", task, "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "1",
-                "--shots", "1", "--epochs", "1", "--workers", "0"])
+    lab_train([*TINY, "--task", task, "--out", out, "--n-train", "2", "--n-heldout", "1", "--batch-size", "1",
+               "--shots", "1", "--epochs", "1", "--workers", "0"])
     return task, out
 
 
@@ -283,7 +283,7 @@ def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_pat
     os.makedirs(os.path.dirname(default))
     os.link(os.path.join(out, "adapter.safetensors"), default)
     with pytest.raises(SystemExit):
-        evaluate.parse_args([*TINY, "--task", other])
+        lab_evaluate_args([*TINY, "--task", other])
     said = capsys.readouterr().err
     assert f"adapter.safetensors is an adapter of the task {os.path.realpath(task)}, not of {other}" in said
     with pytest.raises(SystemExit):  # named, it is still another task's (before: taken, scored as other's)
@@ -317,11 +317,11 @@ def test_resume_on_other_data_is_refused_and_keeps_last_pt_and_a_moved_split_is_
     try:
         with pytest.raises(SystemExit, match=r"--resume: .*copy/last.pt was made with other training data \(.*"
                                              r"fingerprint [0-9a-f]{16}, now [0-9a-f]{16}"):
-            train.main([*TINY, "--task", task, "--out", str(copy), "--n-train", "2", "--n-heldout", "1",
-                        "--batch-size", "1", "--shots", "1", "--epochs", "1", "--workers", "0", "--resume"])
+            lab_train([*TINY, "--task", task, "--out", str(copy), "--n-train", "2", "--n-heldout", "1",
+                       "--batch-size", "1", "--shots", "1", "--epochs", "1", "--workers", "0", "--resume"])
         assert (copy / "last.pt").read_bytes() == last
         capsys.readouterr()
-        evaluate.parse_args([*TINY, "--task", task, "--checkpoint", str(copy / "adapter.safetensors")])
+        lab_evaluate_args([*TINY, "--task", task, "--checkpoint", str(copy / "adapter.safetensors")])
         assert "warning: the training pool of" in capsys.readouterr().out
     finally:
         lines = open(task).read().splitlines(keepends=True)
@@ -339,7 +339,7 @@ def test_an_adapter_holding_nan_or_inf_is_refused_naming_the_tensor(trained, tmp
     tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, tmp_path / "nan.safetensors", metadata=meta)
     with pytest.raises(ValueError, match=rf"nan.safetensors: its tensor {name} holds NaN or inf"):
-        evaluate.main([*TINY, "--task", task, "--checkpoint", str(tmp_path / "nan.safetensors"), "--workers", "0"])
+        lab_evaluate([*TINY, "--task", task, "--checkpoint", str(tmp_path / "nan.safetensors"), "--workers", "0"])
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".metrics.json")]  # before: scored, 0.00 written
 
 
@@ -355,13 +355,13 @@ def saved_progress(out):
 def test_kill_9_while_an_epoch_is_scored_then_resume_reproduces_the_run(whole, tmp_path):
     """A real kill -9 in a subprocess at the start of epoch 1's held-out scoring (after its last step's checkpoint)."""
     shutil.copytree(whole / "teacher", tmp_path / "teacher")
-    die = "import os, signal, sys, train; from lab.run import runs; " \
-          "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); train.main(sys.argv[1:])"
+    die = "import os, signal, sys; from lab.cli import modes; from lab.run import runs; " \
+          "runs.heldout_loss = lambda *a: os.kill(os.getpid(), signal.SIGKILL); modes.train_main(sys.argv[1:])"
     killed = subprocess.run([sys.executable, "-c", die, *run_flags(tmp_path, "run")], cwd=ROOT, capture_output=True)
     assert killed.returncode == -signal.SIGKILL
     progress = saved_progress(tmp_path / "run")
     assert progress["step"] == 2 and progress["history"] == []          # epoch 1 trained, its scoring pending
-    train.main(run_flags(tmp_path, "run", "--resume"))
+    lab_train(run_flags(tmp_path, "run", "--resume"))
     assert_same_run(whole / "run", tmp_path / "run")
 
 
@@ -373,25 +373,25 @@ def test_sigterm_while_an_epoch_is_scored_saves_and_resume_scores_it(whole, tmp_
         return score(*a)
     monkeypatch.setattr(runs, "heldout_loss", terminated)
     with pytest.raises(SystemExit, match=r"interrupted: saved step 2 to .*last.pt \(SIGTERM\); continue with --resume"):
-        train.main(run_flags(tmp_path, "run"))
+        lab_train(run_flags(tmp_path, "run"))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL              # the handler does not outlive the run
     assert saved_progress(tmp_path / "run")["history"] == []
     monkeypatch.setattr(runs, "heldout_loss", score)
-    train.main(run_flags(tmp_path, "run", "--resume"))
+    lab_train(run_flags(tmp_path, "run", "--resume"))
     assert_same_run(whole / "run", tmp_path / "run")
 
 
 def test_a_folder_holding_a_run_is_refused_and_overwrite_replaces_it(whole, tmp_path, capsys):
     with pytest.raises(ValueError, match=f"{whole / 'run'} holds a run .*--resume.*--overwrite"):
-        train.main(run_flags(whole, "run"))
+        lab_train(run_flags(whole, "run"))
     shutil.copytree(whole / "run", tmp_path / "run")
-    train.main(run_flags(tmp_path, "run", "--overwrite", "--max-steps", "1"))
+    lab_train(run_flags(tmp_path, "run", "--overwrite", "--max-steps", "1"))
     partial = checkpoints.read_record(str(tmp_path / "run" / "adapter.safetensors"))["partial"]  # not the old one's
     assert partial["step"] == 1 and partial["heldout_loss"] > 0   # a smoke run's adapter: the best so far, partial
     assert json.loads((tmp_path / "run" / "history.json").read_text()) == []
     assert "(a partial run's: no epoch scored yet; --resume continues)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        train.parse_args([*RUN, "--resume", "--overwrite"])
+        lab_train_args([*RUN, "--resume", "--overwrite"])
     assert "argument --overwrite: not allowed with argument --resume" in capsys.readouterr().err
 
 
@@ -401,7 +401,7 @@ def test_truncated_or_empty_last_pt_is_a_clear_error(whole, tmp_path):
     for content in (last[:len(last) // 2], b""):
         (tmp_path / "run" / "last.pt").write_bytes(content)
         with pytest.raises(ValueError, match=r"--resume: .*last.pt is unreadable \(truncated or corrupt"):
-            train.main(run_flags(tmp_path, "run", "--resume"))
+            lab_train(run_flags(tmp_path, "run", "--resume"))
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(whole, tmp_path, monkeypatch):
@@ -454,8 +454,8 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
                                                    "it (train.py writes <out>/adapter.safetensors)"
 
 
-HOLD = "import pathlib, sys, time, train; train.train = lambda args, *_: (pathlib.Path(sys.argv[1]).touch(), " \
-       "time.sleep(120)); train.main(sys.argv[2:])"
+HOLD = "import pathlib, sys, time, train; from lab.cli import modes; train.train = lambda args, *_: (" \
+       "pathlib.Path(sys.argv[1]).touch(), time.sleep(120)); modes.train_main(sys.argv[2:])"
 
 
 def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_holder(tmp_path):
@@ -467,7 +467,7 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
         while not ready.exists():
             assert first.poll() is None, "the first run ended early"
             time.sleep(0.2)
-        second = [[sys.executable, "train.py", *run_flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
+        second = [[sys.executable, "-m", "lab", "train", *run_flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
                   [sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
                    benchmarks.ROOT, "--shots", "0", "--out", str(out)]]
         for argv in second:

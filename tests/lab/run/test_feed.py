@@ -8,7 +8,7 @@ import torch
 
 import evaluate
 import train
-from helpers import EVAL, kill_workers_once, SMALL, TRAIN_NO_CACHE
+from helpers import EVAL, kill_workers_once, lab_evaluate, lab_train, SMALL, TRAIN_NO_CACHE
 from lab.run import feed, micro_batches
 
 
@@ -26,8 +26,8 @@ def test_zero_one_and_two_workers_prepare_the_same_batches_and_train_the_same_ad
     adapters = {}
     for workers in (0, 1, 2):
         seen[workers] = []
-        adapters[workers] = train.main(["--out", str(tmp_path / str(workers)), "--teacher-cache",
-                                        str(tmp_path / str(workers) / "teacher"), *SMALL, "--workers", str(workers)])
+        adapters[workers] = lab_train(["--out", str(tmp_path / str(workers)), "--teacher-cache",
+                                       str(tmp_path / str(workers) / "teacher"), *SMALL, "--workers", str(workers)])
     computed, read = [True] * 4, [False] * 4  # the teacher runs in the loop, in the first epoch only
     assert [missing for *_, missing in seen[0]] == [computed, computed, computed, read, read, read]
     for workers in (1, 2):
@@ -71,14 +71,14 @@ def test_a_killed_worker_in_evaluate_is_one_named_error(tmp_path, monkeypatch):
     monkeypatch.setattr(evaluate, "generate", kill_workers_once(evaluate.generate))
     with pytest.raises(feed.WorkerFailed, match=r"a DataLoader worker failed \(DataLoader worker \(pid.*\) (is killed "
                                                 r"by signal: Killed|exited unexpectedly).*--workers 0") as e:
-        evaluate.main([*EVAL, "--n-eval", "6", "--batch-size", "1", "--workers", "1", "--out", str(tmp_path)])
+        lab_evaluate([*EVAL, "--n-eval", "6", "--batch-size", "1", "--workers", "1", "--out", str(tmp_path)])
     assert isinstance(e.value, OSError) and "\n" not in str(e.value)  # what evaluate.py and train.py print in a line
 
 
 def test_a_killed_worker_in_train_is_one_named_error(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "losses", kill_workers_once(train.losses))
     with pytest.raises(feed.WorkerFailed, match=r"a DataLoader worker failed \(DataLoader worker"):
-        train.main([*TRAIN_NO_CACHE, "--workers", "1", "--out", str(tmp_path)])
+        lab_train([*TRAIN_NO_CACHE, "--workers", "1", "--out", str(tmp_path)])
 
 
 def test_a_worker_that_dies_while_a_batch_is_awaited_is_named_with_the_batch():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import train
-from helpers import small_run, TRAIN
+from helpers import lab_train, small_run, TRAIN
 from lab.run import anchors
 
 
@@ -17,7 +17,7 @@ def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path
         return part | {"anchor": part["anchor"] * (float("nan") if len(calls) == 3 else 1)}
     monkeypatch.setattr(train, "losses", poisoned)
     with pytest.raises(FloatingPointError, match="step 3: loss part 'anchor' is nan"):
-        train.main(small_run(tmp_path))
+        lab_train(small_run(tmp_path))
     state = torch.load(tmp_path / "run" / "last.pt", weights_only=False)
     assert state["progress"]["step"] == 2
     assert all(torch.isfinite(v).all() for v in state["adapter"].values())
@@ -30,5 +30,5 @@ def test_the_nan_stop_names_every_setting_that_can_cause_it(tmp_path, monkeypatc
     with pytest.raises(FloatingPointError, match=r"step 1: loss part 'anchor' is nan; stopping\. The last good "
                                                  r"checkpoint is untouched\. Settings that can cause it: --lr 0\.005, "
                                                  r"--weight-decay 1e-06, --clip 1\.0, --lam 0\.5, --kappa 0\.1"):
-        train.main([*TRAIN, "--weight-decay", "1e-6", "--out", str(tmp_path / "run"), "--teacher-cache",
-                    str(tmp_path / "teacher")])
+        lab_train([*TRAIN, "--weight-decay", "1e-6", "--out", str(tmp_path / "run"), "--teacher-cache",
+                   str(tmp_path / "teacher")])

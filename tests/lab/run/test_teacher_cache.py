@@ -10,7 +10,7 @@ from PIL import Image
 import benchmarks
 import data
 import train
-from helpers import run_flags, teacher_states, TRAIN, with_flag
+from helpers import lab_train, lab_train_args, run_flags, teacher_states, TRAIN, with_flag
 from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
@@ -40,7 +40,7 @@ def test_the_teacher_cache_is_recomputed_when_the_images_or_the_processor_change
     run += ["--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher"), "--overwrite"]
 
     def counts():
-        train.main(run)
+        lab_train(run)
         return int(capsys.readouterr().out.split("teacher states computed ")[1].split(",")[0])
     assert counts() == 4
     for folder, _, names in os.walk(os.path.join(root, "coco")):  # every image replaced at its path, other pixels
@@ -72,7 +72,7 @@ def test_the_teacher_cache_keys_an_image_by_its_bytes_not_its_size_and_time(tmp_
 
 def teacher_inputs(tmp_path, n):
     """teacher_states' arguments for the first n VQAv2 training queries, one ICD each, on the tiny twin."""
-    args = train.parse_args(run_flags(tmp_path, "run"))
+    args = lab_train_args(run_flags(tmp_path, "run"))
     backbone = backbones.load_backbone("tiny-idefics2")
     pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:n]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 import benchmarks
 import evaluate
 import train
-from helpers import ROOT, RUN
+from helpers import lab_evaluate, lab_train, lab_train_args, ROOT, RUN
 
 
 # rank 1 dies (kill -9) in its third micro-batch; the others are stopped by torchrun
@@ -24,7 +24,7 @@ KILL_RANK_1 = ("import os, signal, sys; sys.path.insert(0, {root!r}); import tra
                "    calls.append(1)\n"
                "    if os.environ['RANK'] == '1' and len(calls) == 3: os.kill(os.getpid(), signal.SIGKILL)\n"
                "    return step(*a)\n"
-               "train.losses = losses; train.main(sys.argv[1:])\n")
+               "train.losses = losses; from lab.cli import modes; modes.train_main(sys.argv[1:])\n")
 
 
 def flags(tmp, *extra):
@@ -41,22 +41,22 @@ def test_torchrun_with_too_small_a_batch_is_refused_before_anything_loads(monkey
     """The README's eight processes at train.py's default --batch-size 4: refused by the parser, naming the flag."""
     monkeypatch.setenv("WORLD_SIZE", "8")
     with pytest.raises(SystemExit):
-        train.parse_args(["--model", "idefics2", "--task", "vqav2"])
+        lab_train_args(["--model", "idefics2", "--task", "vqav2"])
     assert "--batch-size 4 with --n-train 1000 gives 4: give --batch-size 8" in capsys.readouterr().err
-    assert train.parse_args(["--model", "idefics2", "--task", "vqav2", "--batch-size", "8"]).batch_size == 8
+    assert lab_train_args(["--model", "idefics2", "--task", "vqav2", "--batch-size", "8"]).batch_size == 8
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     """An uninterrupted 2-process run."""
     tmp = tmp_path_factory.mktemp("two")
-    done = torchrun("train.py", *flags(tmp))
+    done = torchrun("-m", "lab", "train", *flags(tmp))
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp
 
 
 def test_two_processes_train_the_adapter_one_process_trains(two, tmp_path):
-    one = train.main(flags(tmp_path))
+    one = lab_train(flags(tmp_path))
     adapter = load_file(two / "run" / "adapter.safetensors")
     best = load_file(tmp_path / "run" / "adapter.safetensors")
     last = torch.load(two / "run" / "last.pt", weights_only=False)["adapter"]
@@ -74,7 +74,7 @@ def test_two_processes_train_the_adapter_one_process_trains(two, tmp_path):
 def test_a_resume_with_another_number_of_processes_is_refused(two, tmp_path):
     shutil.copytree(two / "run", tmp_path / "run")
     with pytest.raises(SystemExit, match="2 processes .now 1; a resume is exact only with as many as before."):
-        train.main(flags(tmp_path, "--resume"))
+        lab_train(flags(tmp_path, "--resume"))
 
 
 def test_a_killed_rank_stops_the_job_and_resume_finishes_the_same_adapter(two, tmp_path):
@@ -84,7 +84,7 @@ def test_a_killed_rank_stops_the_job_and_resume_finishes_the_same_adapter(two, t
     assert killed.returncode != 0
     step = torch.load(tmp_path / "run" / "last.pt", weights_only=False)["progress"]["step"]
     assert 1 <= step < 4                                                    # intact, from before the kill
-    resumed = torchrun("train.py", *flags(tmp_path, "--resume"))
+    resumed = torchrun("-m", "lab", "train", *flags(tmp_path, "--resume"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for name in ("adapter.safetensors", "history.json"):
         assert (tmp_path / "run" / name).read_bytes() == (two / "run" / name).read_bytes(), name
@@ -102,7 +102,7 @@ def test_two_processes_write_the_predictions_and_metrics_of_one(tmp_path, monkey
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "7",
              "--batch-size", "2", "--shots", "1"]
     monkeypatch.setattr(evaluate, "generate", eval(ECHO))
-    one = evaluate.main([*flags, "--out", str(tmp_path / "one")])
+    one = lab_evaluate([*flags, "--out", str(tmp_path / "one")])
     script = tmp_path / "echo.py"
     script.write_text(ECHO_SCRIPT.format(root=ROOT))
     two = torchrun(str(script), *flags, "--out", str(tmp_path / "two"))

@@ -3,9 +3,9 @@ import pytest
 
 import benchmarks
 import data as D
-import evaluate as E
 from lab.datasets import readers, tasks
 from lab.scores import chair, results
+from helpers import lab_evaluate_args
 
 
 VOCAB = chair.chair_vocabulary(chair.COCO_SYNONYMS)
@@ -141,9 +141,9 @@ def test_the_corrected_count_is_named_in_the_output():
     items = tasks.load_task("coco", "val", benchmarks.ROOT)[:2]
     assert set(chair.chair_metrics(items, [it.target for it in items], "corrected")) == \
         {"chair_s_corrected", "chair_i_corrected", "recall_corrected"}
-    args = E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair", "corrected"])
+    args = lab_evaluate_args(["--model", "tiny-idefics2", "--task", "coco", "--chair", "corrected"])
     assert args.chair == "corrected" and "chair-corrected" in results.result_name(args, "0-shot", 2, {})
-    assert E.parse_args(["--model", "tiny-idefics2", "--task", "coco", "--chair"]).chair == "chair.py"
+    assert lab_evaluate_args(["--model", "tiny-idefics2", "--task", "coco", "--chair"]).chair == "chair.py"
 
 
 def test_chair_by_hand():

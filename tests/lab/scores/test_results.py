@@ -11,7 +11,7 @@ import pytest
 
 import benchmarks
 import evaluate
-from helpers import BENCH, EVAL, ROOT
+from helpers import BENCH, EVAL, lab, lab_evaluate, lab_evaluate_args, ROOT
 from lab.datasets import mme_seed, tasks
 from lab.disk import files
 from lab.models import backbones
@@ -25,7 +25,7 @@ def metrics_files(folder):
 
 def test_image_splitting_is_in_the_result_name_and_in_the_metrics(tmp_path):
     for splitting in ("on", "off"):
-        evaluate.main([*EVAL, "--image-splitting", splitting, "--out", str(tmp_path)])
+        lab_evaluate([*EVAL, "--image-splitting", splitting, "--out", str(tmp_path)])
     assert metrics_files(tmp_path) == ["vqav2-val-0-shot-splitting-off-seed0-n2.metrics.json",
                                        "vqav2-val-0-shot-splitting-on-seed0-n2.metrics.json"]
     for splitting in ("on", "off"):
@@ -34,7 +34,7 @@ def test_image_splitting_is_in_the_result_name_and_in_the_metrics(tmp_path):
 
 
 def test_a_result_of_another_backbone_is_kept_and_the_run_refused_naming_it(tmp_path, monkeypatch):
-    evaluate.main([*EVAL, "--out", str(tmp_path)])
+    lab_evaluate([*EVAL, "--out", str(tmp_path)])
     (name,) = metrics_files(tmp_path)
     before = (tmp_path / name).read_bytes()
     real = evaluate.predict
@@ -43,10 +43,10 @@ def test_a_result_of_another_backbone_is_kept_and_the_run_refused_naming_it(tmp_
     with pytest.raises(ValueError, match=rf"{tmp_path / name} holds the result of other settings: model "
                                          r"'tiny-idefics2' \(now 'tiny-llava-interleave'\), image_splitting 'off' "
                                          r"\(now None\); it is kept"):
-        evaluate.main(other)
+        lab_evaluate(other)
     assert (tmp_path / name).read_bytes() == before
     monkeypatch.setattr(evaluate, "predict", real)
-    evaluate.main([*EVAL, "--out", str(tmp_path)])                          # the same settings replace it
+    lab_evaluate([*EVAL, "--out", str(tmp_path)])                          # the same settings replace it
     assert metrics_files(tmp_path) == [name]
 
 
@@ -72,11 +72,11 @@ def test_a_kill_while_the_mme_folder_is_written_leaves_the_old_folder_whole(tmp_
 
 def test_chair_and_a_second_checkpoint_of_one_folder_are_in_the_name(tmp_path, adapter):
     coco = ["--model", "tiny-idefics2", "--task", "coco", "--data-root", benchmarks.ROOT, "--n-eval", "2"]
-    evaluate.main([*coco, "--shots", "0", "--chair", "--out", str(tmp_path)])
-    evaluate.main([*coco, "--shots", "0", "--out", str(tmp_path)])
+    lab_evaluate([*coco, "--shots", "0", "--chair", "--out", str(tmp_path)])
+    lab_evaluate([*coco, "--shots", "0", "--out", str(tmp_path)])
     for name in ("adapter.safetensors", "other.safetensors"):
         shutil.copy(adapter[0], tmp_path / name)
-        evaluate.main([*EVAL[:-2], "--checkpoint", str(tmp_path / name), "--out", str(tmp_path)])
+        lab_evaluate([*EVAL[:-2], "--checkpoint", str(tmp_path / name), "--out", str(tmp_path)])
     names = metrics_files(tmp_path)
     assert names[:2] == ["coco-val-0-shot-chair-seed0-n2.metrics.json", "coco-val-0-shot-seed0-n2.metrics.json"]
     assert names[2].startswith("vqav2-val-hyper-icl-checkpoint-")
@@ -88,14 +88,14 @@ def test_chair_and_a_second_checkpoint_of_one_folder_are_in_the_name(tmp_path, a
 
 def test_another_data_root_is_refused_and_a_users_file_at_the_mme_folder_is_kept(tmp_path):
     out = tmp_path / "out"
-    evaluate.main([*EVAL, "--out", str(out)])
+    lab_evaluate([*EVAL, "--out", str(out)])
     copy = benchmarks.copy(tmp_path / "copy", "vqav2", "coco")
     with pytest.raises(ValueError, match=r"holds the result of other settings: data_root .* \(now '.*copy'\)"):
-        evaluate.main([*EVAL[:5], copy, *EVAL[6:], "--out", str(out)])
+        lab_evaluate([*EVAL[:5], copy, *EVAL[6:], "--out", str(out)])
     mine = out / "mme-val-0-shot-seed0-n28.mme"
     mine.write_text("mine")
     with pytest.raises(OSError, match=rf"could not write the folder {mine} \({mine} is there and is not a folder"):
-        evaluate.main([*EVAL[:2], "--task", "mme", *EVAL[4:6], "--n-eval", "28", "--shots", "0", "--out", str(out)])
+        lab_evaluate([*EVAL[:2], "--task", "mme", *EVAL[4:6], "--n-eval", "28", "--shots", "0", "--out", str(out)])
     assert mine.read_text() == "mine"
 
 
@@ -107,11 +107,11 @@ def test_an_analysis_or_curve_of_other_settings_is_kept_and_refused_before_the_w
     monkeypatch.setattr(analyses, "gate_analysis", lambda *a: pytest.fail("analysed before the refusal"))
     with pytest.raises(ValueError, match=rf"{gates} holds the result of other settings: checkpoint "
                                          r"'elsewhere.safetensors' \(now '.*adapter.safetensors'\); it is kept"):
-        evaluate.main([*EVAL[:-2], "--gates", "--checkpoint", adapter[0], "--out", str(tmp_path)])
+        lab(["gates", *EVAL[:-2], "--checkpoint", adapter[0], "--out", str(tmp_path)])
     monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded before the refusal"))
     with pytest.raises(ValueError, match=rf"{curve} holds the result of other settings: curve_queries \[4, 8, 16, 32\] "
                                          r"\(now \[4\]\)"):
-        evaluate.main(["--curve", *EVAL[:4], "--curve-queries", "4", "--out", str(tmp_path)])
+        lab(["curve", *EVAL[:4], "--curve-queries", "4", "--out", str(tmp_path)])
     assert json.loads(gates.read_text())["checkpoint"] == "elsewhere.safetensors" and curve.stat().st_size < 100
 
 
@@ -120,9 +120,9 @@ def test_the_same_items_without_n_eval_or_through_a_symlink_replace_their_result
     n = len(tasks.load_task("vqav2", "val", root))
     out = tmp_path / "out"
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--shots", "0", "--batch-size", "64", "--out", str(out)]
-    evaluate.main([*flags, "--data-root", root, "--n-eval", str(n)])
+    lab_evaluate([*flags, "--data-root", root, "--n-eval", str(n)])
     os.symlink(root, tmp_path / "link")
-    evaluate.main([*flags, "--data-root", str(tmp_path / "link")])  # the same items of the same data: not refused
+    lab_evaluate([*flags, "--data-root", str(tmp_path / "link")])  # the same items of the same data: not refused
     (name,) = [f for f in os.listdir(out) if f.endswith(".metrics.json")]
     assert json.loads((out / name).read_text())["n_eval"] == n  # read as the same result (--n-eval is not compared)
     evaluate.main([*flags, "--data-root", str(tmp_path / "link"), "--again"])
@@ -131,7 +131,7 @@ def test_the_same_items_without_n_eval_or_through_a_symlink_replace_their_result
 
 def test_other_items_of_the_same_count_are_other_settings(backbone, items, tmp_path):
     from lab.scores import results
-    args = evaluate.parse_args(EVAL)
+    args = lab_evaluate_args(EVAL)
     settings = [results.result_settings(backbone, args, "0-shot", its) for its in (items[:2], items[1:])]
     assert settings[0]["n"] == settings[1]["n"] and settings[0]["items"] != settings[1]["items"]
     path = tmp_path / "m.metrics.json"
@@ -155,7 +155,7 @@ def read_result(out, name):
 
 def test_metrics_name_their_predictions_and_a_kill_while_writing_leaves_the_old_pair(tmp_path):
     import hashlib
-    evaluate.main([*EVAL3, "--out", str(tmp_path)])
+    lab_evaluate([*EVAL3, "--out", str(tmp_path)])
     name = "vqav2-val-1-shot-seed0-n3"
     metrics, predictions = read_result(tmp_path, name)
     assert metrics["predictions"] == f"{name}.predictions.jsonl"
@@ -168,25 +168,25 @@ def test_metrics_name_their_predictions_and_a_kill_while_writing_leaves_the_old_
 
 def test_results_of_other_seeds_and_protocols_are_other_files(tmp_path):
     for seed in ("0", "1"):
-        evaluate.main([*EVAL3, "--seed", seed, "--out", str(tmp_path)])
+        lab_evaluate([*EVAL3, "--seed", seed, "--out", str(tmp_path)])
     names = sorted(f for f in os.listdir(tmp_path) if f.endswith(".metrics.json"))
     assert names == ["vqav2-val-1-shot-seed0-n3.metrics.json", "vqav2-val-1-shot-seed1-n3.metrics.json"]
-    args = evaluate.parse_args(["--model", "tiny-idefics2", "--task", "seed", "--shots", "2", "--icds", "rices",
-                                "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
+    args = lab_evaluate_args(["--model", "tiny-idefics2", "--task", "seed", "--shots", "2", "--icds", "rices",
+                              "--rices-encoder", "enc", "--seed-protocol", "likelihood", "--out", str(tmp_path)])
     assert results.result_name(args, "2-shot-rices", 5, {}).startswith("seed-val-2-shot-rices-likelihood-encoder-")
     info = {"vector_file": "x/m-vqav2-tv-0123456789ab.safetensors", "vector_layer": 1}
-    assert results.result_name(evaluate.parse_args(EVAL3), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-seed0-n3"
+    assert results.result_name(lab_evaluate_args(EVAL3), "tv", 3, info) == "vqav2-val-tv-layer1-0123456789ab-seed0-n3"
 
 
 def test_a_kill_between_predictions_and_metrics_leaves_no_stale_metrics(tmp_path, monkeypatch):
-    evaluate.main([*EVAL3, "--out", str(tmp_path)])
+    lab_evaluate([*EVAL3, "--out", str(tmp_path)])
     name = "vqav2-val-1-shot-seed0-n3"
     assert (tmp_path / f"{name}.metrics.json").exists()
     def killed(path, obj, indent=None):
         raise KeyboardInterrupt
     monkeypatch.setattr(files, "write_json", killed)
     with pytest.raises(KeyboardInterrupt):
-        evaluate.main([*EVAL3, "--out", str(tmp_path), "--again"])
+        lab_evaluate([*EVAL3, "--out", str(tmp_path), "--again"])
     assert (tmp_path / f"{name}.predictions.jsonl").exists() and not (tmp_path / f"{name}.metrics.json").exists()
 
 

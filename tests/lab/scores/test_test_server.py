@@ -12,6 +12,7 @@ import evaluate as E
 from lab.datasets import readers
 from lab.scores import test_server
 from lab.scores.metrics import normalize_vqa_answer
+from helpers import lab_args, lab_evaluate
 
 
 TEST_IDS = [5000, 5001, 5002, 5010, 5011, 5020, 5021]  # test2015; test-dev is a part of it
@@ -38,8 +39,8 @@ def root(tmp_path_factory):
 
 
 def run(root, out, split, *extra):
-    return E.main(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", root, "--split", split,
-                   "--shots", "0", "--batch-size", "4", "--out", str(out), *extra])
+    return lab_evaluate(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", root, "--split", split,
+                         "--shots", "0", "--batch-size", "4", "--out", str(out), *extra])
 
 
 def server_file(out, name):
@@ -119,11 +120,11 @@ def test_another_evaluations_server_file_is_kept(root, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--task", "ok-vqa", "--split", "test-dev"], "--split test-dev is VQAv2's test server split (--task vqav2) or a "
-                                                  "folder task's test.jsonl, not ok-vqa's"),
-    (["--task", "vqav2", "--split", "test", "--hyperbolicity"], "--split test has no answers"),
+    (["evaluate", "--task", "ok-vqa", "--split", "test-dev"],
+     "--split test-dev is VQAv2's test server split (--task vqav2) or a folder task's test.jsonl, not ok-vqa's"),
+    (["hyperbolicity", "--task", "vqav2", "--split", "test"], "--split test has no answers"),
 ])
 def test_the_test_splits_are_vqav2_evaluations(flags, message, capsys):
     with pytest.raises(SystemExit):
-        E.parse_args(flags)
+        lab_args(flags)
     assert message in capsys.readouterr().err

@@ -5,9 +5,8 @@ import os
 import pytest
 import torch
 
-import evaluate as E
 import model as M
-from helpers import BENCH
+from helpers import BENCH, lab
 from lab.models import backbones
 from lab.studies import analyses
 
@@ -30,7 +29,7 @@ def test_aligned_shift_compares_shared_keys_and_counts_icd_keys():
 
 
 def test_gates(tmp_path, checkpoint):
-    r = E.main([*BENCH, "--gates", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out", str(tmp_path)])
+    r = lab(["gates", *BENCH, "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out", str(tmp_path)])
     layers = len(M.decoder_self_attentions(backbones.load_backbone("tiny-idefics2").model))
     assert len(r["per_layer_mean"]) == layers
     for v in r["per_layer_mean"] + [r["early_mean"], r["late_mean"]]:
@@ -43,13 +42,13 @@ def test_gates(tmp_path, checkpoint):
 def test_gates_need_a_checkpoint(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit):
-        E.main(["--gates"])
+        lab(["gates"])
     assert "error: --gates needs a Hyper-ICL checkpoint (--checkpoint; " in capsys.readouterr().err
 
 
 def test_hyperbolicity(tmp_path, checkpoint):
-    r = E.main([*BENCH, "--hyperbolicity", "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out",
-                str(tmp_path)])
+    r = lab(["hyperbolicity", *BENCH, "--checkpoint", checkpoint, "--n-eval", "4", "--shots", "2", "--out",
+                      str(tmp_path)])
     for name in ("teacher", "student"):
         assert 0 <= r[name]["mean"] <= 1 and r[name]["std"] >= 0
     assert r["teacher"] != r["student"]

@@ -17,6 +17,7 @@ import train
 from lab.datasets import tasks
 from lab.models import backbones, families
 from lab.studies import curves
+from helpers import lab, lab_args, lab_train_args
 
 
 def test_mean_interval_by_hand():
@@ -50,10 +51,10 @@ def test_answer_measures_against_the_models_own_logits():
 
 def test_curve_trains_every_row_budget_and_seed_and_continues_where_it_stopped(tmp_path, monkeypatch):
     out = tmp_path / "curve"
-    flags = ["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "6", "--batch-size", "6",
+    flags = ["curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--n-eval", "6", "--batch-size", "6",
              "--curve-queries", "4", "8", "--curve-seeds", "2", "--curve-methods", "hyper-icl", "hificl", "--no-tune",
              "--train-args", "--epochs 1 --n-heldout 2 --batch-size 4", "--out", str(out)]
-    runs, levels = E.main(flags)
+    runs, levels = lab(flags)
     assert sorted((r["setting"], r["queries"], r["seed"]) for r in runs) == sorted(
         (s, n, k) for s in ("hyper-icl", "hificl") for n in (4, 8) for k in (0, 1))
     assert set(levels) == {f"{n}-shot ICL" for n in curves.ICL_LEVELS} and "teacher_kl" in levels["0-shot ICL"]
@@ -63,26 +64,25 @@ def test_curve_trains_every_row_budget_and_seed_and_continues_where_it_stopped(t
     steps = []
     monkeypatch.setattr(E, "predict", lambda *a, **k: steps.append("evaluated"))
     monkeypatch.setattr(train, "train", lambda *a, **k: steps.append("trained"))
-    assert E.main(flags) == (runs, levels) and steps == []  # the same command again: every run read, none redone
+    assert lab(flags) == (runs, levels) and steps == []  # the same command again: every run read, none redone
 
 
 def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tmp_path, monkeypatch):
-    """With a held-out loss |log10(lr / best)| per run (train.main replaced), the sweep around each published rate
+    """With a held-out loss |log10(lr / best)| per run (the training replaced), the sweep around each published rate
     walks a decade at a time to the best rate, stops TUNE_DECADES from the published one, and picks lambda."""
     best = {"hificl": 5e-5, "mimic": 1e-1, "live": 1e-3}   # 2 decades below / 4 above (capped at 3) / the published
     trained = []
 
     def fake_train(argv):
-        a = train.parse_args(argv)
+        a = lab_train_args(argv)
         trained.append((a.method, a.lr, a.lam))
         loss = abs(math.log10(a.lr / best[a.method])) + (a.lam == 5.0) * 0.1
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "history.json"), "w") as f:
             json.dump([{"epoch": 1, "heldout_loss": loss + 1}, {"epoch": 2, "heldout_loss": loss}], f)
-    monkeypatch.setattr(train, "main", fake_train)
-    args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--out", str(tmp_path)])
+    args = lab_args(["curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour", "--out", str(tmp_path)])
     flags = ["--model", "tiny-idefics2", "--task", "toy-icl-colour", *shlex.split(args.train_args)]
-    chosen, runs = curves.tune(args.out, flags, list(best), train.main, train.Config.lam)
+    chosen, runs = curves.tune(args.out, flags, list(best), fake_train, train.Config.lam)
     assert chosen["hificl"] == {"lr": pytest.approx(5e-5), "lam": None}
     assert chosen["mimic"] == {"lr": pytest.approx(1e-2), "lam": 0.5}      # 1e-5 x 10^3: the widest it goes
     assert chosen["live"] == {"lr": pytest.approx(1e-3), "lam": 0.5}
@@ -96,9 +96,9 @@ def test_tuning_widens_the_sweep_at_an_edge_and_picks_the_lowest_heldout_loss(tm
 
 
 def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_training_queries():
-    args = E.parse_args(["--curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour"])
-    tuning_run = train.parse_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
-                                   *curves.tune_flags(1e-3)])  # the flags E.tune gives train.main, whose split this is
+    args = lab_args(["curve", "--model", "tiny-idefics2", "--task", "toy-icl-colour"])
+    tuning_run = lab_train_args(["--model", args.model, "--task", args.task, *shlex.split(args.train_args),
+                                 *curves.tune_flags(1e-3)])  # the flags curves.tune trains with, whose split this is
     trained, scored = tasks.split_pool(tuning_run, families.family_of(args.model))[:2]
     evaluated = tasks.eval_items(args)
     assert len(scored) == curves.TUNE["n_heldout"] and len(trained) == curves.TUNE["n_train"] and len(evaluated) == 300
@@ -112,7 +112,7 @@ def test_the_tuning_split_is_disjoint_from_the_evaluation_items_and_from_its_tra
                                            (["--curve-queries", "0"], "--curve-queries must be at least 1")])
 def test_curve_flags_are_checked(flags, message, capsys):
     with pytest.raises(SystemExit):
-        E.parse_args(["--curve", *flags])
+        lab_args(["curve", *flags])
     assert message in capsys.readouterr().err
 
 
@@ -123,5 +123,5 @@ def test_curve_flags_are_checked(flags, message, capsys):
 def test_curve_train_args_are_checked_before_any_work(train_args, message, capsys, monkeypatch):
     monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("a backbone was loaded"))
     with pytest.raises(SystemExit) as e:
-        E.main(["--model", "tiny-idefics2", "--task", "vqav2", "--curve", f"--train-args={train_args}"])
+        lab(["curve", "--model", "tiny-idefics2", "--task", "vqav2", f"--train-args={train_args}"])
     assert e.value.code == 2 and message in capsys.readouterr().err

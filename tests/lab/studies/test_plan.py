@@ -10,7 +10,6 @@ import transformers
 
 import benchmarks
 import data
-import evaluate
 import train
 from lab.datasets import tasks
 from lab.disk import files
@@ -18,6 +17,7 @@ from lab.models import backbones
 from lab.run import teacher_cache
 from lab.studies import plan
 from twins import write_twin
+from helpers import lab, lab_args, lab_train, lab_train_args
 
 
 Free = namedtuple("Free", "total used free")
@@ -60,10 +60,10 @@ def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path
              "--out", str(tmp_path / "run")]
     with monkeypatch.context() as m:
         no_weights(m)
-        planned = train.main([*flags, "--plan", "cpu"])  # float32: the dtype a CPU run caches in
+        planned = lab(["plan", "train", *flags, "--plan", "cpu"])  # float32: the dtype a CPU run caches in
     assert not os.path.exists(tmp_path / "run")  # the plan makes no folder
     rows = recorded_rows(monkeypatch)
-    train.main(flags)
+    lab_train(flags)
     for kind in ("teacher", "student"):  # every sampled query, the same tokens as the run's collated row
         assert planned["rows"][kind] == {q: rows[kind][q] for q in planned["rows"][kind]}, kind
     folder = tmp_path / "run" / "teacher"
@@ -79,8 +79,8 @@ def test_the_plan_is_what_a_run_collates_and_caches(twins, name, shots, tmp_path
                                                         ("idefics2-split", "checkpoint", 89e6)])
 def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, splitting, per_query, monkeypatch, capsys):
     no_weights(monkeypatch)
-    planned = train.main(["--plan", "cuda", "--model", "idefics2", "--processor", twins[twin], "--task", "vqav2",
-                          "--data-root", benchmarks.ROOT, "--image-splitting", splitting])
+    planned = lab(["plan", "train", "--plan", "cuda", "--model", "idefics2", "--processor", twins[twin], "--task",
+                   "vqav2", "--data-root", benchmarks.ROOT, "--image-splitting", splitting])
     n = len(planned["rows"]["query"])
     assert planned["cache"] / planned["queries"] == pytest.approx(per_query, rel=0.1)  # issue 30: ~21 MB, ~89 MB
     out = capsys.readouterr().out
@@ -91,8 +91,8 @@ def test_the_paper_plan_on_a_twins_processor_loads_no_weights(twins, twin, split
 
 def test_evaluate_plan_loads_no_weights(twins, monkeypatch, capsys):
     no_weights(monkeypatch)
-    planned = evaluate.main(["--plan", "--model", "llava-onevision", "--processor", twins["llava-onevision"],
-                             "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "4", "--shots", "2"])
+    planned = lab(["plan", "evaluate", "--model", "llava-onevision", "--processor", twins["llava-onevision"],
+                   "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "4", "--shots", "2"])
     out = capsys.readouterr().out
     assert "images: multi-image mode, 730 tokens each (image_layouts.onevision_piece)" in out
     assert "peak memory, evaluation at batch 4" in out and "cache" not in planned
@@ -114,14 +114,14 @@ def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, 
     steps = []
     with monkeypatch.context() as m, pytest.raises(ValueError) as e:
         m.setattr(train, "losses", lambda *a, **k: steps.append(1))
-        train.main(flags)
+        lab_train(flags)
     message = str(e.value)
     for part in ("MB for 4 queries", str(tmp_path / "cache"), "1.0 kB free", "--teacher-cache DIR",
                  "--no-teacher-cache", "8 teacher forwards instead of 4"):
         assert part in message, part
     assert "\n" not in message and steps == [] and os.listdir(tmp_path / "cache") == []
     assert not os.path.exists(tmp_path / "run" / "last.pt")
-    train.main([*flags[:-2], "--no-teacher-cache", "--overwrite"])  # recomputes the teacher instead: runs, caches
+    lab_train([*flags[:-2], "--no-teacher-cache", "--overwrite"])  # recomputes the teacher instead: runs, caches
     # nothing (--teacher-cache beside it would be refused: it would do nothing)
     assert os.path.exists(tmp_path / "run" / "last.pt") and os.listdir(tmp_path / "cache") == []
 
@@ -134,7 +134,7 @@ def test_image_splitting_is_explicit(twins):
     query = tasks.load_task("vqav2", "train", benchmarks.ROOT)[:1]
     tokens = lambda b: len(data.query_pieces(b.processor, b.family, "vqa", query)[0]["input_ids"])
     assert tokens(split) - tokens(unsplit) == 4 * 65  # 4 more crops: 64 latents and a fake token each
-    args = train.parse_args(["--model", twins["idefics2-split"], "--task", "vqav2", "--data-root", benchmarks.ROOT])
+    args = lab_train_args(["--model", twins["idefics2-split"], "--task", "vqav2", "--data-root", benchmarks.ROOT])
     keys = {teacher_cache.teacher_key("b", args.task, query[0], [], teacher_cache.image_key(b.processor))
             for b in (split, unsplit)}
     assert len(keys) == 2  # the cache key names the setting, so one cache folder never mixes the two
@@ -144,9 +144,9 @@ def test_image_splitting_is_explicit(twins):
 
 # Hostile inputs of the newest surface (issue 32): each ends in a one-line ValueError naming the file, flag or entry.
 def plan_flags(model, tmp_path, *more):
-    return ["--model", str(model), "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "3", "--n-heldout",
-            "1", "--batch-size", "2", "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"), "--plan", "cpu",
-            *more]
+    return ["plan", "train", "--model", str(model), "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "3",
+            "--n-heldout", "1", "--batch-size", "2", "--shots", "2", "--epochs", "1", "--out", str(tmp_path / "run"),
+            "--plan", "cpu", *more]
 
 
 def copy_twin(twins, name, tmp_path):
@@ -159,16 +159,16 @@ def test_plan_names_a_missing_config_an_unknown_model_type_and_a_bad_processor_f
     config = folder / "config.json"
     config.write_text(config.read_text().replace('"model_type": "idefics2"', '"model_type": "gpt2"'))
     with pytest.raises(ValueError, match="config.json has model_type 'gpt2'"):
-        train.main(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     config.unlink()
     with pytest.raises(ValueError, match="has no config.json"):
-        train.main(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     (tmp_path / "afile").write_text("")
     for bad in (tmp_path / "nope", tmp_path / "afile"):
         with pytest.raises(ValueError, match="--processor .*: not a folder"):
-            train.main(plan_flags(twins["idefics2"], tmp_path, "--processor", str(bad)))
+            lab(plan_flags(twins["idefics2"], tmp_path, "--processor", str(bad)))
     with pytest.raises(ValueError, match="is not a idefics2 processor"):  # LLaVA-OneVision's, for an Idefics2
-        train.main(plan_flags(twins["idefics2"], tmp_path, "--processor", twins["llava-onevision"]))
+        lab(plan_flags(twins["idefics2"], tmp_path, "--processor", twins["llava-onevision"]))
 
 
 def test_plan_names_missing_tokenizer_files_and_processor_settings(twins, tmp_path):
@@ -176,22 +176,22 @@ def test_plan_names_missing_tokenizer_files_and_processor_settings(twins, tmp_pa
     for f in folder.glob("tokenizer*"):
         f.unlink()
     with pytest.raises(ValueError, match="has no tokenizer file"):  # was: a 6-token tokenizer, silently
-        train.main(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     folder = copy_twin(twins, "llava-onevision", tmp_path)
     settings = folder / "processor_config.json"
     settings.write_text(settings.read_text().replace('"num_image_tokens"', '"renamed"'))
     with pytest.raises(ValueError, match="processor_config.json lacks num_image_tokens"):  # was: a TypeError
-        train.main(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
     settings.unlink()
     with pytest.raises(ValueError, match="processor_config.json cannot be read"):
-        train.main(plan_flags(folder, tmp_path))
+        lab(plan_flags(folder, tmp_path))
 
 
 def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # the tests may run as root, who writes anywhere
     flags = plan_flags(twins["idefics2"], tmp_path, "--teacher-cache", str(tmp_path / "cache"))
     flags[flags.index("--batch-size") + 1] = "100000"
-    train.main(flags)
+    lab(flags)
     out = capsys.readouterr().out
     assert "batch 3," in out and "at batch 3:" in out and "is NOT writable" in out
 
@@ -200,8 +200,8 @@ def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the
     """The line's read time is the query's cache bytes at the read speed it measured, its teacher FLOPs 2 x the
     parameters x the mean teacher row, its time those at plan.ACCELERATOR_TFLOPS, and its verdict their order."""
     import re
-    figures = train.main(["--plan", "--model", "tiny-llava-onevision", "--task", "vqav2", "--data-root",
-                          benchmarks.ROOT, "--out", str(tmp_path / "run")])
+    figures = lab(["plan", "train", "--model", "tiny-llava-onevision", "--task", "vqav2", "--data-root",
+                   benchmarks.ROOT, "--out", str(tmp_path / "run")])
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("teacher cache or recomputing"))
     read_ms, speed, compute_ms, tflop = map(float, re.search(
@@ -236,7 +236,7 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
     needs = []
     original = teacher_cache.check_cache_room
     monkeypatch.setattr(teacher_cache, "check_cache_room", lambda *a: needs.append(original(*a)) or needs[-1])
-    train.main(flags)
+    lab_train(flags)
     folder = tmp_path / "run" / "teacher"
     written = sum(os.path.getsize(folder / f) for f in os.listdir(folder))
     assert len(os.listdir(folder)) == 40 * 2 and abs(needs[0] - written) <= 0.01 * written, (needs, written)
@@ -245,7 +245,7 @@ def test_the_cache_room_is_every_querys_and_a_full_disk_mid_run_names_the_way_ou
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(files, "write_cache", full)
     with pytest.raises(OSError) as e:
-        train.main([*flags, "--overwrite", "--teacher-cache", str(tmp_path / "elsewhere")])
+        lab_train([*flags, "--overwrite", "--teacher-cache", str(tmp_path / "elsewhere")])
     message = str(e.value)
     for part in ("No space left on device", "kB for 40 queries", str(tmp_path / "elsewhere"), "--teacher-cache DIR",
                  "--no-teacher-cache", "40 teacher forwards instead of 40"):
@@ -258,7 +258,7 @@ def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_b
     """--plan without a value is this machine's run (float32 on a CPU: what the run itself computes in); the images
     it counts are read off the batches the builder returns (data.teacher_batch), whatever their layout."""
     import torch
-    assert train.parse_args(["--plan"]).plan == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert lab_args(["plan", "train"]).plan == ("cuda" if torch.cuda.is_available() else "cpu")
     no_weights(monkeypatch)
     built, original = [], data.teacher_batch
 
@@ -268,7 +268,7 @@ def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_b
             built.append(plan.image_sizes(batch))
         return batch
     monkeypatch.setattr(data, "teacher_batch", recording)
-    planned = train.main(plan_flags(twins["idefics2"], tmp_path))
+    planned = lab(plan_flags(twins["idefics2"], tmp_path))
     assert planned["rows"]["images"]["teacher"] == built[:-1] and built[0]["images"] == 2 * 3  # 2 rows of 2 ICDs +
     assert built[-1]["images"] == 3  # query; the last batch the query alone: its canvas at batch 1 (plan_times)
     assert built[0]["bytes"] > 0 and planned["memory"]["vision"] > built[0]["bytes"]

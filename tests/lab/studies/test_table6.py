@@ -10,10 +10,9 @@ from PIL import Image
 import adapters
 import benchmarks
 import data as D
-import evaluate as E
 import model as M
 from adapters import HiFICL
-from helpers import BENCH
+from helpers import BENCH, lab, lab_args
 from lab.methods import registry
 from lab.methods.mimic import MimIC
 from lab.models import backbones, published
@@ -62,8 +61,8 @@ class Extra(HiFICL):
 
 def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "METHODS", {**registry.METHODS, "extra": registry.Method(Extra)})
-    rows = E.main(["--benchmark", "--rounds", "1", "--model", "tiny-idefics2", "--task", "vqav2",
-                   "--data-root", benchmarks.ROOT, "--bench-shots", "--out", str(tmp_path)])
+    rows = lab(["benchmark", "--rounds", "1", "--model", "tiny-idefics2", "--task", "vqav2",
+                         "--data-root", benchmarks.ROOT, "--bench-shots", "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *registry.METHODS]
     # each row really ran its adapter (LIVE's elementwise shift has no FLOPs FlopCounterMode counts)
     assert all(r["tflops_ratio"] > 1 for r in rows[1:] if r["setting"] != "live")
@@ -101,7 +100,7 @@ def test_paired_latency_cancels_a_drifting_machine():
 
 
 def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, capsys):
-    rows = E.main([*BENCH, "--benchmark", "--rounds", "1", "--out", str(tmp_path)])
+    rows = lab(["benchmark", *BENCH, "--rounds", "1", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     names = ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]  # no checkpoint: a row per method
     assert [r["setting"] for r in rows] == names
@@ -138,8 +137,8 @@ def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(published, "published_model",
                         lambda family, device: backbones.load_backbone("tiny-" + family).model)
-    rows = E.main(["--benchmark", "--rounds", "1", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
-                   "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
+    rows = lab(["benchmark", "--rounds", "1", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
+                         "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]
     assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4)
                                                        for s in (8, 16, 32)]  # the tiny twin: 2 x 2 patches an image
@@ -150,7 +149,7 @@ def test_random_weights_needs_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
-        E.parse_args(["--benchmark", "--random-weights"])
+        lab_args(["benchmark", "--random-weights"])
     assert "error: --random-weights published runs a real-size backbone and needs a CUDA GPU" in capsys.readouterr().err
 
 

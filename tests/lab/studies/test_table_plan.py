@@ -10,6 +10,7 @@ import evaluate
 from lab.datasets import tasks
 from lab.models import backbones
 from lab.studies import flops, table_plan
+from helpers import lab
 
 
 @pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
@@ -43,9 +44,9 @@ def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp
     backbones.load_backbone("tiny-idefics2").processor.save_pretrained(processor)  # a processor; the model's size
     monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
     monkeypatch.setattr(backbones, "load_backbone", refuse)
-    planned = evaluate.main(["--table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
-                             "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
-                             "--train-args", "--n-train 2 --n-heldout 1", "--plan-json", str(tmp_path / "plan.json")])
+    planned = lab(["table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
+                            "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
+                            "--train-args", "--n-train 2 --n-heldout 1", "--plan-json", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
     assert planned["gpus"] == 4 and planned["backbone_loads"] == 4 and 0 < planned["wall_hours"] <= planned["gpu_hours"]
     assert 0 < planned["bound_hours"] < planned["gpu_hours"]

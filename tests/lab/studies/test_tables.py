@@ -18,7 +18,7 @@ import benchmarks
 import data as D
 import evaluate
 import train
-from helpers import QUIET, refused
+from helpers import lab, lab_args, lab_evaluate, lab_evaluate_args, lab_train, lab_train_args, QUIET, refused
 from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
@@ -124,30 +124,30 @@ def test_the_other_tables_name_their_mode():
 
 def test_icd_task_draws_from_the_other_tasks_training_split_with_ids_apart():
     flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--icd-task", "vqav2", "--data-root", benchmarks.ROOT]
-    args = evaluate.parse_args([*flags, "--shots", "2"])
+    args = lab_evaluate_args([*flags, "--shots", "2"])
     vqav2 = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     support = tasks.icd_support(args)
     assert [(it.id, it.image_path, it.question) for it in support] == \
         [(f"vqav2:{it.id}", it.image_path, it.question) for it in vqav2]
-    assert tasks.split_pool(train.parse_args([*flags, "--n-train", "2"]), "idefics2")[2] == support  # the teacher's
+    assert tasks.split_pool(lab_train_args([*flags, "--n-train", "2"]), "idefics2")[2] == support  # the teacher's
     query = dataclasses.replace(tasks.load_task("ok-vqa", "val", benchmarks.ROOT)[0], id=vqav2[0].id)  # one number
     drawn = [d.id for seed in range(8) for d in D.demonstrations([query.id], support[:3], 2, seed)[0]]
     assert f"vqav2:{query.id}" in drawn  # an ICD of another task is never taken for the query it shares a number with
-    assert tasks.icd_support(evaluate.parse_args([*flags[:4], "--data-root", benchmarks.ROOT])) == \
+    assert tasks.icd_support(lab_evaluate_args([*flags[:4], "--data-root", benchmarks.ROOT])) == \
         tasks.load_task("ok-vqa", "train", benchmarks.ROOT)  # no --icd-task: the query's own training split
 
 
 def test_icd_task_evaluation_records_its_source_and_refuses_another_kind(tmp_path, capsys):
     flags = ["--model", "tiny-idefics2", "--task", "ok-vqa", "--data-root", benchmarks.ROOT, "--n-eval", "2",
              "--shots", "2", "--out", str(tmp_path)]
-    metrics = evaluate.main([*flags, "--icd-task", "vqav2"])
+    metrics = lab_evaluate([*flags, "--icd-task", "vqav2"])
     assert metrics["icd_task"] == "vqav2" and metrics["setting"] == "2-shot"
     assert os.path.exists(tmp_path / "ok-vqa-val-2-shot-icds-vqav2-seed0-n2.metrics.json")
     with pytest.raises(SystemExit):
-        evaluate.parse_args([*flags, "--icd-task", "coco"])
+        lab_evaluate_args([*flags, "--icd-task", "coco"])
     assert "--icd-task coco is a caption task and --task ok-vqa a vqa one" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        evaluate.parse_args(["--task", "ok-vqa", "--icd-task", "vqav2"])
+        lab_evaluate_args(["--task", "ok-vqa", "--icd-task", "vqav2"])
     assert "--icd-task draws the ICDs of n-shot ICL" in capsys.readouterr().err
 
 
@@ -208,8 +208,8 @@ class Counted:
 
 
 def table(name, model, out, *extra):
-    """evaluate.py --table / --figure flags of a rehearsal run."""
-    which = ["--figure", name.removeprefix("figure-")] if name.startswith("figure") else ["--table", name]
+    """python -m lab table N / figure N: the words and flags of a rehearsal run."""
+    which = ["figure", name.removeprefix("figure-")] if name.startswith("figure") else ["table", name]
     return [*which, "--model", model, "--out", str(out), *REHEARSAL, *extra]
 
 
@@ -224,7 +224,7 @@ def rehearsal(tmp_path_factory):
         for _ in range(2 if name in ("1", "8") else 1):
             with pytest.MonkeyPatch.context() as m:
                 counted = Counted(m)
-                printed = evaluate.main(table(name, model, out))
+                printed = lab(table(name, model, out))
             runs_of.append((counted, printed))
         done[name] = runs_of
     return done, root
@@ -284,20 +284,20 @@ def test_every_kind_of_cell_equals_its_single_commands_run_by_hand(rehearsal, tm
     done, root = rehearsal
     for name, cells in BY_HAND.items():
         model, folder = ("tiny-idefics", root / "idefics") if name == "4" else ("tiny-idefics2", root / "idefics2")
-        args = evaluate.parse_args(table(name, model, folder))
+        args = lab_args(table(name, model, folder))
         layout = tables.layout(name, "idefics" if name == "4" else "idefics2", 2)
-        of_cell, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, layout)
+        of_cell, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, layout)
         by_argv = {j.argv: j for j in jobs}
         printed = {(c["row"], c["column"]): c for c in done[name][0][1]["cells"]}
         for key in cells:
             job = of_cell[key]
             here = lambda argv: [a.replace(str(folder), str(tmp_path / name)) for a in argv]
             for before in job.after:
-                train.main(here(before))
-                adapter = os.path.join(by_argv[before].args((train.parse_args,)).out, "adapter.safetensors")
+                lab_train(here(before))
+                adapter = os.path.join(by_argv[before].args((lab_train_args,)).out, "adapter.safetensors")
                 with open(adapter, "rb") as a, open(here([adapter])[0], "rb") as b:
                     assert a.read() == b.read(), key
-            metrics = evaluate.main(here(job.argv))
+            metrics = lab_evaluate(here(job.argv))
             assert metrics[results.headline_metric(metrics)] == printed[key]["ours"], key
             ours = os.path.join(folder, printed[key]["result"]).replace(".metrics.json", ".predictions.jsonl")
             with open(ours, "rb") as a, open(here([ours])[0], "rb") as b:
@@ -314,7 +314,7 @@ def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehe
     if pid == 0:  # the child: the table's command, its output into the pipe, a line at a time
         sys.stdout = os.fdopen(write, "w", buffering=1)
         try:
-            evaluate.main(flags)
+            lab(flags)
         finally:
             os._exit(0)
     os.close(write)
@@ -324,7 +324,7 @@ def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehe
                 os.kill(pid, signal.SIGKILL)
                 break
     assert os.waitpid(pid, 0)[1] == signal.SIGKILL and not (tmp_path / "table" / "table-8.json").exists()
-    evaluate.main(flags)
+    lab(flags)
     for ending in (".json", ".md"):
         assert (tmp_path / "table" / f"table-8{ending}").read_bytes() == \
             (root / "idefics2" / f"table-8{ending}").read_bytes()
@@ -332,7 +332,7 @@ def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehe
 
 def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, capsys):
     done, _ = rehearsal
-    planned = evaluate.main(table("4", "tiny-idefics", tmp_path / "plan", "--plan", "cpu"))
+    planned = lab(table("4", "tiny-idefics", tmp_path / "plan", "--plan", "cpu"))
     (ran, _), = done["4"]
     counts = ("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items",
               "prompt_tokens")
@@ -346,7 +346,7 @@ def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column
     done, root = rehearsal
     before = (root / "idefics2" / "table-8.md").read_bytes()
     counted = Counted(monkeypatch)
-    assert evaluate.main(table("8", "tiny-idefics2", root / "idefics2", "--print")) == done["8"][0][1]
+    assert lab(table("8", "tiny-idefics2", root / "idefics2", "--print")) == done["8"][0][1]
     assert set(counted.work.values()) == {0} and (root / "idefics2" / "table-8.md").read_bytes() == before
     l2 = root / "idefics" / "train" / "vqav2" / "hyper-icl-anchor-euclidean"
     record = checkpoints.read_record(l2 / "adapter.safetensors")
@@ -366,9 +366,9 @@ def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column
 
 def test_print_commands_gives_one_idempotent_line_a_job_in_dependency_order(rehearsal, capsys):
     _, root = rehearsal
-    lines = evaluate.main(table("4", "tiny-idefics", root / "idefics", "--print-commands"))
+    lines = lab(table("4", "tiny-idefics", root / "idefics", "--print-commands"))
     assert capsys.readouterr().out.split("\n")[:-1] == lines and lines[-1].endswith("--print")
-    trains = [line for line in lines if line.startswith("python train.py")]
+    trains = [line for line in lines if line.startswith("python -m lab train ")]
     assert len(trains) == 4 * 2 and all("--proceed" in line for line in trains) and len(lines) == 8 + 10 + 1
     for k, line in enumerate(lines[:-1]):  # an adapter's evaluation after its training
         if "--checkpoint" in line:
@@ -379,8 +379,8 @@ def test_print_commands_gives_one_idempotent_line_a_job_in_dependency_order(rehe
 def test_processes_on_several_devices_take_each_job_once_and_wait_for_the_ones_before(tmp_path):
     """run_jobs with claims (--gpus' workers), its commands recorded instead of run: a job another process holds is
     left to it, a job it marked done is not run again, and an adapter's evaluation waits for its training."""
-    args = evaluate.parse_args(table("7", "tiny-idefics2", tmp_path))
-    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    args = lab_args(table("7", "tiny-idefics2", tmp_path))
+    _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("7", "idefics2"))
     claims, ran = tmp_path / "claims", []
     claims.mkdir()
     record = lambda argv, load: ran.append(tuple(argv))
@@ -397,7 +397,7 @@ def test_processes_on_several_devices_take_each_job_once_and_wait_for_the_ones_b
 
 def test_a_sweep_is_a_table_of_cells_with_its_figure(tmp_path):
     """Figure 3a (rank x gate) before any run: every cell named and marked as not run yet, the figure drawn."""
-    printed = evaluate.main(table("figure-3a", "tiny-idefics2", tmp_path, "--print"))
+    printed = lab(table("figure-3a", "tiny-idefics2", tmp_path, "--print"))
     assert [(c["row"], c["column"]) for c in printed["cells"]] == [(g, r) for g in tables.GATES for r in tables.RANKS]
     assert all(c["marks"] == ["missing"] for c in printed["cells"]) and (tmp_path / "figure-3a.png").stat().st_size
     layout = tables.layout("figure-2", "idefics", 1000)
@@ -407,12 +407,12 @@ def test_a_sweep_is_a_table_of_cells_with_its_figure(tmp_path):
 
 
 def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_lists_them(tmp_path, monkeypatch, capsys):
-    table = ["--table", "7", *QUIET, "--out", str(tmp_path)]
-    assert "names a device twice" in refused(evaluate.parse_args, [*table, "--gpus", "0,0"], capsys)  # before: 2 on 1
+    table = ["table", "7", *QUIET, "--out", str(tmp_path)]
+    assert "names a device twice" in refused(lab_args, [*table, "--gpus", "0,0"], capsys)  # before: 2 on 1
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert "this machine has 2 CUDA device(s) visible (0 to 1)" in refused(evaluate.parse_args, [*table, "--gpus",
-                                                                                                 "1,2"], capsys)
-    assert evaluate.parse_args([*table, "--gpus", "2,3", "--plan", "cuda"]).gpus == "2,3"  # a plan for other machines
+    assert "this machine has 2 CUDA device(s) visible (0 to 1)" in refused(lab_args, [*table, "--gpus", "1,2"],
+                                                                           capsys)
+    assert lab_args([*table, "--gpus", "2,3", "--plan", "cuda"]).gpus == "2,3"  # a plan for other machines
     started = []
 
     class Process:  # the workers, recorded instead of started
@@ -423,8 +423,8 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
             return 0
     monkeypatch.setattr(subprocess, "Popen", Process)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a scheduler's share of the machine
-    args = evaluate.parse_args([*table, "--gpus", "0,1"])
-    table_runs.on_devices(args.gpus, args.out, [], "evaluate.py")
+    args = lab_args([*table, "--gpus", "0,1"])
+    table_runs.on_devices(args.gpus, args.out, [], ["python", "-m", "lab", "table", "7"])
     assert started == ["4", "5"]  # before: "0", "1", devices of another job
     with pytest.raises(ValueError, match=r"--table-worker .*: --gpus gives it to the processes it starts"):
         evaluate.main([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
@@ -434,12 +434,12 @@ def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
     """Table 7's zero-shot VQAv2 evaluated once; --print of another backbone, another --data-root, and after the
     metrics were damaged or the predictions they score removed: no number (before: another backbone's or data's
     number beside the paper's; the damaged file a JSON error naming nothing)."""
-    flags = ["--table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
-    args = evaluate.parse_args(flags)
-    of_cell, _ = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    flags = ["table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
+    args = lab_args(flags)
+    of_cell, _ = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("7", "idefics2"))
     job = of_cell["Zero-shot", "vqav2"]
-    evaluate.main(list(job.argv))
-    cell = lambda argv: {(c["row"], c["column"]): c for c in evaluate.main(argv)["cells"]}["Zero-shot", "vqav2"]
+    lab_evaluate(list(job.argv))
+    cell = lambda argv: {(c["row"], c["column"]): c for c in lab(argv)["cells"]}["Zero-shot", "vqav2"]
     assert cell([*flags, "--print"])["ours"] is not None
     other = [a.replace("tiny-idefics2", "tiny-llava-interleave") for a in flags]
     assert cell([*other, "--print"])["ours"] is None
@@ -456,22 +456,21 @@ def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
 
 
 def test_a_table_takes_the_flags_its_cells_take_and_refuses_the_rest(tmp_path, capsys):
-    table = lambda n, *more: ["--table", n, *QUIET, "--out", str(tmp_path), *more]
+    table = lambda n, *more: ["table", n, *QUIET, "--out", str(tmp_path), *more]
     for flag in (["--again"], ["--new-tokens", "3"], ["--task", "coco"], ["--eval-draw", "seeded"]):
         assert "reaches no cell of Table 1: its cells choose their own" in refused(  # before: taken, doing nothing
-            evaluate.parse_args, table("1", *flag), capsys)
+            lab_args, table("1", *flag), capsys)
     for flag in ("--task coco", "--meth lora", "--out x"):  # before: every training on coco, LoRA, into x
-        assert f"--train-args --{flag.split()[0][2:]}" in refused(evaluate.parse_args, table("1", "--train-args", flag),
-                                                                  capsys)
-    args = evaluate.parse_args(table("2", "--seed-protocol", "likelihood"))  # before: refused, SEED cells' own flag
-    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("2", "idefics2"))
+        assert f"--train-args --{flag.split()[0][2:]}" in refused(lab_args, table("1", "--train-args", flag), capsys)
+    args = lab_args(table("2", "--seed-protocol", "likelihood"))  # before: refused, SEED cells' own flag
+    _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("2", "idefics2"))
     assert {"likelihood" in j.argv for j in jobs if "seed" in j.argv and j.script == "evaluate.py"} == {True}
-    args = evaluate.parse_args(table("1", "--vector-layer", "1", "--rices-encoder", "clip"))
-    _, jobs = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("1", "idefics2"))
+    args = lab_args(table("1", "--vector-layer", "1", "--rices-encoder", "clip"))
+    _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("1", "idefics2"))
     for word, flag in (("--vector", "--vector-layer"), ("rices", "--rices-encoder")):  # before: dropped / refused
         assert {flag in j.argv for j in jobs if word in j.argv} == {True} and \
             not any(flag in j.argv for j in jobs if word not in j.argv)
-    evaluate.parse_args(table("2", "--vector-sets", "2"))  # a flag of other tables' rows: a note, not an error
+    lab_args(table("2", "--vector-sets", "2"))  # a flag of other tables' rows: a note, not an error
     assert "note: --vector-sets reaches no cell of Table 2" in capsys.readouterr().err
 
 

@@ -12,6 +12,7 @@ import model as M
 from lab.datasets import tasks
 from lab.models import backbones
 from lab.studies import vectors
+from helpers import lab_evaluate_args
 
 
 def text_ids(backbone, *texts):
@@ -98,9 +99,9 @@ def test_head_outputs_add_up_to_the_attention_output(backbone):
 
 
 def vector_args(tmp_path, method, *extra):
-    return E.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--vector",
-                         method, "--shots", "2", "--vector-sets", "3", "--vector-heldout", "2", "--batch-size", "2",
-                         "--out", str(tmp_path), *extra])
+    return lab_evaluate_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                              "--vector", method, "--shots", "2", "--vector-sets", "3", "--vector-heldout", "2",
+                              "--batch-size", "2", "--out", str(tmp_path), *extra])
 
 
 @torch.no_grad()
@@ -169,9 +170,9 @@ def test_function_vector_at_every_generated_token(backbone):
 def test_a_truncated_or_wrongly_shaped_vector_is_computed_again_and_lives_under_out(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     backbone = backbones.load_backbone("tiny-idefics2")
-    args = E.parse_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
-                                "--vector", "tv", "--shots", "1", "--vector-sets", "2", "--vector-heldout", "2",
-                                "--out", str(tmp_path / "out")])
+    args = lab_evaluate_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                                     "--vector", "tv", "--shots", "1", "--vector-sets", "2", "--vector-heldout", "2",
+                                     "--out", str(tmp_path / "out")])
     calls = []
     fake = lambda *a: calls.append(1) or {"vectors": torch.ones(2, 32), "losses": torch.tensor([1.0, 0.5])}
     monkeypatch.setattr(vectors, "compute_vector", fake)
