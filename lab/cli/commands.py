@@ -37,7 +37,7 @@ MODES = {
                             modes.plan_run, {"plan": flags.HERE}),
     ("plan", "evaluate"): Mode("the cost of an evaluation before it runs, no weight read", "evaluate",
                                (*E, "plan", "processor", "accelerator", "plan_json"),
-                            modes.plan_run, {"plan": flags.HERE}),
+                               modes.plan_run, {"plan": flags.HERE}),
     ("curve",): Mode("learning curves of every method on the toy world, each one's rate tuned", "evaluate",
                      (*E, "curve_queries", "curve_seeds", "curve_methods", "no_tune", "train_args"), modes.study,
                      {"curve": True}),
