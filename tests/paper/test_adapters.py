@@ -226,7 +226,7 @@ CPU_KERNEL, CPU_SCHEMA = adapters.PRIVATE_KERNELS["cpu"]
 
 
 @pytest.mark.skipif(adapters.private_kernel("cpu") is None,
-                    reason=f"torch {torch.__version__} has no {CPU_KERNEL} of the signature called: the public path runs")
+                    reason=f"torch {torch.__version__} has no {CPU_KERNEL} of the signature called: public path only")
 @settings(max_examples=40)
 @given(H_kv=st.integers(1, 3), groups=st.integers(1, 3), T=st.integers(2, 6), extra=st.integers(0, 5),
        chunk=st.integers(1, 4), seed=st.integers(0, 2**16), padded=st.booleans(),
@@ -235,7 +235,8 @@ def test_the_public_path_equals_the_private_kernel(H_kv, groups, T, extra, chunk
     """fused_attention_lse's public path (SDPA, and log Z2 a chunk of keys at a time) gives what torch's private CPU
     kernel gives: SA and log Z2, grouped heads, padded or plain causal, with more keys than queries, several chunks."""
     H, S, d_h = H_kv * groups, T + extra, 8
-    q, k, v = (rand(2, h, t, d_h, seed=seed + i, dtype=dtype) for i, (h, t) in enumerate([(H, T), (H_kv, S), (H_kv, S)]))
+    shapes = [(H, T), (H_kv, S), (H_kv, S)]
+    q, k, v = (rand(2, h, t, d_h, seed=seed + i, dtype=dtype) for i, (h, t) in enumerate(shapes))
     mask = padding_mask(2, T, S, seed) if padded else None
     seen = mask if padded or T == S else adapters.causal_mask(T, S, "cpu")  # as fused_attention_lse passes it on
     private = adapters.fused_attention_lse(q, k, v, mask, d_h ** -0.5)
