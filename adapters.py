@@ -325,7 +325,7 @@ def public_attention_lse(q, k, v, mask, scaling, chunk=1024):
     dtype = torch.promote_types(q.dtype, torch.float32)
     seen = full_mask(mask, T, T_k, q.device)
     seen = seen[:, :, None] if seen.dim() == 4 else seen                  # [B, 1, T, T_k] on [B, H_kv, G, T, T_k]
-    groups = q.detach().to(dtype).view(B, H_kv, H // H_kv, T, d_h)
+    groups = q.detach().to(dtype).reshape(B, H_kv, H // H_kv, T, d_h)
     log_Z2 = torch.full((B, H_kv, H // H_kv, T), -math.inf, dtype=dtype, device=q.device)
     for start in range(0, T_k, chunk):
         keys = k.detach()[:, :, None, start:start + chunk].to(dtype)
