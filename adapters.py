@@ -267,27 +267,71 @@ def fused_attention_lse(q, k, v, mask, scaling):
     """attention_lse from one fused kernel that returns the log-sum-exp of its logits beside its output (it keeps it
     for its backward; SDPA's public call drops it): on a CPU the flash kernel SDPA itself runs there (grouped heads
     shared), on CUDA the memory-efficient kernel (heads repeated, the mask aligned as SDPA aligns it). No T x T_k
-    tensor beyond the additive mask SDPA forms too. The kernels' log-sum-exp carries no gradient; where one is wanted
-    it is added: d log Z2 = sum_j p_j d(q.k_j) scaling (p the attention weights) is the gradient of
-    scaling q.SA(q, K, K) with the weights held, one more fused call, made only then.
+    tensor beyond the additive mask SDPA forms too. These kernels are private to torch: on a torch that lacks the
+    device's kernel, or has it with another signature (private_kernel), SDPA's public call gives SA and the
+    log-sum-exp is computed here (public_attention_lse), with the same results. The log-sum-exp carries no gradient;
+    where one is wanted it is added: d log Z2 = sum_j p_j d(q.k_j) scaling (p the attention weights) is the gradient
+    of scaling q.SA(q, K, K) with the weights held, one more fused call, made only then.
     """
     (B, H, T, _), T_k = q.shape, k.shape[-2]
     if mask is None and T != T_k:
         mask = causal_mask(T, T_k, q.device)
-    bias = None if mask is None else \
-        torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)  # as SDPA makes it
-    if q.device.type == "cpu":
-        SA, log_Z2 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, is_causal=mask is None, attn_mask=bias, scale=scaling)
+    kernel = private_kernel(q.device.type)
+    if kernel is None:
+        SA, log_Z2 = public_attention_lse(q, k, v, mask, scaling)
     else:
-        if bias is not None:                                              # rows 8-aligned, one per head
-            bias = F.pad(bias, (0, -T_k % 8))[..., :T_k].expand(B, H, T, T_k)
-        SA, log_Z2 = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, per_query_head(k, H), per_query_head(v, H), bias, True, is_causal=mask is None, scale=scaling)[:2]
-        log_Z2 = log_Z2[..., :T]                                          # the kernel pads T to a multiple of 32
+        bias = None if mask is None else \
+            torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)  # as SDPA makes it
+        if q.device.type == "cpu":
+            SA, log_Z2 = kernel(q, k, v, is_causal=mask is None, attn_mask=bias, scale=scaling)
+        else:
+            if bias is not None:                                              # rows 8-aligned, one per head
+                bias = F.pad(bias, (0, -T_k % 8))[..., :T_k].expand(B, H, T, T_k)
+            SA, log_Z2 = kernel(q, per_query_head(k, H), per_query_head(v, H), bias, True, is_causal=mask is None,
+                                scale=scaling)[:2]
+            log_Z2 = log_Z2[..., :T]                                          # the kernel pads T to a multiple of 32
     log_Z2 = log_Z2[..., None]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         mean_k = sdpa(q.detach(), k.detach(), k, mask, scale=scaling)     # sum_j p_j k_j, p held
         held = (q * mean_k).sum(-1, keepdim=True) * scaling
         log_Z2 = log_Z2 + (held - held.detach())                          # the same value, its gradient
     return SA, log_Z2
+
+
+PRIVATE_KERNELS = {  # a device type: the private torch kernel fused_attention_lse calls there, and its signature
+    "cpu": ("_scaled_dot_product_flash_attention_for_cpu",
+            "aten::_scaled_dot_product_flash_attention_for_cpu(Tensor query, Tensor key, Tensor value, "
+            "float dropout_p=0., bool is_causal=False, *, Tensor? attn_mask=None, float? scale=None) "
+            "-> (Tensor output, Tensor logsumexp)"),
+    "cuda": ("_scaled_dot_product_efficient_attention",
+             "aten::_scaled_dot_product_efficient_attention(Tensor query, Tensor key, Tensor value, "
+             "Tensor? attn_bias, bool compute_log_sumexp, float dropout_p=0., bool is_causal=False, *, "
+             "float? scale=None) -> (Tensor output, Tensor log_sumexp, Tensor philox_seed, Tensor philox_offset)"),
+}
+
+
+def private_kernel(device_type):
+    """The device's private kernel (PRIVATE_KERNELS) if this torch has it with the signature called here, else None
+    (fused_attention_lse then takes the public path)."""
+    name, schema = PRIVATE_KERNELS.get(device_type, (None, None))
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    kernel = getattr(packet, "default", None)
+    return kernel if kernel is not None and str(kernel._schema) == schema else None
+
+
+def public_attention_lse(q, k, v, mask, scaling, chunk=1024):
+    """fused_attention_lse's results from public calls: SA from SDPA (sdpa), log Z2 computed here a chunk of keys at
+    a time (no T x T_k tensor kept; a group's query heads against their shared key head), in float32 or wider as the
+    kernels keep it, without a gradient (fused_attention_lse adds it): [batch, H, T, d_h], [batch, H, T]."""
+    (B, H, T, d_h), (H_kv, T_k) = q.shape, k.shape[1:3]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    seen = full_mask(mask, T, T_k, q.device)
+    seen = seen[:, :, None] if seen.dim() == 4 else seen                  # [B, 1, T, T_k] on [B, H_kv, G, T, T_k]
+    groups = q.detach().to(dtype).reshape(B, H_kv, H // H_kv, T, d_h)
+    log_Z2 = torch.full((B, H_kv, H // H_kv, T), -math.inf, dtype=dtype, device=q.device)
+    for start in range(0, T_k, chunk):
+        keys = k.detach()[:, :, None, start:start + chunk].to(dtype)
+        logits = (groups @ keys.transpose(-1, -2)) * scaling
+        logits = logits.masked_fill(~seen[..., start:start + chunk], -math.inf)
+        log_Z2 = torch.logaddexp(log_Z2, torch.logsumexp(logits, -1))
+    return sdpa(q, k, v, mask, scale=scaling), log_Z2.view(B, H, T)

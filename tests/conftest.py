@@ -138,6 +138,18 @@ def pytest_configure(config):
     benchmarks.generate()
 
 
+@pytest.fixture(params=["private", "public"])
+def attention_kernels(request):
+    """Each of adapters.fused_attention_lse's paths in turn: torch's private kernels, then the public path they are
+    taken away for (adapters.PRIVATE_KERNELS naming kernels no torch has, as on a torch that lacks them). The same for
+    every example of a hypothesis test: such a test suppresses HealthCheck.function_scoped_fixture."""
+    import adapters
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "public":
+            patch.setattr(adapters, "PRIVATE_KERNELS", {device: ("_taken_away" + name, schema)
+                                                        for device, (name, schema) in adapters.PRIVATE_KERNELS.items()})
+        yield request.param
+
 def pytest_generate_tests(metafunc):
     """A module's BACKBONES (family names) parametrise its tests that take `backbone` (or `plain`): one run each."""
     families = getattr(metafunc.module, "BACKBONES", None)

@@ -139,11 +139,12 @@ def test_the_gpu_run_rehearsed_on_the_cpu(tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("cls", [adapters.HiFICL, mimic.MimIC])
+@pytest.mark.usefixtures("attention_kernels")
 def test_hificl_and_mimic_on_cuda_equal_the_float64_reference(cls):
     """adapters.fused_attention_lse's CUDA branch (the memory-efficient kernel's log-sum-exp, the mask aligned as SDPA
-    aligns it) runs nowhere else: outputs and gradients in float32 on CUDA against the float64 reference on the CPU,
-    for a left-padded prefill of 37 tokens (not a multiple of 8), 37 tokens after a cached prefix of 13, plain causal,
-    and a padded decoding step; grouped heads (8 query, 2 key/value, 64 wide)."""
+    aligns it, then the public path) runs nowhere else: outputs and gradients in float32 on CUDA against the float64
+    reference on the CPU, for a left-padded prefill of 37 tokens (not a multiple of 8), 37 tokens after a cached prefix
+    of 13, plain causal, and a padded decoding step; grouped heads (8 query, 2 key/value, 64 wide)."""
     H, H_kv, d_h = 8, 2, 64
     torch.manual_seed(0)
     reference = cls(H, d_h).double()

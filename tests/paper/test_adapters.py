@@ -3,8 +3,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+import adapters
 
 from adapters import (HiFICL, HyperICL, OutputLevel, StaticGate, StaticGateHead, decompose, decompose_hificl,
                       joint_attention)
@@ -123,7 +125,8 @@ def explicit_hificl(adapter, q, k, v, mask):
     return weights / weights.sum(-1, keepdim=True) @ values, (logits_D, logits)
 
 
-@settings(max_examples=25)
+@pytest.mark.usefixtures("attention_kernels")  # torch's private kernels, then the public path
+@settings(max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(T=st.integers(1, 6), extra=st.integers(0, 4), n=st.integers(1, 5), r=st.integers(1, 4),
        seed=st.integers(0, 2**16), padded=st.booleans())
 def test_hificl_is_the_joint_softmax_under_the_models_mask(T, extra, n, r, seed, padded):
@@ -149,7 +152,8 @@ def test_hificl_parameter_count():
     assert sum(p.numel() for p in HiFICL(32, 128, 8, 8).parameters()) == 32 * 2 * 8 * (8 + 128)
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.usefixtures("attention_kernels")  # torch's private kernels, then the public path
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cls=st.sampled_from([HyperICL, StaticGate, StaticGateHead, OutputLevel, MimIC, HiFICL]),
        H_kv=st.integers(1, 3), groups=st.integers(1, 3), T=st.integers(1, 5), extra=st.integers(0, 4),
        seed=st.integers(0, 2**16), padded=st.booleans())
@@ -197,6 +201,7 @@ def test_decoding_steps_equal_the_reference_at_several_cache_lengths_with_left_p
             adapter.double()
 
 
+@pytest.mark.usefixtures("attention_kernels")
 @pytest.mark.parametrize("cls", [HiFICL, MimIC])
 @pytest.mark.parametrize("T, S, padded", [(5, 5, True), (5, 5, False), (3, 7, True), (1, 7, True), (1, 7, False)])
 def test_gradients_equal_the_references(cls, T, S, padded):
@@ -215,6 +220,43 @@ def test_gradients_equal_the_references(cls, T, S, padded):
     want = torch.autograd.grad((adapter.reference(q, k, v, mask, d_h ** -0.5) * weights).sum(), inputs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+CPU_KERNEL, CPU_SCHEMA = adapters.PRIVATE_KERNELS["cpu"]
+
+
+@pytest.mark.skipif(adapters.private_kernel("cpu") is None,
+                    reason=f"torch {torch.__version__} has no {CPU_KERNEL} of the signature called: public path only")
+@settings(max_examples=40)
+@given(H_kv=st.integers(1, 3), groups=st.integers(1, 3), T=st.integers(2, 6), extra=st.integers(0, 5),
+       chunk=st.integers(1, 4), seed=st.integers(0, 2**16), padded=st.booleans(),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]))
+def test_the_public_path_equals_the_private_kernel(H_kv, groups, T, extra, chunk, seed, padded, dtype):
+    """fused_attention_lse's public path (SDPA, and log Z2 a chunk of keys at a time) gives what torch's private CPU
+    kernel gives: SA and log Z2, grouped heads, padded or plain causal, with more keys than queries, several chunks."""
+    H, S, d_h = H_kv * groups, T + extra, 8
+    shapes = [(H, T), (H_kv, S), (H_kv, S)]
+    q, k, v = (rand(2, h, t, d_h, seed=seed + i, dtype=dtype) for i, (h, t) in enumerate(shapes))
+    mask = padding_mask(2, T, S, seed) if padded else None
+    seen = mask if padded or T == S else adapters.causal_mask(T, S, "cpu")  # as fused_attention_lse passes it on
+    private = adapters.fused_attention_lse(q, k, v, mask, d_h ** -0.5)
+    SA, log_Z2 = adapters.public_attention_lse(q, k, v, seen, d_h ** -0.5, chunk=chunk)
+    exact = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {}
+    torch.testing.assert_close(SA, private[0], **exact)
+    torch.testing.assert_close(log_Z2[..., None], private[1], **exact)
+    assert log_Z2.dtype == private[1].dtype == torch.promote_types(dtype, torch.float32)
+
+
+def test_a_private_kernel_missing_or_of_another_signature_is_not_called(monkeypatch):
+    """private_kernel gives the kernel only where torch has it with the signature fused_attention_lse calls."""
+    real = adapters.private_kernel("cpu")
+    for kernels in ({}, {"cpu": ("_no_such_kernel", CPU_SCHEMA)},
+                    {"cpu": (CPU_KERNEL, CPU_SCHEMA.replace("float? scale=None", "float? scale=None, bool x=False"))}):
+        monkeypatch.setattr(adapters, "PRIVATE_KERNELS", kernels)
+        assert adapters.private_kernel("cpu") is None
+    monkeypatch.setattr(adapters, "PRIVATE_KERNELS", {"cpu": (CPU_KERNEL, CPU_SCHEMA)})
+    assert adapters.private_kernel("cpu") is real
+    assert real is None or real is getattr(torch.ops.aten, CPU_KERNEL).default
 
 
 def test_hyper_icl_fast_path_bf16_relative_error():

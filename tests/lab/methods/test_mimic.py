@@ -5,6 +5,8 @@ import torch
 from helpers import left_padded_mask, naive_attention, rand, randomised
 from lab.methods.mimic import MimIC
 
+pytestmark = pytest.mark.usefixtures("attention_kernels")  # torch's private kernels, then the public path
+
 
 @pytest.mark.parametrize("T,S,pads", [(5, 5, [0, 2]), (1, 7, [3, 0]), (3, 6, [0, 0]), (4, 4, [0, 0]), (1, 5, [0, 0])])
 def test_mimic_is_sa_plus_mu_shift_with_a_masked_z2(T, S, pads):
