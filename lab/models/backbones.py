@@ -29,7 +29,7 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
     image_memory: the bytes a call of the vision tower or connector may hold (chunk_images)."""
     family = families.family_of(name)  # an unknown name is refused before anything loads
     if is_built(name):
-        model, processor = families.FAMILIES[family].twin(seed) if name.startswith("tiny-") else \
+        model, processor = families.FAMILIES[family].built_twin(seed) if name.startswith("tiny-") else \
             toy_backbone.toy_idefics2(name if families.is_toy_file(name) else None)
         images = families.image_setting(families.formatted(processor, family), family, image_splitting,
                                         "built-in processor")

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 import transformers
+from packaging.version import Version
 
 import data
 from lab.models import image_layouts, published_configs, tiny
@@ -79,11 +80,26 @@ class Family:
         return image_only(cls) if self.image_only else cls
 
     def transformers_class(self, name):
-        """transformers' class `name`, or an ImportError naming this family and the version it needs."""
-        if not hasattr(transformers, name):
-            raise ImportError(f"{self.name} needs transformers >= {self.needs or 'a newer version'} (for {name}); "
-                              f"this is {transformers.__version__}")
+        """transformers' class `name`, or an ImportError naming this family and the version it needs (missing)."""
+        if missing := self.missing():
+            raise ImportError(missing)
         return getattr(transformers, name)
+
+    def missing(self):
+        """Why this transformers cannot serve the family (None if it can): older than `needs`, or without one of its
+        classes. The twin, the published config and the checkpoint are refused with it, by name."""
+        old = self.needs and Version(transformers.__version__) < Version(self.needs)
+        absent = [c for c in (self.model_class, self.processor_class) if not hasattr(transformers, c)]
+        if old or absent:
+            return (f"{self.name} needs transformers >= {self.needs or 'a newer version'}" +
+                    (f" (for {absent[0]})" if absent else "") + f"; this is {transformers.__version__}")
+        return None
+
+    def built_twin(self, seed=0):
+        """Its tiny twin (model, processor), refused by name where this transformers cannot serve it (missing)."""
+        if missing := self.missing():
+            raise ImportError(missing)
+        return self.twin(seed)
 
 
 def register(family):
@@ -140,14 +156,21 @@ for _family in (  # the paper's four (their default shots as the paper runs them
                     splitting="do_pan_and_scan"),  # its image blocks attend both ways: token_type_ids
                "concat", published_configs.gemma3, tiny.tiny_gemma3),
         Family("idefics3", "HuggingFaceM4/Idefics3-8B-Llama3", "Idefics3ForConditionalGeneration", "Idefics3Processor",
-               ("idefics3",), Rows(**CANVAS), "canvas", published_configs.idefics3, tiny.tiny_idefics3),
+               ("idefics3",), Rows(**CANVAS), "canvas", published_configs.idefics3, tiny.tiny_idefics3,
+               needs="5.23"),  # before: its processor's replace_image_token raises KeyError 'rows'
         Family("smolvlm", "HuggingFaceTB/SmolVLM-256M-Instruct", "SmolVLMForConditionalGeneration", "SmolVLMProcessor",
-               ("smolvlm",), Rows(**CANVAS), "canvas", published_configs.smolvlm, tiny.tiny_smolvlm, image_only=True),
+               ("smolvlm",), Rows(**CANVAS), "canvas", published_configs.smolvlm, tiny.tiny_smolvlm, image_only=True,
+               needs="5.23"),
         Family("llava-onevision-1.5", "Deep-VLM/LLaVA-OneVision-1.5-8B-Instruct-hf",
                "LlavaOnevision15ForConditionalGeneration", "Exaone4_5_Processor",  # transformers maps it to Qwen's
                ("llava_onevision1_5",), Rows(**QWEN), "concat",  # Qwen's processor, a Qwen3 text model, 1-D positions
                published_configs.llava_onevision_1_5, tiny.tiny_llava_onevision_1_5, image_only=True, needs="5.25")):
     register(_family)
+
+
+def available():
+    """The families this transformers serves (Family.missing), by name, sorted: what the tests loop over."""
+    return sorted(name for name, family in FAMILIES.items() if family.missing() is None)
 
 
 def formatted(processor, family):

@@ -19,7 +19,7 @@ def grown_twin(family, seed=0, **text):
     """The tiny twin of `family` with its text decoder's config changed by `text` (hidden_size=..., ...), seeded random
     weights, float32; keys the family's text model lacks (num_key_value_heads for Idefics, head_dim where it is
     derived) are left out. The vision side stays toy-sized. Returns (model, processor)."""
-    twin, processor = families.FAMILIES[family].twin(seed)
+    twin, processor = families.FAMILIES[family].built_twin(seed)
     config = twin.config  # the twin itself is not kept
     decoder = config.get_text_config()
     decoder.update({k: v for k, v in text.items() if hasattr(decoder, k)})

@@ -21,7 +21,7 @@ from lab.models import backbones, families, toy_backbone
 from helpers import lab
 
 
-FAMILIES = BACKBONES = sorted(families.FAMILIES)  # BACKBONES: conftest.py's backbone on each family's tiny twin
+FAMILIES = BACKBONES = families.available()  # BACKBONES: conftest.py's backbone on each family's tiny twin
 
 
 NEW = ["qwen2.5-vl", "qwen3-vl", "llava-onevision-1.5", "internvl3", "gemma3", "idefics3", "smolvlm"]

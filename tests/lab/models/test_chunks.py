@@ -32,7 +32,7 @@ def calls_of(modules):
     return counts, images
 
 
-@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+@pytest.mark.parametrize("family", families.available())
 def test_images_in_chunks_give_the_numbers_of_one_call(family):
     """One image a call (a budget of 1 byte) against every image in one call: float64 to 1e-12, the arithmetic the
     same; float32 to 1e-6 (MKL's GEMM picks another kernel for fewer rows at some widths: Idefics2's projection at
@@ -55,7 +55,7 @@ def test_images_in_chunks_give_the_numbers_of_one_call(family):
         assert (whole - chunked).abs().max() <= tolerance * scale, (dtype, (whole - chunked).abs().max())
 
 
-@pytest.mark.parametrize("family", sorted(families.FAMILIES))
+@pytest.mark.parametrize("family", families.available())
 def test_the_teacher_keeps_only_the_query_positions_as_each_layer_runs(family):
     """run_teacher's states equal the query + target positions of every layer's whole output, bit for bit, and the
     hooks never hold a layer's whole [B, W, d]: each keeps [kept positions, d] only."""
