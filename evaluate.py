@@ -24,9 +24,9 @@ from tqdm import tqdm
 import data as D
 import model as M
 from lab.disk import files
-from lab.datasets import api_checks, readers, rices, tasks
+from lab.datasets import predict_args, readers, rices, tasks
 from lab.models import backbones, families
-from lab.run import checkpoints, feed, torchrun
+from lab.run import adapter_files, locks, prefetch, torchrun
 from lab.scores import chair, reports, results
 from lab.cli import eval_cli, harness
 from lab.scores.metrics import cider_d, multiple_choice_accuracy, vqa_accuracy
@@ -57,7 +57,7 @@ class Config(harness.EvalSettings):
     data_root: Optional[str] = None   # datasets in their official layout (docs/real-models.md; toy-icl-*: none)
     out: Optional[str] = None         # results (None: the checkpoint's folder, else runs/eval-<model>-<task>)
     batch_size: int = 8               # queries per generate call
-    workers: int = field(default_factory=feed.default_workers)  # DataLoader workers, as train.py's
+    workers: int = field(default_factory=prefetch.default_workers)  # DataLoader workers, as train.py's
     threads: Optional[int] = None     # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
     image_splitting: Literal[families.IMAGE_SPLITTING] = "checkpoint"  # Idefics2's image crops, as train.py's
 
@@ -86,10 +86,10 @@ def generate(backbone, inputs, max_new_tokens, min_new_tokens=0):
 
 def load_backbone(name, checkpoint=None, **options):
     """The backbone `name` (lab/models/backbones.py:load_backbone, which takes `options`) with the adapter saved at
-    `checkpoint` attached (lab/run/checkpoints.py:load_adapter; None: none): what predict() answers with."""
+    `checkpoint` attached (lab/run/adapter_files.py:load_adapter; None: none): what predict() answers with."""
     backbone = backbones.load_backbone(name, **options)
     if checkpoint is not None:
-        checkpoints.load_adapter(checkpoint, backbone)
+        adapter_files.load_adapter(checkpoint, backbone)
     return backbone
 
 
@@ -97,18 +97,18 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter), at most
     new_tokens each (None: the task's); with `likelihood` (SEED-Bench's official protocol) the letter of the option
     of highest option_logliks. The batches are
-    prepared by `workers` DataLoader workers while the model decodes (lab/run/feed.py:prepared). Under torchrun each
+    prepared by `workers` DataLoader workers while the model decodes (lab/run/prefetch.py:prepared). Under torchrun each
     process answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
-    answers and items are refused first (lab/datasets/api_checks.py)."""
-    api_checks.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
+    answers and items are refused first (lab/datasets/predict_args.py)."""
+    predict_args.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
     kind, new_tokens = tasks.spec(task).kind, new_tokens or tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
     mine = starts[rank::world]
     specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
-    rows = feed.option_rows if likelihood else feed.prompt_rows
+    rows = prefetch.option_rows if likelihood else prefetch.prompt_rows
     build = functools.partial(rows, backbone.processor, backbone.family, kind)
-    batches = feed.prepared(build, specs, workers, backbone.model.device)
+    batches = prefetch.prepared(build, specs, workers, backbone.model.device)
     for i, batch in tqdm(zip(mine, batches), total=len(mine), desc=f"{backbone.name} {task}", unit="batch",
                          disable=rank != 0):
         if likelihood:
@@ -128,7 +128,7 @@ def option_logliks(backbone, items, icds=None):
     length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
     the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
     text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
-    return option_scores(backbone, feed.option_rows(backbone.processor, backbone.family, None, (items, icds)),
+    return option_scores(backbone, prefetch.option_rows(backbone.processor, backbone.family, None, (items, icds)),
                          len(items))
 
 
@@ -183,7 +183,7 @@ def icl_shots(backbone, args):
     """The ICDs of the default job's n-shot ICL row: the adapter's teacher's (its run record) where there is one, said
     when they are not the backbone's default for the task, else that default (data.default_shots)."""
     default = D.default_shots(tasks.spec(args.task), backbone.family)
-    record = checkpoints.read_record(args.checkpoint) if args.checkpoint else None
+    record = adapter_files.read_record(args.checkpoint) if args.checkpoint else None
     if record and record.get("shots") not in (None, default):
         print(f"n-shot ICL at {record['shots']} shots, as the adapter's teacher had them ({args.checkpoint}'s run "
               f"record; this backbone's default: {default}); --shots N for another")
@@ -218,7 +218,7 @@ def adapted(backbone, args):
     ("8-shot", with RICES "8-shot-rices"), or an adapter with ICDs ("hyper-icl+8-shot")."""
     setting = f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
     if args.checkpoint:
-        method = checkpoints.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
+        method = adapter_files.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
         print(f"adapter: {args.checkpoint} ({method})")
         return method if not args.shots else f"{method}+{setting}"
     asked = args.shots is not None
@@ -240,7 +240,7 @@ def launch(args, load=None, vector=None):
     cells); vector(backbone, args) -> (setting, (steering, facts)): a task or function vector's, computed or read
     (`python -m lab evaluate --vector`)."""
     backbones.choose_threads(args.model, args.threads)
-    with torchrun.process_group(), checkpoints.locked(args.out, shared=True):  # evaluations share --out
+    with torchrun.process_group(), locks.locked(args.out, shared=True):  # evaluations share --out
         files.remove_stale_tmp(args.out)
         items = tasks.eval_items(args)
         if items == []:

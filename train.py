@@ -28,7 +28,7 @@ import model as M
 from lab.datasets import rices, tasks
 from lab.models import backbones, families
 from lab.methods import registry
-from lab.run import anchors, checkpoints, feed, micro_batches, proceed, runs, torchrun
+from lab.run import adapter_files, anchor_scale, locks, prefetch, proceed, resume, runs, torchrun, training_batches
 from lab.cli import harness, train_cli
 
 
@@ -70,7 +70,7 @@ class Config(harness.TrainSettings):
     overwrite: bool = False            # replace the run in --out (without it a folder holding a run is refused)
     # the machine
     threads: Optional[int] = None      # CPU threads for torch (None: one for the tiny and toy backbones on CPU)
-    workers: int = field(default_factory=feed.default_workers)  # DataLoader workers that prepare batches
+    workers: int = field(default_factory=prefetch.default_workers)  # DataLoader workers that prepare batches
 
     def filled(self):
         """This config with the method's own rank and anchor where none is given (lab/methods/registry.py): each
@@ -90,7 +90,7 @@ def eq17(anchor, sup, lam):
 
 
 def losses(backbone, cfg, student, teacher, model=None, progress=None):
-    """The loss of one micro-batch (student batch, teacher tensor: micro_batches.pair), assembled: the student's
+    """The loss of one micro-batch (student batch, teacher tensor: training_batches.pair), assembled: the student's
     forward with the adapter; L_anchor, Eq 16 or --anchor's own (lab/methods/registry.py: Table 4's Euclidean,
     MimIC's MSE, LIVE's KL; none: L = L_sup, HiFICL's and LoRA's); L_sup; under torchrun each as this process's share
     of the global micro-batch's mean; with --anchor-norm first (not in the paper), L_anchor over its value on the
@@ -118,7 +118,7 @@ def losses(backbone, cfg, student, teacher, model=None, progress=None):
     L_anchor = torchrun.share_of_global_mean(L_anchor, n)
     if cfg.anchor_norm == "first":  # not in the paper: the anchor over its first micro-batch's value, then kept
         if "anchor_scale" not in progress:
-            progress["anchor_scale"] = anchors.initial_anchor(L_anchor)
+            progress["anchor_scale"] = anchor_scale.initial_anchor(L_anchor)
         L_anchor = L_anchor / progress["anchor_scale"]
     return {"anchor": L_anchor, "sup": sup, "loss": eq17(L_anchor, sup, cfg.lam)}
 
@@ -185,7 +185,7 @@ def train(cfg, load=None):
                 for prepared in step:  # the student's rows, the teacher's states the cache holds, a batch of the rest
                     # the teacher: each query's states and logits computed once, in the first epoch, then cached
                     computed = run_teacher(backbone, prepared["teacher"], "both") if prepared["teacher"] else []
-                    student, h_teacher = micro_batches.pair(run, prepared, computed)  # on the device, aligned
+                    student, h_teacher = training_batches.pair(run, prepared, computed)  # on the device, aligned
                     part = losses(backbone, cfg, student, h_teacher, run.student_model, run.progress)  # Eq 17
                     (part["loss"] / cfg.grad_accum).backward()
                     parts = {k: parts.get(k, 0) + v.detach() / cfg.grad_accum for k, v in part.items()}
@@ -220,12 +220,12 @@ def launch(cfg, load=None):
     """One training run of the parsed flags `cfg` in cfg.out, the folder locked (--proceed: started, continued or,
     finished, skipped). load: as train's."""
     backbones.choose_threads(cfg.model, cfg.threads)
-    with torchrun.process_group(), checkpoints.locked(cfg.out):
+    with torchrun.process_group(), locks.locked(cfg.out):
         run = proceed.proceeding(cfg) if cfg.proceed else cfg
         if run is None:  # --proceed, and the run is finished
             print(f"{cfg.out}: a finished run of these settings (its last.pt, history.json); nothing to train")
-            return checkpoints.read_tensors(os.path.join(cfg.out, "adapter.safetensors"))
-        checkpoints.claim(run)
+            return adapter_files.read_tensors(os.path.join(cfg.out, "adapter.safetensors"))
+        resume.claim(run)
         return train(run, load)
 
 

@@ -96,11 +96,11 @@ def adapter(tmp_path_factory):
     from safetensors.torch import load_file
     from lab.methods import registry
     from lab.models import backbones
-    from lab.run import checkpoints
+    from lab.run import adapter_files
     path = str(tmp_path_factory.mktemp("adapter") / "adapter.safetensors")
     backbone = backbones.load_backbone("tiny-idefics2")
     registry.attach(backbone.model, "hyper-icl", rank=4)
-    checkpoints.save_adapter(path, backbone)
+    adapter_files.save_adapter(path, backbone)
     with safe_open(path, "pt") as f:
         return path, load_file(path), f.metadata()
 
@@ -111,14 +111,14 @@ def checkpoint(tmp_path_factory):
     import torch
     from lab.methods import registry
     from lab.models import backbones
-    from lab.run import checkpoints
+    from lab.run import adapter_files
     backbone = backbones.load_backbone("tiny-idefics2")
     registry.attach(backbone.model, "hyper-icl", rank=4)
     torch.manual_seed(0)
     for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.3)
     path = str(tmp_path_factory.mktemp("run") / "adapter.safetensors")
-    checkpoints.save_adapter(path, backbone)
+    adapter_files.save_adapter(path, backbone)
     return path
 
 

@@ -25,7 +25,7 @@ import train
 from lab.cli import commands, modes
 from lab.datasets import tasks
 from lab.methods import registry
-from lab.run import micro_batches
+from lab.run import training_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where train.py runs from
 
@@ -241,25 +241,25 @@ def assert_cached_decoding_equals_full_forward(backbone, new_tokens):
 
 def micro_batch(backbone, cfg, queries, icds, cache):
     """The (student batch, teacher tensor) of `queries` (icds: theirs, in order) on the CPU as the loop makes it
-    (micro_batches.prepared, train.run_teacher on what the cache lacks, micro_batches.pair), with what a run would
+    (training_batches.prepared, train.run_teacher on what the cache lacks, training_batches.pair), with what a run would
     share (cache: its id and counts; the rest of its identity from cfg)."""
     cache |= {"images": cache.get("images"), "processor": cache.get("processor"), "task": cfg.task,
               "output": registry.ANCHORS[cfg.anchor].teacher,
               "folder": None if cfg.no_teacher_cache else cfg.teacher_cache}
     run = SimpleNamespace(backbone=backbone, cfg=cfg, kind=tasks.spec(cfg.task).kind, device="cpu", cache=cache,
                           regime=False)
-    prepared = next(micro_batches.prepared(run, [(queries, icds)], workers=0))
+    prepared = next(training_batches.prepared(run, [(queries, icds)], workers=0))
     computed = train.run_teacher(backbone, prepared["teacher"], "both") if prepared["teacher"] else []
-    return micro_batches.pair(run, prepared, computed)
+    return training_batches.pair(run, prepared, computed)
 
 
 def teacher_states(backbone, cfg, queries, icds, cache):
     """Each query's teacher states through the cache, as a micro-batch gets them: read where the cache holds them,
-    computed by the teacher and stored where not (lab/run/micro_batches.py)."""
+    computed by the teacher and stored where not (lab/run/training_batches.py)."""
     cache |= {"images": None, "processor": None, "task": cfg.task, "output": "states", "folder": cfg.teacher_cache}
-    prepared = micro_batches.prepared_micro_batch(micro_batches.Setup.of(backbone, "vqa", cache), (queries, icds))
+    prepared = training_batches.prepared_micro_batch(training_batches.Setup.of(backbone, "vqa", cache), (queries, icds))
     computed = train.run_teacher(backbone, prepared["teacher"], "both") if prepared["teacher"] else []  # as the loop
-    return micro_batches.stored(cache, prepared, computed, cfg.epochs)
+    return training_batches.stored(cache, prepared, computed, cfg.epochs)
 
 
 def children():

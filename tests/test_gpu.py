@@ -22,7 +22,7 @@ from twins import write_twin
 from lab.disk import files
 from lab.models import backbones, chunks, families, published
 from lab.methods import mimic
-from lab.run import feed, runs
+from lab.run import prefetch, runs
 from helpers import lab, lab_evaluate, lab_train
 
 
@@ -49,7 +49,7 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
     plan = lab(["plan", "train", *plan_flags, *flags, "--plan", device])
     monkeypatch.setattr(backbones, "load_backbone", lambda *args, **kwargs: backbone)
     step_times, waiting, stepping = [], [], []
-    steps_of, prepared = runs.remaining_steps, feed.prepared
+    steps_of, prepared = runs.remaining_steps, prefetch.prepared
 
     def timed_steps(run, epoch):  # a step's seconds, the waits for its batches (timed_batches) among them
         for step in steps_of(run, epoch):
@@ -71,7 +71,7 @@ def rehearse(backbone, plan_flags, root, monkeypatch, steps, batch, shots, n_eva
                 waiting.append(time.perf_counter() - start)
             yield batch
     monkeypatch.setattr(runs, "remaining_steps", timed_steps)
-    monkeypatch.setattr(feed, "prepared", timed_batches)
+    monkeypatch.setattr(prefetch, "prepared", timed_batches)
     _, trained = peak(device, lambda: lab_train(["--model", "idefics2", *flags]))
     cache = os.path.join(root, "run", "teacher")
     cached = [f for f in os.listdir(cache) if f.endswith(".safetensors")]

@@ -8,7 +8,7 @@ import model as M
 from helpers import prompts, randomise, TEXTS
 from lab.methods import registry
 from lab.models import families, published
-from lab.run import checkpoints
+from lab.run import adapter_files
 
 
 BACKBONES = families.available()  # conftest.py's backbone: each family's tiny twin
@@ -59,20 +59,20 @@ def test_save_load_roundtrip_and_mismatch(plain, tmp_path):
     with torch.no_grad():
         want = plain.model(**batch).logits
     path = tmp_path / "adapter.safetensors"
-    checkpoints.save_adapter(path, plain)
-    saved = checkpoints.read_settings(path)
+    adapter_files.save_adapter(path, plain)
+    saved = adapter_files.read_settings(path)
     assert saved["method"] == "hificl" and saved["n"] == 2 and saved["rank"] == 3
     from safetensors.torch import load_file
     assert all("icl_adapter" not in k and "." in k for k in load_file(path))   # adapter tensors only
     M.detach(plain.model)
-    checkpoints.load_adapter(path, plain)
+    adapter_files.load_adapter(path, plain)
     with torch.no_grad():
         torch.testing.assert_close(plain.model(**batch).logits, want)
     M.detach(plain.model)
     other = families.Backbone(published.published_model("idefics2"), None, "idefics2", "idefics2")
     with pytest.raises(ValueError, match="layers .saved 2, here 32."):
-        checkpoints.load_adapter(path, other)
+        adapter_files.load_adapter(path, other)
     from safetensors.torch import save_file
     save_file({"x": torch.zeros(1)}, tmp_path / "foreign.safetensors")
     with pytest.raises(ValueError, match="not an adapter checkpoint"):
-        checkpoints.load_adapter(tmp_path / "foreign.safetensors", plain)
+        adapter_files.load_adapter(tmp_path / "foreign.safetensors", plain)

@@ -304,13 +304,13 @@ def test_the_readme_python_example_runs(tmp_path):
     import model as M
     from lab.methods import registry
     from lab.models import backbones
-    from lab.run import checkpoints
+    from lab.run import adapter_files
     backbone = backbones.load_backbone("toy-idefics2")
     registry.attach(backbone.model, "hyper-icl", rank=4)
     for p in M.adapter_modules(backbone.model).parameters():
         torch.nn.init.normal_(p, std=0.1)
     os.makedirs(tmp_path / os.path.dirname(path))
-    checkpoints.save_adapter(tmp_path / path, backbone)
+    adapter_files.save_adapter(tmp_path / path, backbone)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)

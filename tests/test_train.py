@@ -19,7 +19,7 @@ from helpers import BENCH, lab_train, lab_train_args, micro_batch, small_run
 from lab.datasets import tasks
 from lab.methods import registry
 from lab.models import backbones
-from lab.run import checkpoints, runs
+from lab.run import adapter_files, runs
 
 
 @pytest.mark.parametrize("method", ["hyper-icl", "hificl"])
@@ -28,7 +28,7 @@ def test_a_few_steps_reduce_the_training_loss(setup, method, tmp_path):
     args = lab_train_args([*BENCH, "--method", method, "--teacher-cache", str(tmp_path)])
     registry.attach(backbone.model, method, rank=args.rank, **({"n": 4} if method == "hificl" else {}))
     try:
-        cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
+        cache = {"id": adapter_files.fingerprint(backbone), "hits": 0, "misses": 0}
         student, teacher = micro_batch(backbone, args, queries, icds, cache)
         opt = torch.optim.AdamW(M.adapter_modules(backbone.model).parameters(), lr=1e-2)
         history = []
@@ -214,7 +214,7 @@ def test_the_adapter_kept_is_the_best_epochs_not_the_last(traced):
     """Section 4.1: "all results are reported from the best-performing epoch": adapter.safetensors is the adapter of
     the epoch of the lowest held-out loss (the second), not the last one's, and the history holds every epoch's."""
     trace, out = traced
-    kept = checkpoints.read_tensors(str(out / "adapter.safetensors"))
+    kept = adapter_files.read_tensors(str(out / "adapter.safetensors"))
     assert [h["heldout_loss"] for h in json.load(open(out / "history.json"))] == [1, .5, .75, 2]
     assert kept.keys() == trace["adapter"][1].keys()
     assert all(torch.equal(kept[k], trace["adapter"][1][k]) for k in kept)
@@ -236,15 +236,15 @@ def test_a_run_stopped_by_max_steps_before_an_epoch_keeps_a_partial_adapter_that
     import evaluate
     train.main(small_run(tmp_path, "--max-steps", "2", name="smoke"))
     path = str(tmp_path / "smoke" / "adapter.safetensors")
-    partial = checkpoints.read_record(path)["partial"]
+    partial = adapter_files.read_record(path)["partial"]
     assert partial["step"] == 2 and math.isfinite(partial["heldout_loss"]) and partial["heldout_loss"] > 0
     metrics = evaluate.main([*BENCH, "--n-eval", "2", "--checkpoint", path])
     assert metrics["setting"] == "hyper-icl" and "vqa_accuracy" in metrics
     resumed = train.main(small_run(tmp_path, "--resume", name="smoke"))
     whole = train.main(small_run(tmp_path, name="whole"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
-    assert "partial" not in checkpoints.read_record(path)
-    kept, best = (checkpoints.read_tensors(p) for p in (path, str(tmp_path / "whole" / "adapter.safetensors")))
+    assert "partial" not in adapter_files.read_record(path)
+    kept, best = (adapter_files.read_tensors(p) for p in (path, str(tmp_path / "whole" / "adapter.safetensors")))
     assert kept.keys() == best.keys() and all(torch.equal(kept[k], best[k]) for k in kept)
 
 

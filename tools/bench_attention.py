@@ -6,13 +6,13 @@ benchmark, not a test (docs/efficiency.md, "Decoding at zero-shot cost").
     python tools/bench_attention.py --before /tmp/before --methods hyper-icl hificl mimic
 
 The first decoder self-attention of a one-layer model with Idefics2-8B's attention sizes (32 query heads, 8 key/value
-heads of 128; lab/studies/table6.py:attention_model, --random-weights published), batch 1, float32, one thread
+heads of 128; lab/studies/efficiency.py:attention_model, --random-weights published), batch 1, float32, one thread
 (--threads), random q, k, v. A decoding step: one query token against a cache of T keys (--tokens), no mask, as
 generate() runs it; a prefill: T query tokens over T keys, causal (--prefill-tokens; at 16,384 tokens a CPU takes
 minutes a round). Every attention-level method of lab/methods/registry.py (or --methods) runs through
-model.calibrated_attention with every parameter drawn at random (table6.run_as's N(0, 0.02^2)) and, with --before,
+model.calibrated_attention with every parameter drawn at random (efficiency.run_as's N(0, 0.02^2)) and, with --before,
 the same methods of that folder's adapters.py as "<method> (before)", with the same parameters: all in one paired
-run (table6.paired_latency: each run between two SDPA runs, the median over the rounds of its time over theirs).
+run (efficiency.paired_latency: each run between two SDPA runs, the median over the rounds of its time over theirs).
 Each timed run repeats its call for at least --min-ms of SDPA's time (a decoding step at T = 512 alone is too short
 to time above a shared machine's noise). Prints one markdown table.
 """
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 import model as M  # noqa: E402
 from lab.methods import registry  # noqa: E402
-from lab.studies import table6  # noqa: E402
+from lab.studies import efficiency  # noqa: E402
 
 ATTENTION = [m for m, own in registry.METHODS.items() if type(own.plug) is M.Plug]  # through calibrated_attention
 
@@ -95,8 +95,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    table6.keep_freed_memory()
-    attn = M.decoder_self_attentions(table6.attention_model("idefics2", "published"))[0]
+    efficiency.keep_freed_memory()
+    attn = M.decoder_self_attentions(efficiency.attention_model("idefics2", "published"))[0]
     rows = adapters_for(args.methods, attn, adapters_of(args.before) if args.before else None)
     settings = [("decode", 1, T, args.rounds) for T in args.tokens] + \
         [("prefill", T, T, args.prefill_rounds) for T in args.prefill_tokens]
@@ -109,7 +109,7 @@ def main(argv=None):
             for run in once.values():  # warm-up
                 run(timed)
             calls = max(1, math.ceil(args.min_ms / 1000 / once["sdpa"](timed)))  # each run lasts >= --min-ms of SDPA
-            results[f"{part} {T} ({rounds})"] = table6.paired_latency(step_runs(attn, rows, q, k, v, calls), "cpu",
+            results[f"{part} {T} ({rounds})"] = efficiency.paired_latency(step_runs(attn, rows, q, k, v, calls), "cpu",
                                                                       rounds)
     print(f"one attention layer: {heads} query heads, {kv_heads} key/value heads of {d_h}, batch 1, float32, "
           f"{torch.get_num_threads()} thread(s); each method's time over SDPA runs on both sides, the median "

@@ -8,8 +8,9 @@ On real-processor twins (tools/twins.py: the real tokenizers and processor setti
 layout whose images are photographs of skimage.data at COCO sizes (640 x 480, every fourth 480 x 640), it times
 preparation alone: 8-shot teacher rows, student rows and 8-shot evaluation prompts (batches of 4), of Idefics2
 (splitting off and on) and LLaVA-OneVision, for `--before`'s code and this one, alternately in fresh processes,
-each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers (lab/run/feed.py:prepared);
-then one query's cached teacher states read back, against reading the file's bytes. --end-to-end times instead
+each process on one thread; then this code's batches made by 0, 1 and 2 DataLoader workers
+(lab/run/prefetch.py:prepared); then one query's cached teacher states read back, against reading the file's bytes.
+--end-to-end times instead
 `train.py` (8 shots, 64 queries, 2 epochs; Idefics2) and `evaluate.py --shots 8` (64 items; Idefics2 and
 LLaVA-OneVision) at their defaults, old and new alternately. Medians over --rounds; ratios new / old. The worker
 runs include a control, a CPU-bound loop of no data ("spin"): what a second worker can gain on the machine then.
@@ -63,7 +64,7 @@ def child(args):
     import data as D
     from lab.datasets import tasks
     from lab.models import backbones
-    from lab.run import feed
+    from lab.run import prefetch
     torch.set_num_threads(1)
     family, splitting = BACKBONES[args.backbone]
     b = backbones.load_backbone(args.twin, image_splitting=splitting)
@@ -86,13 +87,13 @@ def child(args):
         more = specs * 4
         for name, build in {**builders, "spin": spin}.items():  # spin: what 2 workers can gain on this machine now
             for w in (0, 1, 2):
-                loader = torch.utils.data.DataLoader(feed.Prepared(build, more, False), batch_size=None,
+                loader = torch.utils.data.DataLoader(prefetch.Prepared(build, more, False), batch_size=None,
                                                      num_workers=w, prefetch_factor=2 if w else None)
                 start = time.perf_counter()
                 for _ in loader:
                     pass
                 out[f"{name}-{w}w"] = 4 * n / (time.perf_counter() - start)
-        build = lambda spec: feed.on_host(builders["teacher"](spec))  # a CPU run: normalised in the worker
+        build = lambda spec: prefetch.on_host(builders["teacher"](spec))  # a CPU run: normalised in the worker
         start = time.perf_counter()
         for spec in specs:
             build(spec)

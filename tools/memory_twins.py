@@ -34,7 +34,7 @@ from lab.cli import commands
 from lab.disk import files
 from lab.datasets import readers, toy_world
 from lab.models import backbones, chunks, families
-from lab.studies import table6
+from lab.studies import efficiency
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "retina", "immunohistochemistry",
           "stereo_motorcycle")  # the colour photographs skimage ships (stereo_motorcycle: its left view)
@@ -165,7 +165,7 @@ def high_water():
 
 
 def vision_peaks():
-    """Peak memory (torch.profiler, table6.peak_memory_mb) of Idefics2's image encoding at full width, float32, one
+    """Peak memory (torch.profiler, efficiency.peak_memory_mb) of Idefics2's image encoding at full width, float32, one
     vision layer, the perceiver at depth 1: the nine images of an 8-shot row on 640 x 640 canvases, every fourth a
     portrait (its right quarter padding), at three --image-memory budgets, against chunks.image_work."""
     from transformers.models.idefics2.modeling_idefics2 import Idefics2Model
@@ -181,7 +181,7 @@ def vision_peaks():
     for budget in (1e18, 1e9, 1):
         chunks.chunk_images(holder, budget)
         with torch.no_grad():
-            peak = table6.peak_memory_mb(lambda: inner.get_image_features(pixels, mask)) * 2 ** 20
+            peak = efficiency.peak_memory_mb(lambda: inner.get_image_features(pixels, mask)) * 2 ** 20
         chunk = max(1, min(9, int(budget // one)))
         print(f"| {'all' if budget > 1e12 else files.size(budget)} | {chunk} | {peak / 1e9:.2f} GB | "
               f"{chunk * one / 1e9:.2f} GB |", flush=True)

@@ -9,7 +9,7 @@ import torch
 
 from lab.datasets import readers, rices, tasks
 from lab.models import families
-from lab.run import checkpoints
+from lab.run import adapter_files
 from lab.scores import results
 from lab.cli import flags
 
@@ -88,7 +88,7 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, studi
         p.error(f"--checkpoint {args.checkpoint}: no such file")
     if args.checkpoint and os.path.isfile(args.checkpoint):
         try:  # an adapter of another task, or trained beside another split of this one
-            checkpoints.check_task(args.checkpoint, args.task, not (a.gates or a.hyperbolicity),
+            adapter_files.check_task(args.checkpoint, args.task, not (a.gates or a.hyperbolicity),
                                    args.checkpoint_task)
         except ValueError as e:
             p.error(str(e))

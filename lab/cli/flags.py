@@ -136,18 +136,19 @@ def parser(doc, config, exclusive=(), shown=None, prog=None):
 # command there.
 LAB_ONLY = {
     "train.py": ("plan", "processor", "accelerator", "plan_json", "benchmark", "build_toy", "build_tries"),
-    "evaluate.py": ("plan", "processor", "accelerator", "plan_json", "benchmark", "benchmark_attention", "random_weights", "bench_shots",
-                    "attention_tokens", "rounds", "gates", "hyperbolicity", "curve", "curve_queries", "curve_seeds",
-                    "curve_methods", "no_tune", "train_args", "table", "figure", "print", "print_commands", "gpus",
-                    "table_worker", "vector", "vector_layer", "vector_sets", "vector_heldout", "fv_heads",
-                    "fv_trials")}
+    "evaluate.py": ("plan", "processor", "accelerator", "plan_json", "benchmark", "benchmark_attention",
+                    "random_weights", "bench_shots", "attention_tokens", "rounds", "gates", "hyperbolicity", "curve",
+                    "curve_queries", "curve_seeds", "curve_methods", "no_tune", "train_args", "table", "figure",
+                    "print", "print_commands", "gpus", "table_worker", "vector", "vector_layer", "vector_sets",
+                    "vector_heldout", "fv_heads", "fv_trials")}
 MODE_OF = {"table": "table", "figure": "figure", "curve": "curve", "benchmark_attention": "benchmark-attention",
            "gates": "gates", "hyperbolicity": "hyperbolicity", "build_toy": "build-toy"}  # first match wins
 WITH_NUMBER = ("table", "figure")  # the flags whose value is the mode's number
 OWNER = {**dict.fromkeys(("random_weights", "bench_shots", "attention_tokens", "rounds"), "benchmark"),
          **dict.fromkeys(("curve_queries", "curve_seeds", "curve_methods", "no_tune"), "curve"),
          **dict.fromkeys(("train_args", "print", "print_commands", "gpus", "table_worker"), "table"),
-         **dict.fromkeys(("processor", "accelerator", "plan_json"), "plan"), "build_tries": "build_toy"}  # a mode's own flag given without the mode: that mode
+         **dict.fromkeys(("processor", "accelerator", "plan_json"), "plan"),
+         "build_tries": "build_toy"}  # a mode's own flag given without the mode: that mode
 
 
 def refuse_moved(argv, script, harness):

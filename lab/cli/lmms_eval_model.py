@@ -19,7 +19,7 @@ import data as D
 import model as M
 from lab.datasets import readers
 from lab.models import backbones
-from lab.run import checkpoints
+from lab.run import adapter_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -70,7 +70,7 @@ class HyperICL(lmms):
             raise ValueError(f"hyper_icl: device={device}, but torch finds no CUDA device here; give device=cpu")
         self.backbone = backbones.load_backbone(backbone, device=device)
         given = checkpoint not in (None, "", "none", "None")
-        self.method = checkpoints.load_adapter(checkpoint, self.backbone)["method"] if given else None
+        self.method = adapter_files.load_adapter(checkpoint, self.backbone)["method"] if given else None
         self.ignored = set()  # generation kwargs said to be ignored (once each)
 
     # ---------------------------------------------------------------------------------------- rows from requests

@@ -19,15 +19,15 @@ import train
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones, families, published, toy_backbone
-from lab.run import checkpoints, torchrun
-from lab.studies import analyses, curves, plan, table6, table_runs, vectors
+from lab.run import locks, torchrun
+from lab.studies import analyses, curves, efficiency, run_plan, table_runs, vectors
 from lab.cli import eval_cli, flags, study_flags, train_cli
 
 
 @dataclass
-class TrainModes(plan.Settings):
+class TrainModes(run_plan.Settings):
     """train.py's other modes' own flags (plan train with its times' accelerator, benchmark-teacher, build-toy)."""
-    plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
+    run_plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
     processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
     benchmark: bool = False            # time the run with and without teacher reuse
     build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
@@ -40,14 +40,14 @@ class Training(train.Config, TrainModes):
 
 
 @dataclass
-class EvalPlan(plan.Settings):
+class EvalPlan(run_plan.Settings):
     """evaluate.py's plan flags (plan evaluate; a table's and a figure's --plan), its times' accelerator."""
-    plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
+    run_plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
     processor: Optional[str] = None   # --plan: a local folder of the checkpoint's processor
 
 
 @dataclass
-class Evaluation(evaluate.Config, table6.Settings, analyses.Settings, curves.Settings, table_runs.Settings,
+class Evaluation(evaluate.Config, efficiency.Settings, analyses.Settings, curves.Settings, table_runs.Settings,
                  vectors.Settings, EvalPlan):
     """Every flag of lab's evaluation side: evaluate.py's Config with the harness's and each study's Settings."""
 
@@ -113,7 +113,7 @@ def study(args, argv=None, command=None):
     writes)."""
     one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None
     backbones.choose_threads(args.model, args.threads or one_for_curves)
-    lock = contextlib.nullcontext() if args.benchmark_attention else checkpoints.locked(args.out)  # one run in --out
+    lock = contextlib.nullcontext() if args.benchmark_attention else locks.locked(args.out)  # one run in --out
     with torchrun.process_group(), lock:
         files.remove_stale_tmp(args.out)
         if args.curve:
@@ -126,15 +126,15 @@ def study(args, argv=None, command=None):
                 raise ValueError(f"{args.task} has no {args.split} items to evaluate")
             backbone = loaded(args)
             return analyses.analysis(backbone, args, items, evaluate.adapted(backbone, args))
-        table6.keep_freed_memory()
+        efficiency.keep_freed_memory()
         if args.benchmark_attention:
-            return table6.attention_benchmark(table6.attention_model(args.model, args.random_weights),
+            return efficiency.attention_benchmark(efficiency.attention_model(args.model, args.random_weights),
                                               args.attention_tokens, args.rounds)
         backbone = published.random_backbone(args.model, args.random_weights) if args.random_weights else \
             loaded(args)
         if args.checkpoint:
             evaluate.adapted(backbone, args)
-        return table6.benchmark(backbone, args, evaluate.generate)
+        return efficiency.benchmark(backbone, args, evaluate.generate)
 
 
 def loaded(args):
@@ -195,8 +195,8 @@ def check_build_out(path, overwrite):
 
 
 def plan_run(args, argv=None, command=None):
-    """plan train, plan evaluate: the cost of a run or an evaluation before it runs (lab/studies/plan.py)."""
-    return plan.plan(args) if isinstance(args, Training) else plan.plan(args, queries=tasks.eval_items(args))
+    """plan train, plan evaluate: the cost of a run or an evaluation before it runs (lab/studies/run_plan.py)."""
+    return run_plan.plan(args) if isinstance(args, Training) else run_plan.plan(args, queries=tasks.eval_items(args))
 
 
 def benchmark_teacher(args, argv=None, command=None):

@@ -7,7 +7,7 @@ import sys
 from lab.datasets import rices, tasks
 from lab.models import families, toy_backbone
 from lab.methods import registry
-from lab.run import checkpoints
+from lab.run import resume
 from lab.cli import flags
 
 
@@ -59,7 +59,7 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, prog=
     flags.check_applies(p, args, defaults, APPLIES, args.filled())
     building = getattr(args, "build_toy", False)  # python -m lab build-toy: --out is a file
     args.out = args.out or (toy_backbone.TOY_BUILD_OUT if building else
-                            checkpoints.default_out(args.model, args.task, args.method))
+                            resume.default_out(args.model, args.task, args.method))
     args.teacher_cache = args.teacher_cache or os.path.join(args.out, "teacher")
     flags.check_folders(p, {"--out": None if building else args.out, "--teacher-cache": args.teacher_cache,
                             "--rices-cache": args.rices_cache})

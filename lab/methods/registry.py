@@ -46,7 +46,7 @@ class Anchor:
     loss: object = None        # (student, teacher, [query_target], **reads) -> a mean; None: none (L = L_sup)
     teacher: str = None        # what it compares: "states" (h^(l), the query's tokens), "logits" (answers'), None
     reads: tuple = ()          # the train.py settings it takes beside them
-    regime: bool = False       # a distance of states: its scale on the backbone is shown first (lab/run/anchors.py)
+    regime: bool = False       # a distance of states: its scale on the backbone shown first (lab/run/anchor_scale.py)
 
 
 ANCHORS = {

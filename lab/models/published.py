@@ -39,7 +39,7 @@ def mid_model(family, seed=0):
 
 def random_backbone(name, size="published"):
     """--random-weights: a backbone of the family of `name` with random weights and no processor (synthetic prompts,
-    lab/studies/table6.py:synthetic_prompt): the published size in bf16 on CUDA (published_model), or size "mid"
+    lab/studies/efficiency.py:synthetic_prompt): the published size in bf16 on CUDA (published_model), or size "mid"
     (mid_model), float32, on the GPU if there is one."""
     family, mid = families.family_of(name), size == "mid"
     model = mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \

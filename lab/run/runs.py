@@ -19,7 +19,7 @@ import model as M
 from lab.disk import files
 from lab.models import backbones, families
 from lab.methods import registry
-from lab.run import checkpoints, feed, micro_batches, teacher_cache, torchrun
+from lab.run import adapter_files, prefetch, resume, teacher_cache, torchrun, training_batches
 
 
 @dataclass
@@ -38,11 +38,11 @@ class Run:
     cache: dict               # the teacher cache (teacher_cache.identity): its keys, tensor, folder; hits, misses
     progress: dict            # step, best held-out loss, history (one entry per scored epoch), anchor_scale
     steps_per_epoch: int
-    record: dict = None       # what made the run (checkpoints.run_record), which last.pt and the adapter keep
+    record: dict = None       # what made the run (adapter_files.run_record), which last.pt and the adapter keep
     bar: tqdm = None          # the progress bar (the first process's)
     stop: str = None          # the signal that asked the run to stop (saved_on_interrupt), read between steps
     updating: bool = False    # inside an optimiser update (updating): its parameters are between two steps
-    regime: bool = False      # the anchor's scale on the backbone is still to be shown (micro_batches.pair)
+    regime: bool = False      # the anchor's scale on the backbone is still to be shown (training_batches.pair)
 
 
 def attached(backbone, method, sizes):
@@ -63,8 +63,8 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
     student_model = (torchrun.data_parallel(backbone.model, cfg.batch_size, len(queries))
                      if torchrun.rank_and_world()[1] > 1 else None)
     os.makedirs(cfg.teacher_cache, exist_ok=True)
-    record = checkpoints.run_record(cfg, queries, heldout, icds)
-    progress = checkpoints.restore(cfg.out, backbone, optimizer, scheduler, record) if cfg.resume else \
+    record = adapter_files.run_record(cfg, queries, heldout, icds)
+    progress = resume.restore(cfg.out, backbone, optimizer, scheduler, record) if cfg.resume else \
         {"step": 0, "best": math.inf, "history": []}
     anchor = registry.ANCHORS[cfg.anchor]
     cache = teacher_cache.identity(backbone, cfg.task, anchor.teacher, None if cfg.no_teacher_cache else
@@ -98,7 +98,7 @@ def epoch_order(n, batch_size, seed, epoch):
 
 def remaining_steps(run, epoch):
     """The optimiser steps of `epoch` not taken yet (a resumed run starts where its checkpoint left off), each as its
-    micro-batches, one at a time (micro_batches.prepared: the student's rows, what the teacher cache holds and the
+    micro-batches, one at a time (training_batches.prepared: the student's rows, what the teacher cache holds and the
     teacher batch of what it lacks, made ahead by --workers DataLoader workers), this process's share of each under
     torchrun."""
     order = epoch_order(len(run.queries), run.cfg.batch_size, run.cfg.seed, epoch)
@@ -106,7 +106,7 @@ def remaining_steps(run, epoch):
     steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
              for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
     specs = [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]
-    prepared = micro_batches.prepared(run, specs, run.cfg.workers)
+    prepared = training_batches.prepared(run, specs, run.cfg.workers)
     for step in steps:
         yield itertools.islice(prepared, len(step))  # drawn one by one by the loop: one teacher tensor at a time
 
@@ -138,7 +138,7 @@ def step(run, parts):
     run.bar.set_postfix({k: f"{v:.4g}" for k, v in parts.items()} | {"lr": f"{run.scheduler.get_last_lr()[0]:.2g}",
                                                                        "teacher passes": run.cache["misses"]})
     if run.progress["step"] % run.cfg.save_every == 0:
-        checkpoints.save_run(run)
+        resume.save_run(run)
     at_boundary(run)
 
 
@@ -166,7 +166,7 @@ def saved_on_interrupt(run):
         if run.updating:  # a second signal inside an optimiser update: half of it is not saved
             sys.exit(f"interrupted inside step {run.progress['step'] + 1}'s update: not saved; {run.cfg.out}/last.pt "
                      "holds the last save; continue with --resume")
-        checkpoints.save_run(run)
+        resume.save_run(run)
         sys.exit(f"interrupted: saved step {run.progress['step']} to {run.cfg.out}/last.pt "
                  f"({run.stop or str(e) or 'Ctrl-C'}); continue with --resume")
     except Exception as e:  # the state is the last completed step's (the step under way changed no parameter)
@@ -182,7 +182,7 @@ def saved_after_error(run, error):
     """Save the run's last completed step after `error` stopped it, saying so; a save that fails too (the same full
     disk) is reported beside the error, which stays the one raised."""
     try:
-        checkpoints.save_run(run)
+        resume.save_run(run)
     except OSError as e:
         tqdm.write(f"could not save the run after the error below: {e}")
     else:
@@ -204,7 +204,7 @@ def keep_adapter(run, loss):
     """The best epoch so far (its held-out `loss` below every earlier one's): its adapter written to
     <out>/adapter.safetensors (by the first process), the loss kept as the one to beat."""
     if torchrun.rank_and_world()[0] == 0:
-        checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, run.record)
+        adapter_files.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, run.record)
     run.progress["best"] = loss
 
 
@@ -215,7 +215,7 @@ def end_of_epoch(run, epoch, loss):
     progress["history"].append({"epoch": epoch + 1, "step": progress["step"], "heldout_loss": loss})
     if torchrun.rank_and_world()[0] == 0:
         tqdm.write(f"epoch {epoch + 1}: held-out loss {loss:.4f} (best {progress['best']:.4f})")
-    checkpoints.save_run(run)
+    resume.save_run(run)
     at_boundary(run)
 
 
@@ -227,8 +227,8 @@ def heldout_loss(run):
     rank, world = torchrun.rank_and_world()
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
     mine = starts[rank::world]
-    build = functools.partial(feed.student_rows, backbone.processor, backbone.family, run.kind)
-    for i, batch in zip(mine, feed.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
+    build = functools.partial(prefetch.student_rows, backbone.processor, backbone.family, run.kind)
+    for i, batch in zip(mine, prefetch.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
                                             device)):
         with backbones.autocast(device):
             loss = M.supervised_loss(*M.target_logits(backbone.model, backbones.to_device(batch, device)))
@@ -247,7 +247,7 @@ def keep_partial(run):
     loss = heldout_loss(run)
     if torchrun.rank_and_world()[0] == 0:
         record = {**run.record, "partial": {"step": run.progress["step"], "heldout_loss": loss}}
-        checkpoints.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, record)
+        adapter_files.save_adapter(os.path.join(run.cfg.out, "adapter.safetensors"), run.backbone, record)
         tqdm.write(f"--max-steps {run.cfg.max_steps}: stopped before an epoch was scored; held-out loss {loss:.4f}, "
                    "the adapter kept as a partial run's (--resume continues)")
 
@@ -257,7 +257,7 @@ def finish(run):
     A run that --max-steps stopped before any epoch was scored keeps its adapter first (keep_partial)."""
     if at_max_steps(run) and not run.progress["history"]:
         keep_partial(run)
-    checkpoints.save_run(run)
+    resume.save_run(run)
     run.bar.close()
     if torchrun.rank_and_world()[0] == 0:
         progress, cache = run.progress, run.cache

@@ -11,7 +11,7 @@ import data
 import model as M
 from lab.disk import files
 from lab.models import backbones, families
-from lab.run import checkpoints
+from lab.run import adapter_files
 
 
 def teacher_key(backbone_id, task, query, icds, images=None, processor=None):
@@ -55,8 +55,8 @@ def identity(backbone, task, output, folder):
     """A run's teacher cache: what its keys hold besides the query (the backbone's id, the image setting, the
     processor's settings, the task: teacher_key), the tensor it keeps ("states" or "logits", registry.Anchor.teacher)
     and its folder (--teacher-cache; None: --no-teacher-cache, nothing read or kept); with the counts of the teacher's
-    tensors computed and reused. All a DataLoader worker needs of it is plain values (micro_batches.Setup)."""
-    return {"id": checkpoints.fingerprint(backbone), "images": image_key(backbone.processor),
+    tensors computed and reused. All a DataLoader worker needs of it is plain values (training_batches.Setup)."""
+    return {"id": adapter_files.fingerprint(backbone), "images": image_key(backbone.processor),
             "processor": processor_settings(backbone.processor), "task": task, "output": output, "folder": folder,
             "hits": 0, "misses": 0}
 
@@ -154,7 +154,7 @@ def check_cache_room(backbone, kind, queries, icds, cache, epochs):
                             backbones.autocast_dtype(next(backbone.model.parameters()).device))
     need, free = per_query * len(todo), shutil.disk_usage(cache["folder"]).free
     facts = cache["folder"], epochs, need, len(todo), len(queries)
-    cache["room"] = no_room(*facts)  # what a full disk mid-run says (micro_batches.stored)
+    cache["room"] = no_room(*facts)  # what a full disk mid-run says (training_batches.stored)
     if need > free:
         raise ValueError(no_room(*facts, free))
     return need

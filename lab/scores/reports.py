@@ -6,8 +6,8 @@ import hashlib
 import os
 
 from lab.datasets import mme_seed, readers
-from lab.run import checkpoints, torchrun
-from lab.scores import results, test_server
+from lab.run import adapter_files, torchrun
+from lab.scores import results, server_file
 from lab.scores.metrics import mme_scores, seed_scores
 
 
@@ -21,13 +21,13 @@ def begin(backbone, args, setting, items, kind, vector_info, params):
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
         with open(args.checkpoint, "rb") as f:
             metrics["checkpoint_sha256"] = hashlib.sha256(f.read()).hexdigest()
-        metrics |= {"params": params, "run": checkpoints.read_record(args.checkpoint)}  # a table's column
+        metrics |= {"params": params, "run": adapter_files.read_record(args.checkpoint)}  # a table's column
     if kind == "choice":
         metrics["protocol"] = args.seed_protocol
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
     if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
-        test_server.check_replaceable(args, setting, stem)
+        server_file.check_replaceable(args, setting, stem)
     elif not args.again and results.same_result(stem, kind, metrics):  # evaluated before: read, not redone
         print(f"{args.model} {args.task}/{args.split} {setting}: read {stem}.metrics.json (the same settings)")
         return stem, metrics, results.same_result(stem, kind, metrics)
@@ -38,7 +38,7 @@ def server_file(args, kind, items, predictions, setting, stem, metrics):
     """A split without answers (VQAv2's test-dev, test): the test server's file written beside the metrics (by the
     first process under torchrun, the predictions gathered from every process by now)."""
     if torchrun.rank_and_world()[0] == 0:
-        metrics["server_file"] = test_server.write_server_file(args, items, predictions, setting)
+        metrics["server_file"] = server_file.write_server_file(args, items, predictions, setting)
         metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
     return metrics
 

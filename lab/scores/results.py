@@ -9,7 +9,7 @@ from collections import Counter
 
 from lab.disk import files
 from lab.datasets import tasks
-from lab.run import checkpoints, teacher_cache
+from lab.run import adapter_files, resume, teacher_cache
 from lab.scores.metrics import T_975, multiple_choice_accuracy, vqa_accuracy
 
 
@@ -118,7 +118,7 @@ def result_settings(backbone, args, setting, items):
     backbone, its image splitting as applied (Idefics2: on / off, else None), the data's folder, the demonstrations'
     choice (where there are demonstrations), the tokens generated per query (--new-tokens or the task's), the seed,
     --n-eval (recorded, not compared) and the items scored (their count and a hash of their ids: what was scored,
-    however --n-eval chose it; `data`: a hash of what they hold, checkpoints.data_fingerprint's of their questions,
+    however --n-eval chose it; `data`: a hash of what they hold, adapter_files.data_fingerprint's of their questions,
     answers, targets, categories and images' bytes, so a result of data edited since is not read as this one's)."""
     splitting, rices = teacher_cache.image_key(backbone.processor), args.icds == "rices" and bool(args.shots)
     return {"model": args.model, "image_splitting": None if splitting is None else "on" if splitting else "off",
@@ -129,7 +129,7 @@ def result_settings(backbone, args, setting, items):
             "chair": args.chair, "seed": args.seed, "n_eval": args.n_eval, "n": len(items),
             "new_tokens": args.new_tokens or tasks.spec(args.task).max_new_tokens,
             "items": hashlib.sha256(json.dumps([it.id for it in items]).encode()).hexdigest()[:16],
-            "data": checkpoints.data_fingerprint(items, [], {it.id: [] for it in items})}
+            "data": adapter_files.data_fingerprint(items, [], {it.id: [] for it in items})}
 
 
 def check_replaceable(path, settings):
@@ -234,4 +234,4 @@ def scores_its_predictions(stem, kind, metrics):
 
 def default_checkpoint(model, task):
     """Where a train.py run with the default --out and --method writes its best adapter."""
-    return os.path.join(checkpoints.default_out(model, task, "hyper-icl"), "adapter.safetensors")
+    return os.path.join(resume.default_out(model, task, "hyper-icl"), "adapter.safetensors")

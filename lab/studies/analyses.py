@@ -15,7 +15,7 @@ import model as M
 from adapters import HyperICL
 from lab.disk import files
 from lab.datasets import tasks
-from lab.run import feed, torchrun
+from lab.run import prefetch, torchrun
 from lab.scores import results
 
 
@@ -36,7 +36,7 @@ def analysis_batches(backbone, args, items):
     groups = [items[i:i + args.batch_size] for i in range(0, len(items), args.batch_size)]
     specs = [(qs, data.demonstrations([q.id for q in qs], support, shots, args.seed)) for qs in groups]
     build = functools.partial(paired_prompts, backbone.processor, backbone.family, kind)
-    for teacher, student in tqdm(feed.prepared(build, specs, args.workers, device), total=len(specs),
+    for teacher, student in tqdm(prefetch.prepared(build, specs, args.workers, device), total=len(specs),
                                  desc=f"{backbone.name} {args.task}", unit="batch"):
         inputs = lambda b: {**data.model_inputs(b, device), "logits_to_keep": 1}  # hidden states only: no vocabulary
         yield (inputs(teacher), inputs(student)), student["query_target"].sum(1).tolist()

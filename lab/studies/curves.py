@@ -24,7 +24,7 @@ from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones
 from lab.methods import registry
-from lab.run import checkpoints
+from lab.run import adapter_files
 from lab.scores import results
 from lab.scores.metrics import T_975  # Student's t at 0.975, by degrees of freedom
 
@@ -202,7 +202,7 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
         adapter = train_main(training + row + ["--n-train", str(n), "--seed", str(seed), "--out", out, "--proceed",
                                                "--teacher-cache", os.path.join(args.out, "teacher")])
         checkpoint = os.path.join(out, "adapter.safetensors")
-        method = checkpoints.load_adapter(checkpoint, backbone)["method"]
+        method = adapter_files.load_adapter(checkpoint, backbone)["method"]
         m = scored(backbone, scoring + ["--checkpoint", checkpoint, "--out", out], items, method)
         runs.append({"setting": name, "queries": n, "seed": seed, "accuracy": m[results.headline_metric(m)],
                      "params": sum(t.numel() for t in adapter.values()), "flags": shlex.join(row),

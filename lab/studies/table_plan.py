@@ -1,8 +1,8 @@
 """The cost of a table before it runs (evaluate.py --table N --plan [cuda]): each job's work counted once (teacher
 passes, training steps, held-out forwards, evaluation items, prompt and generated tokens, the training vectors'
-forwards), backbone loads, peak memory per cell (plan.memory), disk, and the time on --accelerator (an H200 by
+forwards), backbone loads, peak memory per cell (run_plan.memory), disk, and the time on --accelerator (an H200 by
 default) from the FLOPs and bytes of each forward at the run's batch size (roofline.py: a bound and an expected time),
-by phase, in total and per --gpus. No weights are read: the processor and a meta-device model (plan.plan_backbone),
+by phase, in total and per --gpus. No weights are read: the processor and a meta-device model (run_plan.plan_backbone),
 the data's files and one image for the tokens an image stands for. FLOPs and bytes: lab/studies/flops.py; time:
 lab/studies/roofline.py."""
 import math
@@ -17,7 +17,7 @@ from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import flops, plan, roofline
+from lab.studies import flops, roofline, run_plan
 
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
@@ -58,14 +58,14 @@ class Tokens:
 class Work:
     """What a plan reads once for all its jobs: each task's rows' tokens (Tokens), each training's queries and ICDs
     (tasks.split_pool), each evaluation's items and ICD pool, each method's adapter size, each kind of cell's peak
-    memory (plan.memory)."""
+    memory (run_plan.memory)."""
 
     def __init__(self, args, family):
         self.args, self.family, self.memo = args, family, {}
-        self.processor, self.model, self.images, self.source, _ = plan.plan_backbone(
+        self.processor, self.model, self.images, self.source, _ = run_plan.plan_backbone(
             args.model, family, args.image_splitting, args.processor)
         self.f, self.params = flops.flop_model(self.model), sum(p.numel() for p in self.model.parameters())
-        self.dtype = plan.backbones.autocast_dtype(args.plan)
+        self.dtype = run_plan.backbones.autocast_dtype(args.plan)
         self.acc = roofline.accelerator(args.accelerator, args.plan)
 
     def once(self, key, make):
@@ -102,21 +102,21 @@ class Work:
         return self.once(("adapter", cfg.method, tuple(sizes.items())), make)
 
     def memory(self, a, training):
-        """Peak accelerator memory of a job: plan.memory on a sample of its rows (training, evaluation zero-shot or
+        """Peak accelerator memory of a job: run_plan.memory on a sample of its rows (training, evaluation zero-shot or
         with the adapter, n-shot ICL), once per task, shots and method."""
         shots = a.shots or 0
 
         def encoded():  # the sampled rows of the task and shots, encoded once for every method
             queries, support = (self.split(a)[0], self.split(a)[2]) if training else self.items(a)
-            sample = queries[:plan.PLAN_SAMPLE]
+            sample = queries[:run_plan.PLAN_SAMPLE]
             icds = data.demonstrations([q.id for q in sample], support, shots or
                                        data.default_shots(tasks.spec(a.task), self.family), a.seed)
             batch = min(a.batch_size, len(sample))
-            return plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch), batch
+            return run_plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch), batch
 
         def make():
             rows, batch = self.once(("rows", a.task, shots, training, a.batch_size), encoded)
-            mem = plan.memory(self.model.config, self.params, self.adapter(a) if training else 0, rows, batch,
+            mem = run_plan.memory(self.model.config, self.params, self.adapter(a) if training else 0, rows, batch,
                               self.dtype, tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype,
                               self.args.image_memory * 1e9)
             return mem["train"] if training else mem["eval_icl" if shots else "eval_adapter"]

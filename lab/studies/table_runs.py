@@ -25,7 +25,7 @@ from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones, families
 from lab.methods import registry
-from lab.run import checkpoints
+from lab.run import locks
 from lab.studies import table_plan, table_print, tables
 
 # evaluate.py's flags a table hands on to each cell's commands where they are not the defaults: to train.py (the
@@ -226,7 +226,7 @@ def claimed(claims, job):
         yield True
         return
     try:
-        with checkpoints.locked(os.path.join(claims, job.key())):
+        with locks.locked(os.path.join(claims, job.key())):
             yield not marked(claims, job)
     except ValueError:  # held by another process
         yield False

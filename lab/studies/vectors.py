@@ -22,7 +22,7 @@ import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones
-from lab.run import checkpoints, feed, teacher_cache
+from lab.run import adapter_files, prefetch, teacher_cache
 
 VECTOR_SETS = 100  # N ICL prompts averaged (Todd et al.'s 100 prompts for the mean head outputs; the same N for TV)
 
@@ -57,12 +57,12 @@ def vector_sets(pool, args, shots):
 
 def target_batches(backbone, kind, queries, icds, batch_size, workers=0):
     """Teacher-forced batches [ICDs; query + target] (icds None: zero-shot) and, per row, the last prompt token; made
-    by `workers` DataLoader workers (feed.prepared)."""
+    by `workers` DataLoader workers (prefetch.prepared)."""
     icds = icds or [[] for _ in queries]
     specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
     build = functools.partial(forced_rows, backbone.processor, backbone.family, kind)
     return [(batch, (batch["labels"] != -100).int().argmax(1) - 1)
-            for batch in feed.prepared(build, specs, workers, backbone.model.device)]
+            for batch in prefetch.prepared(build, specs, workers, backbone.model.device)]
 
 
 def forced_rows(processor, family, kind, spec):
@@ -76,8 +76,8 @@ def icl_means(backbone, kind, queries, icds, batch_size, workers=0):
     of every layer, Hendel et al.), and of each head's output there, [L, H, d_h] (Todd et al.'s mean activations)."""
     model, states, heads = backbone.model, {}, {}
     specs = [(queries[i:i + batch_size], icds[i:i + batch_size]) for i in range(0, len(queries), batch_size)]
-    build = functools.partial(feed.prompt_rows, backbone.processor, backbone.family, kind)
-    batches = feed.prepared(build, specs, workers, model.device)
+    build = functools.partial(prefetch.prompt_rows, backbone.processor, backbone.family, kind)
+    batches = prefetch.prepared(build, specs, workers, model.device)
     for batch in tqdm(batches, total=len(specs), desc="ICL means", unit="batch"):
         with layer_states_at(model, states), head_outputs(model, heads):
             model(**data.model_inputs(batch, model.device), logits_to_keep=1)
@@ -143,7 +143,7 @@ def layer_losses(backbone, batches, vectors, add):
 def vector_path(backbone, args, shots):
     """Where a vector is saved, <out>/vectors/<model>-<task>-<tv|fv>-<key>.safetensors, and its key: the hash of
     everything it depends on."""
-    spec = dict(backbone=checkpoints.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
+    spec = dict(backbone=adapter_files.fingerprint(backbone), task=args.task, method=args.vector, shots=shots,
                 sets=args.vector_sets, heldout=args.vector_heldout, seed=args.seed, prompts=data.PROMPTS,
                 images=teacher_cache.image_key(backbone.processor),  # Idefics2's image splitting changes the prompts
                 **({"heads": args.fv_heads, "trials": args.fv_trials} if args.vector == "fv" else {}))

@@ -92,11 +92,11 @@ def test_image_memory_out_of_range_is_a_parser_error(value, capsys):
 
 def test_attention_tokens_beyond_memory_is_one_line_naming_the_flag():
     from lab.models import backbones
-    from lab.studies import table6
+    from lab.studies import efficiency
     model = backbones.load_backbone("tiny-idefics2").model
     with pytest.raises(ValueError, match=r"^--attention-tokens 1000000000: one attention layer at 1000000000 tokens "
                                          r"does not fit in memory \(.*\); lower --attention-tokens$"):
-        table6.attention_benchmark(model, T=10 ** 9, rounds=1)  # before: torch's RuntimeError traceback
+        efficiency.attention_benchmark(model, T=10 ** 9, rounds=1)  # before: torch's RuntimeError traceback
 
 
 @pytest.mark.parametrize("script, flags, says", [

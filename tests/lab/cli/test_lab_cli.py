@@ -16,11 +16,11 @@ import evaluate
 import train
 from helpers import lab, lab_args, QUIET, ROOT
 from lab.cli import commands, flags, modes
-from lab.run import feed
+from lab.run import prefetch
 from lab.studies import table_runs
 
 BEFORE = json.load(open(os.path.join(os.path.dirname(__file__), "parsers-before.json"), encoding="utf-8"))
-COMPUTED = {"--workers": repr(feed.default_workers()),  # defaults of this machine, not of the dump's
+COMPUTED = {"--workers": repr(prefetch.default_workers()),  # defaults of this machine, not of the dump's
             "--rices-cache": repr(os.path.expanduser("~/.cache/hyper-icl/rices"))}
 SWITCHES = {"train.py": {"--benchmark": "benchmark-teacher", "--build-toy": "build-toy"},  # old flag: its mode now
             "evaluate.py": {"--table": "table", "--figure": "figure", "--curve": "curve", "--benchmark": "benchmark",

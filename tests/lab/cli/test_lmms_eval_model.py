@@ -128,10 +128,10 @@ def offline(monkeypatch, tmp_path):
 def expected(items, adapter):
     """evaluate.predict's answers zero-shot and with the adapter."""
     from lab.models import backbones
-    from lab.run import checkpoints
+    from lab.run import adapter_files
     backbone = backbones.load_backbone("toy-idefics2")
     zero = E.predict(backbone, TASK, items, batch_size=8)
-    checkpoints.load_adapter(adapter, backbone)
+    adapter_files.load_adapter(adapter, backbone)
     return {None: zero, adapter: E.predict(backbone, TASK, items, batch_size=8)}
 
 

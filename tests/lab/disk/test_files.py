@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from helpers import dead_pid, lab_train, lab_train_args, ROOT, run_flags, TRAIN
 from lab.datasets import tasks
 from lab.disk import files
-from lab.run import checkpoints
+from lab.run import resume
 
 
 def test_atomic_write_never_leaves_a_half_written_file(tmp_path):
@@ -58,7 +58,7 @@ def test_stale_temporary_files_are_removed_and_files_follow_the_umask(tmp_path):
     fresh = files.tmp_name(tmp_path / "teacher" / "y.safetensors")
     for f in (stale, fresh):
         open(f, "wb").write(b"half")
-    checkpoints.claim(args)
+    resume.claim(args)
     assert not os.path.exists(stale) and os.path.exists(fresh)            # a live writer's file is left alone
     for umask in (0o022, 0o002):
         previous = os.umask(umask)
@@ -138,7 +138,7 @@ def test_the_cleanup_never_touches_a_users_tmp_files_or_folders(tmp_path, monkey
     stale = [files.tmp_name(os.path.join(f, "x.safetensors"), dead_pid()) for f in folders]
     for p in stale:
         open(p, "w").write("half")
-    checkpoints.claim(args)
+    resume.claim(args)
     for f in folders:
         files.remove_stale_tmp(f)
     files.generated(str(tmp_path / "data" / "dataset"), lambda folder: open(os.path.join(folder, "f"), "w").close())

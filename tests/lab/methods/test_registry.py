@@ -21,7 +21,7 @@ from helpers import (assert_cached_decoding_equals_full_forward, lab_evaluate, l
 from lab.datasets import tasks
 from lab.methods import registry
 from lab.models import published
-from lab.run import checkpoints
+from lab.run import adapter_files
 
 
 BASELINES = ["static-layer", "static-layer-head", "output-level", "mimic", "live", "lora"]
@@ -151,13 +151,13 @@ def test_save_load_roundtrip_and_wrong_method_refused(plain, method, tmp_path):
     perturb(plain.model, seed=2)
     with torch.no_grad():
         saved = plain.model(**batch).logits
-        checkpoints.save_adapter(path, plain)
+        adapter_files.save_adapter(path, plain)
         M.detach(plain.model)
-        assert checkpoints.load_adapter(path, plain, method=method)["method"] == method
+        assert adapter_files.load_adapter(path, plain, method=method)["method"] == method
         torch.testing.assert_close(plain.model(**batch).logits, saved, rtol=0, atol=0)
     other = "live" if method != "live" else "mimic"
     with pytest.raises(ValueError, match=f"holds a '{method}' adapter, not a '{other}' one"):
-        checkpoints.load_adapter(path, plain, method=other)
+        adapter_files.load_adapter(path, plain, method=other)
 
 
 @pytest.mark.parametrize("method", BASELINES)
@@ -182,7 +182,7 @@ def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, meth
     queries = pool[:3]
     icds = data.demonstrations([q.id for q in queries], pool, 1, args.seed)
     registry.attach(plain.model, method, **registry.sizes(args.method, args.rank, args.virtual_tokens))
-    cache = {"id": checkpoints.fingerprint(plain), "hits": 0, "misses": 0}
+    cache = {"id": adapter_files.fingerprint(plain), "hits": 0, "misses": 0}
     student, teacher = micro_batch(plain, args, queries, icds, cache)
     parts = train.losses(plain, args, student, teacher)
     assert set(parts) == ({"sup", "loss"} if anchor == "none" else {"anchor", "sup", "loss"})

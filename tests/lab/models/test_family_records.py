@@ -26,7 +26,7 @@ from helpers import PAPER, ROOT, TRAIN, assert_zero_init_is_the_unmodified_model
 from lab.datasets import tasks
 from lab.models import backbones, families, image_layouts, tiny
 from lab.models.image_only import image_only
-from lab.studies import plan
+from lab.studies import run_plan
 import benchmarks
 import twins
 from test_fidelity import test_layer_outputs_are_every_layers_own_output  # noqa: F401 (collected here: all families)
@@ -40,7 +40,7 @@ RECORDS = {"lab/models/families.py", "lab/models/image_layouts.py"}  # where fam
 # Comparisons with a family's name that remain outside the records, and how many each file holds: RICES reads the
 # paper's four backbones' own vision towers (lab/datasets sits below lab/models, so it cannot read a record) and
 # Table 6's synthetic prompts are written for the paper's four. A new comparison anywhere (or one more here) fails.
-NOT_YET_RECORDS = {"lab/datasets/rices.py": 4, "lab/studies/table6.py": 5}
+NOT_YET_RECORDS = {"lab/datasets/rices.py": 4, "lab/studies/efficiency.py": 5}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -103,7 +103,7 @@ def test_a_family_added_from_one_record_loads_plans_trains_and_evaluates(copy_fa
     assert backbone.family == "copy-idefics2" and backbone.processor.image_layout is image_layouts.LAYOUTS["canvas"]
     flags = [*with_flag(with_flag(TRAIN, "--model", "tiny-copy-idefics2"), "--batch-size", "2"),  # 2 steps
              "--out", str(tmp_path / "run")]
-    planned = plan.plan(train.parse_args([*flags, "--plan", "cpu"]))
+    planned = run_plan.plan(train.parse_args([*flags, "--plan", "cpu"]))
     assert planned["shots"] == 1 and planned["queries"] == 4 and planned["rows"]["teacher"]
     train.main(flags)
     history = json.load(open(tmp_path / "run" / "history.json"))

@@ -1,4 +1,4 @@
-"""Checkpoints and run folders (lab/run/checkpoints.py): adapter files saved and loaded, refused when damaged, foreign
+"""Checkpoints and run folders (lab/run/adapter_files.py): adapter files saved and loaded, refused when damaged, foreign
 or of another task, last.pt resumed exactly wherever a kill or a signal lands, a crafted last.pt refused, folders
 claimed by one process at a time.
 
@@ -28,7 +28,7 @@ from helpers import (kill_workers_once, lab_evaluate, lab_evaluate_args, lab_tra
 from lab.disk import files
 from lab.methods import registry
 from lab.models import backbones
-from lab.run import checkpoints, runs
+from lab.run import adapter_files, locks, runs
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
@@ -93,7 +93,7 @@ def test_two_evaluations_share_their_folder_and_a_training_waits_for_neither(tmp
         monkeypatch.setattr(evaluate, "predict", predict)
         assert lab_evaluate([*flags, "--shots", "1"])["setting"] == "1-shot"
         with pytest.raises(ValueError, match="is in use by another run"):  # a training there: refused, as before
-            with checkpoints.locked(str(tmp_path)):
+            with locks.locked(str(tmp_path)):
                 pass
     finally:
         leave.set()
@@ -127,7 +127,7 @@ def test_a_damaged_or_foreign_adapter_names_the_file_and_the_tensor_or_field(tmp
     tensors, settings = change(adapter[1], adapter[2]["settings"])
     path = damaged(tmp_path, adapter, tensors, settings)
     with pytest.raises(ValueError, match=rf"{path}(: | ).*{message}"):
-        checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))
+        adapter_files.load_adapter(path, backbones.load_backbone("tiny-idefics2"))
 
 
 def test_resume_with_another_clip_or_icds_is_refused(tmp_path):
@@ -242,7 +242,7 @@ def test_a_refused_adapter_file_leaves_the_attached_adapter_in_place(tmp_path, b
         p.data.normal_()
     before = {k: v.clone() for k, v in M.adapter_modules(backbone.model).state_dict().items()}
     good = tmp_path / "good.safetensors"
-    checkpoints.save_adapter(str(good), backbone)
+    adapter_files.save_adapter(str(good), backbone)
     with safe_open(str(good), "pt") as f:
         metadata = f.metadata()
     tensors = load_file(str(good))
@@ -252,7 +252,7 @@ def test_a_refused_adapter_file_leaves_the_attached_adapter_in_place(tmp_path, b
     bad.write_bytes(save(tensors, metadata=metadata))
     try:
         with pytest.raises(ValueError, match="does not hold the adapter its settings describe"):
-            checkpoints.load_adapter(str(bad), backbone)
+            adapter_files.load_adapter(str(bad), backbone)
         assert backbone.model.icl_settings["method"] == "hyper-icl"
         after = M.adapter_modules(backbone.model).state_dict()
         assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
@@ -274,7 +274,7 @@ def trained(tmp_path_factory):
 def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_path, monkeypatch, capsys):
     import evaluate
     from safetensors import safe_open
-    from lab.run import checkpoints
+    from lab.run import adapter_files, locks
     from lab.scores import results
     task, out = trained
     other = vqa_task(tmp_path / "other")
@@ -291,7 +291,7 @@ def test_an_adapter_of_another_task_is_not_scored_as_this_tasks(trained, tmp_pat
     assert f"give --checkpoint {default} --checkpoint-task {os.path.realpath(task)}" in capsys.readouterr().err
     assert evaluate.parse_args([*TINY, "--task", other, "--checkpoint", default, "--checkpoint-task", task]
                                ).checkpoint == default  # a transfer, said so: taken
-    record = checkpoints.read_record(default)
+    record = adapter_files.read_record(default)
     assert record["task"] == os.path.realpath(task) and len(record["data"]) == 16 and record["n_train"] == 2
     with safe_open(default, "pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -386,7 +386,7 @@ def test_a_folder_holding_a_run_is_refused_and_overwrite_replaces_it(whole, tmp_
         lab_train(run_flags(whole, "run"))
     shutil.copytree(whole / "run", tmp_path / "run")
     lab_train(run_flags(tmp_path, "run", "--overwrite", "--max-steps", "1"))
-    partial = checkpoints.read_record(str(tmp_path / "run" / "adapter.safetensors"))["partial"]  # not the old one's
+    partial = adapter_files.read_record(str(tmp_path / "run" / "adapter.safetensors"))["partial"]  # not the old one's
     assert partial["step"] == 1 and partial["heldout_loss"] > 0   # a smoke run's adapter: the best so far, partial
     assert json.loads((tmp_path / "run" / "history.json").read_text()) == []
     assert "(a partial run's: no epoch scored yet; --resume continues)" in capsys.readouterr().out
@@ -407,14 +407,14 @@ def test_truncated_or_empty_last_pt_is_a_clear_error(whole, tmp_path):
 def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(whole, tmp_path, monkeypatch):
     """Every write goes to /dev/full, which fails as a full disk does (ENOSPC) for torch.save and safetensors."""
     backbone = backbones.load_backbone("tiny-idefics2")
-    checkpoints.load_adapter(whole / "run" / "adapter.safetensors", backbone)
+    adapter_files.load_adapter(whole / "run" / "adapter.safetensors", backbone)
     shutil.copy(whole / "run" / "adapter.safetensors", tmp_path)
     before = (tmp_path / "adapter.safetensors").read_bytes()
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda path, flags, mode=0o777: real_open("/dev/full", os.O_WRONLY))
     with pytest.raises(OSError, match=r"could not write .*adapter.safetensors \(No space left on device\); the "
                                       "previous file, if any, is unchanged") as e:
-        checkpoints.save_adapter(tmp_path / "adapter.safetensors", backbone)
+        adapter_files.save_adapter(tmp_path / "adapter.safetensors", backbone)
     assert e.value.__cause__.errno == errno.ENOSPC
     with pytest.raises(OSError, match=r"could not write .*last.pt \(No space left on device\)"):
         files.atomic_write(tmp_path / "last.pt", lambda f: torch.save({"x": torch.zeros(1000)}, f))
@@ -425,16 +425,16 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(whole, tmp_path, m
 
 def test_adapter_refuses_another_family_or_other_weights_unless_forced(whole, capsys):
     path = whole / "run" / "adapter.safetensors"
-    assert checkpoints.read_settings(path)["family"] == "idefics2"
+    assert adapter_files.read_settings(path)["family"] == "idefics2"
     for other in (backbones.load_backbone("tiny-idefics2", seed=1), backbones.load_backbone("tiny-llava-interleave")):
         assert M.attention_shape(other.model) == (2, 4, 16)                # the same shape: only the identity differs
         with pytest.raises(ValueError, match="trained on another backbone .*fingerprint .*--force"):
-            checkpoints.load_adapter(path, other)
-        checkpoints.load_adapter(path, other, force=True)
+            adapter_files.load_adapter(path, other)
+        adapter_files.load_adapter(path, other, force=True)
         assert "warning: --force" in capsys.readouterr().out
     with pytest.raises(ValueError, match="family .saved idefics2, here llava-interleave."):
-        checkpoints.load_adapter(path, backbones.load_backbone("tiny-llava-interleave"))
-    checkpoints.load_adapter(path, backbones.load_backbone("tiny-idefics2"))       # its own backbone loads silently
+        adapter_files.load_adapter(path, backbones.load_backbone("tiny-llava-interleave"))
+    adapter_files.load_adapter(path, backbones.load_backbone("tiny-idefics2"))       # its own backbone loads silently
     assert capsys.readouterr().out == ""
 
 
@@ -445,7 +445,7 @@ def test_checkpoint_that_is_not_an_adapter_file_is_a_clear_error(whole, tmp_path
                           (tmp_path / "truncated.safetensors", "not a readable adapter checkpoint"),
                           (whole / "run" / "last.pt", "not a readable adapter checkpoint")):
         with pytest.raises(ValueError, match=message):
-            checkpoints.read_settings(path)
+            adapter_files.read_settings(path)
     cli = subprocess.run([sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
                           benchmarks.ROOT, "--checkpoint", str(whole / "run")], cwd=ROOT, capture_output=True,
                          text=True)
@@ -479,7 +479,7 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
     finally:
         first.kill()
         first.wait()
-    with checkpoints.locked(str(out)):                                            # the killed holder's lock is gone
+    with locks.locked(str(out)):                                            # the killed holder's lock is gone
         pass
 
 
@@ -488,6 +488,6 @@ def test_a_lock_that_cannot_be_written_names_it_and_is_not_left(tmp_path, monkey
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match=rf"could not write the lock file {tmp_path / 'run' / '.lock'} \(No space"):
-        with checkpoints.locked(str(tmp_path / "run")):
+        with locks.locked(str(tmp_path / "run")):
             pass
     assert os.listdir(tmp_path / "run") == []

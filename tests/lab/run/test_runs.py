@@ -5,7 +5,7 @@ import torch
 
 import train
 from helpers import lab_train, small_run, TRAIN
-from lab.run import anchors
+from lab.run import anchor_scale
 
 
 def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path, monkeypatch):
@@ -26,7 +26,7 @@ def test_nan_loss_stops_with_its_step_and_part_and_keeps_the_checkpoint(tmp_path
 def test_the_nan_stop_names_every_setting_that_can_cause_it(tmp_path, monkeypatch):
     nan = torch.tensor(float("nan"), requires_grad=True)  # the step reads the parts after backward (once a step)
     monkeypatch.setattr(train, "losses", lambda *a, **k: {"anchor": nan, "sup": nan, "loss": nan})
-    monkeypatch.setattr(anchors, "anchor_regime", lambda *a: None)
+    monkeypatch.setattr(anchor_scale, "anchor_regime", lambda *a: None)
     with pytest.raises(FloatingPointError, match=r"step 1: loss part 'anchor' is nan; stopping\. The last good "
                                                  r"checkpoint is untouched\. Settings that can cause it: --lr 0\.005, "
                                                  r"--weight-decay 1e-06, --clip 1\.0, --lam 0\.5, --kappa 0\.1"):

@@ -14,21 +14,21 @@ from helpers import lab_train, lab_train_args, run_flags, teacher_states, TRAIN,
 from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
-from lab.run import checkpoints, teacher_cache
+from lab.run import adapter_files, teacher_cache
 
 
 def test_reused_teacher_states_equal_fresh_ones_and_are_keyed(setup, tmp_path):
     args, backbone, queries, icds = setup
     args.teacher_cache, args.no_teacher_cache = str(tmp_path), False
     pieces = data.query_pieces(backbone.processor, backbone.family, "vqa", queries)
-    cache = {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
+    cache = {"id": adapter_files.fingerprint(backbone), "hits": 0, "misses": 0}
     first, again = (teacher_states(backbone, args, queries, icds, cache) for _ in range(2))
     fresh = train.run_teacher(backbone, data.teacher_batch(backbone.processor, backbone.family, "vqa", pieces, icds))
     assert cache["misses"] == len(queries) and cache["hits"] == len(queries)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, again, fresh))
     key = teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[0])
     assert key != teacher_cache.teacher_key(cache["id"], args.task, queries[0], icds[1])   # other demonstrations
-    other = checkpoints.fingerprint(backbones.load_backbone(args.model, seed=1))
+    other = adapter_files.fingerprint(backbones.load_backbone(args.model, seed=1))
     assert key != teacher_cache.teacher_key(other, args.task, queries[0], icds[0])         # other backbone
     assert key != teacher_cache.teacher_key(cache["id"], "coco", queries[0], icds[0])       # other task
 
@@ -77,7 +77,7 @@ def teacher_inputs(tmp_path, n):
     pool = tasks.load_task("vqav2", "train", benchmarks.ROOT)
     queries = pool[:n]
     icds = data.demonstrations([q.id for q in queries], pool, 1, 0)
-    return args, backbone, queries, icds, {"id": checkpoints.fingerprint(backbone), "hits": 0, "misses": 0}
+    return args, backbone, queries, icds, {"id": adapter_files.fingerprint(backbone), "hits": 0, "misses": 0}
 
 
 def test_a_corrupt_teacher_cache_file_is_computed_again_with_a_warning(whole, tmp_path, capsys):

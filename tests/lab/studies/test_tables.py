@@ -22,7 +22,7 @@ from helpers import lab, lab_args, lab_evaluate, lab_evaluate_args, lab_train, l
 from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
-from lab.run import checkpoints, micro_batches, runs
+from lab.run import adapter_files, locks, runs, training_batches
 from lab.scores import results
 from lab.studies import table_runs, tables
 
@@ -165,7 +165,7 @@ class Counted:
                                    "items", "prompt_tokens", "generated"), 0)
         self.teacher = {}
         load, run_teacher, pair, step, heldout, generate = (backbones.load_backbone, train.run_teacher,
-                                                            micro_batches.pair, runs.step, runs.heldout_loss,
+                                                            training_batches.pair, runs.step, runs.heldout_loss,
                                                             evaluate.generate)
 
         def counting_load(*a, **k):
@@ -201,7 +201,7 @@ class Counted:
             self.work["generated"] += int(ends.sum())
             return tokens
         for target, name, fake in ((backbones, "load_backbone", counting_load),
-                                   (train, "run_teacher", counting_teacher), (micro_batches, "pair", counting_pair),
+                                   (train, "run_teacher", counting_teacher), (training_batches, "pair", counting_pair),
                                    (runs, "step", counting_step),
                                    (runs, "heldout_loss", counting_heldout), (evaluate, "generate", counting_generate)):
             monkeypatch.setattr(target, name, fake)
@@ -349,17 +349,17 @@ def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column
     assert lab(table("8", "tiny-idefics2", root / "idefics2", "--print")) == done["8"][0][1]
     assert set(counted.work.values()) == {0} and (root / "idefics2" / "table-8.md").read_bytes() == before
     l2 = root / "idefics" / "train" / "vqav2" / "hyper-icl-anchor-euclidean"
-    record = checkpoints.read_record(l2 / "adapter.safetensors")
+    record = adapter_files.read_record(l2 / "adapter.safetensors")
     assert {k: record[k] for k in ("method", "anchor", "lam", "kappa", "rank", "shots", "icds", "icd_task",
                                    "n_train")} == {"method": "hyper-icl", "anchor": "euclidean", "lam": 0.5,
                                                    "kappa": 0.1, "rank": 4, "shots": 32, "icds": "random",
                                                    "icd_task": None, "n_train": 2}
-    assert record["data_root"] == benchmarks.ROOT and set(checkpoints.RESUME_MUST_MATCH) < set(record)
+    assert record["data_root"] == benchmarks.ROOT and set(adapter_files.RESUME_MUST_MATCH) < set(record)
     (metrics,) = [json.loads(p.read_text()) for p in l2.glob("*.metrics.json")]
     assert metrics["run"] == record and metrics["params"] == 2 * 4 * (2 * 16 * 4 + 16 + 1)
     backbone = backbones.load_backbone("tiny-idefics")  # the record is metadata: the same tensors without it
-    checkpoints.load_adapter(str(l2 / "adapter.safetensors"), backbone)
-    checkpoints.save_adapter(tmp_path / "bare.safetensors", backbone)
+    adapter_files.load_adapter(str(l2 / "adapter.safetensors"), backbone)
+    adapter_files.save_adapter(tmp_path / "bare.safetensors", backbone)
     tensors = lambda path: path.read_bytes()[8 + int.from_bytes(path.read_bytes()[:8], "little"):]
     assert tensors(tmp_path / "bare.safetensors") == tensors(l2 / "adapter.safetensors")
 
@@ -387,7 +387,7 @@ def test_processes_on_several_devices_take_each_job_once_and_wait_for_the_ones_b
     held = next(j for j in jobs if j.script == "evaluate.py" and not j.after)  # zero-shot: another process's
     first = jobs[0]
     (claims / f"{first.key()}.done").write_text("\"done by another process\"")
-    with checkpoints.locked(str(claims / held.key())):  # its holder finishes it while this process runs the rest
+    with locks.locked(str(claims / held.key())):  # its holder finishes it while this process runs the rest
         threading.Timer(0.5, (claims / f"{held.key()}.done").write_text, ["\"done by its holder\""]).start()
         table_runs.run_jobs(jobs, {"train.py": record, "evaluate.py": record}, str(claims))
     assert first.argv not in ran and held.argv not in ran and len(ran) == len(jobs) - 2

@@ -1,4 +1,4 @@
-"""--plan and the teacher cache that fits (lab/studies/plan.py), on real-processor twins (tools/twins.py), CPU: the
+"""--plan and the teacher cache that fits (lab/studies/run_plan.py), on real-processor twins (tools/twins.py), CPU: the
 plan's token counts are the collated rows', its cache size the bytes a run writes, it loads no weights; a cache that
 does not fit stops the run before its first step; Idefics2's image splitting is explicit (flag, printed source, cache
 key)."""
@@ -15,7 +15,7 @@ from lab.datasets import tasks
 from lab.disk import files
 from lab.models import backbones
 from lab.run import teacher_cache
-from lab.studies import plan
+from lab.studies import run_plan
 from twins import write_twin
 from helpers import lab, lab_args, lab_train, lab_train_args
 
@@ -103,14 +103,14 @@ def test_a_short_name_without_its_processor_says_what_to_pass(tmp_path, monkeypa
     import huggingface_hub
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache; no hub call
     with pytest.raises(ValueError, match="--processor DIR"):
-        plan.plan_backbone("llava-interleave", "llava-interleave")
+        run_plan.plan_backbone("llava-interleave", "llava-interleave")
 
 
 def test_a_cache_that_does_not_fit_stops_before_the_first_step(twins, tmp_path, monkeypatch):
     flags = ["--model", twins["idefics2"], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-train", "4",
              "--n-heldout", "1", "--batch-size", "2", "--shots", "2", "--epochs", "2", "--max-steps", "1",
              "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "cache")]
-    monkeypatch.setattr(plan.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr(run_plan.shutil, "disk_usage", lambda path: Free(10**6, 10**6 - 1000, 1000))
     steps = []
     with monkeypatch.context() as m, pytest.raises(ValueError) as e:
         m.setattr(train, "losses", lambda *a, **k: steps.append(1))
@@ -198,7 +198,7 @@ def test_plan_batch_is_at_most_the_queries_and_an_unwritable_cache_is_said(twins
 
 def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the_teacher(tmp_path, capsys):
     """The line's read time is the query's cache bytes at the read speed it measured, its teacher FLOPs 2 x the
-    parameters x the mean teacher row, its time those at plan.ACCELERATOR_TFLOPS, and its verdict their order."""
+    parameters x the mean teacher row, its time those at run_plan.ACCELERATOR_TFLOPS, and its verdict their order."""
     import re
     figures = lab(["plan", "train", "--model", "tiny-llava-onevision", "--task", "vqav2", "--data-root",
                    benchmarks.ROOT, "--out", str(tmp_path / "run")])
@@ -212,7 +212,7 @@ def test_the_plan_says_whether_reading_the_cache_costs_less_than_recomputing_the
     params = float(re.search(r"weights: ([\d,]+) parameters", out).group(1).replace(",", ""))
     teacher = sum(figures["rows"]["teacher"].values()) / len(figures["rows"]["teacher"])
     assert tflop == pytest.approx(2 * params * teacher / 1e12, rel=1e-2)
-    assert compute_ms == pytest.approx(tflop / plan.ACCELERATOR_TFLOPS * 1e3, rel=1e-2)
+    assert compute_ms == pytest.approx(tflop / run_plan.ACCELERATOR_TFLOPS * 1e3, rel=1e-2)
     assert line.endswith("reading is cheaper") == (read_ms <= compute_ms)
 
 
@@ -265,7 +265,7 @@ def test_a_bare_plan_plans_the_machine_it_runs_on_and_reads_the_images_off_the_b
     def recording(processor, family, kind, pieces, icds):
         batch = original(processor, family, kind, pieces, icds)
         if any(icds):  # a teacher batch (student_batch calls teacher_batch without ICDs)
-            built.append(plan.image_sizes(batch))
+            built.append(run_plan.image_sizes(batch))
         return batch
     monkeypatch.setattr(data, "teacher_batch", recording)
     planned = lab(plan_flags(twins["idefics2"], tmp_path))

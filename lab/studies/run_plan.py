@@ -42,7 +42,7 @@ MEMORY_ASSUMPTIONS = (
     "scores), in evaluation the KV cache 2 L B (T + new) kv (training forwards keep none), the teacher's kept states "
     "L B T_q d (no [L, B, T, d] stack), the student's B T_s L (10 d + 3 i) saved for the backward; a phase's peak is "
     "its pixels + the larger of its image and decoder parts; on a CPU the runtime (0.45 GB) is added; rows at the "
-    "sample's longest, random ICDs (plan.memory)")
+    "sample's longest, random ICDs (run_plan.memory)")
 
 
 def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None):

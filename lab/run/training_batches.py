@@ -11,7 +11,7 @@ import torch
 import data
 from lab.disk import files
 from lab.models import backbones
-from lab.run import anchors, feed, teacher_cache
+from lab.run import anchor_scale, prefetch, teacher_cache
 
 KEY = ("id", "images", "processor", "task", "output", "folder")  # the cache's identity (teacher_cache.identity)
 
@@ -54,14 +54,14 @@ def prepared(run, specs, workers):
     """prepared_micro_batch of each spec = (queries, their ICDs), in order: made by `workers` DataLoader workers while
     the accelerator runs the ones before (0: here, when asked for)."""
     setup = Setup.of(run.backbone, run.kind, run.cache)
-    return feed.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, run.device)
+    return prefetch.prepared(functools.partial(prepared_micro_batch, setup), specs, workers, run.device)
 
 
 def pair(run, prepared, computed):
     """(student batch, teacher tensor) of a prepared micro-batch on run.device: the teacher's tensors the cache held
     and `computed`, those the loop's teacher computed for the queries it lacked (in their order), stored (stored);
     LIVE's answer logits concatenated, states laid at the student's positions (data.align_teacher). Not in the paper:
-    a fresh run's first pair shows the anchor's scale on the backbone (anchors.anchor_regime)."""
+    a fresh run's first pair shows the anchor's scale on the backbone (anchor_scale.anchor_regime)."""
     student = {**backbones.to_device(prepared["student"], run.device),
                "window": data.answer_window(prepared["student"]["labels"])}
     if prepared["found"] is None:
@@ -72,7 +72,7 @@ def pair(run, prepared, computed):
     teacher = data.align_teacher(states, student["query_target"])
     if run.regime:
         run.regime = False
-        anchors.anchor_regime(run.cfg.anchor, run.cfg.kappa, student["query_target"], teacher)
+        anchor_scale.anchor_regime(run.cfg.anchor, run.cfg.kappa, student["query_target"], teacher)
     return student, teacher
 
 

@@ -1,5 +1,6 @@
 """What is not in the paper around the anchor: --anchor-norm first's divisor, taken by train.py's losses from the
-loop's first micro-batch, and the anchor's scale on a backbone, shown from the run's first pair (micro_batches.pair)."""
+loop's first micro-batch, and the anchor's scale on a backbone, shown from the run's first pair
+(training_batches.pair)."""
 import torch
 import torch.distributed as dist
 from tqdm import tqdm

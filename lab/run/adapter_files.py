@@ -1,13 +1,9 @@
-"""Checkpoints: adapter files (safetensors holding only the adapter and its settings), the run's last.pt
-(resume), run folders claimed and locked by one process at a time."""
-import contextlib
-import errno
-import fcntl
+"""Adapter files: safetensors holding only the adapter and its settings, the run record that says which task and data
+made it, and an adapter attached to a backbone from its file (checked against the backbone and the task)."""
 import functools
 import hashlib
 import json
 import os
-import pickle
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
@@ -17,7 +13,6 @@ import model as M
 from lab.disk import files
 from lab.datasets import tasks
 from lab.methods import registry
-from lab.run import torchrun
 
 
 def fingerprint(backbone):
@@ -227,152 +222,6 @@ def load_tensors(path, tensors, model):
     M.adapter_modules(model).load_state_dict(tensors)
 
 
-def save_run(run):
-    """Everything a resumed run needs, written to <out>/last.pt (by the first process alone under torchrun)."""
-    if torchrun.rank_and_world()[0] != 0:
-        return
-    state = {"adapter": M.adapter_modules(run.backbone.model).state_dict(), "optimizer": run.optimizer.state_dict(),
-             "scheduler": run.scheduler.state_dict(), "progress": run.progress, "args": vars(run.cfg),
-             "rng": torch.get_rng_state(), "processes": torchrun.rank_and_world()[1], "run": run.record,
-             "fingerprint": run.cache["id"]}  # the backbone's weights (fingerprint): a resume needs the same
-    files.atomic_write(os.path.join(run.cfg.out, "last.pt"), lambda f: torch.save(state, f))
-
-
 RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
                      "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
                      "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed", "icd_task")
-
-
-def restore(out, backbone, optimizer, scheduler, record):
-    """Load <out>/last.pt into the run; refuse if it was made with other settings or other data than this run's record
-    (run_record), naming the file; last.pt is left as it is."""
-    path = os.path.join(out, "last.pt")
-    if not os.path.exists(path):
-        raise SystemExit(f"--resume: no checkpoint at {path}")
-    state = read_run(path)
-    differ = record_differences(state, record, path)
-    if state.get("processes", 1) != torchrun.rank_and_world()[1]:
-        differ.append(f"{state.get('processes', 1)} processes (now {torchrun.rank_and_world()[1]}; a resume is exact "
-                      "only with as many as before)")
-    here = fingerprint(backbone)
-    if state.get("fingerprint", here) != here:
-        differ.append(f"other weights of --model {record['model']} (fingerprint {state['fingerprint']}, now {here})")
-    if differ:
-        raise SystemExit(f"--resume: {path} was made with " + ", ".join(differ) + "; it is left as it is")
-    M.adapter_modules(backbone.model).load_state_dict(state["adapter"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    return state["progress"]
-
-
-def record_differences(state, record, path):
-    """What differs between the run record a last.pt holds (a last.pt of before records: its args) and this run's
-    (run_record): the settings of RESUME_MUST_MATCH as flags, and its data (a last.pt without a fingerprint of them:
-    a warning, assumed to be this run's)."""
-    saved = state.get("run") or {**{k: state["args"].get(k) for k in RESUME_MUST_MATCH},  # a last.pt of before
-                                 "task": tasks.task_id(state["args"].get("task", ""))}
-    differ = [f"--{k.replace('_', '-')} {saved.get(k)} (now {record[k]})" for k in RESUME_MUST_MATCH
-              if saved.get(k) != record[k]]
-    if "data" not in saved:
-        print(f"warning: {path} holds no fingerprint of its data (made before they were kept); its training queries "
-              "and ICDs are assumed to be this run's")
-    elif saved["data"] != record["data"]:
-        differ.append(f"other training data (its training or held-out queries, their answers, images or ICDs differ: "
-                      f"fingerprint {saved['data']}, now {record['data']}; --data-root {saved.get('data_root')}, now "
-                      f"{record['data_root']}; was the task changed since?)")
-    return differ
-
-
-def read_run(path):
-    """The state a last.pt holds, unpickled with weights_only=True (tensors, numbers, strings, lists, dicts: no code
-    of the file runs); anything else (a truncated, corrupt or crafted file) is a ValueError naming it."""
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")  # not rank 0's GPU on every process
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
-        if "weights only" in str(e).lower():  # torch's message would suggest weights_only=False: not repeated
-            raise ValueError(f"--resume: {path} is not a checkpoint of this project (it holds more than tensors, "
-                             "numbers, strings, lists and dicts); start over with --overwrite") from None
-        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise ValueError(f"--resume: {path} is unreadable (truncated or corrupt: {why}); start over with "
-                         "--overwrite") from None
-    if not isinstance(state, dict) or not {"adapter", "optimizer", "scheduler", "progress", "args", "rng"} <= \
-            state.keys():
-        raise ValueError(f"--resume: {path} is not a checkpoint of this project (not the dict train.py saves); "
-                         "start over with --overwrite")
-    return state
-
-
-def claim(args):
-    """Make --out this run's folder: one that holds another run is refused unless --resume (continue it) or
-    --overwrite (its run files are deleted first, so none of them is left beside the new run's). Temporary files of
-    interrupted writes are cleaned up here and in the teacher cache."""
-    found = [f for f in ("last.pt", "adapter.safetensors", "history.json") if os.path.exists(os.path.join(args.out, f))]
-    if found and not (args.resume or args.overwrite):
-        raise ValueError(f"{args.out} holds a run ({', '.join(found)}); continue it with --resume or replace it "
-                         "with --overwrite")
-    if torchrun.rank_and_world()[0] != 0:
-        return
-    for f in found if args.overwrite else []:
-        os.remove(os.path.join(args.out, f))
-    if found and args.overwrite:
-        print(f"--overwrite: removed {', '.join(found)} of the run in {args.out}; training it again")
-    files.remove_stale_tmp(args.out)
-    files.remove_stale_tmp(args.teacher_cache)
-
-
-@contextlib.contextmanager
-def locked(folder, shared=False):
-    """Hold `folder` (made if need be) for this process: an advisory lock (fcntl.flock) on <folder>/.lock, holding our
-    pid. A second process (train.py or evaluate.py) on the same folder stops at once with a ValueError naming the folder
-    and the holder's pid, unless both are `shared` (evaluations, each writing its own result files). The lock goes
-    with the process, so a killed run (kill -9 included) leaves none behind. Under torchrun the first process holds
-    it for all of them."""
-    if torchrun.rank_and_world()[0] != 0:
-        yield
-        return
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"--out {folder}: cannot make the folder ({e.strerror or e})") from e
-    path = os.path.join(folder, ".lock")
-    fd, made = open_lock(path)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise ValueError(f"{folder} is in use by another run (pid {holder}); wait for it to finish or choose "
-                         "another --out") from None
-    try:
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except OSError as e:
-            if made:
-                os.remove(path)  # ours, empty: not left behind
-            raise OSError(f"could not write the lock file {path} ({e.strerror or e})") from e
-        yield
-    finally:
-        os.close(fd)
-
-
-def open_lock(path):
-    """(descriptor of the lock file at `path`, whether this call made it); an OSError naming it if it cannot be.
-    Made exclusively (O_EXCL), so only the process that made the file may remove it; never through a symbolic link
-    (O_NOFOLLOW: a link there is refused, and what it points to untouched)."""
-    for made, verb, exclusive in ((True, "make", os.O_EXCL), (False, "open", 0)):
-        try:
-            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | exclusive, 0o666), made
-        except FileExistsError:  # only with O_EXCL: someone made it first, open it
-            continue
-        except OSError as e:
-            if e.errno == errno.ELOOP or os.path.islink(path):
-                raise OSError(f"the lock file {path} is a symbolic link, which is never followed; remove it") \
-                    from None
-            raise OSError(f"could not {verb} the lock file {path} ({e.strerror or e})") from e
-
-
-def default_out(model, task, method):
-    """The default output folder of a run: runs/<model>-<task>-<method>."""
-    return os.path.join("runs", f"{os.path.basename(model.rstrip('/'))}-{tasks.file_name(task)}-{method}")

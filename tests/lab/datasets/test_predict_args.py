@@ -1,4 +1,4 @@
-"""evaluate.predict's argument checks (lab/datasets/api_checks.py): one ValueError naming the argument or the item
+"""evaluate.predict's argument checks (lab/datasets/predict_args.py): one ValueError naming the argument or the item
 before any batch is built."""
 import dataclasses
 
@@ -7,7 +7,7 @@ import pytest
 
 import data as D
 import evaluate
-from lab.datasets import api_checks
+from lab.datasets import predict_args
 
 
 ITEMS = [D.Item(1, "a.png", "what?", ("x",), "x"), D.Item(2, "a.png", "what?", ("y",), "y")]
@@ -19,13 +19,13 @@ ITEMS = [D.Item(1, "a.png", "what?", ("x",), "x"), D.Item(2, "a.png", "what?", (
 ])
 def test_predict_refuses_a_generator_or_an_icd_entry_that_is_no_list(items, icds, message):
     with pytest.raises(ValueError, match=message):  # before: a TypeError inside predict
-        api_checks.check_predict("vqav2", items, icds, 1, False)
+        predict_args.check_predict("vqav2", items, icds, 1, False)
 
 
 def test_predict_takes_a_numpy_integer_batch_size():
-    api_checks.check_predict("vqav2", ITEMS, None, np.int64(2), False)  # before: refused as "not an integer"
+    predict_args.check_predict("vqav2", ITEMS, None, np.int64(2), False)  # before: refused as "not an integer"
     with pytest.raises(ValueError, match=r"batch_size must be an integer of at least 1"):
-        api_checks.check_predict("vqav2", ITEMS, None, np.float64(2), False)
+        predict_args.check_predict("vqav2", ITEMS, None, np.float64(2), False)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -64,4 +64,4 @@ ICD = D.Item(9, "a.png", "what?", ("x",), "x")
 ])
 def test_predict_refuses_text_that_is_no_plain_text_in_items_and_icds(items, icds, message):
     with pytest.raises(ValueError, match=message):
-        api_checks.check_predict("vqav2", items, icds, 1, False)
+        predict_args.check_predict("vqav2", items, icds, 1, False)

@@ -1,4 +1,4 @@
-"""Zero-shot cost, Table 6 (lab/studies/table6.py): HiFICL's maskless paths, the benchmark sizes and prompts, every
+"""Zero-shot cost, Table 6 (lab/studies/efficiency.py): HiFICL's maskless paths, the benchmark sizes and prompts, every
 registered method benchmarked, peak memory, the attention benchmark. Benchmarks are measurements: nothing here
 asserts a latency."""
 import json
@@ -16,7 +16,7 @@ from helpers import BENCH, lab, lab_args
 from lab.methods import registry
 from lab.methods.mimic import MimIC
 from lab.models import backbones, published
-from lab.studies import table6
+from lab.studies import efficiency
 
 
 @pytest.mark.parametrize("T, S", [(6, 6), (1, 6), (1, 1)])
@@ -42,15 +42,15 @@ def test_a_decoding_step_copies_no_cache(cls):
     cache_mib = (k.numel() + v.numel()) * 4 / 2 ** 20
     for mask in (None, (torch.arange(S) >= 5)[None, None, None]):
         with torch.no_grad():
-            assert table6.peak_memory_mb(lambda: adapter(q, k, v, mask, d_h ** -0.5)) < cache_mib / 8
+            assert efficiency.peak_memory_mb(lambda: adapter(q, k, v, mask, d_h ** -0.5)) < cache_mib / 8
 
 
-@pytest.mark.parametrize("family", table6.SYNTHETIC)  # synthetic prompts: the paper's families
+@pytest.mark.parametrize("family", efficiency.SYNTHETIC)  # synthetic prompts: the paper's families
 def test_grown_twin_has_the_asked_decoder_and_runs(family):
     model, _ = published.grown_twin(family, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                                     num_hidden_layers=3, intermediate_size=64)
     assert M.attention_shape(model) == (3, 6, 16)
-    inputs = table6.synthetic_prompt(model, family, 0, query_text=5)
+    inputs = efficiency.synthetic_prompt(model, family, 0, query_text=5)
     assert model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False).shape[1] == \
         inputs["input_ids"].shape[1] + 2
 
@@ -67,12 +67,12 @@ def test_every_registered_method_is_benchmarked(tmp_path, monkeypatch):
     # each row really ran its adapter (LIVE's elementwise shift has no FLOPs FlopCounterMode counts)
     assert all(r["tflops_ratio"] > 1 for r in rows[1:] if r["setting"] != "live")
     assert not hasattr(backbones.load_backbone("tiny-idefics2").model, "icl_settings")
-    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=8, rounds=1)
+    ms = efficiency.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=8, rounds=1)
     assert list(ms) == ["sdpa", *registry.METHODS, "hyper-icl reference"]
 
 
 def test_peak_memory_counts_allocations():
-    mib = table6.peak_memory_mb(lambda: torch.ones(16, 2 ** 20) + 1)  # two 64 MiB tensors live at once
+    mib = efficiency.peak_memory_mb(lambda: torch.ones(16, 2 ** 20) + 1)  # two 64 MiB tensors live at once
     assert 128 <= mib < 130
 
 
@@ -80,7 +80,7 @@ def test_fused_paths_form_no_t_by_t_tensor():
     model = backbones.load_backbone("tiny-idefics2").model
     T, (_, heads, _) = 512, M.attention_shape(model)
     one_score_matrix = heads * T * T * 4 / 2 ** 20               # MiB of one float32 [1, H, T, T] tensor
-    result = table6.attention_benchmark(model, T=T, rounds=1)
+    result = efficiency.attention_benchmark(model, T=T, rounds=1)
     for name, (_, mib) in result.items():
         assert (mib > one_score_matrix) == (name == "hyper-icl reference"), (name, mib, one_score_matrix)
 
@@ -91,7 +91,7 @@ def test_paired_latency_cancels_a_drifting_machine():
     clock = iter(1.1 ** i for i in range(100))                       # the machine's slowness at each run
     runs = {"zero-shot": lambda timer: next(clock), "a": lambda timer: 1.5 * next(clock),
             "b": lambda timer: 2 * next(clock)}
-    result = table6.paired_latency(runs, "cpu", rounds=3)
+    result = efficiency.paired_latency(runs, "cpu", rounds=3)
     ms, ratio, q1, q3 = result["a"]
     assert ratio == pytest.approx(1.5 * 2 * 1.1 / (1 + 1.1 ** 2)) and (q1, q3) == pytest.approx((ratio, ratio))  # 1.493
     assert result["b"][1] == pytest.approx(2 * 2 * 1.1 / (1 + 1.1 ** 2))
@@ -115,21 +115,21 @@ def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, caps
         assert json.load(f)["rows"] == rows
 
 
-@pytest.mark.parametrize("family", table6.SYNTHETIC)  # the families synthetic_prompt is written for
+@pytest.mark.parametrize("family", efficiency.SYNTHETIC)  # the families synthetic_prompt is written for
 def test_synthetic_prompts_are_in_the_family_format(family):
     """--random-weights inputs, built from the tiny twin's config, run through the real model class, with as many
     tokens per image as the family's own processor gives an image of that size."""
     backbone = backbones.load_backbone("tiny-" + family)
     lengths = []
     for shots in (0, 2):
-        inputs = table6.synthetic_prompt(backbone.model, family, shots)
+        inputs = efficiency.synthetic_prompt(backbone.model, family, shots)
         new = backbone.model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
         assert new.shape[1] == inputs["input_ids"].shape[1] + 2
         lengths.append(inputs["input_ids"].shape[1])
     h, w = inputs["pixel_values"].shape[-2:]
     image = Image.new("RGB", (w, h), (200, 30, 30))
     per_image = len(D.encode_piece(backbone.processor, family, "<image>", image)["input_ids"])
-    assert lengths[1] - lengths[0] == 2 * (per_image + table6.ICD_TEXT)
+    assert lengths[1] - lengths[0] == 2 * (per_image + efficiency.ICD_TEXT)
 
 
 def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
@@ -140,7 +140,7 @@ def test_random_weights_benchmark_path(tmp_path, monkeypatch, capsys):
     rows = lab(["benchmark", "--rounds", "1", "--random-weights", "--model", "llava-interleave", "--task", "vqav2",
                          "--data-root", benchmarks.ROOT, "--out", str(tmp_path)])
     assert [r["setting"] for r in rows] == ["zero-shot", *registry.METHODS, "8-shot", "16-shot", "32-shot"]
-    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (table6.ICD_TEXT + 4)
+    assert [r["prompt_tokens"] for r in rows[-3:]] == [rows[0]["prompt_tokens"] + s * (efficiency.ICD_TEXT + 4)
                                                        for s in (8, 16, 32)]  # the tiny twin: 2 x 2 patches an image
     assert "llava-interleave (random weights)" in capsys.readouterr().out
 
@@ -154,7 +154,7 @@ def test_random_weights_needs_a_gpu(capsys):
 
 
 def test_attention_benchmark_runs_every_path(capsys):
-    ms = table6.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16, rounds=1)
+    ms = efficiency.attention_benchmark(backbones.load_backbone("tiny-idefics2").model, T=16, rounds=1)
     assert list(ms) == ["sdpa", *registry.METHODS, "hyper-icl reference"]
     assert all(t > 0 and m > 0 for t, m in ms.values())
     assert "hyper-icl reference" in capsys.readouterr().out
