@@ -174,8 +174,8 @@ def planned_queries(twin, photos):
     """The plan's query times {(shots, batch): its --plan-json entry} (on a GPU: its own device's figures)."""
     planned = {}
     for shots in (0, 8):
-        figures = evaluate.main(["--plan", "cuda", "--model", "idefics2", "--processor", str(twin), "--task", "vqav2",
-                                 "--data-root", photos, "--n-eval", "8", "--batch-size", "8", "--shots", str(shots)])
+        figures = lab(["plan", "evaluate", "--plan", "cuda", "--model", "idefics2", "--processor", str(twin),
+                       "--task", "vqav2", "--data-root", photos, "--n-eval", "8", "--batch-size", "8", "--shots", str(shots)])
         planned |= {(shots, r["batch"]): r for r in figures["times"]}
     return planned
 

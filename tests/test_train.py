@@ -234,14 +234,14 @@ def test_a_run_stopped_by_max_steps_before_an_epoch_keeps_a_partial_adapter_that
     no best adapter", and evaluate.py quietly scored 0-shot and n-shot only); --resume then goes on as it did: the
     same adapter as an uninterrupted run, its first scored epoch replacing the partial one."""
     import evaluate
-    train.main(small_run(tmp_path, "--max-steps", "2", name="smoke"))
+    lab_train(small_run(tmp_path, "--max-steps", "2", name="smoke"))
     path = str(tmp_path / "smoke" / "adapter.safetensors")
     partial = adapter_files.read_record(path)["partial"]
     assert partial["step"] == 2 and math.isfinite(partial["heldout_loss"]) and partial["heldout_loss"] > 0
     metrics = evaluate.main([*BENCH, "--n-eval", "2", "--checkpoint", path])
     assert metrics["setting"] == "hyper-icl" and "vqa_accuracy" in metrics
-    resumed = train.main(small_run(tmp_path, "--resume", name="smoke"))
-    whole = train.main(small_run(tmp_path, name="whole"))
+    resumed = lab_train(small_run(tmp_path, "--resume", name="smoke"))
+    whole = lab_train(small_run(tmp_path, name="whole"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
     assert "partial" not in adapter_files.read_record(path)
     kept, best = (adapter_files.read_tensors(p) for p in (path, str(tmp_path / "whole" / "adapter.safetensors")))
@@ -262,8 +262,8 @@ def test_a_run_too_short_for_a_warm_up_step_trains_from_its_first(steps, flags, 
     lr = []
     hook = register_optimizer_step_pre_hook(lambda opt, a, k: lr.append(opt.param_groups[0]["lr"]))
     try:
-        trained = train.main([*BENCH, *flags, "--n-heldout", "1", "--shots", "1", "--epochs", "1", "--workers", "0",
-                              "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher")])
+        trained = lab_train([*BENCH, *flags, "--n-heldout", "1", "--shots", "1", "--epochs", "1", "--workers", "0",
+                             "--out", str(tmp_path / "run"), "--teacher-cache", str(tmp_path / "teacher")])
     finally:
         hook.remove()
     assert len(lr) == steps and lr[0] == 5e-3 and zero and any(trained[k].any() for k in zero)

@@ -27,7 +27,7 @@ from lab.cli import eval_cli, flags, study_flags, train_cli
 @dataclass
 class TrainModes(run_plan.Settings):
     """train.py's other modes' own flags (plan train with its times' accelerator, benchmark-teacher, build-toy)."""
-    run_plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
+    plan: Optional[Literal["cuda", "cpu"]] = None  # print the run's plan on cuda or cpu (no value: here), exit
     processor: Optional[str] = None    # --plan: a local folder of the checkpoint's processor
     benchmark: bool = False            # time the run with and without teacher reuse
     build_toy: bool = False            # meta-train a toy-idefics2 to --out instead (lab/models/toy_backbone.py)
@@ -42,7 +42,7 @@ class Training(train.Config, TrainModes):
 @dataclass
 class EvalPlan(run_plan.Settings):
     """evaluate.py's plan flags (plan evaluate; a table's and a figure's --plan), its times' accelerator."""
-    run_plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
+    plan: Optional[Literal["cuda", "cpu"]] = None  # print the evaluation's plan and exit, as train.py's
     processor: Optional[str] = None   # --plan: a local folder of the checkpoint's processor
 
 

@@ -6,7 +6,8 @@ import os
 import data
 from lab.datasets import tasks
 from lab.models import families
-from lab.run.checkpoints import read_record, read_run, record_differences, RESUME_MUST_MATCH, run_record
+from lab.run.adapter_files import read_record, RESUME_MUST_MATCH, run_record
+from lab.run.resume import read_run, record_differences
 
 
 def differences(state, args):

@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 import data
 import evaluate
 import train
-from helpers import PAPER, ROOT, TRAIN, assert_zero_init_is_the_unmodified_model, with_flag
+from helpers import PAPER, ROOT, TRAIN, assert_zero_init_is_the_unmodified_model, lab_args, with_flag
 from lab.datasets import tasks
 from lab.models import backbones, families, image_layouts, tiny
 from lab.models.image_only import image_only
@@ -103,7 +103,7 @@ def test_a_family_added_from_one_record_loads_plans_trains_and_evaluates(copy_fa
     assert backbone.family == "copy-idefics2" and backbone.processor.image_layout is image_layouts.LAYOUTS["canvas"]
     flags = [*with_flag(with_flag(TRAIN, "--model", "tiny-copy-idefics2"), "--batch-size", "2"),  # 2 steps
              "--out", str(tmp_path / "run")]
-    planned = run_plan.plan(train.parse_args([*flags, "--plan", "cpu"]))
+    planned = run_plan.plan(lab_args(["plan", "train", *flags, "--plan", "cpu"]))
     assert planned["shots"] == 1 and planned["queries"] == 4 and planned["rows"]["teacher"]
     train.main(flags)
     history = json.load(open(tmp_path / "run" / "history.json"))

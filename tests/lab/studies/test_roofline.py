@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-import evaluate
+from helpers import lab
 from memory_twins import write_photos
 from twins import write_twin
 from lab.models import published
@@ -27,9 +27,9 @@ def setting(tmp_path_factory):
 def one_query(setting, shots, accelerator, path):
     """The plan's JSON entry of one VQAv2 query at batch 1 with `shots` ICDs on `accelerator`."""
     twin, photos = setting
-    evaluate.main(["--plan", "cuda", "--model", "idefics2", "--processor", str(twin), "--task", "vqav2",
-                   "--data-root", photos, "--n-eval", "1", "--batch-size", "1", "--shots", str(shots),
-                   "--accelerator", accelerator, "--plan-json", str(path)])
+    lab(["plan", "evaluate", "--plan", "cuda", "--model", "idefics2", "--processor", str(twin), "--task", "vqav2",
+         "--data-root", photos, "--n-eval", "1", "--batch-size", "1", "--shots", str(shots),
+         "--accelerator", accelerator, "--plan-json", str(path)])
     run, = json.loads(path.read_text())["runs"]
     assert run["batch"] == 1 and run["shots"] == shots
     return run

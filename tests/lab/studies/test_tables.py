@@ -427,7 +427,7 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
     table_runs.on_devices(args.gpus, args.out, [], ["python", "-m", "lab", "table", "7"])
     assert started == ["4", "5"]  # before: "0", "1", devices of another job
     with pytest.raises(ValueError, match=r"--table-worker .*: --gpus gives it to the processes it starts"):
-        evaluate.main([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
+        lab([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
 
 
 def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
@@ -487,9 +487,9 @@ def test_a_table_moved_with_its_folder_prints_and_runs_again_as_before(rehearsal
     writes = []
     with monkeypatch.context() as m:  # what --print writes: nothing, the files being the same
         m.setattr(files, "atomic_write", lambda path, write: writes.append(path))
-        assert evaluate.main(table("8", "tiny-idefics2", moved, "--print")) == done["8"][0][1] and writes == []
+        assert lab(table("8", "tiny-idefics2", moved, "--print")) == done["8"][0][1] and writes == []
     counted = Counted(monkeypatch)
-    assert evaluate.main(table("8", "tiny-idefics2", moved)) == done["8"][0][1]
+    assert lab(table("8", "tiny-idefics2", moved)) == done["8"][0][1]
     assert {k: v for k, v in counted.work.items() if k != "backbone_loads"} == NO_WORK
 
 
@@ -503,12 +503,12 @@ def test_a_cells_adapter_of_another_task_is_refused_and_print_keeps_the_table(re
     for metrics in run.glob("*.metrics.json"):
         os.remove(metrics)
     before = {f: (moved / f).read_bytes() for f in ("table-8.md", "table-8.json")}
-    printed = evaluate.main(table("8", "tiny-idefics2", moved, "--print"))  # its transfer: the VQAv2 adapter on OK-VQA
+    printed = lab(table("8", "tiny-idefics2", moved, "--print"))  # its transfer: the VQAv2 adapter on OK-VQA
     assert [(c["row"], c["column"]) for c in printed["cells"] if c["ours"] is None] == [("vqav2 -> ok-vqa",
                                                                                           "Hyper-ICL")]
     assert {f: (moved / f).read_bytes() for f in before} == before and "note: kept " in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        evaluate.main(table("8", "tiny-idefics2", moved))
+        lab(table("8", "tiny-idefics2", moved))
     assert "adapter.safetensors is an adapter of the task ok-vqa, not of vqav2" in capsys.readouterr().err
 
 
@@ -516,19 +516,18 @@ def test_a_damaged_result_is_named_by_print_and_healed_by_the_run(tmp_path, caps
     """A cell's metrics whose copied `run` record is a list, or whose score is text: --print names the file and the
     field and shows no number (before: AttributeError in cell_record, `Unknown format code 'f'` naming no file), and
     the table's run evaluates it again (before: read as "the same settings", never healed)."""
-    flags = ["--table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
-    args = evaluate.parse_args(flags)
-    of_cell, _ = table_runs.table_jobs(args, evaluate.parse_args([]), train.parse_args, tables.layout("7", "idefics2"))
+    flags = ["table", "7", *QUIET, "--n-eval", "2", "--out", str(tmp_path)]
+    args = lab_args(flags)
+    of_cell, _ = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("7", "idefics2"))
     job = of_cell["Zero-shot", "vqav2"]
-    first = evaluate.main(list(job.argv))
+    first = lab_evaluate(list(job.argv))
     metrics, = tmp_path.glob("eval/vqav2/*.metrics.json")
     whole = metrics.read_text()
-    cell = lambda: {(c["row"], c["column"]): c for c in evaluate.main([*flags, "--print"])["cells"]}["Zero-shot",
-                                                                                                     "vqav2"]
+    cell = lambda: {(c["row"], c["column"]): c for c in lab([*flags, "--print"])["cells"]}["Zero-shot", "vqav2"]
     for field, value in (("run", [1]), ("vqa_accuracy", "high")):
         metrics.write_text(json.dumps({**json.loads(whole), field: value}))
         assert cell()["ours"] is None and f"note: {metrics}: its {field} is " in capsys.readouterr().out
-        assert evaluate.main(list(job.argv)) == first and metrics.read_text() == whole
+        assert lab_evaluate(list(job.argv)) == first and metrics.read_text() == whole
     assert cell()["ours"] == first["vqa_accuracy"]
 
 
@@ -538,10 +537,10 @@ def test_a_tables_run_of_other_settings_is_refused_with_advice_a_table_can_follo
     argv = ("--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--out",
             str(tmp_path / "run"), "--n-train", "2", "--n-heldout", "1", "--epochs", "1", "--batch-size", "2",
             "--workers", "0", "--proceed")
-    train.main([*argv, "--lr", "1e-3"])
+    lab_train([*argv, "--lr", "1e-3"])
     job = tables.Job("train.py", argv)
     with pytest.raises(ValueError, match=rf"--lr 0.001 \(now 0.005\).*move or remove {tmp_path / 'run'} to train"):
-        table_runs.run_jobs([job], {"train.py": train.main})
+        table_runs.run_jobs([job], {"train.py": lab_train})
     shutil.rmtree(tmp_path / "run")
-    table_runs.run_jobs([job], {"train.py": train.main})
+    table_runs.run_jobs([job], {"train.py": lab_train})
     assert (tmp_path / "run" / "adapter.safetensors").exists()
