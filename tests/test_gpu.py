@@ -175,7 +175,8 @@ def planned_queries(twin, photos):
     planned = {}
     for shots in (0, 8):
         figures = lab(["plan", "evaluate", "--plan", "cuda", "--model", "idefics2", "--processor", str(twin),
-                       "--task", "vqav2", "--data-root", photos, "--n-eval", "8", "--batch-size", "8", "--shots", str(shots)])
+                       "--task", "vqav2", "--data-root", photos, "--n-eval", "8", "--batch-size", "8",
+                       "--shots", str(shots)])
         planned |= {(shots, r["batch"]): r for r in figures["times"]}
     return planned
 

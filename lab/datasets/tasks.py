@@ -248,7 +248,7 @@ def eval_items(args):
     """The items to evaluate: the split, or --n-eval of them (MME and SEED: a seeded subset drawn by image and
     stratified by subtask / dimension, stratified_subset; otherwise the first N, or with --eval-draw seeded N drawn
     with --seed, kept in the split's order). VQAv2's test-dev and test have no
-    answers (lab/scores/server_file.py)."""
+    answers (lab/scores/submission.py)."""
     items = readers.read_test(args.data_root, args.split) if readers.server_split(args.task, args.split) else \
         load_task(args.task, args.split, args.data_root)
     if args.n_eval and spec(args.task).kind in ("yes-no", "choice"):

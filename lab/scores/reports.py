@@ -7,7 +7,7 @@ import os
 
 from lab.datasets import mme_seed, readers
 from lab.run import adapter_files, torchrun
-from lab.scores import results, server_file
+from lab.scores import results, submission
 from lab.scores.metrics import mme_scores, seed_scores
 
 
@@ -27,7 +27,7 @@ def begin(backbone, args, setting, items, kind, vector_info, params):
     results.check_replaceable(stem + ".metrics.json",  # first: before any work
                               {k: metrics[k] for k in results.RESULT_SETTINGS if k in metrics})
     if readers.server_split(args.task, args.split):  # nor another evaluation's test-server file
-        server_file.check_replaceable(args, setting, stem)
+        submission.check_replaceable(args, setting, stem)
     elif not args.again and results.same_result(stem, kind, metrics):  # evaluated before: read, not redone
         print(f"{args.model} {args.task}/{args.split} {setting}: read {stem}.metrics.json (the same settings)")
         return stem, metrics, results.same_result(stem, kind, metrics)
@@ -38,7 +38,7 @@ def server_file(args, kind, items, predictions, setting, stem, metrics):
     """A split without answers (VQAv2's test-dev, test): the test server's file written beside the metrics (by the
     first process under torchrun, the predictions gathered from every process by now)."""
     if torchrun.rank_and_world()[0] == 0:
-        metrics["server_file"] = server_file.write_server_file(args, items, predictions, setting)
+        metrics["server_file"] = submission.write_server_file(args, items, predictions, setting)
         metrics = results.write_evaluation(stem, kind, items, predictions, metrics)
     return metrics
 

@@ -11,7 +11,7 @@ import torch
 from helpers import lab
 from memory_twins import write_photos
 from twins import write_twin
-from lab.models import published
+from lab.models import families, published
 from lab.studies import flops, roofline
 
 STAVE = {0: (98e-3, 23.9e-3), 8: (1430e-3, 23.9e-3)}  # H200, batch 1: to the first token, a generated token
@@ -91,8 +91,7 @@ def test_each_familys_image_flops_are_the_counters_at_the_published_size(family)
     """flops.image_flops of one image against torch's FLOP counter on the published vision tower and connector
     on the meta device, within 10%: Idefics2's perceiver at its 64 latents (before, charged at every patch: 2x the
     counter) on a 640 x 480 photograph, the others at their config's image size (a pixel shuffle's merged tokens,
-    Gemma 3's pooled ones). Qwen's towers read their grid's values (not on the meta device): the tiny twins' check,
-    test_table_plan.py."""
+    Gemma 3's pooled ones). Qwen's towers read their grid's values (not on the meta device): the next test."""
     from torch.utils.flop_counter import FlopCounterMode
     import transformers.masking_utils
     model = published.published_model(family)
@@ -104,3 +103,25 @@ def test_each_familys_image_flops_are_the_counters_at_the_published_size(family)
         image_side(family, model, height, width)
     planned = flops.image_flops(f, (height // patch[0]) * (width // patch[1]))
     assert planned == pytest.approx(counter.get_total_flops(), rel=0.1)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "llava-onevision-1.5"])
+def test_a_qwen_towers_image_flops_are_the_counters_at_the_published_width(family):
+    """The Qwen-style towers (flattened patches, a grid, a 2 x 2 merger) read their grid's values, which the meta device
+    lacks: their published vision config at two layers (the formula is per layer: the rest extrapolates), random
+    weights on the CPU, one 16 x 16-patch image through the tower and merger under torch's FLOP counter, against
+    flops.image_flops of the same config's meta-built model, within 10% (Qwen2.5-VL's windowed layers are counted as
+    full attention, an upper bound)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    config = families.FAMILIES[family].published()
+    vision = config.vision_config
+    vision.depth = 2
+    for layers in ("fullatt_block_indexes", "deepstack_visual_indexes"):  # past two layers: the first one's
+        if hasattr(vision, layers):
+            setattr(vision, layers, [0])
+    model = published.published_model(family, config=config)  # meta: no memory
+    f, tower = flops.flop_model(model), type(model.model.visual)._from_config(vision).float()
+    per_patch = 3 * getattr(vision, "temporal_patch_size", 1) * vision.patch_size ** 2
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        tower(torch.randn(256, per_patch), grid_thw=torch.tensor([[1, 16, 16]]))
+    assert flops.image_flops(f, 256) == pytest.approx(counter.get_total_flops(), rel=0.1)

@@ -1,4 +1,4 @@
-"""VQAv2's test server (lab/scores/server_file.py): evaluate.py --split test-dev / test on a generated test2015 layout
+"""VQAv2's test server (lab/scores/submission.py): evaluate.py --split test-dev / test on a generated test2015 layout
 (the official questions files, no annotations, images in coco/test2015/) writes EvalAI's file over every test2015
 question; --n-eval below the split writes none; a file missing ids is never written. Under torchrun the file is
 written by the first process from predict's gathered answers, as the predictions (tests/lab/run/test_torchrun.py)."""
@@ -10,7 +10,7 @@ from PIL import Image
 
 import evaluate as E
 from lab.datasets import readers
-from lab.scores import server_file
+from lab.scores import submission
 from lab.scores.metrics import normalize_vqa_answer
 from helpers import lab_args, lab_evaluate
 
@@ -88,11 +88,11 @@ def test_n_eval_below_the_split_writes_no_server_file(root, tmp_path, capsys):
 
 def test_a_file_missing_ids_is_never_written(root, tmp_path):
     rows = [{"question_id": q, "answer": "a"} for q in TEST_IDS]
-    server_file.check_complete(rows, TEST_IDS)
+    submission.check_complete(rows, TEST_IDS)
     for broken, why in ((rows[1:], "once"), (rows + rows[:1], "once"), ([{**rows[0], "question_id": "5000"}], "int"),
                         ([{**rows[0], "answer": None}], "str")):
         with pytest.raises(ValueError, match=why):
-            server_file.check_complete(broken, TEST_IDS)
+            submission.check_complete(broken, TEST_IDS)
     stray = tmp_path / "root"  # a test-dev question that test2015 lacks: the full file cannot be made
     (stray / "vqav2").mkdir(parents=True)
     os.symlink(os.path.join(root, "coco"), stray / "coco")
