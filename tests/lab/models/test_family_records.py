@@ -207,7 +207,7 @@ def test_a_missing_transformers_class_refuses_that_family_by_name_and_serves_the
                                           rf"{transformers.__version__}"):
         families.FAMILIES["llava-onevision-1.5"].model_cls()
     assert families.FAMILIES["idefics2"].model_cls() is transformers.Idefics2ForConditionalGeneration
-    with pytest.raises(ImportError, match=r"smolvlm needs transformers >= 5.23 \(for SmolVLMProcessor\)"):
+    with pytest.raises(ImportError, match=r"smolvlm needs transformers >= 5.23( \(for SmolVLMProcessor\))?; this"):
         families.FAMILIES["smolvlm"].processor_cls()
 
 
@@ -217,7 +217,8 @@ def test_a_transformers_older_than_a_familys_needs_refuses_it_by_name_and_the_te
     the tests loop over) leaves them out, the paper's four kept."""
     monkeypatch.setattr(transformers, "__version__", "5.18.0")
     for name, needs in (("idefics3", "5.23"), ("smolvlm", "5.23"), ("llava-onevision-1.5", "5.25")):
-        with pytest.raises(ImportError, match=rf"^{re.escape(name)} needs transformers >= {needs}; this is 5.18.0$"):
+        with pytest.raises(ImportError, match=rf"^{re.escape(name)} needs transformers >= {needs}( \(for \w+\))?; "
+                                              r"this is 5.18.0$"):  # (for a class): where it is missing too
             families.FAMILIES[name].built_twin()
     assert families.FAMILIES["idefics3"].missing() == "idefics3 needs transformers >= 5.23; this is 5.18.0"
     assert {"idefics3", "smolvlm", "llava-onevision-1.5"}.isdisjoint(families.available())
@@ -278,6 +279,8 @@ def test_the_real_processor_twins_share_the_tiny_twins_qwen_constants():
 
 
 def test_an_image_only_processor_keeps_its_signature_and_is_found_again_after_pickling():
+    if missing := families.FAMILIES["smolvlm"].missing():  # CI's floor leg
+        pytest.skip(missing)
     cls = image_only(transformers.SmolVLMProcessor)
     assert inspect.signature(cls.__init__) == inspect.signature(transformers.SmolVLMProcessor.__init__)
     assert image_only(transformers.SmolVLMProcessor) is cls  # one class a base
