@@ -49,6 +49,12 @@ def save_adapter(path, backbone, run=None):
     files.atomic_write(path, lambda f: f.write(files.sorted_metadata(save(tensors, metadata=metadata))))
 
 
+# train.py's settings a run record holds: --resume and --proceed refuse a run whose record differs in one
+RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
+                     "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
+                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed", "icd_task")
+
+
 def run_record(cfg, queries, heldout, icds):
     """What made a run's adapter, as a plain dict: train.py's settings of RESUME_MUST_MATCH (the method, anchor, lambda,
     kappa, rank, ICDs and their task...: a table's column; the task as tasks.task_id: a task of one's own by its real
@@ -220,8 +226,3 @@ def load_tensors(path, tensors, model):
         raise ValueError(f"{path}: its tensor {broken[0]} holds NaN or inf" + (f" (and {len(broken) - 1} more)" if
                          broken[1:] else "") + "; the adapter is damaged or its run diverged")
     M.adapter_modules(model).load_state_dict(tensors)
-
-
-RESUME_MUST_MATCH = ("model", "task", "method", "image_splitting", "shots", "icds", "rices_encoder", "n_train",
-                     "n_heldout", "epochs", "batch_size", "grad_accum", "lr", "weight_decay", "warmup", "clip", "rank",
-                     "virtual_tokens", "kappa", "lam", "anchor", "anchor_norm", "temperature", "seed", "icd_task")

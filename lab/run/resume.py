@@ -1,5 +1,5 @@
-"""A run's folder over time: its last.pt written for --resume and read back (checked against the run record), what
---proceed does with a folder, and a folder claimed by one run."""
+"""A run's folder over time: its last.pt written for --resume and read back (checked against the run record), and a
+folder claimed by one run (what --proceed does with a folder: lab/run/proceed.py)."""
 import os
 import pickle
 

@@ -18,7 +18,6 @@ from lab.methods import registry
 from test_adapters import explicit_hyper_icl
 
 
-
 @pytest.fixture(scope="module", params=PAPER)
 def family(request):
     return request.param
