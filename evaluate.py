@@ -24,8 +24,9 @@ from tqdm import tqdm
 import data as D
 import model as M
 from lab.disk import files
-from lab.datasets import predict_args, readers, rices, tasks
+from lab.datasets import predict_args, readers, tasks
 from lab.models import backbones, families
+from lab.methods import rices
 from lab.run import adapter_files, locks, prefetch, torchrun
 from lab.scores import chair, reports, results
 from lab.cli import eval_cli, harness
@@ -43,7 +44,7 @@ class Config(harness.EvalSettings):
     checkpoint: Optional[str] = None  # adapter; None: runs/<model>-<task>-hyper-icl/'s if it exists and no --shots
     checkpoint_task: Optional[str] = None  # --checkpoint's task where it is not --task's (Table 8), else refused
     shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
-    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
+    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/methods/rices.py)
     split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
     n_eval: Optional[int] = None      # the first N items (None: all); MME, SEED: about N, stratified by --seed
     eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)

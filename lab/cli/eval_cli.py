@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from lab.datasets import readers, rices, tasks
+from lab.datasets import readers, tasks
 from lab.models import families
+from lab.methods import rices
 from lab.run import adapter_files
 from lab.scores import results
 from lab.cli import flags

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from lab.datasets import rices
+from lab.methods import rices
 from lab.models import families
 from lab.studies import curves, table_runs, tables
 

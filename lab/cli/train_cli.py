@@ -4,9 +4,9 @@ import dataclasses
 import os
 import sys
 
-from lab.datasets import rices, tasks
+from lab.datasets import tasks
 from lab.models import families, toy_backbone
-from lab.methods import registry
+from lab.methods import registry, rices
 from lab.run import resume
 from lab.cli import flags
 

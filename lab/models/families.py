@@ -16,7 +16,7 @@ import transformers
 from packaging.version import Version
 
 import data
-from lab.models import image_layouts, published_configs, tiny
+from lab.models import image_layouts, published_configs, synthetic_images, tiny, vision_towers
 from lab.models.image_only import image_only
 
 
@@ -68,6 +68,8 @@ class Family:
     image_only: bool = False          # its processor has a video processor: built without it (load_processor)
     required_settings: tuple = ()     # processor_config.json settings its processor cannot do without
     crops: int | None = None          # views an image is split into when splitting is on (Idefics2: 4 crops + whole)
+    synthetic: Callable | None = None  # Table 6's synthetic images of it (lab/models/synthetic_images.py; None: none)
+    tower: vision_towers.Tower | None = None  # its vision tower as RICES's encoder (None: --rices-encoder needed)
     needs: str | None = None          # the transformers version that first has its classes (their refusal says so)
 
     def model_cls(self):
@@ -132,16 +134,20 @@ FAMILIES = {}
 for _family in (  # the paper's four (their default shots as the paper runs them), then the seven in use now
         Family("idefics2", "HuggingFaceM4/idefics2-8b-base", "Idefics2ForConditionalGeneration", "Idefics2Processor",
                ("idefics2",), Rows(expand="text", end="<end_of_utterance>", raw=True, splitting="do_image_splitting"),
-               "canvas", published_configs.idefics2, tiny.tiny_idefics2, crops=5),
+               "canvas", published_configs.idefics2, tiny.tiny_idefics2, crops=5, tower=vision_towers.PaddedTower(),
+               synthetic=synthetic_images.idefics2),
         Family("idefics", "HuggingFaceM4/idefics-9b", "IdeficsForVisionText2Text", "IdeficsProcessor", ("idefics",),
-               Rows(), "cross-attention", published_configs.idefics, tiny.tiny_idefics, default_shots=32),
+               Rows(), "cross-attention", published_configs.idefics, tiny.tiny_idefics, default_shots=32,
+               tower=vision_towers.Tower("vision_model"), synthetic=synthetic_images.idefics),
         Family("llava-interleave", "llava-hf/llava-interleave-qwen-7b-hf", "LlavaForConditionalGeneration",
                "LlavaProcessor", ("llava",), Rows(raw=True), "concat", published_configs.llava_interleave,
-               tiny.tiny_llava_interleave),
+               tiny.tiny_llava_interleave, tower=vision_towers.Tower(),
+               synthetic=synthetic_images.llava_interleave),
         Family("llava-onevision", "llava-hf/llava-onevision-qwen2-7b-ov-hf", "LlavaOnevisionForConditionalGeneration",
                "LlavaOnevisionProcessor", ("llava_onevision",), Rows(raw=True), "multi-image",
                published_configs.llava_onevision, tiny.tiny_llava_onevision, image_only=True,
-               required_settings=("num_image_tokens", "vision_feature_select_strategy")),
+               required_settings=("num_image_tokens", "vision_feature_select_strategy"),
+               tower=vision_towers.Tower(first_view=True), synthetic=synthetic_images.llava_onevision),
         Family("qwen2.5-vl", "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen2_5_VLForConditionalGeneration",
                "Qwen2_5_VLProcessor", ("qwen2_5_vl",), Rows(**QWEN, positions="model", token_types="mm_token_type_ids"),
                "concat", published_configs.qwen2_5_vl, tiny.tiny_qwen2_5_vl, image_only=True),  # M-RoPE, the model's

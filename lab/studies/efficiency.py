@@ -44,20 +44,20 @@ PREFIX_TEXT, ICD_TEXT, QUERY_TEXT = 14, 20, 16
 MID_QUERY_TEXT = 512  # --random-weights mid: a long query, so that attention's share of the cost shows on a CPU
 
 
-SYNTHETIC = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # synthetic_prompt's families
+def synthetic_families():
+    """The families whose records can make Table 6's synthetic prompts (families.Family.synthetic)."""
+    return tuple(name for name, f in families.FAMILIES.items() if f.synthetic is not None)
 
 
 def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
     """One query with `shots` ICDs (the query with `query_text` text tokens) in the family's real input format, with
-    random text ids and pixels (Table 6). Per image, as the family's processor expands it: Idefics2
-    <fake_token_around_image>, 64 <image> (perceiver latents), <fake_token_around_image>, pixels at COCO's typical
-    480 x 640 (which its processor keeps as is); Idefics one <image> between two wrappers, cross-attending to its
-    224 x 224 image; LLaVA-Interleave one token per SigLIP patch (729 at 384 x 384); LLaVA-OneVision its base
-    384 x 384 view and a newline (730), the multi-image mode of onevision_piece. Sizes come from the model's
-    config, so tiny twins get the same format."""
-    if family not in SYNTHETIC:
-        raise ValueError(f"--random-weights: synthetic Table 6 prompts are written for {', '.join(SYNTHETIC)}, not "
-                         f"{family}; run --benchmark on a checkpoint folder of it (its processor makes the prompts)")
+    random text ids and pixels (Table 6): each image as the family's processor expands it, from its record
+    (lab/models/synthetic_images.py). Sizes come from the model's config, so tiny twins get the same format."""
+    make = families.FAMILIES[family].synthetic
+    if make is None:
+        raise ValueError(f"--random-weights: synthetic Table 6 prompts are written for "
+                         f"{', '.join(synthetic_families())}, not {family}; run --benchmark on a checkpoint folder of "
+                         "it (its processor makes the prompts)")
     cfg, n, gen = model.config, shots + 1, torch.Generator().manual_seed(seed)
     vocab = cfg.get_text_config().vocab_size
     image_id = getattr(cfg, "image_token_id", None) or getattr(cfg, "image_token_index", vocab)
@@ -66,24 +66,10 @@ def synthetic_prompt(model, family, shots, seed=0, query_text=QUERY_TEXT):
         t = torch.randint(vocab - 1, (k,), generator=gen)
         return t + (t >= image_id).long()
 
-    side = cfg.vision_config.image_size
-    if family == "idefics2":
-        image = lambda: torch.cat([text(1), torch.full((cfg.perceiver_config.resampler_n_latents,), image_id), text(1)])
-        h, w = min(480, side), min(640, side)
-        pixels = {"pixel_values": torch.randn(1, n, 3, h, w), "pixel_attention_mask": torch.ones(1, n, h, w).bool()}
-    elif family == "idefics":
-        image = lambda: text(3)
-        pixels = {"pixel_values": torch.randn(1, n, 3, side, side)}
-    else:
-        p = side // cfg.vision_config.patch_size
-        count = p * p if family == "llava-interleave" else p * p + 1  # OneVision: base view + newline (onevision_piece)
-        image = lambda: torch.full((count,), image_id)
-        pixels = {"pixel_values": torch.randn(n, 3, side, side)} if family == "llava-interleave" else \
-            {"pixel_values": torch.randn(n, 1, 3, side, side), "image_sizes": torch.tensor([[side, side]] * n),
-             "batch_num_images": torch.tensor([max(n, 2)])}  # one sample of several images, as MultiImage.batch
+    image, pixels, cross = make(cfg, n, text, image_id)
     pieces = [text(PREFIX_TEXT)] + [torch.cat([image(), text(ICD_TEXT if i < shots else query_text)]) for i in range(n)]
     ids = torch.cat(pieces)[None]
-    if family == "idefics":  # which image each token cross-attends to: the latest one before it
+    if cross:  # which image each token cross-attends to: the latest one before it
         owner = torch.cat([torch.full_like(p, i - 1) for i, p in enumerate(pieces)])
         pixels["image_attention_mask"] = torch.nn.functional.one_hot(owner + 1, n + 1)[None, :, 1:]
     pixels = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in pixels.items()}

@@ -45,7 +45,7 @@ def test_a_decoding_step_copies_no_cache(cls):
             assert efficiency.peak_memory_mb(lambda: adapter(q, k, v, mask, d_h ** -0.5)) < cache_mib / 8
 
 
-@pytest.mark.parametrize("family", efficiency.SYNTHETIC)  # synthetic prompts: the paper's families
+@pytest.mark.parametrize("family", efficiency.synthetic_families())  # synthetic prompts: the paper's families
 def test_grown_twin_has_the_asked_decoder_and_runs(family):
     model, _ = published.grown_twin(family, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                                     num_hidden_layers=3, intermediate_size=64)
@@ -115,7 +115,7 @@ def test_benchmark_prints_every_setting_and_flops_grow_with_shots(tmp_path, caps
         assert json.load(f)["rows"] == rows
 
 
-@pytest.mark.parametrize("family", efficiency.SYNTHETIC)  # the families synthetic_prompt is written for
+@pytest.mark.parametrize("family", efficiency.synthetic_families())  # the families synthetic_prompt is written for
 def test_synthetic_prompts_are_in_the_family_format(family):
     """--random-weights inputs, built from the tiny twin's config, run through the real model class, with as many
     tokens per image as the family's own processor gives an image of that size."""

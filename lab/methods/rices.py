@@ -1,5 +1,5 @@
 """Demonstrations chosen at random or by RICES (the most similar images under a frozen image encoder), with the
-encoders (the backbone's vision tower, or CLIP) and their cached features."""
+encoders (the backbone's vision tower, as its family's record reads it, or CLIP) and their cached features."""
 import hashlib
 import json
 import math
@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 import data
 from lab.disk import files
+from lab.models import families
 
 
 def choose_demonstrations(backbone, args, queries, support, shots):
@@ -64,56 +65,29 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
     return features
 
 
-TOWERS = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the towers vision_tower_features reads
-
-
 def encoder_missing(family, hub_id):
-    """Why RICES has no image encoder for a family (None if it has one): no --rices-encoder, and a backbone whose own
-    vision tower vision_tower_features does not read (TOWERS). Checked with the flags, before anything loads."""
-    if hub_id or family in TOWERS:
+    """Why RICES has no image encoder for a family (None if it has one): no --rices-encoder, and a family whose record
+    names no vision tower to read (families.Family.tower). Checked with the flags, before anything loads."""
+    if hub_id or families.FAMILIES[family].tower is not None:
         return None
-    return (f"--icds rices: the backbone's own vision tower is read for {', '.join(TOWERS)}, not {family}; give "
+    readable = [name for name, f in families.FAMILIES.items() if f.tower is not None]
+    return (f"--icds rices: the backbone's own vision tower is read for {', '.join(readable)}, not {family}; give "
             "--rices-encoder, a CLIP checkpoint")
 
 
 def image_encoder(backbone, hub_id=None):
     """RICES's frozen image encoder: (encode(images) -> [n, d] features, an id that changes with the encoder).
-    Default: the backbone's own vision tower (vision_tower_features; its id hashes the tower's weights); hub_id: a
-    CLIP checkpoint (clip_encoder)."""
+    Default: the backbone's own vision tower, pooled as its family's record says (lab/models/vision_towers.py; its id
+    hashes the tower's weights); hub_id: a CLIP checkpoint (clip_encoder)."""
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
     if missing := encoder_missing(backbone.family, hub_id):
         raise ValueError(missing)
-    h, inner = hashlib.sha256(f"{backbone.name}:{backbone.family}".encode()), backbone.model.model
-    for p in (inner.vision_model if backbone.family in ("idefics2", "idefics") else inner.vision_tower).parameters():
+    tower, h = families.FAMILIES[backbone.family].tower, hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
+    for p in tower.module(backbone.model).parameters():
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
-    return (lambda images: vision_tower_features(backbone, images)), encoder_id
-
-
-@torch.no_grad()
-def vision_tower_features(backbone, images):
-    """The backbone's own vision tower, pooled: [n, d_vision] float32, the mean of its last hidden states over an
-    image's patches. Idefics2 images are encoded whole (no splitting) and only their real (unpadded) patches are
-    averaged; LLaVA-OneVision's base tile is the whole image, resized."""
-    model, family = backbone.model, backbone.family
-    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    process = backbone.processor.image_processor
-    if family == "idefics2":
-        out = process([[im] for im in images], do_image_splitting=False, return_tensors="pt")
-        pixels, mask = out["pixel_values"][:, 0], out["pixel_attention_mask"][:, 0]
-        p = model.config.vision_config.patch_size
-        real = mask.unfold(1, p, p).unfold(2, p, p).flatten(-2).any(-1).to(device)  # [n, H/p, W/p]: any real pixel
-        hidden = model.model.vision_model(pixel_values=pixels.to(device, dtype), patch_attention_mask=real)
-        hidden = hidden.last_hidden_state
-        keep = real.flatten(1)[..., None].to(hidden.dtype)
-        return ((hidden * keep).sum(1) / keep.sum(1)).float()
-    out = process(images, return_tensors="pt")
-    pixels = out if torch.is_tensor(out) else out["pixel_values"]  # Idefics' processor returns the tensor itself
-    if family == "llava-onevision":
-        pixels = pixels[:, 0]
-    tower = model.model.vision_model if family == "idefics" else model.model.vision_tower
-    return tower(pixel_values=pixels.to(device, dtype)).last_hidden_state.mean(1).float()
+    return (lambda images: tower.features(backbone, images)), encoder_id
 
 
 def clip_encoder(hub_id, device="cpu"):
