@@ -1,33 +1,23 @@
 """Data: the items, their prompts, what the teacher and the student read, and the demonstrations.
 
-Items. Each question (VQA, MME, SEED-Bench) or image (captions) is one `Item`: VQA `answers` are the ten human
-answers and the target VQAv2's `multiple_choice_answer` (OK-VQA: the most frequent answer); captions have no
-question, all references as answers and the first as target; MME the answer Yes or No, SEED-Bench the four options
-and the answer's letter, `category` the subtask / dimension.
-
+Items. One `Item` per question (VQA, MME, SEED-Bench) or image (captions); its fields say what each task keeps.
 Prompts (PROMPTS): an instruction line, then each in-context demonstration (ICD) as
 `<image>Question: {q} Short answer: {a}<end>` and a newline, then the query as `<image>Question: {q} Short answer:`.
-`<end>`, which closes every answer and is part of the training label, is the family's end token: Idefics2's
-`<end_of_utterance>`, Idefics' eos `</s>` (a base model pretrained on web documents, not dialogues), the LLaVA models'
-eos (plain interleaved text, no chat turns). `<image>` becomes the family's placeholder, which its processor expands.
-What a family needs beyond its processor is one record, lab/models/families.py:Family: its Rows, carried as
-`processor.row_format`, and its image layout (lab/models/image_layouts.py), carried as `processor.image_layout`,
-which makes a piece's image tokens and pixels and lays a batch's images out for the family's forward.
+`<end>`, part of the training label, is the family's end token (Idefics2's `<end_of_utterance>`, else eos: plain
+interleaved text, no chat turns); `<image>` the family's placeholder, which its processor expands. A family's record
+(lab/models/families.py) rides on its processor: `processor.row_format` (its Rows) and `processor.image_layout`
+(lab/models/image_layouts.py), which makes a piece's image tokens and pixels and lays a batch's images out.
 
 Batches (Section 3). A row is [start, instruction, ICD_1 .. ICD_m, query + target]: the teacher's has m ICDs, the
-student's none. Each piece is tokenised once, with its image, by the family's own processor, and rows are
-concatenations of those ids, so the query's ids are identical in teacher and student; rows are left-padded, so the
-query + target (T tokens) are the last T positions of both (`query_target`). LLaVA-OneVision encodes every image in its
-multi-image mode (image_layouts.onevision_piece), so the query image gets the same tokens with and without ICDs.
-
-The readers of the official formats (lab/datasets/readers.py, mme_seed.py: the layout of --data-root and their checks
-are in docs/real-models.md, "Data layout") and the toy-icl datasets (lab/datasets/toy_world.py) make the Items."""
+student's none. Each piece is tokenised once, with its image, and rows are concatenations of those ids, so the query's
+ids are identical in teacher and student; rows are left-padded, so the query + target (T tokens) are the last T
+positions of both (`query_target`). The readers of the official formats and the toy world (lab/datasets/) make the
+Items."""
 import hashlib
 import os
 import random
 from dataclasses import dataclass
 
-import numpy
 import torch
 from PIL import Image
 
@@ -40,8 +30,8 @@ class Item:
     id: int                  # VQA question_id; COCO cocoid; Flickr30k Karpathy imgid
     image_path: str
     question: str | None
-    answers: tuple[str, ...]  # the ten human answers (VQA) or all reference captions
-    target: str              # the training target (see the module docstring)
+    answers: tuple[str, ...]  # the ten human answers (VQA), all reference captions, SEED-Bench's four options
+    target: str              # VQAv2's multiple_choice_answer, OK-VQA's most frequent, the first caption, Yes/No, A-D
     category: str = ""       # MME subtask / SEED-Bench dimension
 
 
@@ -83,8 +73,8 @@ PROMPTS = {  # task kind -> the instruction line, the query (an ICD without its 
                    query="<image>Question: {question} Answer:", answer=" {answer}"),
     "choice": dict(instruction="Answer each question about its image with the letter of the correct option.\n",
                    query="<image>Question: {question}{options}\nAnswer:", answer=" {answer}"),  # SEED, letter
-    # SEED's likelihood protocol (evaluate.option_logliks): SEED-Bench's official prompt "Question: {question}\nAnswer:"
-    # (its model/instruct_blip_interface.py), no instruction line and no options; an answer is an option's text.
+    # SEED's likelihood protocol (lab/scores/seed_likelihood.py): SEED-Bench's official prompt "Question: {question}
+    # \nAnswer:" (its model/instruct_blip_interface.py), no instruction line and no options; an answer an option's text.
     "choice-likelihood": dict(instruction="", query="<image>Question: {question}\nAnswer:", answer=" {answer}"),
 }
 SEPARATOR = "\n"  # after each ICD
@@ -152,25 +142,6 @@ def encode_piece(processor, family, text, image, pixels=None):
     return processor.image_layout.piece(processor, family, text, image, pixels)
 
 
-def piece_ids(processor, family, text, pixels):
-    """The ids of a piece's text, its `<image>` the family's placeholder, expanded into the tokens its processor gives
-    the image: the processor's call on the text (expand "text": Idefics2), else the image layout's tokens for the
-    processed image (replace_image_token: LLaVA-Interleave a token a patch, Qwen merged patches; LLaVA-OneVision's base
-    view)."""
-    form = processor.row_format
-    text = text.replace("<image>", form.placeholder, 1)
-    if form.expand == "text":
-        return processor(text=text, add_special_tokens=False)["input_ids"][0]
-    one = processor.image_layout.tokens(processor, pixels)
-    return processor.tokenizer(text.replace(processor.image_token, one, 1), add_special_tokens=False)["input_ids"]
-
-
-def chw(array):
-    """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
-    numpy on one thread: torch splits such a copy over its threads, slower on a busy CPU (docs/efficiency.md)."""
-    return torch.from_numpy(numpy.ascontiguousarray(array))
-
-
 def load_image(item):
     """The item's image, RGB, of IMAGE_FORMATS, sides MIN_IMAGE_SIDE or more, MAX_ASPECT:1 at most; errors name it."""
     if not isinstance(item.image_path, (str, os.PathLike)):
@@ -224,27 +195,10 @@ def encode(processor, family, kind, icds, query, with_target=True):
     return join(encode_prefix(processor, family, kind, icds), encode_query(processor, family, kind, query, with_target))
 
 
-def pad_stack(tensors):
-    """Stack tensors of equal rank, zero-padding every dimension at its end to the largest size."""
-    shape = [max(sizes) for sizes in zip(*(t.shape for t in tensors))]
-    out = tensors[0].new_zeros(len(tensors), *shape)
-    for o, t in zip(out, tensors):
-        o[tuple(slice(0, n) for n in t.shape)] = t
-    return out
-
-
-def pixel_norm(process):
-    """[3, 3] float32, per channel (divisor, mean, std): an image processor's rescaling and normalisation, as
-    (x / divisor - mean) / std in float32. With transformers' rescale by 1/255 (in float64, then rounded to float32),
-    x / 255 in float32 is the same number for every uint8 x: the processor's pixels to the bit (tests/test_data.py)."""
-    divisor = 1 / process.rescale_factor if process.do_rescale else 1.0
-    mean, std = (process.image_mean, process.image_std) if process.do_normalize else (0.0, 1.0)
-    return torch.stack([torch.tensor(v, dtype=torch.float32).expand(3) for v in (divisor, mean, std)], 1)
-
-
 def normalised(batch):
-    """The batch with uint8 pixel_values normalised (pixel_norm), float32, zero outside pixel_attention_mask (Idefics2's
-    padding, as its processor pads); a batch without pixel_norm as it is. Wherever the batch lives: on the device."""
+    """The batch with uint8 pixel_values normalised (lab/models/image_layouts.py:pixel_norm), float32, zero outside
+    pixel_attention_mask (Idefics2's padding, as its processor pads); a batch without pixel_norm as it is. Wherever the
+    batch lives: on the device."""
     if "pixel_norm" not in batch:
         return batch
     pixels, (divisor, mean, std) = batch["pixel_values"], batch["pixel_norm"].T[..., None, None]
@@ -268,30 +222,10 @@ def collate(rows, processor, family):
     input_ids = torch.tensor([left_pad(r["input_ids"], pad) for r in rows])
     attention_mask = torch.tensor([left_pad([1] * len(r["input_ids"]), 0) for r in rows])
     query_target = torch.tensor([left_pad([True] * r["query_len"], False) for r in rows])
-    return {"input_ids": input_ids, "attention_mask": attention_mask, **positions(processor, input_ids, attention_mask),
+    per_token = processor.row_format.token_inputs(processor, input_ids, attention_mask)  # positions (0 on padding)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, **per_token,
             "labels": torch.tensor([left_pad(r["labels"], -100) for r in rows]), "query_target": query_target,
             **processor.image_layout.batch(rows, processor, input_ids)}
-
-
-def align_teacher(states, query_target):
-    """Eq 16's alignment: per-query teacher states [L, T_q, d] laid at their student rows' query_target, [L, B, W, d]
-    (0 elsewhere). collate pads on the left, so they are each row's last T_q positions: sliced, no wait for a device."""
-    out = states[0].new_zeros(states[0].shape[0], *query_target.shape, states[0].shape[-1], device=query_target.device)
-    for b, s in enumerate(states):
-        out[:, b, query_target.shape[1] - s.shape[1]:] = s.to(query_target.device)
-    return out
-
-
-def positions(processor, input_ids, attention_mask):
-    """A batch's positions (row_format.positions): "1-d", position_ids = cumsum - 1 over the real tokens (0 on
-    padding); "model", none (M-RoPE: the model makes them from the ids, token types, image grids and attention mask).
-    And the forward's per-token tensor (row_format.token_types): 1 on image tokens, 0 on padding."""
-    form, out = processor.row_format, {}
-    if form.positions == "1-d":
-        out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    if form.token_types:
-        out[form.token_types] = torch.tensor(processor.create_mm_token_type_ids(input_ids)) * attention_mask
-    return out
 
 
 def answer_window(labels):

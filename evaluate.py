@@ -3,8 +3,7 @@
 How a score is made (Section 4.1): the items of --task's evaluation split are batched as left-padded prompts
 (data.prompt_batch), the query alone (zero-shot, an adapter) or [ICDs; query] (n-shot ICL); the backbone decodes
 greedily (generate), each answer is cut at its first line (postprocess) and score() applies the official metric
-(lab/scores/metrics.py), or SEED-Bench's likelihood protocol ranks the options by log p(option) (option_logliks);
---chair adds CHAIR (Table 5). The default job (evaluate_with_baselines): 0-shot, N-shot ICL and the adapter.
+(lab/scores/metrics.py); --chair adds CHAIR (Table 5). The default job: 0-shot, N-shot ICL and the adapter.
 
     python evaluate.py                                   the default job: toy-idefics2 on toy-icl-colour
     python evaluate.py --model idefics2 --task vqav2 --data-root D --checkpoint runs/.../adapter.safetensors
@@ -28,7 +27,7 @@ from lab.datasets import predict_args, readers, tasks
 from lab.models import backbones, families
 from lab.methods import rices
 from lab.run import adapter_files, locks, prefetch, torchrun
-from lab.scores import chair, reports, results
+from lab.scores import chair, reports, seed_likelihood, results
 from lab.cli import eval_cli, harness
 from lab.scores.metrics import cider_d, multiple_choice_accuracy, vqa_accuracy
 from lab.datasets.tasks import load_task  # a task's items by split, for predict() from Python (README)
@@ -97,10 +96,9 @@ def load_backbone(name, checkpoint=None, **options):
 def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, workers=0, new_tokens=None):
     """Answers (or captions) for items, icds[i] before item i (n-shot ICL) or none (zero-shot / adapter), at most
     new_tokens each (None: the task's); with `likelihood` (SEED-Bench's official protocol) the letter of the option
-    of highest option_logliks. The batches are
-    prepared by `workers` DataLoader workers while the model decodes (lab/run/prefetch.py:prepared). Under torchrun each
-    process answers every N-th batch; every process returns all answers, in item order. Arguments that would misalign
-    answers and items are refused first (lab/datasets/predict_args.py)."""
+    of highest log p(option) (lab/scores/seed_likelihood.py). `workers` DataLoader workers prepare the batches while
+    the model decodes; under torchrun each process answers every N-th batch and all return every answer, in order.
+    Arguments that would misalign answers and items are refused first (lab/datasets/predict_args.py)."""
     predict_args.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
     kind, new_tokens = tasks.spec(task).kind, new_tokens or tasks.spec(task).max_new_tokens
     (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
@@ -113,37 +111,13 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     for i, batch in tqdm(zip(mine, batches), total=len(mine), desc=f"{backbone.name} {task}", unit="batch",
                          disable=rank != 0):
         if likelihood:
-            scores = option_scores(backbone, batch, len(batch["labels"]) // len(D.SEED_LETTERS))
+            scores = seed_likelihood.option_scores(backbone, batch, len(batch["labels"]) // len(D.SEED_LETTERS))
             answers[i] = [D.SEED_LETTERS[k] for k in scores.argmax(-1).tolist()]
         else:
             tokens = generate(backbone, D.model_inputs(batch, backbone.model.device), new_tokens)
             answers[i] = [postprocess(t) for t in tok.batch_decode(tokens, skip_special_tokens=True)]
     answers = torchrun.gathered(answers)
     return [p for i in starts for p in answers[i]]
-
-
-@torch.no_grad()
-def option_logliks(backbone, items, icds=None):
-    """SEED-Bench's official likelihood protocol: log p(option) for each item's four options, [len(items), 4].
-    As the official code sums each option's per-token losses, end token included, log p(option) is the sum (not
-    length-normalised) of the log-probabilities of the option's text tokens and the end token after the query, under
-    the official prompt "Question: {q}\nAnswer:" (data.PROMPTS "choice-likelihood"). icds[i] (with their answer's
-    text as the answer) precede item i. All 4 x len(items) rows go through one left-padded forward pass."""
-    return option_scores(backbone, prefetch.option_rows(backbone.processor, backbone.family, None, (items, icds)),
-                         len(items))
-
-
-@torch.no_grad()
-def option_scores(backbone, batch, n_items):
-    """log p(option) [n_items, 4] from an option_rows batch (see option_logliks)."""
-    batch = backbones.to_device(batch, backbone.model.device)
-    rows = len(batch["labels"])
-    logits, labels = M.target_logits(backbone.model, batch)  # the options' positions only
-    logits, labels = logits[:, :-1], labels[:, 1:]
-    answer = labels != -100                                   # position t predicts token t + 1
-    logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
-    per_row = torch.zeros(rows, device=logp.device).index_add(0, answer.nonzero()[:, 0], logp)
-    return per_row.view(n_items, len(D.SEED_LETTERS)).cpu()
 
 
 def score(kind, items, predictions):
@@ -158,11 +132,10 @@ def score(kind, items, predictions):
 
 
 def evaluate(backbone, args, items, setting, vector=None):
-    """Evaluate one setting (Table 1 rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter; `vector`:
-    (its steering context, its facts), a task or function vector of `python -m lab evaluate --vector`) on --n-eval
-    items. Writes <out>/<result_name>.predictions.jsonl (id, prediction, references per item) and .metrics.json (the
-    settings and the scores), prints one summary line and returns the metrics. A metrics file of other settings under
-    that name is refused first, and one of these settings read back (lab/scores/reports.py)."""
+    """Evaluate one setting (Table 1's rows: zero-shot, n-shot ICL with random or RICES ICDs, an adapter; `vector`:
+    (its steering context, its facts), a task or function vector of `python -m lab evaluate --vector`) on the items.
+    Writes <out>/<result_name>.predictions.jsonl and .metrics.json, prints one line and returns the metrics; a result
+    of these settings is read back, one of others under that name refused first (lab/scores/reports.py)."""
     kind, icds, (steering, vector_info) = tasks.spec(args.task).kind, None, vector or (None, {})
     params = args.checkpoint and sum(p.numel() for p in M.adapter_modules(backbone.model).parameters())  # # Params
     stem, metrics, done = reports.begin(backbone, args, setting, items, kind, vector_info, params)
@@ -180,23 +153,11 @@ def evaluate(backbone, args, items, setting, vector=None):
     return reports.written(args, kind, items, predictions, setting, stem, metrics, scored)
 
 
-def icl_shots(backbone, args):
-    """The ICDs of the default job's n-shot ICL row: the adapter's teacher's (its run record) where there is one, said
-    when they are not the backbone's default for the task, else that default (data.default_shots)."""
-    default = D.default_shots(tasks.spec(args.task), backbone.family)
-    record = adapter_files.read_record(args.checkpoint) if args.checkpoint else None
-    if record and record.get("shots") not in (None, default):
-        print(f"n-shot ICL at {record['shots']} shots, as the adapter's teacher had them ({args.checkpoint}'s run "
-              f"record; this backbone's default: {default}); --shots N for another")
-        return record["shots"]
-    return default
-
-
 def evaluate_with_baselines(backbone, args, items, setting):
     """The default job's evaluation: zero-shot and the paper's N-shot ICL (no adapter), then the adapter if there is
     one; prints them side by side (reports.side_by_side) and returns the adapter's metrics (zero-shot's without an
     adapter)."""
-    shots = icl_shots(backbone, args)
+    shots = reports.icl_shots(backbone, args)
     with M.without_adapter(backbone.model):
         done = [evaluate(backbone, replace(args, shots=n), items, f"{n}-shot") for n in (0, shots)]
     if args.checkpoint:
@@ -214,20 +175,6 @@ def parse_args(argv=None):
     return eval_cli.parse_args(argv, __doc__, Config(), shown=Config.__annotations__, script=True)
 
 
-def adapted(backbone, args):
-    """The setting these flags evaluate on `backbone`, --checkpoint's adapter attached first: its method, n-shot ICL
-    ("8-shot", with RICES "8-shot-rices"), or an adapter with ICDs ("hyper-icl+8-shot")."""
-    setting = f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
-    if args.checkpoint:
-        method = adapter_files.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
-        print(f"adapter: {args.checkpoint} ({method})")
-        return method if not args.shots else f"{method}+{setting}"
-    asked = args.shots is not None
-    print(f"no adapter: {setting} evaluation" + ("" if asked else
-                                                 f" ({results.default_checkpoint(args.model, args.task)} not found)"))
-    return setting
-
-
 def main(argv=None, load=None):
     """python evaluate.py [flags]: the evaluation of an adapter or n-shot ICL on --task's items; without --checkpoint
     or --shots the default job (0-shot, the paper's N-shot ICL and the default run's adapter, side by side). The
@@ -236,10 +183,9 @@ def main(argv=None, load=None):
 
 
 def launch(args, load=None, vector=None):
-    """The evaluation of the parsed flags `args`; under torchrun the items are shared by the processes. load: what
-    loads the backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all its
-    cells); vector(backbone, args) -> (setting, (steering, facts)): a task or function vector's, computed or read
-    (`python -m lab evaluate --vector`)."""
+    """The evaluation of the parsed flags `args` (under torchrun the processes share the items). load: as train.py's;
+    vector(backbone, args) -> (setting, (steering, facts)): a task or function vector's (`python -m lab evaluate
+    --vector`)."""
     backbones.choose_threads(args.model, args.threads)
     with torchrun.process_group(), locks.locked(args.out, shared=True):  # evaluations share --out
         files.remove_stale_tmp(args.out)
@@ -253,7 +199,7 @@ def launch(args, load=None, vector=None):
         if vector:
             setting, steered = vector(backbone, args)
             return evaluate(backbone, args, items, setting, steered)
-        setting, default = adapted(backbone, args), results.default_checkpoint(args.model, args.task)
+        setting, default = reports.adapted(backbone, args), results.default_checkpoint(args.model, args.task)
         if args.shots is None and args.checkpoint in (None, default) and args.split in D.SPLITS:
             return evaluate_with_baselines(backbone, args, items, setting)  # the default job
         return evaluate(backbone, args, items, setting)

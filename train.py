@@ -5,10 +5,9 @@ Hyper-ICL (Eq 16-17): the teacher (backbone, no adapter, no gradient) reads [ICD
 (model.layer_outputs) at the query's tokens + lambda * cross-entropy on the target. HiFICL: cross-entropy only,
 no teacher.
 
-The teacher's states depend only on the query and its fixed ICDs: computed once, in the first epoch, then read
-from a cache (lab/run/teacher_cache.py). Nothing is lost on interruption: `<out>/last.pt` is written atomically every
-epoch, on Ctrl-C or SIGTERM and on an error, and --resume continues bit-for-bit (lab/run/runs.py);
-`<out>/adapter.safetensors` is the best epoch's adapter.
+The teacher's states depend only on the query and its fixed ICDs: computed once, then cached (lab/run/teacher_cache.py).
+`<out>/last.pt` is written every epoch and on Ctrl-C, SIGTERM or an error; --resume continues bit-for-bit
+(lab/run/runs.py); `<out>/adapter.safetensors` is the best epoch's adapter.
 
     python train.py                                   # the default: toy-idefics2 on toy-icl-colour, CPU
     python train.py --model idefics2 --task vqav2 --data-root /data
@@ -90,17 +89,14 @@ def eq17(anchor, sup, lam):
 
 
 def losses(backbone, cfg, student, teacher, model=None, progress=None):
-    """The loss of one micro-batch (student batch, teacher tensor: training_batches.pair), assembled: the student's
-    forward with the adapter; L_anchor, Eq 16 or --anchor's own (lab/methods/registry.py: Table 4's Euclidean,
-    MimIC's MSE, LIVE's KL; none: L = L_sup, HiFICL's and LoRA's); L_sup; under torchrun each as this process's share
-    of the global micro-batch's mean; with --anchor-norm first (not in the paper), L_anchor over its value on the
-    run's first micro-batch, kept in the run's `progress`; Eq 17. model: what runs the student (the
-    DistributedDataParallel wrapper under torchrun; default backbone.model).
+    """Eq 17 on one micro-batch (student batch, teacher tensor: training_batches.pair): the student's forward with the
+    adapter; L_anchor, Eq 16 or --anchor's (lab/methods/registry.py; none: L = L_sup); L_sup; under torchrun each as
+    this process's share of the global mean; with --anchor-norm first (not in the paper), L_anchor over its value on
+    the run's first micro-batch (kept in `progress`). model: what runs the student (default backbone.model).
 
     Eq 16 compares h^(l), every decoder layer's own output (model.layer_outputs), of the student (query only, with the
-    adapter) and the teacher (with the ICDs, laid at the student's positions: data.align_teacher) at query_target,
-    the query's and its target's tokens (answer + end token), which both rows hold (data.collate). A choice: the
-    paper says "the query tokens", and the target is part of both rows."""
+    adapter) and the teacher (with the ICDs) at query_target, the query's and its target's tokens, which both rows
+    hold (data.collate). A choice: the paper says "the query tokens", and the target is part of both rows."""
     anchor = registry.ANCHORS[cfg.anchor]
     forward = lambda: M.target_logits(model or backbone.model, student)  # the LM head at the answer window only
     with backbones.autocast(student["input_ids"].device):
@@ -154,10 +150,9 @@ def run_teacher(backbone, batch, output="states"):
 
 def train(cfg, load=None):
     """Minimise Eq 17 over the adapter's parameters only (the backbone stays frozen): AdamW with linear warm-up and
-    cosine decay, --epochs passes over the training queries, the adapter of the best epoch (the lowest held-out loss)
-    kept. What is plumbing is one call away in lab/run/runs.py: Ctrl-C or SIGTERM saves the run at a step boundary,
-    --resume continues it exactly, a NaN stops it. Returns the final adapter's parameters. load: what loads the
-    backbone (None: backbones.load_backbone; a table's runner hands in one that loads it once for all its runs)."""
+    cosine decay, --epochs passes, the adapter of the best epoch (the lowest held-out loss) kept; the plumbing one
+    call away (lab/run/runs.py). Returns the final adapter's parameters. load: what loads the backbone (None:
+    backbones.load_backbone; a table's runner hands in one that loads it once for all its runs)."""
     # the data (first: it fails fast), the backbone, each training query's demonstrations (fixed for the run)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)

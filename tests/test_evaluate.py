@@ -15,6 +15,7 @@ import evaluate as E
 import train
 from helpers import BENCH, EVAL, lab_evaluate, lab_evaluate_args, lab_train_args, ROOT, TINY
 from lab.datasets import mme_seed, tasks
+from lab.scores import seed_likelihood
 from lab.models import backbones, families
 
 
@@ -31,7 +32,7 @@ def test_likelihood_ranking_matches_plain_forward(backbone):
     proc, family = backbone.processor, backbone.family
     items, pool = tasks.load_task("seed", "val", benchmarks.ROOT)[:2], tasks.load_task("seed", "train", benchmarks.ROOT)
     icds = D.demonstrations([it.id for it in items], pool, 1, seed=0)
-    got = E.option_logliks(backbone, items, icds)
+    got = seed_likelihood.option_logliks(backbone, items, icds)
     end = proc.tokenizer.convert_tokens_to_ids("<end_of_utterance>")
     expected = torch.zeros(2, 4, dtype=torch.float64)
     for i, (it, ds) in enumerate(zip(items, icds)):

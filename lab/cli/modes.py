@@ -20,6 +20,7 @@ from lab.disk import files
 from lab.datasets import tasks
 from lab.models import backbones, families, published, toy_backbone
 from lab.run import locks, torchrun
+from lab.scores import reports
 from lab.studies import analyses, curves, efficiency, run_plan, table_runs, vectors
 from lab.cli import eval_cli, flags, study_flags, train_cli
 
@@ -125,7 +126,7 @@ def study(args, argv=None, command=None):
             if items == []:
                 raise ValueError(f"{args.task} has no {args.split} items to evaluate")
             backbone = loaded(args)
-            return analyses.analysis(backbone, args, items, evaluate.adapted(backbone, args))
+            return analyses.analysis(backbone, args, items, reports.adapted(backbone, args))
         efficiency.keep_freed_memory()
         if args.benchmark_attention:
             return efficiency.attention_benchmark(efficiency.attention_model(args.model, args.random_weights),
@@ -133,7 +134,7 @@ def study(args, argv=None, command=None):
         backbone = published.random_backbone(args.model, args.random_weights) if args.random_weights else \
             loaded(args)
         if args.checkpoint:
-            evaluate.adapted(backbone, args)
+            reports.adapted(backbone, args)
         return efficiency.benchmark(backbone, args, evaluate.generate)
 
 

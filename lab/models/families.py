@@ -47,6 +47,18 @@ class Rows:
     #                                  device (data.normalised); else the image processor's own float32 pixels
     splitting: str | None = None     # the image processor's setting that --image-splitting switches (tiles, crops)
 
+    def token_inputs(self, processor, input_ids, attention_mask):
+        """A left-padded batch's per-token inputs beside its ids (data.collate): positions "1-d", position_ids =
+        cumsum - 1 over the real tokens (0 on padding); "model", none (M-RoPE: the model makes them from the ids,
+        token types, image grids and attention mask). And the forward's per-token tensor (token_types): 1 on image
+        tokens, 0 on padding."""
+        out = {}
+        if self.positions == "1-d":
+            out["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        if self.token_types:
+            out[self.token_types] = torch.tensor(processor.create_mm_token_type_ids(input_ids)) * attention_mask
+        return out
+
 
 @dataclass(frozen=True)
 class Family:

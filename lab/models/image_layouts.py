@@ -6,11 +6,11 @@ the layout as `processor.image_layout` (families.formatted), which data.py calls
 - "multi-image": LLaVA-OneVision's multi-image mode for every image (onevision_piece);
 - "cross-attention": Idefics' processor tensors, and which image each token cross-attends to.
 A new layout is one class here and one entry in LAYOUTS."""
+import numpy
 import torch
 from transformers.models.idefics.processing_idefics import (image_attention_mask_for_packed_input_ids,
                                                             incremental_to_binary_attention_mask)
 
-import data
 
 
 class Concat:
@@ -22,7 +22,7 @@ class Concat:
         """Token ids and images of one piece (text starting with `<image>`): {"input_ids", "images"}; `pixels`
         (self.pixels) reused where the caller has them."""
         pixels = pixels or self.pixels(processor, image)
-        return {"input_ids": data.piece_ids(processor, family, text, pixels), "images": pixels}
+        return {"input_ids": piece_ids(processor, text, pixels), "images": pixels}
 
     def tokens(self, processor, pixels):
         """The text that one image's token expands into (replace_image_token of the processed image)."""
@@ -37,7 +37,7 @@ class Concat:
         settings = {**getattr(processor, "images_kwargs", {}), **({"do_pad": False} if canvas else {})}
         if form.raw:
             out = process([[image]] if canvas else [image], do_rescale=False, do_normalize=False, **settings)
-            crops = [data.chw(c) for c in (out["pixel_values"][0] if canvas else out["pixel_values"])]
+            crops = [chw(c) for c in (out["pixel_values"][0] if canvas else out["pixel_values"])]
             return {"pixel_values": crops if canvas else torch.stack(crops)}
         out = dict(process([[image]] if canvas else [image], return_tensors="pt", **settings))
         return {**out, "pixel_values": list(out["pixel_values"][0])} if canvas else out
@@ -94,7 +94,7 @@ class CrossAttention(Concat):
         return {"input_ids": out["input_ids"][0, 1:].tolist(), "images": {"pixel_values": out["pixel_values"][0]}}
 
     def batch(self, rows, processor, input_ids):
-        pixel_values = data.pad_stack([data.pad_stack(v) for v in crops_per_row(rows)])
+        pixel_values = pad_stack([pad_stack(v) for v in crops_per_row(rows)])
         latest, _ = image_attention_mask_for_packed_input_ids(input_ids, processor.tokenizer, "pt")
         mask = incremental_to_binary_attention_mask(latest, "pt", num_classes=pixel_values.shape[1])
         return {"pixel_values": pixel_values, "image_attention_mask": mask}
@@ -104,8 +104,8 @@ LAYOUTS = {"concat": Concat(), "canvas": Canvas(), "multi-image": MultiImage(), 
 
 
 def norm(processor):
-    """{"pixel_norm": ...} for a raw family's uint8 pixels (data.pixel_norm), else {}."""
-    return {"pixel_norm": data.pixel_norm(processor.image_processor)} if processor.row_format.raw else {}
+    """{"pixel_norm": ...} for a raw family's uint8 pixels (pixel_norm), else {}."""
+    return {"pixel_norm": pixel_norm(processor.image_processor)} if processor.row_format.raw else {}
 
 
 def crops_per_row(rows):
@@ -142,4 +142,43 @@ def onevision_piece(process, image):
     pixels = process.process_image(image, do_convert_rgb=True)
     square = process.pad_to_square(pixels, tuple(int(x * 255) for x in process.image_mean))
     view = process.resize(square, process.size, resample=process.resample)
-    return {"pixel_values": data.chw(view)[None], "image_sizes": torch.tensor([pixels.shape[-2:]])}
+    return {"pixel_values": chw(view)[None], "image_sizes": torch.tensor([pixels.shape[-2:]])}
+
+
+
+def piece_ids(processor, text, pixels):
+    """The ids of a piece's text, its `<image>` the family's placeholder, expanded into the tokens its processor gives
+    the image: the processor's call on the text (expand "text": Idefics2), else the image layout's tokens for the
+    processed image (replace_image_token: LLaVA-Interleave a token a patch, Qwen merged patches; LLaVA-OneVision's base
+    view)."""
+    form = processor.row_format
+    text = text.replace("<image>", form.placeholder, 1)
+    if form.expand == "text":
+        return processor(text=text, add_special_tokens=False)["input_ids"][0]
+    one = processor.image_layout.tokens(processor, pixels)
+    return processor.tokenizer(text.replace(processor.image_token, one, 1), add_special_tokens=False)["input_ids"]
+
+# ------------------------------------------------------------------------------ pixels: as the processors make them
+
+def chw(array):
+    """A processor's [3, h, w] uint8 array (a view of PIL's h x w x 3 pixels) as a contiguous tensor, transposed by
+    numpy on one thread: torch splits such a copy over its threads, slower on a busy CPU (docs/efficiency.md)."""
+    return torch.from_numpy(numpy.ascontiguousarray(array))
+
+
+def pad_stack(tensors):
+    """Stack tensors of equal rank, zero-padding every dimension at its end to the largest size."""
+    shape = [max(sizes) for sizes in zip(*(t.shape for t in tensors))]
+    out = tensors[0].new_zeros(len(tensors), *shape)
+    for o, t in zip(out, tensors):
+        o[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+def pixel_norm(process):
+    """[3, 3] float32, per channel (divisor, mean, std): an image processor's rescaling and normalisation, as
+    (x / divisor - mean) / std in float32. With transformers' rescale by 1/255 (in float64, then rounded to float32),
+    x / 255 in float32 is the same number for every uint8 x: the processor's pixels to the bit (tests/test_data.py)."""
+    divisor = 1 / process.rescale_factor if process.do_rescale else 1.0
+    mean, std = (process.image_mean, process.image_std) if process.do_normalize else (0.0, 1.0)
+    return torch.stack([torch.tensor(v, dtype=torch.float32).expand(3) for v in (divisor, mean, std)], 1)

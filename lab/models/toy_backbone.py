@@ -17,7 +17,7 @@ import torch
 import data
 from lab.disk import files
 from lab.datasets import toy_world
-from lab.models import families, tiny
+from lab.models import families, image_layouts, tiny
 
 
 # The real Idefics2 class and processor at a size a CPU meta-trains in minutes (about 1 M parameters): images of
@@ -139,7 +139,7 @@ def toy_scenes(processor, n, rng):
     scenes = [toy_world.icl_scene(rng) for _ in range(n)]
     images = [[Image.open(io.BytesIO(toy_world.icl_jpeg(s))).convert("RGB")] for s in scenes]
     out = processor.image_processor(images, do_rescale=False, do_normalize=False, do_pad=False)  # image_layouts.Canvas
-    return scenes, [{"pixel_values": [data.chw(c) for c in crops]} for crops in out["pixel_values"]]
+    return scenes, [{"pixel_values": [image_layouts.chw(c) for c in crops]} for crops in out["pixel_values"]]
 
 
 def toy_batch(processor, text, scenes, pixels, episodes):

@@ -135,8 +135,8 @@ def prompt_rows(processor, family, kind, spec):
 
 
 def option_rows(processor, family, kind, spec):
-    """The batch of evaluate.option_logliks for spec = (items, their ICDs or None): four rows an item, one per option,
-    under the "choice-likelihood" prompt (`kind` is that one)."""
+    """The batch of lab/scores/seed_likelihood.py for spec = (items, their ICDs or None): four rows an item, one per
+    option, under the "choice-likelihood" prompt (`kind` is that one)."""
     items, icds = spec
     kind, rows = "choice-likelihood", []
     for it, ds in zip(items, icds or [[] for _ in items]):

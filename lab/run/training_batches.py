@@ -60,7 +60,7 @@ def prepared(run, specs, workers):
 def pair(run, prepared, computed):
     """(student batch, teacher tensor) of a prepared micro-batch on run.device: the teacher's tensors the cache held
     and `computed`, those the loop's teacher computed for the queries it lacked (in their order), stored (stored);
-    LIVE's answer logits concatenated, states laid at the student's positions (data.align_teacher). Not in the paper:
+    LIVE's answer logits concatenated, states laid at the student's positions (align_teacher). Not in the paper:
     a fresh run's first pair shows the anchor's scale on the backbone (anchor_scale.anchor_regime)."""
     student = {**backbones.to_device(prepared["student"], run.device),
                "window": data.answer_window(prepared["student"]["labels"])}
@@ -69,7 +69,7 @@ def pair(run, prepared, computed):
     states = [s.to(run.device, non_blocking=True) for s in stored(run.cache, prepared, computed, run.cfg.epochs)]
     if run.cache["output"] == "logits":
         return student, torch.cat(states)  # answer logits, in the order of answer_positions
-    teacher = data.align_teacher(states, student["query_target"])
+    teacher = align_teacher(states, student["query_target"])
     if run.regime:
         run.regime = False
         anchor_scale.anchor_regime(run.cfg.anchor, run.cfg.kappa, student["query_target"], teacher)
@@ -101,3 +101,12 @@ def stored(cache, prepared, computed, epochs):
                                                                   len(queries))
                 raise OSError(e.errno, f"{e.strerror} writing {found['paths'][i]}: {room}") from None
     return states
+
+
+def align_teacher(states, query_target):
+    """Eq 16's alignment: per-query teacher states [L, T_q, d] laid at their student rows' query_target, [L, B, W, d]
+    (0 elsewhere). collate pads on the left, so they are each row's last T_q positions: sliced, no wait for a device."""
+    out = states[0].new_zeros(states[0].shape[0], *query_target.shape, states[0].shape[-1], device=query_target.device)
+    for b, s in enumerate(states):
+        out[:, b, query_target.shape[1] - s.shape[1]:] = s.to(query_target.device)
+    return out

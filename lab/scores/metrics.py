@@ -272,7 +272,7 @@ def option_letter(pred):
 def multiple_choice_accuracy(predictions, answers):
     """Accuracy for MME (yes/no) and SEED-Bench style (option letter) questions, in [0, 1]. Both sides are stripped
     and lowercased; against a yes/no answer the prediction is parsed as MME's calculation.py does (_yes_no), against
-    an option letter by option_letter, exact match (the generative variant of SEED-Bench; option_logliks ranks)."""
+    an option letter by option_letter, exact match (the generative variant of SEED-Bench; seed_likelihood.py ranks)."""
     if len(predictions) != len(answers) or not answers:
         raise ValueError(f"{len(predictions)} predictions for {len(answers)} answers: one for each, at least one")
     correct = 0

@@ -1,11 +1,13 @@
 """What evaluate.py's evaluate() records and prints around a score: the settings a result file keeps (the adapter's
 bytes and run record), the checks before any work (a result of other settings under the same name, the test server's
 file), a result read back instead of redone, and after the score the interval, chance, MME's and SEED-Bench's own
-scores, the files written and the summary lines; the default job's line."""
+scores, the files written and the summary lines; the default job's line and its n-shot ICL's shots; the setting
+that evaluate.py's flags name (its adapter attached)."""
 import hashlib
 import os
 
-from lab.datasets import mme_seed, readers
+import data
+from lab.datasets import mme_seed, readers, tasks
 from lab.run import adapter_files, torchrun
 from lab.scores import results, submission
 from lab.scores.metrics import mme_scores, seed_scores
@@ -80,3 +82,29 @@ def side_by_side(args, items, done):
                    "distilled")
     print("  ".join(f"{m['setting']} {m[metric]:.1f}" for m in done) + f" ({metric}, {args.task}/{args.split}, "
           f"{len(items)} items)" + verdict)
+
+
+def icl_shots(backbone, args):
+    """The ICDs of the default job's n-shot ICL row: the adapter's teacher's (its run record) where there is one, said
+    when they are not the backbone's default for the task, else that default (data.default_shots)."""
+    default = data.default_shots(tasks.spec(args.task), backbone.family)
+    record = adapter_files.read_record(args.checkpoint) if args.checkpoint else None
+    if record and record.get("shots") not in (None, default):
+        print(f"n-shot ICL at {record['shots']} shots, as the adapter's teacher had them ({args.checkpoint}'s run "
+              f"record; this backbone's default: {default}); --shots N for another")
+        return record["shots"]
+    return default
+
+
+def adapted(backbone, args):
+    """The setting these flags evaluate on `backbone`, --checkpoint's adapter attached first: its method, n-shot ICL
+    ("8-shot", with RICES "8-shot-rices"), or an adapter with ICDs ("hyper-icl+8-shot")."""
+    setting = f"{args.shots or 0}-shot" + ("-rices" if args.shots and args.icds == "rices" else "")
+    if args.checkpoint:
+        method = adapter_files.load_adapter(args.checkpoint, backbone, force=args.force)["method"]
+        print(f"adapter: {args.checkpoint} ({method})")
+        return method if not args.shots else f"{method}+{setting}"
+    asked = args.shots is not None
+    print(f"no adapter: {setting} evaluation" + ("" if asked else
+                                                 f" ({results.default_checkpoint(args.model, args.task)} not found)"))
+    return setting

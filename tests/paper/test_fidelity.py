@@ -10,7 +10,7 @@ from helpers import PAPER
 from lorentz import euclidean_anchor_loss, hyperbolic_anchor_loss, layer_norm, tangent_distance
 from lab.datasets import tasks
 from lab.models import backbones
-from lab.run import teacher_cache
+from lab.run import teacher_cache, training_batches
 from lab.scores import metrics
 from helpers import lab_train_args
 
@@ -64,7 +64,7 @@ def test_teacher_and_student_both_align_the_last_layers_own_output():
         # no ICDs and no adapter: the teacher reads what the student reads, so the anchor is exactly 0 ...
         teacher = train.run_teacher(backbone, data.teacher_batch(backbone.processor, backbone.family, "vqa", pieces,
                                                                  [[]] * 3))
-        laid = data.align_teacher(teacher, student["query_target"])
+        laid = training_batches.align_teacher(teacher, student["query_target"])
         assert train.losses(backbone, args, student, laid)["anchor"] == 0
         # ... and the teacher's last layer is h^(L), which the final norm maps onto transformers' last hidden state
         last = backbone.model(**data.model_inputs(student), output_hidden_states=True).hidden_states[-1]

@@ -21,8 +21,9 @@ import evaluate as E
 import train
 from helpers import lab, ROOT, TRAIN
 from lab.datasets import tasks
-from lab.models import backbones, families, tiny
+from lab.models import backbones, families, image_layouts, tiny
 from lab.models.backbones import load_backbone, stop_ids
+from lab.scores import seed_likelihood
 from twins import TWINS, write_twin
 
 
@@ -202,7 +203,7 @@ def test_the_teacher_states_need_no_vocabulary_wide_logits(lm_head_positions, po
 def test_option_likelihoods_read_the_lm_head_at_the_options_only(lm_head_positions):
     b, seen = lm_head_positions
     items = tasks.load_task("seed", "val", benchmarks.ROOT)[:2]
-    ll = E.option_logliks(b, items, [items[1:2], items[:1]])
+    ll = seed_likelihood.option_logliks(b, items, [items[1:2], items[:1]])
     option_tokens = max(len(b.processor.tokenizer(" " + o)["input_ids"]) for it in items for o in it.answers)
     assert ll.shape == (2, 4) and len(seen) == 1 and seen[0] <= option_tokens + 2  # + end token, + the one before
     assert seen[0] < 20  # the rows hold 2 x 730 image tokens and more
@@ -221,7 +222,7 @@ def test_option_likelihoods_equal_the_full_forward(twin_backbones):
     target = [labels[r] != -100 for r in range(4)]
     want = [torch.log_softmax(logits[r, t].double(), -1).gather(-1, labels[r, t][:, None]).sum().item()
             for r, t in enumerate(target)]
-    torch.testing.assert_close(E.option_logliks(b, items)[0].double(), torch.tensor(want, dtype=torch.float64),
+    torch.testing.assert_close(seed_likelihood.option_logliks(b, items)[0].double(), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -306,8 +307,8 @@ def test_each_image_is_processed_once_and_the_model_sees_the_processors_own_pixe
     images = [[D.load_image(it) for it in [*ds, q]] for ds, q in zip(icds, queries)]
     if b.family == "idefics2":
         own = [process([row], return_tensors="pt") for row in images]
-        assert torch.equal(batch["pixel_values"], D.pad_stack([o["pixel_values"][0] for o in own]))
-        assert torch.equal(batch["pixel_attention_mask"], D.pad_stack([o["pixel_attention_mask"][0] for o in own]) > 0)
+        assert torch.equal(batch["pixel_values"], image_layouts.pad_stack([o["pixel_values"][0] for o in own]))
+        assert torch.equal(batch["pixel_attention_mask"], image_layouts.pad_stack([o["pixel_attention_mask"][0] for o in own]) > 0)
     else:  # every image of the batch in row order, each in multi-image mode for LLaVA-OneVision
         own = [process([[im, im]] if b.family == "llava-onevision" else [im], return_tensors="pt")["pixel_values"][:1]
                for row in images for im in row]
