@@ -22,10 +22,8 @@ from tqdm import tqdm
 
 import data as D
 import model as M
-from lab.disk import files
-from lab.datasets import predict_args, readers, tasks
+from lab.datasets import predict_args, readers, rices, tasks
 from lab.models import backbones, families
-from lab.methods import rices
 from lab.run import adapter_files, locks, prefetch, torchrun
 from lab.scores import chair, reports, seed_likelihood, results
 from lab.cli import eval_cli, harness
@@ -43,7 +41,7 @@ class Config(harness.EvalSettings):
     checkpoint: Optional[str] = None  # adapter; None: runs/<model>-<task>-hyper-icl/'s if it exists and no --shots
     checkpoint_task: Optional[str] = None  # --checkpoint's task where it is not --task's (Table 8), else refused
     shots: Optional[int] = None       # ICDs per query (0: zero-shot; N: N-shot Direct-ICD; the teacher's for --gates)
-    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/methods/rices.py)
+    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
     split: Literal[(*D.SPLITS, *readers.TEST_SPLITS)] = "val"  # VQAv2's test-dev, test: the server's file (lab/scores)
     n_eval: Optional[int] = None      # the first N items (None: all); MME, SEED: about N, stratified by --seed
     eval_draw: Literal["first", "seeded"] = "first"  # --n-eval's items: the first N, or N drawn with --seed (in order)
@@ -188,7 +186,6 @@ def launch(args, load=None, vector=None):
     --vector`)."""
     backbones.choose_threads(args.model, args.threads)
     with torchrun.process_group(), locks.locked(args.out, shared=True):  # evaluations share --out
-        files.remove_stale_tmp(args.out)
         items = tasks.eval_items(args)
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
@@ -210,6 +207,6 @@ if __name__ == "__main__":
         main()
     except (ValueError, OSError) as e:  # bad input (unknown backbone, missing data, mismatched checkpoint)
         raise SystemExit(f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C: every result file is written whole or not at all (files.atomic_write)
+    except KeyboardInterrupt:  # Ctrl-C: every result file is written whole or not at all (lab/disk/files.py)
         print("interrupted (Ctrl-C): no result of the setting being evaluated was written", file=sys.stderr)
         raise SystemExit(130) from None

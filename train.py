@@ -24,9 +24,9 @@ from transformers import get_cosine_schedule_with_warmup
 
 import data
 import model as M
-from lab.datasets import tasks
+from lab.datasets import rices, tasks
 from lab.models import backbones, families
-from lab.methods import registry, rices
+from lab.methods import registry
 from lab.run import adapter_files, anchor_scale, locks, prefetch, proceed, resume, runs, torchrun, training_batches
 from lab.cli import harness, train_cli
 
@@ -49,7 +49,7 @@ class Config(harness.TrainSettings):
     rank: Optional[int] = None        # r of U_q, U_k (Eq 6): 4; None: the method's own (RANKS, filled())
     anchor: Optional[Literal[tuple(registry.ANCHORS)]] = None  # None: the method's (ANCHORS)
     shots: Optional[int] = None       # the teacher's ICDs per query; None: data.default_shots (8 for Idefics2)
-    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/methods/rices.py)
+    icds: Literal["random", "rices"] = "random"  # how ICDs are chosen: random, or rices (lab/datasets/rices.py)
     # not stated in the paper
     n_heldout: int = 32               # queries held out of the training pool to pick the best epoch
     epochs: int = 3                   # passes over the training queries (the best epoch is kept)

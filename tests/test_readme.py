@@ -151,10 +151,10 @@ def lines(path):
     return len(read(path).rstrip("\n").split("\n"))
 
 
-def test_the_six_files_hold_the_paper_together_in_at_most_1550_lines():
-    """No file has a cap of its own (a cap decided where code went); the six together stay small. 1,550: this
-    branch's 1,535; issue 58 aims at 1,400 (data.py's family code leaving it is 60 of that)."""
-    assert sum(lines(f + ".py") for f in PAPER) <= 1550
+def test_the_six_files_hold_the_paper_together_in_at_most_1400_lines():
+    """No file has a cap of its own (a cap decided where code went); the six together stay small (1,631 at 60f5ec9):
+    what is not the paper (pixel helpers, SEED's likelihood protocol, the default job's bookkeeping) lives in lab/."""
+    assert sum(lines(f + ".py") for f in PAPER) <= 1400
 
 
 def test_each_wing_of_lab_says_what_it_holds():
@@ -200,13 +200,13 @@ def test_the_wings_import_one_way():
 
 
 
-def test_the_house_has_at_most_60_import_edges_between_the_six_files_and_the_wings():
+def test_the_house_has_at_most_54_import_edges_between_the_six_files_and_the_wings():
     """Counted with each wing one node beside the six files: an edge is one node importing another (was 150 between
-    files when lab/ was flat)."""
+    files when lab/ was flat; 54 at 60f5ec9, before the doors and the family records: not grown since)."""
     node = lambda m: "lab." + m.split(".")[1] if m.startswith("lab.") else m
     edges = {(node(f), node(m)) for f in [*PAPER, *(f"lab.{f}" for f in LAB)]
              for m in project_imports(lab_path(f[4:]) if f.startswith("lab.") else f + ".py") if node(m) != node(f)}
-    assert 30 < len(edges) <= 60, sorted(edges)
+    assert 30 < len(edges) <= 54, sorted(edges)
 
 def lab_closure(start):
     """Every lab module that the lab modules `start` import, directly or through others."""

@@ -7,9 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lab.datasets import readers, tasks
+from lab.datasets import readers, rices, tasks
 from lab.models import families
-from lab.methods import rices
 from lab.run import adapter_files
 from lab.scores import results
 from lab.cli import flags
@@ -73,7 +72,7 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, studi
         p.error(wrong)
     if args.icds == "rices" and not args.shots:
         p.error("--icds rices chooses demonstrations: give their number with --shots N")
-    if args.icds == "rices" and (missing := rices.encoder_missing(families.family_of(args.model), args.rices_encoder)):
+    if args.icds == "rices" and (missing := rices.encoder_missing(families.record_of(args.model), args.rices_encoder)):
         p.error(missing)
     if a.random_weights == "published" and a.benchmark and not torch.cuda.is_available():
         p.error("--random-weights published runs a real-size backbone and needs a CUDA GPU")

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from lab.methods import rices
+from lab.datasets import rices
 from lab.models import families
 from lab.studies import curves, table_runs, tables
 
@@ -67,6 +67,6 @@ def check_table(p, args, defaults, trained):
     for name in table_runs.job_flags(shlex.split(args.train_args), [f.name for f in dataclasses.fields(trained)]):
         p.error(f"--train-args --{name.replace('_', '-')}: the table sets it for each job (lab/studies/tables.py); "
                 "drop it")
-    missing = rices.encoder_missing(families.family_of(args.model), args.rices_encoder)
+    missing = rices.encoder_missing(families.record_of(args.model), args.rices_encoder)
     if missing and any("rices" in c.evaluate for c in layout.cells.values()):
         p.error(f"{layout.name}'s RICES row: {missing}")

@@ -4,9 +4,9 @@ import dataclasses
 import os
 import sys
 
-from lab.datasets import tasks
+from lab.datasets import rices, tasks
 from lab.models import families, toy_backbone
-from lab.methods import registry, rices
+from lab.methods import registry
 from lab.run import resume
 from lab.cli import flags
 
@@ -53,7 +53,7 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, prog=
     check_world(p, args.batch_size, args.n_train)
     if wrong := tasks.check_icd_task(args.task, args.icd_task):
         p.error(wrong)
-    if args.icds == "rices" and (missing := rices.encoder_missing(families.family_of(args.model), args.rices_encoder)):
+    if args.icds == "rices" and (missing := rices.encoder_missing(families.record_of(args.model), args.rices_encoder)):
         p.error(missing)
     flags.check_image_memory(p, args.image_memory)
     flags.check_applies(p, args, defaults, APPLIES, args.filled())

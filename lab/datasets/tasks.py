@@ -21,6 +21,11 @@ def spec(task):
     return data.TASKS[task]
 
 
+def default_shots(task, family):
+    """data.default_shots of a task by name."""
+    return data.default_shots(spec(task), family)
+
+
 def file_name(task):
     """The task as run folders and result files name it: a benchmark's name, or a task of one's own's name
     (own_task.name_of) and a short hash of its real path, so two tasks named data.jsonl, or my/vqav2.jsonl and the

@@ -1,4 +1,3 @@
 """The learnable methods by name: one record each (registry.py: its module, where it attaches, its default sizes,
 its loss and what that needs of the teacher), and the baselines' own modules, plugs and losses (MimIC, LIVE, LoRA),
-one file each; and RICES, the choice of demonstrations by image similarity (rices.py) under the family's own vision
-tower. Imports the paper's bottom four files, disk and models."""
+one file each. Imports the paper's bottom four files and no wing."""

@@ -29,6 +29,11 @@ class Backbone:
     name: str
     images: str = ""  # how its processor encodes images, and where that setting comes from (image_setting)
 
+    @property
+    def record(self):
+        """Its family's record (FAMILIES), for the wings below lab/models that read one (RICES's tower)."""
+        return FAMILIES[self.family]
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -220,6 +225,11 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
         raise ValueError(f"--model: {weights[0] if len(weights) == 1 else path} lacks the tensor {missing[0]}" +
                          (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + "; restore its weights")
     return ready(model, processor, family, name, images)
+
+
+def record_of(name):
+    """The record of a backbone name's family (family_of)."""
+    return FAMILIES[family_of(name)]
 
 
 def family_of(name):

@@ -1,4 +1,4 @@
-"""A family's own vision tower as RICES's image encoder (lab/methods/rices.py): where the tower sits in the model,
+"""A family's own vision tower as RICES's image encoder (lab/datasets/rices.py): where the tower sits in the model,
 and how an image's features are pooled from it. A family's record names its Tower (families.Family.tower); one without
 a Tower needs --rices-encoder (a CLIP checkpoint)."""
 from dataclasses import dataclass

@@ -6,8 +6,8 @@ that evaluate.py's flags name (its adapter attached)."""
 import hashlib
 import os
 
-import data
 from lab.datasets import mme_seed, readers, tasks
+from lab.disk import files
 from lab.run import adapter_files, torchrun
 from lab.scores import results, submission
 from lab.scores.metrics import mme_scores, seed_scores
@@ -16,8 +16,9 @@ from lab.scores.metrics import mme_scores, seed_scores
 def begin(backbone, args, setting, items, kind, vector_info, params):
     """Before any work: the result's file stem (<out>/<result_name>), its settings (results.result_settings, the
     vector's facts, the adapter's sha256, `params` and run record, SEED's protocol) and the result these settings
-    left before (read back, not redone, unless --again; None: none). A metrics file of other settings under that name,
-    or another evaluation's test-server file, is refused first."""
+    left before (read back, not redone, unless --again; None: none). What killed writes left in --out is removed, and
+    a metrics file of other settings under that name, or another evaluation's test-server file, is refused first."""
+    files.remove_stale_tmp(args.out)
     stem = os.path.join(args.out, results.result_name(args, setting, len(items), vector_info))
     metrics = {**results.result_settings(backbone, args, setting, items), **vector_info}
     if args.checkpoint:  # which adapter: a run --overwrite'n in its folder leaves these metrics naming the old bytes
@@ -87,7 +88,7 @@ def side_by_side(args, items, done):
 def icl_shots(backbone, args):
     """The ICDs of the default job's n-shot ICL row: the adapter's teacher's (its run record) where there is one, said
     when they are not the backbone's default for the task, else that default (data.default_shots)."""
-    default = data.default_shots(tasks.spec(args.task), backbone.family)
+    default = tasks.default_shots(args.task, backbone.family)
     record = adapter_files.read_record(args.checkpoint) if args.checkpoint else None
     if record and record.get("shots") not in (None, default):
         print(f"n-shot ICL at {record['shots']} shots, as the adapter's teacher had them ({args.checkpoint}'s run "

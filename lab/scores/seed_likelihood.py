@@ -2,9 +2,7 @@
 after the query, the option of the highest chosen (evaluate.predict)."""
 import torch
 
-import data
 import model as M
-from lab.models import backbones
 from lab.run import prefetch
 
 
@@ -22,11 +20,11 @@ def option_logliks(backbone, items, icds=None):
 @torch.no_grad()
 def option_scores(backbone, batch, n_items):
     """log p(option) [n_items, 4] from an option_rows batch (see option_logliks)."""
-    batch = backbones.to_device(batch, backbone.model.device)
+    batch = {k: v.to(backbone.model.device) for k, v in batch.items()}
     rows = len(batch["labels"])
     logits, labels = M.target_logits(backbone.model, batch)  # the options' positions only
     logits, labels = logits[:, :-1], labels[:, 1:]
     answer = labels != -100                                   # position t predicts token t + 1
     logp = torch.log_softmax(logits[answer].float(), -1).gather(-1, labels[answer][:, None])[:, 0]
     per_row = torch.zeros(rows, device=logp.device).index_add(0, answer.nonzero()[:, 0], logp)
-    return per_row.view(n_items, len(data.SEED_LETTERS)).cpu()
+    return per_row.view(n_items, -1).cpu()  # an item's four rows in a row

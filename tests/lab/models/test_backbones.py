@@ -166,7 +166,7 @@ def test_a_qwen_vocabulary_twin_loads_from_its_folder_and_its_pieces_are_the_who
 
 def test_the_studies_written_for_the_papers_families_refuse_another_in_one_line():
     """RICES's own-tower features and Table 6's synthetic prompts name the families they are written for."""
-    from lab.methods import rices
+    from lab.datasets import rices
     from lab.studies import efficiency
     b = backbones.load_backbone("tiny-qwen3-vl")
     with pytest.raises(ValueError, match="not qwen3-vl; give --rices-encoder") as e:

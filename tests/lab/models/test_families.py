@@ -222,7 +222,8 @@ def test_option_likelihoods_equal_the_full_forward(twin_backbones):
     target = [labels[r] != -100 for r in range(4)]
     want = [torch.log_softmax(logits[r, t].double(), -1).gather(-1, labels[r, t][:, None]).sum().item()
             for r, t in enumerate(target)]
-    torch.testing.assert_close(seed_likelihood.option_logliks(b, items)[0].double(), torch.tensor(want, dtype=torch.float64),
+    torch.testing.assert_close(seed_likelihood.option_logliks(b, items)[0].double(),
+                               torch.tensor(want, dtype=torch.float64),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -308,7 +309,8 @@ def test_each_image_is_processed_once_and_the_model_sees_the_processors_own_pixe
     if b.family == "idefics2":
         own = [process([row], return_tensors="pt") for row in images]
         assert torch.equal(batch["pixel_values"], image_layouts.pad_stack([o["pixel_values"][0] for o in own]))
-        assert torch.equal(batch["pixel_attention_mask"], image_layouts.pad_stack([o["pixel_attention_mask"][0] for o in own]) > 0)
+        masks = [o["pixel_attention_mask"][0] for o in own]
+        assert torch.equal(batch["pixel_attention_mask"], image_layouts.pad_stack(masks) > 0)
     else:  # every image of the batch in row order, each in multi-image mode for LLaVA-OneVision
         own = [process([[im, im]] if b.family == "llava-onevision" else [im], return_tensors="pt")["pixel_values"][:1]
                for row in images for im in row]

@@ -1,4 +1,4 @@
-"""RICES demonstration retrieval (lab/methods/rices.py): the order by hand, cached image features, the vision tower
+"""RICES demonstration retrieval (lab/datasets/rices.py): the order by hand, cached image features, the vision tower
 and a local CLIP, encoders that cannot be used refused."""
 import argparse
 import os
@@ -11,10 +11,8 @@ from PIL import Image
 import benchmarks
 import data as D
 from helpers import dead_pid, lab_args, lab_evaluate_args, lab_train_args, QUIET, refused
-from lab.datasets import tasks
+from lab.datasets import rices, tasks
 from lab.disk import files
-from lab.methods import rices
-from lab.models import families
 
 
 def support_items(n):
@@ -66,7 +64,7 @@ def test_rices_with_the_vision_tower(backbone, tmp_path):
     queries = queries + [support[3]]                        # a query that is also in the support set
     args = argparse.Namespace(icds="rices", rices_encoder=None, rices_cache=str(tmp_path), seed=0)
     icds = rices.choose_demonstrations(backbone, args, queries, support, 4)
-    tower = families.FAMILIES[backbone.family].tower  # the family's own, as its record names it
+    tower = backbone.record.tower  # the family's own, as its record names it
     one = {it.id: tower.features(backbone, [D.load_image(it)])[0].double() for it in support + queries}
     for q, got in zip(queries, icds):
         cos = {s.id: torch.nn.functional.cosine_similarity(one[q.id], one[s.id], dim=0).item() for s in support

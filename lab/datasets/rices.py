@@ -11,7 +11,6 @@ from tqdm import tqdm
 
 import data
 from lab.disk import files
-from lab.models import families
 
 
 def choose_demonstrations(backbone, args, queries, support, shots):
@@ -65,14 +64,13 @@ def image_features(encode, encoder_id, items, cache_dir, batch_size=32):
     return features
 
 
-def encoder_missing(family, hub_id):
+def encoder_missing(record, hub_id):
     """Why RICES has no image encoder for a family (None if it has one): no --rices-encoder, and a family whose record
-    names no vision tower to read (families.Family.tower). Checked with the flags, before anything loads."""
-    if hub_id or families.FAMILIES[family].tower is not None:
+    (lab/models/families.py:Family) names no vision tower to read. Checked with the flags, before anything loads."""
+    if hub_id or record.tower is not None:
         return None
-    readable = [name for name, f in families.FAMILIES.items() if f.tower is not None]
-    return (f"--icds rices: the backbone's own vision tower is read for {', '.join(readable)}, not {family}; give "
-            "--rices-encoder, a CLIP checkpoint")
+    return (f"--icds rices: the backbone's own vision tower is read where its family's record names one, not "
+            f"{record.name}; give --rices-encoder, a CLIP checkpoint")
 
 
 def image_encoder(backbone, hub_id=None):
@@ -81,9 +79,9 @@ def image_encoder(backbone, hub_id=None):
     hashes the tower's weights); hub_id: a CLIP checkpoint (clip_encoder)."""
     if hub_id:
         return clip_encoder(hub_id, next(backbone.model.parameters()).device), f"clip:{hub_id}"
-    if missing := encoder_missing(backbone.family, hub_id):
+    if missing := encoder_missing(backbone.record, hub_id):
         raise ValueError(missing)
-    tower, h = families.FAMILIES[backbone.family].tower, hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
+    tower, h = backbone.record.tower, hashlib.sha256(f"{backbone.name}:{backbone.family}".encode())
     for p in tower.module(backbone.model).parameters():
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     encoder_id = f"vision-tower:{backbone.name}:{h.hexdigest()[:16]}"
