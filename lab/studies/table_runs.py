@@ -2,8 +2,9 @@
 work once, in one process that loads the backbone once; resumed by running the same command again; --gpus: one such
 process per device taking the next job; --print-commands: the jobs as shell lines for any launcher.
 
-Once each: a job is one train.py or evaluate.py command, and cells that need the same command share its job (Table
-4's zero-shot is Table 1's, Table 8's adapter is Table 1's run). Every run of a task reads and writes one teacher
+Once each: a job is one train.py or evaluate.py command (or a study of lab on an adapter: Tables 6, 9, 10), and
+cells that need the same command share its job (Table 4's zero-shot is Table 1's, Table 8's adapter is Table 1's run,
+Table 5's CHAIR Table 1's COCO evaluations). Every run of a task reads and writes one teacher
 cache, <out>/teacher/<task>, so the teacher's states and answer logits of a (backbone, task, queries, ICDs) are
 computed in one pass by the first run that distils from them and read by the others, LIVE (the logits) included. A
 finished training is skipped (train.py --proceed), a stopped one continued, an evaluation of the same settings read

@@ -461,6 +461,15 @@ def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, ca
     assert "GPU-hours (bound / expected) on an H200 SXM" in out and "peak ~" in out and "disk: teacher caches" in out
 
 
+def test_the_plan_of_a_study_counts_its_forwards(tmp_path, capsys):
+    """Table 9's plan: its two hyperbolicity jobs, each a teacher's and a student's forward of its 2 queries, no token
+    generated."""
+    planned = lab(table("9", "tiny-idefics2", tmp_path / "plan", "--plan", "cpu"))
+    out = capsys.readouterr().out
+    assert planned["items"] == 2 * 2 and planned["generated_at_most"] == 0 and planned["jobs"] == 4
+    assert out.count("  hyperbolicity vqav2 adapter train/vqav2/hyper-icl") == 2 and "none generated" in out
+
+
 def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column(rehearsal, tmp_path, monkeypatch):
     done, root = rehearsal
     before = (root / "idefics2" / "table-8.md").read_bytes()
