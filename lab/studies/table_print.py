@@ -112,7 +112,8 @@ def cell_record(out, name, family, table, key, job, parsers, memo=None):
     path, m = study_found(job.script, job.args(parsers)) if cell.study else found(job, parsers)
     paper = tables.published(name, family, row, column)
     record = {"row": row, "column": column, "paper": paper,
-              "paper_items": None if cell.study else tables.PAPER_ITEMS.get(cell.task),
+              "paper_items": {"hyperbolicity": tables.ANALYSIS_ITEMS}.get(cell.study) if cell.study else
+              tables.PAPER_ITEMS.get(cell.task),  # Table 9's 1,000 queries (Appendix C); the others state none
               "marks": ["extra"] if row in table.extra else []}
     if m is not None and cell.read:
         scores = study_value(m, cell.read) if cell.study else (chair_of(path, job, parsers, {} if memo is None
