@@ -30,7 +30,7 @@ MODES = {
                         "evaluate", modes.EVALUATE, modes.evaluate_run),
     ("table",): Mode("a paper table (1-11) for --model, every cell run once, beside the paper's numbers",
                      "evaluate", modes.TABLE, modes.table, number="table"),
-    ("figure",): Mode("a figure's sweep (2, 3a, 3b) as a table of cells, and its figure", "evaluate",
+    ("figure",): Mode("a figure (sweeps 2, 3a, 3b; 4's gallery page) as a table of cells, and its figure", "evaluate",
                       modes.TABLE, modes.table, number="figure"),
     ("plan", "train"): Mode("the cost of a training run before it runs, no weight read (a table's: table N --plan)",
                             "train", (*modes.TRAIN, "plan", "processor", "accelerator", "plan_json"),

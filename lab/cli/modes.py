@@ -21,7 +21,7 @@ from lab.datasets import tasks
 from lab.models import backbones, families, published, toy_backbone
 from lab.run import locks, torchrun
 from lab.scores import reports
-from lab.studies import analyses, curves, efficiency, run_plan, table_runs, vectors
+from lab.studies import analyses, curves, efficiency, run_plan, table_print, table_runs, vectors
 from lab.cli import eval_cli, flags, study_flags, train_cli
 
 
@@ -102,16 +102,31 @@ def vector_of(backbone, args):
 
 
 def table(args, argv, command):
-    """table N, figure N: every cell once (lab/studies/table_runs.py), the trainings and evaluations run in this
-    process so that the backbone loads once for all of them (table_runs.Shared)."""
-    return table_runs.run_table(args, argv, {"train.py": train_main, "evaluate.py": evaluate_main},
+    """table N, figure N: every cell once (lab/studies/table_runs.py), the trainings, evaluations and studies run in
+    this process so that the backbone loads once for all of them (table_runs.Shared)."""
+    studies = {name: study_main(name) for name in ("benchmark", "gates", "hyperbolicity")}
+    return table_runs.run_table(args, argv, {"train.py": train_main, "evaluate.py": evaluate_main, **studies},
                                 (parse_train, parse_evaluate), command)
 
 
-def study(args, argv=None, command=None):
+def study_main(name):
+    """A table's job of the study `name` (benchmark, gates, hyperbolicity): (argv, load) -> its result, read back
+    from its result file where one of the same settings is there (table_print.study_found), else measured."""
+    def main(argv=None, load=None):
+        args = parse_evaluate(argv, (*names(evaluate.Config), *BENCH, "bench_shots"), {name: True},
+                              f"python -m lab {name}")
+        path, _ = table_print.study_found(name, args)
+        if path:
+            print(f"{name}: {path} holds its result (remove it to measure again)")
+            return None
+        return study(args, load=load)
+    return main
+
+
+def study(args, argv=None, command=None, load=None):
     """curve, benchmark, benchmark-attention, gates, hyperbolicity: run the study the flags ask for, --out locked
     (not the attention benchmark's, which writes nothing). Under torchrun each process runs it whole (the first
-    writes)."""
+    writes). load: what loads the backbone (a table's runner's: table_runs.Shared; None: loaded)."""
     one_for_curves = 1 if args.curve and not torch.cuda.is_available() else None
     backbones.choose_threads(args.model, args.threads or one_for_curves)
     lock = contextlib.nullcontext() if args.benchmark_attention else locks.locked(args.out)  # one run in --out
@@ -125,23 +140,24 @@ def study(args, argv=None, command=None):
             items = tasks.eval_items(args)
             if items == []:
                 raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-            backbone = loaded(args)
+            backbone = loaded(args, load)
             return analyses.analysis(backbone, args, items, reports.adapted(backbone, args))
         efficiency.keep_freed_memory()
         if args.benchmark_attention:
             return efficiency.attention_benchmark(efficiency.attention_model(args.model, args.random_weights),
                                               args.attention_tokens, args.rounds)
         backbone = published.random_backbone(args.model, args.random_weights) if args.random_weights else \
-            loaded(args)
+            loaded(args, load)
         if args.checkpoint:
             reports.adapted(backbone, args)
         return efficiency.benchmark(backbone, args, evaluate.generate)
 
 
-def loaded(args):
-    """The backbone of --model with --image-splitting and --image-memory, its images' note printed."""
-    backbone = backbones.load_backbone(args.model, image_splitting=args.image_splitting,
-                                       image_memory=args.image_memory * 1e9)
+def loaded(args, load=None):
+    """The backbone of --model with --image-splitting and --image-memory (load: what loads it, None:
+    backbones.load_backbone), its images' note printed."""
+    backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
+                                                 image_memory=args.image_memory * 1e9)
     if backbone.images:
         print(backbone.images)
     return backbone

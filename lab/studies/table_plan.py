@@ -175,6 +175,34 @@ def eval_work(a, w):
             "queries": queries}
 
 
+STUDY_PASSES = {"hyperbolicity": (1, 1), "gates": (1, 2)}  # a query's forwards of an analysis: (teacher, student)
+
+
+def study_work(a, w, study):
+    """One study job's work (Tables 6, 9, 10), forwards alone, none generating: an analysis's per query, the
+    teacher's [ICDs; query] and the student's [query] (the gates: the student twice, gated and with eager
+    attention), at --batch-size; the benchmark's one query per setting (zero-shot, the adapter, --bench-shots ICL),
+    each counted once and timed 2 x --rounds times to its first token (its decoding steps left out)."""
+    (items, support), tokens, f = w.items(a), w.tokens(a.task), w.f
+    shots = a.shots or data.default_shots(tasks.spec(a.task), w.family)
+    if study == "benchmark":
+        ids, batch = [items[0].id], 1
+        rows = [(tokens.row(items[0], [], False), 1, 2 * (1 + 2 * a.rounds))] + [
+            (tokens.row(items[0], data.demonstrations(ids, support, s, a.seed)[0], False), s + 1, 1 + 2 * a.rounds)
+            for s in a.bench_shots]
+    else:
+        teacher, student, batch = *STUDY_PASSES[study], min(a.batch_size, len(items))
+        icds = data.demonstrations([it.id for it in items], support, shots, a.seed)
+        rows = [(tokens.row(it, d, False), shots + 1, teacher) for it, d in zip(items, icds)] + \
+            [(tokens.row(it, [], False), 1, student) for it in items]
+    count = sum(n * flops.forward_flops(f, t, images, 1, tokens.patches) for t, images, n in rows)
+    time = sum((roofline.prefill(w.acc, f, batch, t, images, tokens.patches) * (n / batch) for t, images, n in rows),
+               roofline.ZERO)
+    return {"items": 1 if study == "benchmark" else len(items), "prompt_tokens": sum(n * t for t, _, n in rows),
+            "generated_at_most": 0,
+            "flops": count, "times": {"prefill": time}}
+
+
 def plan_table(args, table, jobs, parsers):
     """Print and return a table's plan: per job its work, peak memory and time (bound / expected: roofline), an
     evaluation's query at batch 1 and at its batch, then the totals (jobs, backbone loads, the counts, disk, FLOPs)
@@ -196,6 +224,10 @@ def plan_table(args, table, jobs, parsers):
             what = (f"{a.method} on {a.task}: {work['queries']:,} queries, {work['steps']:,} steps, teacher " +
                     (f"{work['teacher_passes']:,} passes ({mean:.0f} tokens a row)" if owner else
                      "read from the first run's cache" if registry.ANCHORS[a.anchor].teacher else "none"))
+        elif job.script != "evaluate.py":
+            work = study_work(a, w, job.script)
+            what = (f"{a.task} adapter {os.path.relpath(a.checkpoint, args.out)}: {work['items']:,} queries, "
+                    f"{work['prompt_tokens']:,} tokens in its forwards, none generated")
         else:
             work = eval_work(a, w)
             icl = f"{a.shots or 0}-shot" + ("-rices" if a.shots and a.icds == "rices" else "")
@@ -216,7 +248,7 @@ def plan_table(args, table, jobs, parsers):
         if training:
             records.append(roofline.run_record(job.script, a.task, method, a.shots, a.batch_size, None,
                                                hours[job.argv]))
-        for b, query in ({} if training else work["queries"]).items():
+        for b, query in ({} if training else work.get("queries", {})).items():
             print(f"    one query, bound / expected: {roofline.query_line(query, b)}")
             at = sum(work["at_batch"][b].values(), roofline.ZERO) * (1 / 3600)
             records.append(roofline.run_record(job.script, a.task, method, a.shots or 0, b, query, at))

@@ -1,15 +1,19 @@
 """A table beside the paper's (evaluate.py --table N [--print]): each cell assembled from its result file alone (our
 number, its 95% interval where the metric allows one, the items scored, the adapter's parameters and the run that
-made it), the paper's number and the difference, marks on what is not a result; written as Markdown and JSON (and a
-figure for a sweep) in the backbone's folder."""
+made it; Table 5's CHAIR counted on its evaluation's predictions; Tables 6, 9, 10 from their study's result file),
+the paper's number and the difference, marks on what is not a result; written as Markdown and JSON (and a figure for
+a sweep, Figure 4's gallery page) in the backbone's folder."""
+import base64
 import glob
+import html
 import json
+import mimetypes
 import os
 
 from lab.disk import files
 from lab.datasets import tasks
 from lab.models import families
-from lab.scores import results
+from lab.scores import chair, results
 from lab.studies import tables
 
 MARKS = {  # what a mark on a cell says
@@ -18,8 +22,9 @@ MARKS = {  # what a mark on a cell says
     "subset": "a subset smaller than the paper's evaluation (items: ours / the paper's)",
     "queries": "the adapter trained on fewer queries than the paper's 1,000",
     "missing": "no result yet: run the table's command (it continues where it stopped)",
+    "undefined": "undefined on this result (NaN: a correlation with a gate that does not vary)",
     "extra": "a row the paper does not hold (the project's)"}
-SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "extra": "*"}
+SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "undefined": "~", "extra": "*"}
 
 
 def found(job, parsers):
@@ -57,38 +62,92 @@ def found(job, parsers):
     return None, None
 
 
-def cell_record(out, name, family, table, key, job, parsers):
-    """One cell: ours, the paper's, the difference, items (ours, the paper's), interval, parameters, marks."""
+STUDY_FILES = {"benchmark": "benchmark.json", "gates": "gates-{task}-{split}.json",
+               "hyperbolicity": "hyperbolicity-{task}-{split}.json"}  # a study's result file in its --out
+
+
+def study_found(study, a):
+    """The result file of a study job of parsed flags `a` in its --out, and its dict, if it holds a result of these
+    settings (the backbone; an analysis's data root, task, split, seed, --n-eval, shots and adapter), else (None,
+    None): the table's run measures it (again)."""
+    path = os.path.join(a.out, STUDY_FILES[study].format(task=tasks.file_name(a.task), split=a.split))
+    want = {"model": a.model} if study == "benchmark" else {
+        "model": a.model, "data_root": a.data_root and os.path.abspath(a.data_root), "task": a.task, "split": a.split,
+        "seed": a.seed, "n_eval": a.n_eval, "shots": a.shots or 0, "checkpoint": a.checkpoint}
+    try:
+        with open(path, encoding="utf-8") as f:
+            m = json.load(f)
+        same = all(results.same_setting(m, k, v) for k, v in want.items())
+    except (OSError, ValueError, RecursionError, TypeError, AttributeError):
+        return None, None
+    return (path, m) if same else (None, None)
+
+
+def study_value(m, read):
+    """The number at path `read` ("teacher/mean"; a list's entry by its "setting": "rows/8-shot/prefill_ms") of a
+    study's result, or None where it has none."""
+    value = m
+    for part in read.split("/"):
+        if isinstance(value, list):
+            value = next((r for r in value if isinstance(r, dict) and r.get("setting") == part), None)
+        else:
+            value = value.get(part) if isinstance(value, dict) else None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def chair_of(path, job, parsers, memo):
+    """CHAIR_s, CHAIR_i and Recall (x 100, chair.chair_metrics) of the predictions beside an evaluation's metrics at
+    `path`, counted once per file (memo), on the evaluation's items; None if an item has no prediction there."""
+    if path not in memo:
+        said, items = {i: p for i, (p, _) in predictions(path).items()}, tasks.eval_items(job.args(parsers))
+        memo[path] = chair.chair_metrics(items, [said[it.id] for it in items]) if all(
+            it.id in said for it in items) else None
+    return memo[path]
+
+
+def cell_record(out, name, family, table, key, job, parsers, memo=None):
+    """One cell: ours, the paper's, the difference, items (ours, the paper's), interval, parameters, marks. memo:
+    the CHAIR counts of the table's predictions files (chair_of)."""
     (row, column), cell = key, table.cells[key]
-    path, m = found(job, parsers)
+    path, m = study_found(job.script, job.args(parsers)) if cell.study else found(job, parsers)
     paper = tables.published(name, family, row, column)
-    record = {"row": row, "column": column, "paper": paper, "paper_items": tables.PAPER_ITEMS.get(cell.task),
+    record = {"row": row, "column": column, "paper": paper,
+              "paper_items": {"hyperbolicity": tables.ANALYSIS_ITEMS}.get(cell.study) if cell.study else
+              tables.PAPER_ITEMS.get(cell.task),  # Table 9's 1,000 queries (Appendix C); the others state none
               "marks": ["extra"] if row in table.extra else []}
-    if m is None:
-        return record | {"ours": None, "marks": record["marks"] + ["missing"]}
-    metric = results.headline_metric(m)
-    record |= {"metric": metric, "ours": m[metric], "items": m["n"], "interval95": m.get("interval95"),
+    if m is not None and cell.read:
+        scores = study_value(m, cell.read) if cell.study else (chair_of(path, job, parsers, {} if memo is None
+                                                                        else memo) or {}).get(cell.read)
+        m = None if scores is None else {**m, cell.read: scores}
+    metric = m and (cell.read or results.headline_metric(m))
+    if m is None or m[metric] != m[metric]:  # NaN: undefined
+        return record | {"ours": None, "marks": record["marks"] + ["missing" if m is None else "undefined"]}
+    record |= {"metric": metric, "ours": m[metric], "items": m.get("n"),
+               "interval95": None if cell.read else m.get("interval95"),
                "params": m.get("params"), "difference": None if paper is None else m[metric] - paper,
                "result": os.path.relpath(path, out)}
-    if cell.train is None and m["shots"] and metric != "cider" and "chance" in m and m[metric] <= m["chance"] + 5:
+    if cell.train is None and not cell.read and m["shots"] and metric != "cider" and "chance" in m and \
+            m[metric] <= m["chance"] + 5:
         record["marks"].append("chance")
-    if record["paper_items"] and m["n"] < record["paper_items"]:
+    if record["paper_items"] and m.get("n") is not None and m["n"] < record["paper_items"]:
         record["marks"].append("subset")
     if (m.get("run") or {}).get("n_train", 1000) < 1000:
         record["marks"].append("queries")
     return record
 
 
-def text(record):
-    """A cell as the Markdown table shows it: ours [interval] / the paper's (difference), items, marks."""
+def text(record, digits=2):
+    """A cell as the Markdown table shows it: ours [interval] / the paper's (difference), items, marks; numbers with
+    `digits` decimals."""
     if record["ours"] is None:
         ours = "-"
     else:
         interval = record.get("interval95")
-        ours = f"{record['ours']:.2f}" + (f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else "") + \
-            f", {record['items']:,}" + (f"/{record['paper_items']:,}" if record["paper_items"] else "") + " items"
-    paper = "" if record["paper"] is None else f" / {record['paper']:.2f}" + (
-        "" if record["ours"] is None else f" ({record['difference']:+.2f})")
+        ours = f"{record['ours']:.{digits}f}" + (f" [{interval[0]:.1f}, {interval[1]:.1f}]" if interval else "") + \
+            ("" if record["items"] is None else f", {record['items']:,}" + (
+                f"/{record['paper_items']:,}" if record["paper_items"] else "") + " items")
+    paper = "" if record["paper"] is None else f" / {record['paper']:.{digits}f}" + (
+        "" if record["ours"] is None else f" ({record['difference']:+.{digits}f})")
     return ours + paper + "".join(SYMBOLS[m] for m in record["marks"])
 
 
@@ -104,8 +163,8 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
     differ from the files there (a read-only finished table prints); print the Markdown. Returns the JSON's dict.
     parsers: train.py's and evaluate.py's parse_args. printing (--print): a table there that shows results these
     files no longer give is kept (kept_table)."""
-    family = families.family_of(model)
-    records = [cell_record(out, name, family, table, key, of_cell[key], parsers) for key in table.cells]
+    family, memo = families.family_of(model), {}
+    records = [cell_record(out, name, family, table, key, of_cell[key], parsers, memo) for key in table.cells]
     by_key = {(r["row"], r["column"]): r for r in records}
     paper = tables.FAMILY_NAMES.get(family) if name in tables.PAPER and family in tables.PAPER[name] else None
     random_weights = model.startswith("tiny-")
@@ -117,7 +176,7 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
              " | ".join(tables.TASK_NAMES.get(c, c) for c in table.columns) + " |",
              "|---|" + ("---:|" if show_params else "") + "---:|" * len(table.columns)]
     for row in table.rows:
-        cells = [text(by_key[row, c]) if (row, c) in by_key else "" for c in table.columns]
+        cells = [text(by_key[row, c], table.digits) if (row, c) in by_key else "" for c in table.columns]
         lines.append(f"| {tables.TASK_NAMES.get(row, row)} | " +
                      (params_text(table, records, family, row) + " | " if show_params else "") +
                      " | ".join(cells) + " |")
@@ -134,12 +193,15 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
               "(removed, damaged or of other settings since; the notes above name any damaged file): run the table "
               "to evaluate them again")
         return summary
-    if before != (markdown, json.loads(json.dumps(summary))) or table.figure and not os.path.exists(stem + ".png"):
+    figure = stem + (".html" if table.figure == "gallery" else ".png")
+    if before != (markdown, json.loads(json.dumps(summary))) or table.figure and not os.path.exists(figure):
         files.atomic_write(stem + ".md", lambda f: f.write(markdown.encode()))
         files.write_json(stem + ".json", summary, indent=1)
-        if table.figure:
-            draw(table, by_key, stem + ".png")
-    print(markdown + f"-> {stem}.md, {stem}.json" + (f", {stem}.png" if table.figure else ""))
+        if table.figure == "gallery":
+            gallery(table, by_key, of_cell, parsers, out, figure)
+        elif table.figure:
+            draw(table, by_key, figure)
+    print(markdown + f"-> {stem}.md, {stem}.json" + (f", {figure}" if table.figure else ""))
     return summary
 
 
@@ -175,3 +237,50 @@ def draw(table, by_key, path):
     fig.tight_layout()
     files.atomic_write(path, lambda f: fig.savefig(f, format="png", metadata={"Software": None}))
     plt.close(fig)
+
+
+GALLERY_QUERIES = 4  # Figure 4: queries shown per task
+
+
+def gallery(table, by_key, of_cell, parsers, out, path, n=GALLERY_QUERIES):
+    """Figure 4 as one self-contained HTML page (images as data URIs): per task (column), the first n queries in id
+    order on which the rows' answers differ (lowercased, spaces collapsed), each with its image, question, every
+    row's answer (a check where it is one of the references) and the references; only rows with a result count."""
+    same = lambda text: " ".join(str(text).lower().split())
+    parts = [f"<h1>{html.escape(table.name)}: {html.escape(table.caption)}</h1>",
+             f"<p>Per task, the first {n} queries in id order on which the answers differ.</p>"]
+    for task in table.columns:
+        rows = [r for r in table.rows if by_key[r, task]["ours"] is not None]
+        said = {r: predictions(os.path.join(out, by_key[r, task]["result"])) for r in rows}
+        items = {it.id: it for it in tasks.eval_items(of_cell[rows[0], task].args(parsers))} if rows else {}
+        chosen = [i for i in sorted(set(items).intersection(*said.values())) if len({same(said[r][i][0])
+                                                                                     for r in rows}) > 1][:n]
+        parts.append(f"<h2>{html.escape(tables.TASK_NAMES.get(task, task))}</h2>" +
+                     ("" if chosen else "<p>No query yet on which the answers differ.</p>"))
+        for i in chosen:
+            it, references = items[i], "; ".join(dict.fromkeys(said[rows[0]][i][1]))
+            answers = "".join(f"<tr><th>{html.escape(r)}</th><td>{html.escape(said[r][i][0])}" +
+                              (" &#10003;" if same(said[r][i][0]) in map(same, said[r][i][1]) else "") + "</td></tr>"
+                              for r in rows)
+            parts.append(f"<figure><img src=\"{data_uri(it.image_path)}\" alt=\"query {html.escape(str(i))}\">"
+                         f"<figcaption><p><b>{html.escape(it.question)}</b> (id {html.escape(str(i))})</p><table>"
+                         f"{answers}<tr><th>references</th><td>{html.escape(references)}</td></tr>"
+                         "</table></figcaption></figure>")
+    page = ("<!doctype html><html><head><meta charset=\"utf-8\"><title>" + html.escape(table.name) + "</title>"
+            "<style>body{font-family:sans-serif;max-width:60em;margin:auto}figure{display:flex;gap:1em;"
+            "border-top:1px solid #ccc;padding-top:1em}img{max-width:20em;max-height:20em}th{text-align:left;"
+            "padding-right:1em}</style></head><body>" + "\n".join(parts) + "</body></html>\n")
+    files.atomic_write(path, lambda f: f.write(page.encode()))
+
+
+def predictions(path):
+    """{item id: (prediction, references)} of the predictions beside an evaluation's metrics at `path`."""
+    with open(path.removesuffix(".metrics.json") + ".predictions.jsonl", encoding="utf-8") as f:
+        return {p["id"]: (p["prediction"], p["references"]) for p in map(json.loads, f)}
+
+
+def data_uri(image_path):
+    """An image file as a data URI."""
+    with open(image_path, "rb") as f:
+        encoded = base64.b64encode(f.read()).decode()
+    return f"data:{mimetypes.guess_type(image_path)[0] or 'image/jpeg'};base64,{encoded}"

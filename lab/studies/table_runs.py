@@ -2,8 +2,9 @@
 work once, in one process that loads the backbone once; resumed by running the same command again; --gpus: one such
 process per device taking the next job; --print-commands: the jobs as shell lines for any launcher.
 
-Once each: a job is one train.py or evaluate.py command, and cells that need the same command share its job (Table
-4's zero-shot is Table 1's, Table 8's adapter is Table 1's run). Every run of a task reads and writes one teacher
+Once each: a job is one train.py or evaluate.py command (or a study of lab on an adapter: Tables 6, 9, 10), and
+cells that need the same command share its job (Table 4's zero-shot is Table 1's, Table 8's adapter is Table 1's run,
+Table 5's CHAIR Table 1's COCO evaluations). Every run of a task reads and writes one teacher
 cache, <out>/teacher/<task>, so the teacher's states and answer logits of a (backbone, task, queries, ICDs) are
 computed in one pass by the first run that distils from them and read by the others, LIVE (the logits) included. A
 finished training is skipped (train.py --proceed), a stopped one continued, an evaluation of the same settings read
@@ -84,6 +85,15 @@ def eval_size(n_eval, task):
     return ([] if n is None else ["--n-eval", str(n)]) + (["--eval-draw", "seeded"] if task == "vqav2" else [])
 
 
+def study_size(study, n_eval, task):
+    """A study's --n-eval flags: Tables 9's and 10's analyses on tables.ANALYSIS_ITEMS queries (VQAv2's drawn with
+    --seed), at most --n-eval; Table 6's benchmark on the first query alone (none)."""
+    if study == "benchmark":
+        return []
+    n = min(tables.ANALYSIS_ITEMS, n_eval or tables.ANALYSIS_ITEMS)
+    return ["--n-eval", str(n)] + (["--eval-draw", "seeded"] if task == "vqav2" else [])
+
+
 def run_name(flags):
     """A training's folder name: its method, then its other flags ("hyper-icl-anchor-none", "mimic")."""
     named = dict(zip(flags[::2], flags[1::2]))  # a cell's train.py flags come in pairs
@@ -114,12 +124,17 @@ def table_jobs(args, defaults, train_parse, table):
             transfer = ["--checkpoint-task", cell.trained_on] if cell.trained_on != cell.task else []  # Table 8's
             after, evaluate = (argv,), ["--checkpoint", os.path.join(folder, "adapter.safetensors"), *transfer,
                                         *evaluate]
+        if cell.study:  # Tables 6, 9, 10: lab's study of the adapter, its result file in the run's folder
+            argv = (*root, "--task", cell.task, "--out", folder, *study_size(cell.study, args.n_eval, cell.task),
+                    *handed_on(args, defaults, EVAL_FLAGS, ()), *evaluate)
+            of_cell[key] = jobs.setdefault((cell.study, argv), tables.Job(cell.study, argv, after))
+            continue
         protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
         argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args.n_eval, cell.task),
                 *handed_on(args, defaults, EVAL_FLAGS, evaluate), *protocol, *evaluate)
         of_cell[key] = jobs.setdefault(argv, tables.Job("evaluate.py", argv, after))
     trainings = [j for j in jobs.values() if j.script == "train.py"]  # first: one backbone state for all of them
-    return of_cell, trainings + [j for j in jobs.values() if j.script == "evaluate.py"]
+    return of_cell, trainings + [j for j in jobs.values() if j.script != "train.py"]
 
 
 class Shared:
@@ -175,14 +190,16 @@ class Shared:
 
 
 def run_jobs(jobs, mains, claims=None, seed=0):
-    """Run the jobs in order in this process (mains: {"train.py": train.main, "evaluate.py": evaluate.main}), the
+    """Run the jobs in order in this process (mains: {"train.py": train.main, "evaluate.py": evaluate.main, and each
+    study's main: "benchmark", "gates", "hyperbolicity"}), the
     backbone loaded once (Shared; seed: the runs' --seed). claims: under --gpus, the folder where the processes
     claim jobs and mark them done: a job waits for the jobs before it and is left to the process that holds it.
     Returns the Shared loader."""
     shared, done = Shared(seed), set()
     while len(done) < len(jobs):
-        done |= {j.argv for j in jobs if claims and marked(claims, j)}
-        for job in [j for j in jobs if j.argv not in done and all(a in done for a in j.after)]:
+        done |= {(j.script, j.argv) for j in jobs if claims and marked(claims, j)}
+        for job in [j for j in jobs if (j.script, j.argv) not in done and
+                    all(("train.py", a) in done for a in j.after)]:
             with claimed(claims, job) as mine:
                 if mine:
                     print(f"[{len(done) + 1}/{len(jobs)}] {job.line()}", flush=True)
@@ -197,7 +214,7 @@ def run_jobs(jobs, mains, claims=None, seed=0):
                     if claims:
                         files.write_json(os.path.join(claims, job.key() + ".done"), job.line())
             if mine:
-                done.add(job.argv)
+                done.add((job.script, job.argv))
                 break
         else:  # every job that may start is another process's, or waits for one
             time.sleep(1)
@@ -298,7 +315,7 @@ class Settings:
     folders under --out (None: runs/tables/<model>), the cells' sizes from --n-eval and --train-args, the paper's
     otherwise."""
     table: Optional[Literal[tuple(map(str, range(1, 12)))]] = None  # the paper's table for --model, each cell run once
-    figure: Optional[Literal["2", "3a", "3b"]] = None  # a figure's sweep as a table of cells and its figure
+    figure: Optional[Literal["2", "3a", "3b", "4"]] = None  # a figure's cells as a table, and its figure (4: a page)
     print: bool = False               # print the table from its result files, beside the paper's; run nothing
     print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
     gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job

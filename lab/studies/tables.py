@@ -1,6 +1,7 @@
-"""The paper's tables as data (Tables 1-4, 7, 8, 11 and the sweeps of Figures 2, 3a, 3b): for a backbone family,
-each table's rows and columns as the paper lays them out and each cell's single commands (the train.py run it scores,
-if any, and the evaluate.py flags that score it), and the paper's published numbers (PAPER, PARAMS), which
+"""The paper's tables as data (Tables 1-11, the sweeps of Figures 2, 3a, 3b and Figure 4's gallery): for a backbone
+family, each table's rows and columns as the paper lays them out and each cell's single commands (the train.py run it
+scores, if any, and the evaluate.py flags that score it, or the study of lab that measures it: Tables 6, 9, 10), and
+the paper's published numbers (PAPER, PARAMS), which
 tests/lab/studies/test_tables.py checks against the paper's own table text (paper-tables.txt beside this file).
 Running, printing and planning a table: table_runs.py, table_print.py, table_plan.py."""
 import hashlib
@@ -15,11 +16,16 @@ from lab.datasets import tasks
 class Cell:
     """One number of a table: the task it is scored on, evaluate.py's flags beyond every cell's (--shots 8, --icds
     rices, --vector tv, --icd-task vqav2), and the train.py run whose adapter it scores (its flags beyond every
-    run's; None: no adapter) on `train_task` (None: `task`; Table 8: the source task)."""
+    run's; None: no adapter) on `train_task` (None: `task`; Table 8: the source task). `study`: lab's mode that
+    measures the cell on the adapter instead of evaluate.py (Table 6's benchmark, 9's hyperbolicity, 10's gates);
+    `read`: the number of its result the cell shows (None: the evaluation's headline metric; Table 5: its CHAIR
+    numbers, counted on the evaluation's predictions; a study's: a path in its result file, "teacher/mean")."""
     task: str
     evaluate: tuple = ()
     train: tuple | None = None
     train_task: str | None = None
+    study: str | None = None
+    read: str | None = None
 
     @property
     def trained_on(self):
@@ -39,13 +45,15 @@ class Table:
     extra: tuple = ()
     figure: str | None = None        # a sweep: how its figure plots it ("lines": a line per row over the columns)
     params: bool = False             # a row per method: a # Params column (the adapter's parameters)
+    digits: int = 2                  # decimals of its numbers (the paper's: Tables 6 and 9 write three)
 
 
 @dataclass(frozen=True)
 class Job:
     """One command of a table: train.py's or evaluate.py's run with lab's flags (`python -m lab train`, `python -m lab
-    evaluate`), and the jobs that must be done before it (the training whose adapter it scores; the first run that
-    computes the teacher it distils from)."""
+    evaluate`) or a study of lab (script "benchmark", "gates", "hyperbolicity": `python -m lab gates`, with
+    evaluate's flags), and the jobs that must be done before it (the training whose adapter it scores; the first run
+    that computes the teacher it distils from)."""
     script: str
     argv: tuple
     after: tuple = ()
@@ -120,6 +128,22 @@ PAPER = {  # table -> backbone family -> {(row, column): the published number}
     "11": {"idefics": grid(T1[:2], {"Intervention on O": (58.42, 50.18), "Hyper-ICL": (62.08, 55.31)})},
 }
 
+T5 = ("Z-Shot", "32-ICL", "TV", "FV", "LoRA", "LIVE", "MimIC", "Hyper-ICL")
+T6 = ("Hyper-ICL", "0-Shot", "8-shot", "16-shot", "32-shot")
+T9 = ("Teacher hidden states", "Student hidden states + Euclidean anchor", "Student hidden states + Hyperbolic anchor")
+T10 = ("Early-layer mean g", "Late-layer mean g", "Avg. per-layer std g", "Corr(g, Delta A)")
+
+PAPER |= {  # Tables 5, 6, 9, 10 (Table 9's mean +- std as two columns) and Figure 3a's values in the text (Section 4.3)
+    "5": {"idefics": grid(T5, {"CHAIRs": (5.93, 16.78, 8.88, 28.26, 17.42, 8.65, 8.51, 8.29),
+                               "CHAIRi": (5.58, 9.77, 7.50, 25.44, 11.55, 6.05, 5.74, 5.63),
+                               "Recall": (30.72, 42.59, 36.22, 27.69, 42.93, 42.84, 43.30, 44.04)})},
+    "6": {"idefics2": grid(T6, {"FLOPs (T)": (0.955, 0.935, 6.375, 12.341, 23.364),
+                                "Runtime (ms)": (59.32, 56.69, 158.21, 266.13, 468.55)})},
+    "9": {"idefics2": grid(("mean", "std"), dict(zip(T9, ((0.228, 0.014), (0.314, 0.023), (0.247, 0.016)))))},
+    "10": {"idefics": grid(T10, {"vqav2": (0.38, 0.46, 0.17, 0.41), "ok-vqa": (0.43, 0.62, 0.23, 0.56)})},
+    "figure-3a": {"idefics": grid(("2", "4", "8"), {"Hyper-ICL": (60.9, 62.1, 62.2)})},
+}
+
 PARAMS = {  # Table 1's # Params (M), per backbone family and row
     "idefics": {"LoRA": 25.0, "LIVE": 0.13, "MimIC": 0.26, "Hyper-ICL": 1.18},
     "idefics2": {"LoRA": 17.6, "LIVE": 0.13, "MimIC": 0.26, "Hyper-ICL": 1.18}}
@@ -133,7 +157,7 @@ PAPER_ITEMS = {  # items the paper scores a task on (Section 4.1): VQAv2's 10,00
 TRAINED = {"LoRA": ("--method", "lora"), "LIVE": ("--method", "live"), "MimIC": ("--method", "mimic"),
            "Hyper-ICL": (), "HiFICL": ("--method", "hificl")}  # Table 1's learnable rows: train.py flags
 
-FIGURE_METHODS = ("LoRA", "LIVE", "MimIC", "Hyper-ICL")  # Figure 2's lines
+FIGURE_METHODS = ("LoRA", "LIVE", "MimIC", "Hyper-ICL")  # Figure 2's lines; Table 5's and Figure 4's adapters
 
 FIGURE_SIZES = (0.1, 0.25, 0.5, 1.0)  # Figure 2's training sizes, shares of the runs' --n-train (the paper's 1,000;
 # the figure's axis values are not in its text)
@@ -143,9 +167,7 @@ RANKS, GATES = ("2", "4", "8"), {"Hyper-ICL": "hyper-icl", "static, layer-wise":
 
 KAPPAS, LAMBDAS = ("0.01", "0.1", "1"), ("0.25", "0.5", "1")  # Figure 3b (the paper's lambdas are not in its text)
 
-OTHER_MODES = {"5": "evaluate.py --task coco --chair ... (CHAIR, beside any evaluation)",
-               "6": "evaluate.py --benchmark [--random-weights]", "9": "evaluate.py --hyperbolicity --checkpoint ...",
-               "10": "evaluate.py --gates --checkpoint ..."}
+ANALYSIS_ITEMS = 1000  # queries Tables 9 and 10 analyse (Appendix C: 1,000 VQAv2 samples; Table 10's subsets: as many)
 
 
 def shots_of(task, family):
@@ -159,10 +181,8 @@ def unless(flag, value, default):
 
 
 def layout(name, family, n_train=1000):
-    """The Table `name` ("1", ..., "11", "figure-2", "figure-3a", "figure-3b") for a backbone family; n_train: the
-    runs' training queries (Figure 2's sizes are shares of it)."""
-    if name in OTHER_MODES:
-        raise ValueError(f"Table {name} is another mode of evaluate.py: {OTHER_MODES[name]}")
+    """The Table `name` ("1", ..., "11", "figure-2", "figure-3a", "figure-3b", "figure-4") for a backbone family;
+    n_train: the runs' training queries (Figure 2's sizes are shares of it)."""
     if name not in LAYOUTS:
         raise ValueError(f"no table {name!r}; choose from {', '.join(LAYOUTS)}")
     return LAYOUTS[name](family, n_train)
@@ -259,8 +279,56 @@ def table_figure_3b(family, n_train):
                  figure="lines")
 
 
+def table_5(family, n_train):
+    """CHAIR on COCO: each column's cell is Table 1's COCO evaluation, its predictions counted by CHAIR."""
+    methods = {"Z-Shot": Cell("coco", ("--shots", "0")), f"{shots_of('coco', family)}-ICL": icl("coco", family),
+               "TV": Cell("coco", ("--vector", "tv")), "FV": Cell("coco", ("--vector", "fv")),
+               **{m: Cell("coco", train=TRAINED[m]) for m in FIGURE_METHODS}}
+    metrics = {"CHAIRs": "chair_s", "CHAIRi": "chair_i", "Recall": "recall"}
+    return Table("Table 5", "Caption hallucination on COCO (CHAIR of Table 1's COCO predictions, x 100)",
+                 tuple(metrics), tuple(methods), {(r, c): replace(cell, read=k) for r, k in metrics.items()
+                                                  for c, cell in methods.items()})
+
+
+def table_6(family, n_train):
+    """FLOPs and latency of one VQAv2 query to its first token (lab's benchmark on Table 1's VQAv2 adapter)."""
+    settings = {"Hyper-ICL": "hyper-icl", "0-Shot": "zero-shot", "8-shot": "8-shot", "16-shot": "16-shot",
+                "32-shot": "32-shot"}
+    metrics = {"FLOPs (T)": "prefill_tflops", "Runtime (ms)": "prefill_ms"}
+    cells = {(r, c): Cell("vqav2", train=(), study="benchmark", read=f"rows/{s}/{k}") for r, k in metrics.items()
+             for c, s in settings.items()}
+    return Table("Table 6", "Inference FLOPs and runtime of a VQAv2 query to its first token (lab's benchmark)",
+                 tuple(metrics), tuple(settings), cells, digits=3)
+
+
+def table_9(family, n_train):
+    """Relative delta-hyperbolicity of the teacher's and two students' states (Table 1's and Table 4's runs)."""
+    runs = {T9[0]: ((), "teacher"), T9[1]: (("--anchor", "euclidean"), "student"), T9[2]: ((), "student")}
+    return Table("Table 9", "Relative delta-hyperbolicity of the middle layers' query states on VQAv2, mean and std "
+                 "over queries", T9, ("mean", "std"),
+                 {(r, c): Cell("vqav2", train=f, study="hyperbolicity", read=f"{who}/{c}")
+                  for r, (f, who) in runs.items() for c in ("mean", "std")}, digits=3)
+
+
+def table_10(family, n_train):
+    """The gates of Table 1's Hyper-ICL adapters on VQAv2 and OK-VQA."""
+    reads = dict(zip(T10, ("early_mean", "late_mean", "per_layer_std", "corr_g_delta_attention")))
+    return Table("Table 10", "The query-adaptive gates g: early-layer (first quarter) and late-layer (last quarter) "
+                 "mean, per-layer std, Pearson Corr(g, Delta A)", T1[:2], T10,
+                 {(t, c): Cell(t, train=(), study="gates", read=k) for t in T1[:2] for c, k in reads.items()})
+
+
+def table_figure_4(family, n_train):
+    """Figure 4's queries: Table 1's VQA cells of n-shot ICL and the adapters, their answers shown side by side."""
+    rows = {f"{shots_of('vqav2', family)}-shot ICL": lambda t: icl(t, family),
+            **{m: (lambda t, f=TRAINED[m]: Cell(t, train=f)) for m in FIGURE_METHODS}}
+    return Table("Figure 4", "VQA answers of n-shot ICL and the adapters (the gallery: figure-4.html)", tuple(rows),
+                 T1[:2], {(r, t): make(t) for r, make in rows.items() for t in T1[:2]}, figure="gallery")
+
+
 LAYOUTS = {"1": table_1, "2": table_2, "3": table_3, "4": table_4, "7": table_7, "8": table_8, "11": table_11,
            "figure-2": table_figure_2, "figure-3a": table_figure_3a, "figure-3b": table_figure_3b}
+LAYOUTS |= {"5": table_5, "6": table_6, "9": table_9, "10": table_10, "figure-4": table_figure_4}
 
 
 def published(name, family, row, column):

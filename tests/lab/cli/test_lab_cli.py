@@ -164,7 +164,7 @@ def test_each_mode_has_its_own_help_named_by_its_command(capsys):
 
 def test_a_table_number_is_checked_before_anything(capsys):
     for argv, got in ((["table"], "'none'"), (["table", "12"], "'12'"), (["table", "--model", "x"], "'--model'"),
-                      (["figure", "4"], "'4'")):
+                      (["figure", "5"], "'5'")):
         with pytest.raises(SystemExit) as e:
             lab(argv)
         numbers = ", ".join(commands.numbers(argv[0]))

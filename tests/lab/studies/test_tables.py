@@ -2,8 +2,10 @@
 against the paper's own table text, the layouts, --table on the tiny twins at rehearsal size, --gpus, --print and
 the flags a table takes."""
 import dataclasses
+import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -19,12 +21,12 @@ import data as D
 import evaluate
 import train
 from helpers import lab, lab_args, lab_evaluate, lab_evaluate_args, lab_train, lab_train_args, QUIET, refused
-from lab.datasets import tasks
+from lab.datasets import readers, tasks
 from lab.disk import files
 from lab.models import backbones
 from lab.run import adapter_files, locks, runs, training_batches
 from lab.scores import results
-from lab.studies import table_runs, tables
+from lab.studies import analyses, efficiency, table_print, table_runs, tables
 
 
 PAPER_TEXT = os.path.join(os.path.dirname(tables.__file__), "paper-tables.txt")
@@ -47,13 +49,19 @@ OBJECTIVES = {  # Table 4's headers
         "L_sup + L_H-anchor"}
 
 
+T10_HEADERS = {r"$\boldsymbol{\mathrm{Corr}(g,\Delta A)}$": "Corr(g, Delta A)"}  # Table 10's last header
+
+
 def paper_blocks():
     """{table number: (header cells, rows of cells)} of paper-tables.txt, an empty leading cell filled from the row
-    above (the paper's merged cells)."""
+    above (the paper's merged cells); Figure 3a's sentence: {"figure-3a": ([the sentence], [])}."""
     blocks = {}
     for block in open(PAPER_TEXT, encoding="utf-8").read().split("\n\n"):
         lines = [line for line in block.split("\n") if line and not line.startswith("#")]
         if not lines:
+            continue
+        if lines[0].startswith("Figure 3a (in the text): "):
+            blocks["figure-3a"] = [lines[0].removeprefix("Figure 3a (in the text): ")], []
             continue
         number = lines[0].split(":")[0].removeprefix("Table ")
         header, rows, above = lines[1].split("\t"), [], []
@@ -86,24 +94,35 @@ def parsed():
             elif number == "8":
                 family, row, values, columns = "idefics2", f"{TASKS[cells[0]]} -> {TASKS[cells[1]]}", cells[2:], \
                     header[2:]
+            elif number == "9":  # "$0.228\pm 0.014$": mean and std (Idefics2-8B-base, its caption)
+                family, row, columns = "idefics2", cells[0], ["mean", "std"]
+                values = cells[1].strip("$").split(r"\pm ")
+            elif number in ("5", "6", "10"):  # 5: Idefics-9b (its 32-ICL), 6: Idefics2 (8/16/32-shot), 10: its caption
+                family, row, values = {"5": "idefics", "6": "idefics2", "10": "idefics"}[number], \
+                    TASKS.get(cells[0], cells[0]), cells[1:]
+                columns = [T10_HEADERS.get(h, h.replace("$", "")) for h in header[1:]]
             else:
                 family, row, values, columns = "idefics", cells[0].replace("$", ""), cells[1:], header[1:]
             table = numbers.setdefault(number, {}).setdefault(family, {})
             for column, value in zip(columns, values, strict=True):
                 table[row, TASKS.get(column, column)] = float(value)
+    (sentence,), _ = paper_blocks()["figure-3a"]  # "reaching $60.9$, $62.1$, and $62.2$ for $r{=}2,4,8$"
+    ranks = re.search(r"\$r\{=\}([\d,]+)\$", sentence).group(1).split(",")
+    numbers["figure-3a"] = {"idefics": {("Hyper-ICL", r): float(v) for r, v in zip(
+        ranks, re.findall(r"\$(\d+\.\d+)\$", sentence), strict=True)}}
     return numbers, params
 
 
 def test_the_published_numbers_are_the_papers_text():
     numbers, params = parsed()
     assert numbers == tables.PAPER and params == tables.PARAMS
-    assert sum(len(cells) for table in numbers.values() for cells in table.values()) == 132
+    assert sum(len(cells) for table in numbers.values() for cells in table.values()) == 132 + 24 + 10 + 6 + 8 + 3
 
 
 def test_every_published_number_has_its_cell_and_cells_with_one_command_have_one_number():
     """Each number of PAPER sits in a cell of its table's layout; two cells of any tables that run the same commands
     (Table 4's zero-shot is Table 1's, Table 8's zero-shot on OK-VQA is Table 1's, on Flickr30k Table 2's) hold the
-    same published number."""
+    same published number, to the fewer decimals of the two (Figure 3a's in-text 62.1 is Table 1's 62.08)."""
     by_cell = {}
     for name, families in tables.PAPER.items():
         for family, cells in families.items():
@@ -111,13 +130,24 @@ def test_every_published_number_has_its_cell_and_cells_with_one_command_have_one
             assert set(cells) <= set(table.cells), (name, family, set(cells) - set(table.cells))
             for key, value in cells.items():
                 by_cell.setdefault((family, table.cells[key]), set()).add(value)
-    assert {k: v for k, v in by_cell.items() if len(v) > 1} == {}
-    assert len([v for v in by_cell.values()]) < 132  # some cells are shared between tables
+    decimals = lambda v: min(len(repr(x).split(".")[1]) for x in v)
+    assert {k: v for k, v in by_cell.items() if len({round(x, decimals(v)) for x in v}) > 1} == {}
+    assert len([v for v in by_cell.values()]) < 183  # some cells are shared between tables
+    assert by_cell["idefics", tables.layout("figure-3a", "idefics").cells["Hyper-ICL", "4"]] == {62.08, 62.1}
 
 
-def test_the_other_tables_name_their_mode():
-    with pytest.raises(ValueError, match="--benchmark"):
-        tables.layout("6", "idefics2")
+def test_tables_5_6_9_10_and_figure_4_share_the_work_of_tables_1_and_4(tmp_path):
+    """Each job of Table 5 and Figure 4 is one of Table 1's (CHAIR: its COCO evaluations, read again); Tables 6, 9
+    and 10 train nothing that Tables 1 and 4 do not (their studies measure those adapters)."""
+    args = lab_args(table("1", "tiny-idefics", tmp_path))
+    jobs = lambda name: {(j.script, j.argv) for j in table_runs.table_jobs(  # (which run computes a teacher: the
+        args, lab_evaluate_args([]), lab_train_args, tables.layout(name, "idefics"))[1]}  # table's first, its own)
+    one, four = jobs("1"), jobs("4")
+    assert jobs("5") < one and jobs("figure-4") < one and len(jobs("5")) == 4 + 8  # 4 trainings, 8 evaluations
+    for name, study, count in (("6", "benchmark", 1), ("9", "hyperbolicity", 2), ("10", "gates", 2)):
+        studies = {j for j in jobs(name) if j[0] != "train.py"}
+        assert jobs(name) - studies <= one | four and {j[0] for j in studies} == {study} and \
+            len(studies) == count
     with pytest.raises(ValueError, match="no table '12'"):
         tables.layout("12", "idefics2")
 
@@ -163,10 +193,14 @@ class Counted:
     def __init__(self, monkeypatch):
         self.work = dict.fromkeys(("backbone_loads", "teacher_passes", "teacher_tokens", "steps", "heldout_forwards",
                                    "items", "prompt_tokens", "generated"), 0)
-        self.teacher = {}
+        self.teacher, self.studies = {}, []  # the studies run (Tables 6, 9, 10), by name
         load, run_teacher, pair, step, heldout, generate = (backbones.load_backbone, train.run_teacher,
                                                             training_batches.pair, runs.step, runs.heldout_loss,
                                                             evaluate.generate)
+        analysis, benchmark = analyses.analysis, efficiency.benchmark
+        monkeypatch.setattr(analyses, "analysis", lambda backbone, args, *a: self.studies.append(
+            "gates" if args.gates else "hyperbolicity") or analysis(backbone, args, *a))
+        monkeypatch.setattr(efficiency, "benchmark", lambda *a: self.studies.append("benchmark") or benchmark(*a))
 
         def counting_load(*a, **k):
             self.work["backbone_loads"] += 1
@@ -215,13 +249,17 @@ def table(name, model, out, *extra):
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """Tables 1, 2, 8 of tiny-idefics2 in one folder and Table 4 of tiny-idefics in another, each run with its work
-    counted (Counted), Tables 1 and 8 twice: {name: [(counts, printed JSON) of each run]}, and the folders."""
+    """Tables 1, 2, 8, 5, 9, 6 and Figure 4 of tiny-idefics2 in one folder and Tables 4 and 10 of tiny-idefics in
+    another, each run with its work counted (Counted), Tables 1, 8, 9 and 6 twice: {name: [(counts, printed JSON) of
+    each run]}, and the folders."""
     root, done = tmp_path_factory.mktemp("tables"), {}
-    for name, model, out in (("1", "tiny-idefics2", root / "idefics2"), ("2", "tiny-idefics2", root / "idefics2"),
-                             ("8", "tiny-idefics2", root / "idefics2"), ("4", "tiny-idefics", root / "idefics")):
+    two, one = root / "idefics2", root / "idefics"
+    for name, model, out in (("1", "tiny-idefics2", two), ("2", "tiny-idefics2", two), ("8", "tiny-idefics2", two),
+                             ("4", "tiny-idefics", one), ("5", "tiny-idefics2", two),
+                             ("figure-4", "tiny-idefics2", two), ("9", "tiny-idefics2", two),
+                             ("6", "tiny-idefics2", two), ("10", "tiny-idefics", one)):
         runs_of = []
-        for _ in range(2 if name in ("1", "8") else 1):
+        for _ in range(2 if name in ("1", "8", "9", "6") else 1):
             with pytest.MonkeyPatch.context() as m:
                 counted = Counted(m)
                 printed = lab(table(name, model, out))
@@ -244,7 +282,8 @@ def test_a_table_does_each_piece_of_work_once_and_a_second_run_does_none(rehears
         assert {k: v for k, v in again.work.items() if k != "backbone_loads"} == dict.fromkeys(
             ("teacher_passes", "teacher_tokens", "steps", "heldout_forwards", "items", "prompt_tokens", "generated"), 0)
         assert reprinted == printed
-    assert all(c["ours"] is not None for runs_of in done.values() for c in runs_of[0][1]["cells"])
+    assert all(c["ours"] is not None or c["marks"] == ["undefined"] for runs_of in done.values()
+               for c in runs_of[0][1]["cells"])
     (eight, printed), _ = done["8"]  # its zero-shots are Tables 1's and 2's, its adapters Table 1's runs
     assert eight.work["steps"] == 0 and eight.work["teacher_passes"] == 0 and eight.work["items"] == 4 * 2
     (four, _), = done["4"]  # Idefics: L_sup + L_H, L_sup + L_2 and L_H alone share one teacher (32 ICDs) a task
@@ -266,6 +305,86 @@ def test_the_printed_table_stands_beside_the_papers(rehearsal):
     assert "| Hyper-ICL | 1,160 / 1.18 M |" in md and "/ 71.17 (" in md and "random weights" in md
     (_, four), = done["4"]
     assert four["paper_backbone"] == "Idefics-9b" and {c["column"] for c in four["cells"]} == set(tables.T4)
+
+
+def test_tables_5_9_6_10_and_figure_4_measure_only_what_tables_1_and_4_left_and_read_it_back(rehearsal):
+    """After Tables 1 and 4: Table 5 and Figure 4 do no work; Table 9 trains the Euclidean-anchor run alone (its
+    teacher read from Table 1's cache) and measures two adapters; Table 6 benchmarks once; Table 10 measures the
+    gates of Table 4's two Hyper-ICL runs; a second run does nothing and prints the same table. Each cell holds the
+    number at its place in its study's file."""
+    done, root = rehearsal
+    for name in ("5", "figure-4"):
+        (ran, _), = done[name]
+        assert {k: v for k, v in ran.work.items() if k != "backbone_loads"} == NO_WORK and ran.studies == []
+    for name, trained, studies in (("9", 1, ["hyperbolicity"] * 2), ("6", 0, ["benchmark"]), ("10", 0, ["gates"] * 2)):
+        ran, printed = done[name][0]
+        assert ran.work["steps"] == trained and ran.work["teacher_passes"] == 0 and ran.studies == studies, name
+        if name in ("9", "6"):
+            (again, reprinted) = done[name][1]
+            assert again.studies == [] and again.work["steps"] == 0 and reprinted == printed
+    cells = lambda name: {(c["row"], c["column"]): c for c in done[name][0][1]["cells"]}
+    study = lambda folder, file: json.loads((folder / "train" / "vqav2" / file).read_text())
+    euclidean, hyperbolic = (study(root / "idefics2", f"{run}/hyperbolicity-vqav2-val.json")
+                             for run in ("hyper-icl-anchor-euclidean", "hyper-icl"))
+    nine = cells("9")
+    assert [nine[r, c]["ours"] for r in tables.T9 for c in ("mean", "std")] == [
+        hyperbolic["teacher"]["mean"], hyperbolic["teacher"]["std"], euclidean["student"]["mean"],
+        euclidean["student"]["std"], hyperbolic["student"]["mean"], hyperbolic["student"]["std"]]
+    assert nine[tables.T9[0], "mean"]["paper"] == 0.228 and nine[tables.T9[1], "mean"]["items"] == 2 and \
+        nine[tables.T9[1], "std"]["paper_items"] == 1000 and "subset" in nine[tables.T9[1], "std"]["marks"]
+    rows = {r["setting"]: r for r in study(root / "idefics2", "hyper-icl/benchmark.json")["rows"]}
+    six = cells("6")
+    assert [six["Runtime (ms)", c]["ours"] for c in tables.T6] == [rows[s]["prefill_ms"] for s in (
+        "hyper-icl", "zero-shot", "8-shot", "16-shot", "32-shot")] and six["FLOPs (T)", "8-shot"]["ours"] == \
+        rows["8-shot"]["prefill_tflops"]
+    gates, ten = study(root / "idefics", "hyper-icl/gates-vqav2-val.json"), cells("10")
+    assert ten["vqav2", "Late-layer mean g"]["ours"] == gates["late_mean"] and ten["vqav2", "Early-layer mean g"][
+        "paper"] == 0.38
+    assert ten["ok-vqa", "Corr(g, Delta A)"]["marks"] == ["undefined"]  # one step at the warm-up's lr 0: g constant
+    assert "Corr(g, Delta A) |" in (root / "idefics" / "table-10.md").read_text()
+
+
+def test_table_5_counts_chair_on_table_1s_coco_predictions(rehearsal, tmp_path):
+    """Hyper-ICL's COCO captions replaced by two of known objects (a triangle where the image has none; a circle
+    where it has one): CHAIR_s, CHAIR_i and Recall are 50 each, worked out by hand, and the other columns keep
+    theirs."""
+    done, root = rehearsal
+    moved = shutil.copytree(root / "idefics2", tmp_path / "moved")
+    before = {(c["row"], c["column"]): c for c in done["5"][0][1]["cells"]}
+    metrics = moved / before["CHAIRs", "Hyper-ICL"]["result"]
+    predictions = metrics.with_name(metrics.name.replace(".metrics.json", ".predictions.jsonl"))
+    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
+    objects, _ = readers.read_instances(tasks.load_task("coco", "val", benchmarks.ROOT)[:2])
+    assert [objects[p["id"]] for p in lines] == [{"circle"}, {"circle"}]  # the toy world's first two images
+    captions = ["A triangle.", "A circle."]  # a triangle not there (1 of 1 mentions); a circle found
+    text = "".join(json.dumps({**p, "prediction": c}) + "\n" for p, c in zip(lines, captions))
+    predictions.write_text(text)
+    m = json.loads(metrics.read_text())
+    metrics.write_text(json.dumps({**m, "predictions_sha256": hashlib.sha256(text.encode()).hexdigest()}))
+    printed = {(c["row"], c["column"]): c for c in lab(table("5", "tiny-idefics2", moved, "--print"))["cells"]}
+    assert [printed[r, "Hyper-ICL"]["ours"] for r in ("CHAIRs", "CHAIRi", "Recall")] == [50.0, 50.0, 50.0]
+    assert all(printed[k] == before[k] for k in before if k[1] != "Hyper-ICL")
+    one = {(c["row"], c["column"]): c for c in done["1"][0][1]["cells"]}
+    assert before["CHAIRs", "Z-Shot"]["result"] == one["Zero-shot", "coco"]["result"]  # Table 1's own file
+
+
+def test_figure_4_shows_the_first_queries_on_which_the_answers_differ(rehearsal):
+    """figure-4.html: per task, the first queries in id order whose answers differ between the rows, each with its
+    image inline, its question, every row's answer and the references; nothing it needs outside the page."""
+    done, root = rehearsal
+    page = (root / "idefics2" / "figure-4.html").read_text()
+    (_, printed), = done["figure-4"]
+    for task in tables.T1[:2]:
+        said = [{p["id"]: p["prediction"] for p in map(json.loads, (root / "idefics2" / c["result"].replace(
+            ".metrics.json", ".predictions.jsonl")).read_text().splitlines())} for c in printed["cells"]
+            if c["column"] == task]
+        differ = [i for i in sorted(said[0]) if len({" ".join(s[i].lower().split()) for s in said}) > 1][
+            :table_print.GALLERY_QUERIES]
+        shown = [int(i) for i in re.findall(r"\(id (\d+)\)", page.split(f"<h2>{tables.TASK_NAMES[task]}</h2>")[1]
+                                           .split("<h2>")[0])]
+        assert shown == differ and differ
+    assert page.count("data:image/") == page.count("<figure>") and "src=\"/" not in page
+    assert all(f"<th>{row}</th>" in page for row in printed["rows"]) and "<th>references</th>" in page
 
 
 BY_HAND = {  # one cell of each kind of row: table -> its (row, column)
@@ -304,11 +423,13 @@ def test_every_kind_of_cell_equals_its_single_commands_run_by_hand(rehearsal, tm
                 assert a.read() == b.read(), key
 
 
-def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehearsal, tmp_path):
-    """kill -9 while Table 8's second training runs (a forked copy of this process: the same code, no start-up),
-    then the same command: the table, byte for byte, is the uninterrupted run's (the fixture's, in another folder)."""
+@pytest.mark.parametrize("name, job", [("8", 2), ("9", 4)])
+def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehearsal, tmp_path, name, job):
+    """kill -9 while Table 8's second training runs, or Table 9's second study (a forked copy of this process: the
+    same code, no start-up), then the same command: the table, byte for byte, is the uninterrupted run's (the
+    fixture's, in another folder)."""
     _, root = rehearsal
-    flags = table("8", "tiny-idefics2", tmp_path / "table")
+    flags = table(name, "tiny-idefics2", tmp_path / "table")
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: the table's command, its output into the pipe, a line at a time
@@ -320,14 +441,14 @@ def test_a_table_killed_mid_run_finishes_with_the_same_table_when_run_again(rehe
     os.close(write)
     with os.fdopen(read) as lines:
         for line in lines:
-            if line.startswith("[2/"):
+            if line.startswith(f"[{job}/"):
                 os.kill(pid, signal.SIGKILL)
                 break
-    assert os.waitpid(pid, 0)[1] == signal.SIGKILL and not (tmp_path / "table" / "table-8.json").exists()
+    assert os.waitpid(pid, 0)[1] == signal.SIGKILL and not (tmp_path / "table" / f"table-{name}.json").exists()
     lab(flags)
     for ending in (".json", ".md"):
-        assert (tmp_path / "table" / f"table-8{ending}").read_bytes() == \
-            (root / "idefics2" / f"table-8{ending}").read_bytes()
+        assert (tmp_path / "table" / f"table-{name}{ending}").read_bytes() == \
+            (root / "idefics2" / f"table-{name}{ending}").read_bytes()
 
 
 def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, capsys):
@@ -340,6 +461,15 @@ def test_the_plan_of_a_table_counts_the_work_its_run_did(rehearsal, tmp_path, ca
     assert ran.work["generated"] <= planned["generated_at_most"] and not (tmp_path / "plan").exists()
     out = capsys.readouterr().out
     assert "GPU-hours (bound / expected) on an H200 SXM" in out and "peak ~" in out and "disk: teacher caches" in out
+
+
+def test_the_plan_of_a_study_counts_its_forwards(tmp_path, capsys):
+    """Table 9's plan: its two hyperbolicity jobs, each a teacher's and a student's forward of its 2 queries, no token
+    generated."""
+    planned = lab(table("9", "tiny-idefics2", tmp_path / "plan", "--plan", "cpu"))
+    out = capsys.readouterr().out
+    assert planned["items"] == 2 * 2 and planned["generated_at_most"] == 0 and planned["jobs"] == 4
+    assert out.count("  hyperbolicity vqav2 adapter train/vqav2/hyper-icl") == 2 and "none generated" in out
 
 
 def test_print_reads_the_files_alone_and_the_runs_record_what_makes_their_column(rehearsal, tmp_path, monkeypatch):
