@@ -18,8 +18,10 @@ MARKS = {  # what a mark on a cell says
     "subset": "a subset smaller than the paper's evaluation (items: ours / the paper's)",
     "queries": "the adapter trained on fewer queries than the paper's 1,000",
     "missing": "no result yet: run the table's command (it continues where it stopped)",
-    "extra": "a row the paper does not hold (the project's)"}
-SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "extra": "*"}
+    "extra": "a row the paper does not hold (the project's)",
+    "hificl": "the published number is HiFICL's paper's (arXiv 2603.12760, its Idefics2-8b-base table), not this "
+              "paper's"}
+SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "extra": "*", "hificl": "¶"}
 
 
 def found(job, parsers):
@@ -63,7 +65,8 @@ def cell_record(out, name, family, table, key, job, parsers):
     path, m = found(job, parsers)
     paper = tables.published(name, family, row, column)
     record = {"row": row, "column": column, "paper": paper, "paper_items": tables.PAPER_ITEMS.get(cell.task),
-              "marks": ["extra"] if row in table.extra else []}
+              "marks": (["extra"] if row in table.extra else []) +
+              (["hificl"] if paper is not None and (name, row) in tables.BESIDE else [])}
     if m is None:
         return record | {"ours": None, "marks": record["marks"] + ["missing"]}
     metric = results.headline_metric(m)
@@ -92,10 +95,10 @@ def text(record):
     return ours + paper + "".join(SYMBOLS[m] for m in record["marks"])
 
 
-def params_text(table, records, family, row):
+def params_text(name, records, family, row):
     """The # Params cell of a row: the adapter's parameters (ours, from its result file) / the paper's (millions)."""
     ours = next((r["params"] for r in records if r["row"] == row and r.get("params")), None)
-    paper = tables.PARAMS.get(family, {}).get(row) if table.name == "Table 1" else None
+    paper = {"1": tables.PARAMS, "hificl-1": tables.HIFICL_PARAMS}.get(name, {}).get(family, {}).get(row)
     return ("-" if ours is None else f"{ours:,}") + ("" if paper is None else f" / {paper} M")
 
 
@@ -107,11 +110,13 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
     family = families.family_of(model)
     records = [cell_record(out, name, family, table, key, of_cell[key], parsers) for key in table.cells]
     by_key = {(r["row"], r["column"]): r for r in records}
-    paper = tables.FAMILY_NAMES.get(family) if name in tables.PAPER and family in tables.PAPER[name] else None
+    numbers = (tables.HIFICL_PAPER if name in tables.HIFICL_PAPER else tables.PAPER).get(name, {})
+    paper = tables.FAMILY_NAMES.get(family) if family in numbers else None
+    whose = "HiFICL's paper's" if name in tables.HIFICL_PAPER else "the paper's"
     random_weights = model.startswith("tiny-")
     head = (f"{table.name} of {model}" + (" (random weights)" if random_weights else "") +
             f": {table.caption}. Each cell: ours [95% interval], items" +
-            (f" / the paper's {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
+            (f" / {whose} {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
     show_params = table.params
     lines = [head, "", "| | " + ("# Params (ours / paper) | " if show_params else "") +
              " | ".join(tables.TASK_NAMES.get(c, c) for c in table.columns) + " |",
@@ -119,7 +124,7 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
     for row in table.rows:
         cells = [text(by_key[row, c]) if (row, c) in by_key else "" for c in table.columns]
         lines.append(f"| {tables.TASK_NAMES.get(row, row)} | " +
-                     (params_text(table, records, family, row) + " | " if show_params else "") +
+                     (params_text(name, records, family, row) + " | " if show_params else "") +
                      " | ".join(cells) + " |")
     used = dict.fromkeys(m for r in records for m in r["marks"])
     lines += [""] + [f"{SYMBOLS[m]} {MARKS[m]}" for m in used]
