@@ -9,8 +9,8 @@ from typing import Literal
 
 import lorentz
 import model as M
-from adapters import HiFICL, HiFICLFullK, HiFICLFullV, HiFICLLinear, HyperICL, OutputLevel, StaticGate, StaticGateHead
-from lab.methods import live, lora, mimic
+from adapters import HiFICL, HyperICL, OutputLevel, StaticGate, StaticGateHead
+from lab.methods import hificl_ablations, live, lora, mimic
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,9 @@ METHODS = {
     # the teacher's hidden states layer by layer" as MimIC does, so MimIC's layer-wise MSE on h^(l) (Eq 16's states);
     # K, V without their low-rank factors; alpha = 1 (the linear shift)
     "hificl-teacher": Method(HiFICL, sizes=("rank", "n"), rank=8, anchor="mse"),
-    "hificl-full-k": Method(HiFICLFullK, sizes=("rank", "n"), rank=8, anchor="none"),
-    "hificl-full-v": Method(HiFICLFullV, sizes=("rank", "n"), rank=8, anchor="none"),
-    "hificl-linear": Method(HiFICLLinear, sizes=("rank", "n"), rank=8, anchor="none"),
+    "hificl-full-k": Method(hificl_ablations.HiFICLFullK, sizes=("rank", "n"), rank=8, anchor="none"),
+    "hificl-full-v": Method(hificl_ablations.HiFICLFullV, sizes=("rank", "n"), rank=8, anchor="none"),
+    "hificl-linear": Method(hificl_ablations.HiFICLLinear, sizes=("rank", "n"), rank=8, anchor="none"),
     "static-layer": Method(StaticGate),                                        # Fig 3a: a constant gate a layer
     "static-layer-head": Method(StaticGateHead),                               # and a layer and head
     "output-level": Method(OutputLevel),                                       # Table 11: on the output O
