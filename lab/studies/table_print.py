@@ -19,8 +19,7 @@ MARKS = {  # what a mark on a cell says
     "queries": "the adapter trained on fewer queries than the paper's 1,000",
     "missing": "no result yet: run the table's command (it continues where it stopped)",
     "extra": "a row the paper does not hold (the project's)",
-    "hificl": "the published number is HiFICL's paper's (arXiv 2603.12760, its Idefics2-8b-base table), not this "
-              "paper's"}
+    "hificl": "the published number is HiFICL's paper's (arXiv 2603.12760, its main results), not this paper's"}
 SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "extra": "*", "hificl": "¶"}
 
 
