@@ -29,9 +29,9 @@ class Method:
 METHODS = {
     "hyper-icl": Method(HyperICL),                                             # Eq 5-9, L_H-anchor (Eq 16-17)
     "hificl": Method(HiFICL, sizes=("rank", "n"), rank=8, anchor="none"),       # HiFICL: the task loss alone
-    # HiFICL's component ablation (its paper's Idefics2 table): + teacher alignment, the summary's "the student aligns
-    # the teacher's hidden states layer by layer" as MimIC does, so MimIC's layer-wise MSE on h^(l) (Eq 16's states);
-    # K, V without their low-rank factors; alpha = 1 (the linear shift)
+    # HiFICL's component ablation (its paper's Idefics2 table). + teacher: the teacher-student paradigm HiFICL drops is
+    # MimIC's, in its words "the student aligns the teacher's hidden states layer by layer", so MimIC's layer-wise MSE
+    # on h^(l) (not Hyper-ICL's hyperbolic anchor); K, V without their low-rank factors; alpha = 1 (the linear shift)
     "hificl-teacher": Method(HiFICL, sizes=("rank", "n"), rank=8, anchor="mse"),
     "hificl-full-k": Method(hificl_ablations.HiFICLFullK, sizes=("rank", "n"), rank=8, anchor="none"),
     "hificl-full-v": Method(hificl_ablations.HiFICLFullV, sizes=("rank", "n"), rank=8, anchor="none"),
