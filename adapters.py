@@ -154,8 +154,11 @@ class HiFICL(nn.Module):
         SA_D = torch.exp(logits_D - log_Z1) @ V_learn                          # SA(q, K_learn, V_learn)
         SA, log_Z2 = attention_lse(q, k, v, mask, scaling)
         log_ratio = log_Z1 - log_Z2                                             # mu = Z1 / (Z1 + Z2) = sigmoid
-        # Eq 2: (1 - mu) SA + mu SA_D, 1 - mu as sigmoid(-log_ratio), not a difference of numbers near 1 (mu -> 1)
-        return (torch.sigmoid(-log_ratio) * SA.to(SA_D.dtype) + torch.sigmoid(log_ratio) * SA_D).to(q.dtype)
+        return self.mix(SA.to(SA_D.dtype), SA_D, log_ratio).to(q.dtype)
+
+    @staticmethod
+    def mix(SA, SA_D, log_ratio):  # Eq 2: (1 - mu) SA + mu SA_D, 1 - mu as sigmoid(-log_ratio), not 1 - (near 1)
+        return torch.sigmoid(-log_ratio) * SA + torch.sigmoid(log_ratio) * SA_D
 
 
 # ----------------------------------------------- the paper's ablations: static gates (Fig 3a), output level (Table 11)

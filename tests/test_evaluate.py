@@ -12,6 +12,7 @@ import torch
 import benchmarks
 import data as D
 import evaluate as E
+import model as M
 import train
 from helpers import BENCH, EVAL, lab_evaluate, lab_evaluate_args, lab_train_args, ROOT, TINY
 from lab.datasets import mme_seed, tasks
@@ -117,6 +118,29 @@ def test_evaluation_writes_predictions_and_metrics(tmp_path, checkpoint, task, f
         assert 0 <= saved["vqa_accuracy"] <= 100
     else:
         assert saved["cider"] >= 0
+
+
+def test_an_adapter_evaluates_with_the_icds_back_in_its_prompt(tmp_path, checkpoint, monkeypatch):
+    """--checkpoint with --shots n (the robustness table's n-shot cells): each prompt holds the n ICDs (longer than
+    the adapter alone's) while the adapter is plugged (the first answer token's logits are the adapter's, not the
+    backbone's), and the result is named and recorded as the adapter with n shots."""
+    seen, generate = [], E.generate
+
+    def recording(backbone, inputs, max_new_tokens, min_new_tokens=0):
+        with torch.no_grad():
+            adapted = backbone.model(**inputs).logits[:, -1]
+            with M.without_adapter(backbone.model):
+                plain = backbone.model(**inputs).logits[:, -1]
+        seen.append((int(inputs["attention_mask"].sum()), (adapted - plain).abs().max().item()))
+        return generate(backbone, inputs, max_new_tokens, min_new_tokens)
+    monkeypatch.setattr(E, "generate", recording)
+    flags = [*BENCH, "--n-eval", "2", "--batch-size", "2", "--checkpoint", checkpoint, "--out", str(tmp_path)]
+    alone, with_icds = lab_evaluate(flags), lab_evaluate([*flags, "--shots", "2"])
+    assert (alone["setting"], with_icds["setting"]) == ("hyper-icl", "hyper-icl+2-shot")
+    assert (alone["shots"], with_icds["shots"], with_icds["checkpoint"]) == (0, 2, checkpoint)
+    (alone_tokens, alone_shift), (icd_tokens, icd_shift) = seen
+    assert icd_tokens > alone_tokens and min(alone_shift, icd_shift) > 1e-3
+    assert len(list(tmp_path.glob("vqav2-val-hyper-icl+2-shot-checkpoint-*-seed0-n2.metrics.json"))) == 1
 
 
 def test_n_eval_on_mme_is_stratified_and_its_results_file_pairs_every_image(tmp_path):

@@ -28,7 +28,8 @@ MODES = {
                      "train", modes.TRAIN, modes.train_run),
     ("evaluate",): Mode("one evaluation, every flag: evaluate.py's, the harness's, task and function vectors",
                         "evaluate", modes.EVALUATE, modes.evaluate_run),
-    ("table",): Mode("a paper table (1-11) for --model, every cell run once, beside the paper's numbers",
+    ("table",): Mode("a paper table (1-11; HiFICL's hificl-1, hificl-ablation; robustness) for --model, every cell "
+                     "run once, beside the paper's numbers",
                      "evaluate", modes.TABLE, modes.table, number="table"),
     ("figure",): Mode("a figure (sweeps 2, 3a, 3b; 4's gallery page) as a table of cells, and its figure", "evaluate",
                       modes.TABLE, modes.table, number="figure"),

@@ -10,7 +10,7 @@ from typing import Literal
 import lorentz
 import model as M
 from adapters import HiFICL, HyperICL, OutputLevel, StaticGate, StaticGateHead
-from lab.methods import live, lora, mimic
+from lab.methods import hificl_ablations, live, lora, mimic
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,13 @@ class Method:
 METHODS = {
     "hyper-icl": Method(HyperICL),                                             # Eq 5-9, L_H-anchor (Eq 16-17)
     "hificl": Method(HiFICL, sizes=("rank", "n"), rank=8, anchor="none"),       # HiFICL: the task loss alone
+    # HiFICL's component ablation (its paper's Idefics2 table). + teacher: the teacher-student paradigm HiFICL drops is
+    # MimIC's, in its words "the student aligns the teacher's hidden states layer by layer", so MimIC's layer-wise MSE
+    # on h^(l) (not Hyper-ICL's hyperbolic anchor); K, V without their low-rank factors; alpha = 1 (the linear shift)
+    "hificl-teacher": Method(HiFICL, sizes=("rank", "n"), rank=8, anchor="mse"),
+    "hificl-full-k": Method(hificl_ablations.HiFICLFullK, sizes=("rank", "n"), rank=8, anchor="none"),
+    "hificl-full-v": Method(hificl_ablations.HiFICLFullV, sizes=("rank", "n"), rank=8, anchor="none"),
+    "hificl-linear": Method(hificl_ablations.HiFICLLinear, sizes=("rank", "n"), rank=8, anchor="none"),
     "static-layer": Method(StaticGate),                                        # Fig 3a: a constant gate a layer
     "static-layer-head": Method(StaticGateHead),                               # and a layer and head
     "output-level": Method(OutputLevel),                                       # Table 11: on the output O

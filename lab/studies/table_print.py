@@ -23,8 +23,10 @@ MARKS = {  # what a mark on a cell says
     "queries": "the adapter trained on fewer queries than the paper's 1,000",
     "missing": "no result yet: run the table's command (it continues where it stopped)",
     "undefined": "undefined on this result (NaN: a correlation with a gate that does not vary)",
-    "extra": "a row the paper does not hold (the project's)"}
-SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "undefined": "~", "extra": "*"}
+    "extra": "a row the paper does not hold (the project's)",
+    "hificl": "the published number is HiFICL's paper's (arXiv 2603.12760, its main results), not this paper's"}
+SYMBOLS = {"chance": "†", "subset": "‡", "queries": "§", "missing": "?", "undefined": "~", "extra": "*",
+           "hificl": "¶"}
 
 
 def found(job, parsers):
@@ -114,7 +116,8 @@ def cell_record(out, name, family, table, key, job, parsers, memo=None):
     record = {"row": row, "column": column, "paper": paper,
               "paper_items": {"hyperbolicity": tables.ANALYSIS_ITEMS}.get(cell.study) if cell.study else
               tables.PAPER_ITEMS.get(cell.task),  # Table 9's 1,000 queries (Appendix C); the others state none
-              "marks": ["extra"] if row in table.extra else []}
+              "marks": (["extra"] if row in table.extra else []) +
+              (["hificl"] if paper is not None and (name, row) in tables.BESIDE else [])}
     if m is not None and cell.read:
         scores = study_value(m, cell.read) if cell.study else (chair_of(path, job, parsers, {} if memo is None
                                                                         else memo) or {}).get(cell.read)
@@ -151,10 +154,10 @@ def text(record, digits=2):
     return ours + paper + "".join(SYMBOLS[m] for m in record["marks"])
 
 
-def params_text(table, records, family, row):
+def params_text(name, records, family, row):
     """The # Params cell of a row: the adapter's parameters (ours, from its result file) / the paper's (millions)."""
     ours = next((r["params"] for r in records if r["row"] == row and r.get("params")), None)
-    paper = tables.PARAMS.get(family, {}).get(row) if table.name == "Table 1" else None
+    paper = {"1": tables.PARAMS, "hificl-1": tables.HIFICL_PARAMS}.get(name, {}).get(family, {}).get(row)
     return ("-" if ours is None else f"{ours:,}") + ("" if paper is None else f" / {paper} M")
 
 
@@ -166,11 +169,13 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
     family, memo = families.family_of(model), {}
     records = [cell_record(out, name, family, table, key, of_cell[key], parsers, memo) for key in table.cells]
     by_key = {(r["row"], r["column"]): r for r in records}
-    paper = tables.FAMILY_NAMES.get(family) if name in tables.PAPER and family in tables.PAPER[name] else None
+    numbers = (tables.HIFICL_PAPER if name in tables.HIFICL_PAPER else tables.PAPER).get(name, {})
+    paper = tables.FAMILY_NAMES.get(family) if family in numbers else None
+    whose = "HiFICL's paper's" if name in tables.HIFICL_PAPER else "the paper's"
     random_weights = model.startswith("tiny-")
     head = (f"{table.name} of {model}" + (" (random weights)" if random_weights else "") +
             f": {table.caption}. Each cell: ours [95% interval], items" +
-            (f" / the paper's {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
+            (f" / {whose} {paper} (difference)" if paper else " (the paper has no numbers for this backbone)"))
     show_params = table.params
     lines = [head, "", "| | " + ("# Params (ours / paper) | " if show_params else "") +
              " | ".join(tables.TASK_NAMES.get(c, c) for c in table.columns) + " |",
@@ -178,7 +183,7 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
     for row in table.rows:
         cells = [text(by_key[row, c], table.digits) if (row, c) in by_key else "" for c in table.columns]
         lines.append(f"| {tables.TASK_NAMES.get(row, row)} | " +
-                     (params_text(table, records, family, row) + " | " if show_params else "") +
+                     (params_text(name, records, family, row) + " | " if show_params else "") +
                      " | ".join(cells) + " |")
     used = dict.fromkeys(m for r in records for m in r["marks"])
     lines += [""] + [f"{SYMBOLS[m]} {MARKS[m]}" for m in used]

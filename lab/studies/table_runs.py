@@ -309,12 +309,15 @@ def run_table(args, argv, mains, parsers, command):
                                                             args.print)
 
 
+TABLES = tuple(map(str, range(1, 12))) + tables.EXTRA_TABLES  # table N: the paper's, HiFICL's, the robustness study
+
+
 @dataclass
 class Settings:
     """evaluate.py's flags of --table and --figure (its Config gathers them: a field = a flag, its comment the help):
     folders under --out (None: runs/tables/<model>), the cells' sizes from --n-eval and --train-args, the paper's
     otherwise."""
-    table: Optional[Literal[tuple(map(str, range(1, 12)))]] = None  # the paper's table for --model, each cell run once
+    table: Optional[Literal[TABLES]] = None  # the paper's table for --model, each cell run once
     figure: Optional[Literal["2", "3a", "3b", "4"]] = None  # a figure's cells as a table, and its figure (4: a page)
     print: bool = False               # print the table from its result files, beside the paper's; run nothing
     print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing

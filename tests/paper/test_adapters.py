@@ -10,6 +10,7 @@ import adapters
 
 from adapters import (HiFICL, HyperICL, OutputLevel, StaticGate, StaticGateHead, decompose, decompose_hificl,
                       joint_attention)
+from lab.methods.hificl_ablations import HiFICLFullK, HiFICLFullV, HiFICLLinear
 from lab.methods.mimic import MimIC
 
 
@@ -154,7 +155,8 @@ def test_hificl_parameter_count():
 
 @pytest.mark.usefixtures("attention_kernels")  # torch's private kernels, then the public path
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(cls=st.sampled_from([HyperICL, StaticGate, StaticGateHead, OutputLevel, MimIC, HiFICL]),
+@given(cls=st.sampled_from([HyperICL, StaticGate, StaticGateHead, OutputLevel, MimIC, HiFICL, HiFICLFullK,
+                            HiFICLFullV, HiFICLLinear]),
        H_kv=st.integers(1, 3), groups=st.integers(1, 3), T=st.integers(1, 5), extra=st.integers(0, 4),
        seed=st.integers(0, 2**16), padded=st.booleans())
 def test_grouped_key_value_heads_equal_the_same_heads_repeated(cls, H_kv, groups, T, extra, seed, padded):
@@ -181,7 +183,7 @@ def left_padded_step(pads, S):
     return (torch.arange(S) >= torch.tensor(pads)[:, None])[:, None, None]
 
 
-@pytest.mark.parametrize("cls", [HiFICL, MimIC])
+@pytest.mark.parametrize("cls", [HiFICL, MimIC, HiFICLLinear])
 def test_decoding_steps_equal_the_reference_at_several_cache_lengths_with_left_padding(cls):
     """A decoding step (one query token: attention_lse reads its logits directly) against caches of 1 to 700 keys,
     rows left-padded differently, grouped key/value heads: equal to the reference (its T x T_k logits) in float64, and
@@ -285,7 +287,7 @@ def test_hificl_at_initialisation_float32_relative_error():
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("cls", [HiFICL, MimIC])
+@pytest.mark.parametrize("cls", [HiFICL, MimIC, HiFICLLinear])
 @pytest.mark.parametrize("T", [1, 3])
 def test_a_row_that_sees_no_key_has_the_references_gradients(cls, T):
     """A query row that may see no real key (a fully padded row, a decoding step included): its SA is 0 and log Z2

@@ -173,6 +173,32 @@ def test_trains_and_evaluates_end_to_end(method, tmp_path):
     assert metrics["setting"] == method and 0 <= metrics["vqa_accuracy"] <= 100
 
 
+HIFICL_ABLATIONS = {"hificl-teacher": ("HiFICL", "mse"), "hificl-full-k": ("HiFICLFullK", "none"),
+                    "hificl-full-v": ("HiFICLFullV", "none"), "hificl-linear": ("HiFICLLinear", "none")}
+
+
+@pytest.mark.parametrize("method", HIFICL_ABLATIONS)
+def test_hificls_ablations_train_and_evaluate_on_the_toy_world(method, tmp_path, capsys):
+    """HiFICL's four ablations (its paper's component table): each its module and loss, HiFICL's sizes (n, rank 8),
+    trained a step on the toy world (the teacher's states cached for + teacher alignment alone) and evaluated."""
+    cls, anchor = HIFICL_ABLATIONS[method]
+    own = registry.METHODS[method]
+    assert (own.adapter.__name__, own.anchor, own.sizes, own.rank) == (cls, anchor, ("rank", "n"), 8)
+    out = tmp_path / method
+    lab_train(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
+               "--out", str(out), "--n-train", "2", "--n-heldout", "1", "--batch-size", "2", "--shots", "1",
+               "--epochs", "1", "--virtual-tokens", "2", "--rank", "2", "--workers", "0"])
+    history = json.load(open(out / "history.json"))
+    assert len(history) == 1 and math.isfinite(history[0]["heldout_loss"])
+    taught = "teacher states computed 2," if anchor != "none" else "teacher states computed 0,"
+    assert taught in capsys.readouterr().out
+    record = adapter_files.read_record(str(out / "adapter.safetensors"))
+    assert (record["method"], record["anchor"], record["rank"], record["virtual_tokens"]) == (method, anchor, 2, 2)
+    metrics = lab_evaluate(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,
+                            "--checkpoint", str(out / "adapter.safetensors"), "--n-eval", "1", "--workers", "0"])
+    assert metrics["setting"] == method and 0 <= metrics["vqa_accuracy"] <= 100
+
+
 @pytest.mark.parametrize("method,anchor", [("mimic", "mse"), ("live", "kl"), ("lora", "none")])
 def test_each_method_trains_with_its_own_loss_and_reuses_the_teacher(plain, method, anchor, tmp_path):
     args = lab_train_args(["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT,

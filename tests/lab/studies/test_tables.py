@@ -23,6 +23,7 @@ import train
 from helpers import lab, lab_args, lab_evaluate, lab_evaluate_args, lab_train, lab_train_args, QUIET, refused
 from lab.datasets import readers, tasks
 from lab.disk import files
+from lab.methods import registry
 from lab.models import backbones
 from lab.run import adapter_files, locks, runs, training_batches
 from lab.scores import results
@@ -150,6 +151,62 @@ def test_tables_5_6_9_10_and_figure_4_share_the_work_of_tables_1_and_4(tmp_path)
             len(studies) == count
     with pytest.raises(ValueError, match="no table '12'"):
         tables.layout("12", "idefics2")
+
+
+HIFICL_TEXT = os.path.join(os.path.dirname(tables.__file__), "hificl-tables.txt")
+
+
+HIFICL_BLOCKS = {  # hificl-tables.txt's captions (the summary's words): (table, backbone family)
+    "在 LLaVA-Interleave-7b 上的性能对比：": ("hificl-1", "llava-interleave"),
+    "在 Idefics2-8b-base 上的性能对比：": ("hificl-1", "idefics2"), "在 Idefics2 上的组件消融：": ("hificl-ablation", "idefics2")}
+
+
+HIFICL_ROWS = {"HiFICL (完整)": "HiFICL", "+ Teacher（加教师）": "+ teacher alignment",  # its ablation's rows
+               "- LoRA on K（去 K 低秩）": "K without low-rank", "- LoRA on V（去 V 低秩）": "V without low-rank",
+               r"w/o SA scaling (\(\alpha=1\))": "alpha = 1"}
+
+
+def test_hificls_published_numbers_are_its_papers_text():
+    """HIFICL_PAPER and HIFICL_PARAMS against hificl-tables.txt, its rows and columns mapped by hand, its COCO CIDEr
+    (1.2951) x 100 as this project prints it, an ablation's difference in parentheses left out."""
+    numbers, params = {}, {}
+    for block in open(HIFICL_TEXT, encoding="utf-8").read().split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith("#")]
+        if not lines:
+            continue
+        name, family = HIFICL_BLOCKS[lines[0]]
+        header = [TASKS[h.removesuffix(" CIDEr")] for h in lines[1].split("\t")[-3:]]
+        for cells in (line.split("\t") for line in lines[2:]):
+            row = HIFICL_ROWS.get(cells[0], cells[0])
+            if name == "hificl-1" and cells[1] != "-":
+                params.setdefault(family, {})[row] = float(cells[1])
+            for column, value in zip(header, cells[-3:], strict=True):
+                value = float(value.split(" ")[0])
+                numbers.setdefault(name, {}).setdefault(family, {})[row, column] = \
+                    round(value * 100, 2) if column == "coco" else value
+    assert numbers == tables.HIFICL_PAPER and params == tables.HIFICL_PARAMS
+    assert sum(len(cells) for table in numbers.values() for cells in table.values()) == 12 + 6 + 15
+
+
+def test_hificl_runs_at_its_papers_rank_per_task_and_its_numbers_stand_in_their_cells():
+    """HiFICL's rank: 8 on VQAv2 (the registry's default, unnamed), 16 on OK-VQA, 8 on COCO, in Table 1, its own
+    tables and the robustness table alike (one run a task, shared); each of its published numbers has its cell,
+    Table 1's HiFICL row shows HiFICL's Idefics2 number (before: none), and the ablation's rows are its methods."""
+    assert registry.METHODS["hificl"].rank == 8
+    layouts = {name: tables.layout(name, "idefics2") for name in ("1", "hificl-1", "hificl-ablation", "robustness")}
+    for task, rank in (("vqav2", ()), ("ok-vqa", ("--rank", "16")), ("coco", ())):
+        run = ("--method", "hificl", *rank)
+        assert layouts["1"].cells["HiFICL", task].train == layouts["hificl-1"].cells["HiFICL", task].train == run
+        assert layouts["hificl-ablation"].cells["alpha = 1", task].train == ("--method", "hificl-linear", *rank)
+        assert layouts["robustness"].cells["HiFICL", f"{tables.TASK_NAMES[task]} 8-shot"] == \
+            tables.Cell(task, ("--shots", "8"), run)
+    assert set(tables.HIFICL_ABLATION.values()) <= set(registry.METHODS)
+    for name, families in tables.HIFICL_PAPER.items():
+        for family, cells in families.items():
+            assert set(cells) <= set(tables.layout(name, family).cells), (name, family)
+    assert tables.published("1", "idefics2", "HiFICL", "coco") == 129.51
+    assert tables.published("1", "idefics", "HiFICL", "coco") is None  # HiFICL's paper has no Idefics-9b
+    assert tables.published("1", "idefics2", "MimIC", "coco") == 132.87  # the Hyper-ICL paper's, not HiFICL's 128.27
 
 
 def test_icd_task_draws_from_the_other_tasks_training_split_with_ids_apart():
@@ -385,6 +442,39 @@ def test_figure_4_shows_the_first_queries_on_which_the_answers_differ(rehearsal)
         assert shown == differ and differ
     assert page.count("data:image/") == page.count("<figure>") and "src=\"/" not in page
     assert all(f"<th>{row}</th>" in page for row in printed["rows"]) and "<th>references</th>" in page
+
+
+def test_hificls_tables_and_the_robustness_table_run_beside_table_1(rehearsal, tmp_path, capsys):
+    """In a copy of Table 1's folder (tiny Idefics2): HiFICL's main table does no new work (its cells are Table 1's
+    runs); its ablation trains its four variants once a task, + teacher alignment from MimIC's cached teacher; the
+    robustness table evaluates each of Table 1's adapters again with 8 ICDs in its prompt: a number for every method,
+    task and shots, the n-shot one of an evaluation with the adapter and its ICDs. Table 1 shows HiFICL's published
+    number, marked as HiFICL's paper's."""
+    done, root = rehearsal
+    folder = shutil.copytree(root / "idefics2", tmp_path / "idefics2")
+    counts = {}
+    for name in ("hificl-1", "hificl-ablation", "robustness"):
+        with pytest.MonkeyPatch.context() as m:
+            counted = Counted(m)
+            printed = lab(table(name, "tiny-idefics2", folder))
+        counts[name] = (counted.work, printed)
+        assert all(c["ours"] is not None for c in printed["cells"]), name
+    main, ablation, robust = (counts[n][0] for n in ("hificl-1", "hificl-ablation", "robustness"))
+    assert {k: v for k, v in main.items() if k != "backbone_loads"} == NO_WORK
+    assert ablation["steps"] == 4 * 3 and ablation["teacher_passes"] == 0 and ablation["items"] == 4 * 3 * 2
+    assert robust["steps"] == 0 and robust["items"] == 5 * 3 * 2  # the n-shot cells alone: 0-shot is Table 1's
+    cells = {(c["row"], c["column"]): c for c in counts["robustness"][1]["cells"]}
+    assert len(cells) == 5 * 3 * 2
+    for method in tables.ROBUST:
+        alone, with_icds = cells[method, "OK-VQA 0-shot"], cells[method, "OK-VQA 8-shot"]
+        metrics = json.load(open(folder / with_icds["result"], encoding="utf-8"))
+        assert (metrics["shots"], metrics["setting"].split("+")[-1]) == (8, "8-shot") and metrics["checkpoint"]
+        assert alone["result"] == next(c["result"] for c in done["1"][0][1]["cells"] if (c["row"], c["column"]) ==
+                                       (method, "ok-vqa"))
+    assert "HiFICL's paper's" in (folder / "table-hificl-ablation.md").read_text()
+    hificl = {(c["row"], c["column"]): c for c in done["1"][0][1]["cells"]}["HiFICL", "vqav2"]
+    assert hificl["paper"] == 72.08 and hificl["marks"][:2] == ["extra", "hificl"]
+    assert "¶ the published number is HiFICL's paper's" in (root / "idefics2" / "table-1.md").read_text()
 
 
 BY_HAND = {  # one cell of each kind of row: table -> its (row, column)
