@@ -128,6 +128,15 @@ PAPER_ITEMS = {  # items the paper scores a task on (Section 4.1): VQAv2's 10,00
     # OK-VQA val and Karpathy test splits; MME's 2,374 questions; SEED-Bench-1's 14,233 image questions
     "vqav2": 10_000, "ok-vqa": 5_046, "coco": 5_000, "flickr30k": 1_000, "mme": 2_374, "seed": 14_233}
 
+NOTES = {  # a table's footnote where a row (by name) or a cell's task runs other than the paper's words, and why
+    # (docs/tables.md, "The paper's settings")
+    "LoRA": "LoRA: peft on every module named q/k/v/o_proj (MimIC's public LoRA settings, its "
+            "src/config/peft/lora.yaml): the vision encoder's attention but its out_proj, the perceiver's, the "
+            "decoder's. They give Table 1's 25.0 M (Idefics-9b) and 17.6 M (Idefics2) exactly; the paper's words, "
+            "\"all attention layers in both the vision and language encoders\", would give 25.5 M on Idefics-9b "
+            "(out_proj in, the perceiver out; 17.6 M on Idefics2).",
+}
+
 # ------------------------------------------------------------------------------------------- the tables' cells
 
 TRAINED = {"LoRA": ("--method", "lora"), "LIVE": ("--method", "live"), "MimIC": ("--method", "mimic"),
