@@ -26,7 +26,8 @@ def test_split_by_image(task, capsys):
     everything = mme_seed.read_mme(benchmarks.ROOT) if task == "mme" else mme_seed.read_seed(benchmarks.ROOT)
     assert sorted(it.id for it in pool + rest) == sorted(it.id for it in everything)
     assert not {it.image_path for it in pool} & {it.image_path for it in rest}  # no image on both sides
-    fraction = tasks.POOL_FRACTION[task]
+    fraction = tasks.pool_fraction(task, everything)
+    assert fraction == tasks.POOL_FRACTION[task]  # too small for the paper's 1,000 queries: its share
     assert [it.id for it in pool] == [it.id for it in tasks.pool_split(everything, fraction)[0]]
     for category in {it.category for it in everything if it.category != "Instance Location"}:
         share = sum(it.category == category for it in pool) / sum(it.category == category for it in everything)
@@ -51,6 +52,27 @@ def test_pool_split_properties(questions, fraction, seed):
         images = [p for p, fc in first.items() if fc == c]
         assert len({it.image_path for it in pool} & set(images)) == round(fraction * len(images))
     assert tasks.pool_split(items, fraction, seed) == (pool, rest)
+
+
+MME_IMAGES = {"existence": 30, "count": 30, "position": 30, "color": 30, "posters": 147, "celebrity": 170,
+              "scene": 200, "landmark": 200, "artwork": 200, "OCR": 20, "commonsense_reasoning": 70,
+              "numerical_calculation": 20, "text_translation": 20, "code_reasoning": 20}  # the release's, 2 questions each
+
+
+def test_a_benchmark_pool_holds_the_papers_training_queries_and_every_other_question_is_evaluated():
+    """MME at its real size (2,374 questions on 1,187 images): the pool holds the images of the paper's 1,000
+    training queries + 32 held out (a share of each subtask's images), and the other 1,340 are evaluated; SEED-Bench-1's
+    size as much, a few questions over (each dimension's share rounded)."""
+    items = [Item(2 * n + k, f"/mme/{c}/{n}.jpg", f"q{k}", ("Yes",), "Yes", c)
+             for c, count in MME_IMAGES.items() for n in range(count) for k in range(2)]
+    assert len(items) == 2_374
+    fraction = tasks.pool_fraction("mme", items)
+    pool, rest = tasks.pool_split(items, fraction)
+    assert (fraction, len(pool), len(rest)) == (0.435, 1_034, 1_340)
+    seed = [Item(n, f"/seed/{n}.jpg", "q", ("a",) * 4, "A", f"dim{n % 9}") for n in range(14_233)]
+    assert len(tasks.pool_split(seed, tasks.pool_fraction("seed", seed))[0]) in range(1_032, 1_041)
+    small = [Item(n, f"/s/{n}.jpg", "q", ("a",) * 4, "A", f"dim{n // 7}") for n in range(2_996)]  # 428 of 7 images
+    assert tasks.pool_fraction("mme", small) == 0.358  # 0.345 x 7 rounds to 2 (856 questions): raised until 3
 
 
 def test_default_shots():
