@@ -147,7 +147,8 @@ def instances(scene, image_id, first_id):
 
 def write_coco(root):
     """COCO 2014 images, the VQAv2 questions and annotations, the Karpathy split file (the first 80 val images form
-    its "val" split, the last 20 its "test") and the instances files. Returns each split's scenes by image id (OK-VQA asks about them)."""
+    its "val" split, the last 20 its "test") and the instances files. Returns each split's scenes by image id (OK-VQA
+    asks about them)."""
     rng, karpathy, scenes = random.Random(SEED), [], {}
     for split, n_images in COCO_SIZES.items():
         questions, annotations, images, objects = [], [], [], []
@@ -364,10 +365,10 @@ PAPER_IMAGES = 64  # drawn images a split, shared round-robin by its questions a
 
 def paper_sized(root):
     """VQAv2, OK-VQA and COCO's Karpathy split in their official layouts at the sizes Table 1 reads (VQAv2's 10,000
-    evaluation questions, OK-VQA's 5,046, COCO's 5,000 Karpathy val images; training pools past the 1,000 queries + 32 held
-    out, OK-VQA's whole 9,009), the questions and captions of the toy scenes above (short, like the real ones), the
-    images PAPER_IMAGES drawn ones shared: for `evaluate.py --table 1 --plan`, which reads the texts of every item and
-    the images of a sample only."""
+    evaluation questions, OK-VQA's 5,046, COCO's 5,000 Karpathy val images; training pools past the 1,000 queries +
+    32 held out, OK-VQA's whole 9,009), the questions and captions of the toy scenes above (short, like the real
+    ones), the images PAPER_IMAGES drawn ones shared: for `evaluate.py --table 1 --plan`, which reads the texts of
+    every item and the images of a sample only."""
     rng, karpathy = random.Random(SEED), []
     for k, (split, folder) in enumerate((("train", "train"), ("val", "val"))):
         scenes = [scene(rng) for _ in range(PAPER_IMAGES)]

@@ -42,9 +42,9 @@ def check_table(p, args, defaults, trained):
     """The checks of --table and --figure (their own flags only with one of them: APPLIES), before any job: --gpus
     names devices this process sees (as CUDA numbers them), each once; no flag that reaches no cell (one a cell
     chooses itself, as --shots: table_runs.unreached), and a note for one handed on to rows the table lacks
-    (--seed-protocol or --seed-bench without SEED, --karpathy-split without COCO or Flickr30k); no --train-args flag the table sets for each job (--task, --out, --method:
-    table_runs.JOB_FLAGS; trained: train.py's Config of --train-args); an encoder for a RICES row
-    (rices.encoder_missing)."""
+    (--seed-protocol or --seed-bench without SEED, --karpathy-split without COCO or Flickr30k); no --train-args flag
+    the table sets for each job (--task, --out, --method: table_runs.JOB_FLAGS; trained: train.py's Config of
+    --train-args); an encoder for a RICES row (rices.encoder_missing)."""
     if not (args.table or args.figure):
         return
     if args.gpus is not None:  # "": an empty shell variable, not one process

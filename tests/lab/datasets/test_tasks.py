@@ -56,7 +56,8 @@ def test_pool_split_properties(questions, fraction, seed):
 
 MME_IMAGES = {"existence": 30, "count": 30, "position": 30, "color": 30, "posters": 147, "celebrity": 170,
               "scene": 200, "landmark": 200, "artwork": 200, "OCR": 20, "commonsense_reasoning": 70,
-              "numerical_calculation": 20, "text_translation": 20, "code_reasoning": 20}  # the release's, 2 questions each
+              "numerical_calculation": 20, "text_translation": 20, "code_reasoning": 20}  # the release's: 2 questions
+# on each image
 
 
 def test_a_benchmark_pool_holds_the_papers_training_queries_and_every_other_question_is_evaluated():
