@@ -5,7 +5,7 @@ import shlex
 import pytest
 
 import benchmarks
-from helpers import lab
+from helpers import lab, lab_args
 from lab.datasets import readers, tasks
 from lab.studies import table_print, tables
 
@@ -62,6 +62,10 @@ def test_coco_and_flickr30k_run_karpathys_val_split_and_its_test_by_flag(tmp_pat
     assert len(captions) == 3 and {c.get("--split") for c in captions} == {split}
     assert all("--split" not in c for c in cells if c["--task"] == "ok-vqa")
     assert tables.NOTES["coco"] in table_print.settings_notes(tables.layout("1", "idefics2"))
+    evaluated = {s: tasks.eval_items(lab_args(["evaluate", "--task", "coco", "--split", s, "--data-root",
+                                               benchmarks.ROOT])) for s in ("val", "test")}
+    assert [len(evaluated[s]) for s in ("val", "test")] == [80, 20]  # tools/benchmarks.py's Karpathy val and test
+    assert not {it.id for it in evaluated["val"]} & {it.id for it in evaluated["test"]}
 
 
 def test_mme_evaluates_every_question_outside_the_paper_sized_training_pool(tmp_path):
