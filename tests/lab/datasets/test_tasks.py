@@ -64,8 +64,9 @@ def test_a_benchmark_pool_holds_the_papers_training_queries_and_every_other_ques
     """MME at its real size (2,374 questions on 1,187 images): the pool holds the images of the paper's 1,000
     training queries + 32 held out (a share of each subtask's images), and the other 1,340 are evaluated; SEED-Bench-1's
     size as much, a few questions over (each dimension's share rounded)."""
-    items = [Item(2 * n + k, f"/mme/{c}/{n}.jpg", f"q{k}", ("Yes",), "Yes", c)
-             for c, count in MME_IMAGES.items() for n in range(count) for k in range(2)]
+    images = [(c, n) for c, count in MME_IMAGES.items() for n in range(count)]
+    items = [Item(2 * i + k, f"/mme/{c}/{n}.jpg", f"q{k}", ("Yes",), "Yes", c) for i, (c, n) in enumerate(images)
+             for k in range(2)]
     assert len(items) == 2_374
     fraction = tasks.pool_fraction("mme", items)
     pool, rest = tasks.pool_split(items, fraction)
