@@ -308,7 +308,5 @@ class Settings:
     print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
     gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
     table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process
-    karpathy_split: Literal["val", "test"] = "val"  # COCO's and Flickr30k's cells: Karpathy's val (the paper's
-    # protocol in MimIC's code) or test
-    seed_bench: Literal["2", "1"] = "2"  # the SEED column: SEED-Bench-2's single-image part (the paper's 24,000
-    # questions) or SEED-Bench-1's image questions (MimIC's code)
+    karpathy_split: Literal["val", "test"] = "val"  # COCO's, Flickr30k's split: Karpathy's val (MimIC's code) or test
+    seed_bench: Literal["2", "1"] = "2"  # the SEED column: SEED-Bench-2 (the paper's 24,000 questions) or SEED-Bench-1
