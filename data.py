@@ -50,12 +50,14 @@ TASKS = {
 }
 SPLITS = ("train", "val")
 SHOTS = {}  # each backbone family's ICDs a query: its record's default_shots (lab/models/families.py:register)
+SHOTS_ON_EVERY_TASK = set()  # the families whose SHOTS hold on MME and SEED too (their record's shots_on_every_task)
 
 
 def default_shots(task, family):
-    """ICDs per query of a Task (TASKS' entry): its own (MME, SEED: 2, as the paper runs them), else the backbone
-    family's (SHOTS: Idefics 32, the others 8, as the paper runs them)."""
-    if task.shots is not None:
+    """ICDs per query of a Task (TASKS' entry): its own (MME, SEED: 2, as the paper runs them on Idefics2-8B-base),
+    unless the family's hold on every task (SHOTS_ON_EVERY_TASK: Idefics-9b's 32), else the backbone family's
+    (SHOTS: Idefics 32, the others 8, as the paper runs them)."""
+    if task.shots is not None and family not in SHOTS_ON_EVERY_TASK:
         return task.shots
     if family not in SHOTS:
         raise ValueError(f"backbone family {family!r} has no default shots; register its record "

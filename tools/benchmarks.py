@@ -31,7 +31,7 @@ CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~")
 ROOT = os.path.join(CACHE, "hyper-icl", "benchmarks-" + hashlib.sha256(SOURCES).hexdigest()[:12])
 COCO_SIZES = {"train": 300, "val": 100}  # images per split; one VQAv2 question and five captions each
 OKVQA_SIZES = {"train": 160, "val": 40}  # OK-VQA questions per split, one on each of the first COCO images
-FLICKR_SIZES = {"train": 60, "test": 20}  # Flickr30k images per Karpathy split, five captions each
+FLICKR_SIZES = {"train": 60, "val": 16, "test": 4}  # Flickr30k images per Karpathy split, five captions each
 MME_IMAGES = 12                          # per subtask, two questions each
 SEED_IMAGES = 150                        # SEED-Bench-1 and -2 each
 SEED = 0                                 # each writer draws from random.Random(SEED)
@@ -146,8 +146,9 @@ def instances(scene, image_id, first_id):
 
 
 def write_coco(root):
-    """COCO 2014 images, the VQAv2 questions and annotations, the Karpathy split file (the val images form its
-    "test" split) and the instances files. Returns each split's scenes by image id (OK-VQA asks about them)."""
+    """COCO 2014 images, the VQAv2 questions and annotations, the Karpathy split file (the first 80 val images form
+    its "val" split, the last 20 its "test") and the instances files. Returns each split's scenes by image id (OK-VQA
+    asks about them)."""
     rng, karpathy, scenes = random.Random(SEED), [], {}
     for split, n_images in COCO_SIZES.items():
         questions, annotations, images, objects = [], [], [], []
@@ -166,7 +167,7 @@ def write_coco(root):
             sentences = [{"tokens": c.lower().rstrip(".").split(), "raw": c, "imgid": imgid, "sentid": 5 * imgid + k}
                          for k, c in enumerate(captions(s))]
             karpathy.append({"filepath": f"{split}2014", "filename": os.path.basename(path), "imgid": imgid,
-                             "cocoid": image_id, "split": "train" if split == "train" else "test",
+                             "cocoid": image_id, "split": karpathy_split(split, i),
                              "sentences": sentences, "sentids": [x["sentid"] for x in sentences]})
             images.append({"id": image_id, "file_name": os.path.basename(path), "width": 64, "height": 64})
             objects += instances(s, image_id, len(objects) + 1)
@@ -177,6 +178,12 @@ def write_coco(root):
         toy_world.write_vqa(root, split, "hyper-icl toy VQA", questions, annotations)
     files.write_json(os.path.join(root, "coco", "dataset_coco.json"), {"images": karpathy, "dataset": "coco"})
     return scenes
+
+
+def karpathy_split(split, i):
+    """The Karpathy split of the i-th COCO image of a split: train's in "train", val's first 80 in "val", the rest in
+    "test" (--split test)."""
+    return "train" if split == "train" else "val" if i < 80 else "test"
 
 
 def write_okvqa(root, scenes):
@@ -358,10 +365,10 @@ PAPER_IMAGES = 64  # drawn images a split, shared round-robin by its questions a
 
 def paper_sized(root):
     """VQAv2, OK-VQA and COCO's Karpathy split in their official layouts at the sizes Table 1 reads (VQAv2's 10,000
-    evaluation questions, OK-VQA's 5,046, COCO's 5,000 test images; training pools past the 1,000 queries + 32 held
-    out, OK-VQA's whole 9,009), the questions and captions of the toy scenes above (short, like the real ones), the
-    images PAPER_IMAGES drawn ones shared: for `evaluate.py --table 1 --plan`, which reads the texts of every item and
-    the images of a sample only."""
+    evaluation questions, OK-VQA's 5,046, COCO's 5,000 Karpathy val images; training pools past the 1,000 queries +
+    32 held out, OK-VQA's whole 9,009), the questions and captions of the toy scenes above (short, like the real
+    ones), the images PAPER_IMAGES drawn ones shared: for `evaluate.py --table 1 --plan`, which reads the texts of
+    every item and the images of a sample only."""
     rng, karpathy = random.Random(SEED), []
     for k, (split, folder) in enumerate((("train", "train"), ("val", "val"))):
         scenes = [scene(rng) for _ in range(PAPER_IMAGES)]
@@ -371,7 +378,7 @@ def paper_sized(root):
             if task == "coco":
                 karpathy += [{"filepath": f"{folder}2014", "filename": os.path.basename(readers.coco_image(
                     root, split, i % PAPER_IMAGES + 1)), "cocoid": 10_000_000 * (k + 1) + i, "imgid": len(karpathy),
-                    "split": "train" if split == "train" else "test",
+                    "split": "train" if split == "train" else "val",
                     "sentences": [{"raw": c} for c in captions(scenes[i % PAPER_IMAGES])]} for i in range(sizes[k])]
                 continue
             questions, annotations = [], []

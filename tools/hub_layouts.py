@@ -99,7 +99,7 @@ def write_okvqa_original(root, source):
 
 def write_flickr_original(root, source, n=40):
     """A Flickr30k Karpathy file and images (root/flickr30k) from the first n COCO images of source's Karpathy file,
-    a quarter in Karpathy's test split."""
+    a quarter in Karpathy's val split."""
     images = load(os.path.join(source, "coco", "dataset_coco.json"))["images"][:n]
     os.makedirs(os.path.join(root, "flickr30k", "flickr30k-images"), exist_ok=True)
     out = []
@@ -107,14 +107,14 @@ def write_flickr_original(root, source, n=40):
         name = f"{1000 + k}.jpg"
         shutil.copy(os.path.join(source, "coco", im["filepath"], im["filename"]),
                     os.path.join(root, "flickr30k", "flickr30k-images", name))
-        out.append({"filename": name, "imgid": k, "split": "test" if k % 4 == 0 else "train",
+        out.append({"filename": name, "imgid": k, "split": "val" if k % 4 == 0 else "train",
                     "sentences": [{**s, "imgid": k} for s in im["sentences"]], "sentids": im["sentids"]})
     files.write_json(os.path.join(root, "flickr30k", "dataset_flickr30k.json"), {"images": out, "dataset": "flickr30k"})
 
 
 def write_hub(root, out, task):
     """Write `task`'s hub layout under out (its folder, as docs/real-models.md names it) from the original files of
-    the same questions under root: VQAv2 / OK-VQA val, COCO / Flickr30k Karpathy test, MME and SEED-Bench whole."""
+    the same questions under root: VQAv2 / OK-VQA val, COCO / Flickr30k Karpathy val, MME and SEED-Bench whole."""
     if task == "vqav2":
         write_shards(os.path.join(out, "vqav2"), "validation", vqa_rows(root, "vqav2", "val"), VQAV2)
     elif task == "ok-vqa":
@@ -125,14 +125,15 @@ def write_hub(root, out, task):
                  "question": "Provide a one-sentence caption for the provided image.",
                  "answer": [s["raw"] for s in im["sentences"]], "id": im["cocoid"], "license": 1,
                  "file_name": im["filename"], "coco_url": "", "height": 64, "width": 64, "date_captured": ""}
-                for im in load(os.path.join(root, "coco", "dataset_coco.json"))["images"] if im["split"] == "test"]
+                for im in load(os.path.join(root, "coco", "dataset_coco.json"))["images"]
+                if im["split"] in readers.KARPATHY_SPLITS["val"]]
         write_shards(os.path.join(out, "coco"), "val", rows, COCO)
     elif task == "flickr30k":
         rows = [{"image": embedded(os.path.join(root, "flickr30k", "flickr30k-images", im["filename"])),
                  "caption": [s["raw"] for s in im["sentences"]], "sentids": [str(i) for i in im["sentids"]],
                  "img_id": str(im["imgid"]), "filename": im["filename"]}
                 for im in load(os.path.join(root, "flickr30k", "dataset_flickr30k.json"))["images"]
-                if im["split"] == "test"]
+                if im["split"] in readers.KARPATHY_SPLITS["val"]]
         write_shards(os.path.join(out, "flickr30k"), "test", rows, FLICKR)
     elif task == "mme":
         rows = []

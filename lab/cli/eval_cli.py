@@ -60,9 +60,9 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, studi
                                    "workers": (0, flags.MAX_WORKERS), "rounds": (1, flags.MAX_ROUNDS)})
     flags.check_image_memory(p, args.image_memory)
     if args.split in readers.TEST_SPLITS and args.task != "vqav2" and \
-            not (args.split == "test" and tasks.own_task.is_own(args.task)):
-        p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2) or a folder task's test.jsonl, "
-                f"not {args.task}'s")
+            not (args.split == "test" and (tasks.own_task.is_own(args.task) or args.task in readers.KARPATHY_IDS)):
+        p.error(f"--split {args.split} is VQAv2's test server split (--task vqav2), Karpathy's test split (coco, "
+                f"flickr30k) or a folder task's test.jsonl, not {args.task}'s")
     if readers.server_split(args.task, args.split) and (a.curve or a.gates or a.hyperbolicity):
         p.error(f"--split {args.split} has no answers: it is for an evaluation (the test server's file), not "
                 "--curve, --gates or --hyperbolicity")

@@ -140,13 +140,14 @@ LAB_ONLY = {
                     "random_weights", "bench_shots", "attention_tokens", "rounds", "gates", "hyperbolicity", "curve",
                     "curve_queries", "curve_seeds", "curve_methods", "no_tune", "train_args", "table", "figure",
                     "print", "print_commands", "gpus", "table_worker", "vector", "vector_layer", "vector_sets",
-                    "vector_heldout", "fv_heads", "fv_trials")}
+                    "vector_heldout", "fv_heads", "fv_trials", "karpathy_split", "seed_bench")}
 MODE_OF = {"table": "table", "figure": "figure", "curve": "curve", "benchmark_attention": "benchmark-attention",
            "gates": "gates", "hyperbolicity": "hyperbolicity", "build_toy": "build-toy"}  # first match wins
 WITH_NUMBER = ("table", "figure")  # the flags whose value is the mode's number
 OWNER = {**dict.fromkeys(("random_weights", "bench_shots", "attention_tokens", "rounds"), "benchmark"),
          **dict.fromkeys(("curve_queries", "curve_seeds", "curve_methods", "no_tune"), "curve"),
-         **dict.fromkeys(("train_args", "print", "print_commands", "gpus", "table_worker"), "table"),
+         **dict.fromkeys(("train_args", "print", "print_commands", "gpus", "table_worker", "karpathy_split",
+                          "seed_bench"), "table"),
          **dict.fromkeys(("processor", "accelerator", "plan_json"), "plan"),
          "build_tries": "build_toy"}  # a mode's own flag given without the mode: that mode
 

@@ -56,7 +56,8 @@ class Evaluation(evaluate.Config, efficiency.Settings, analyses.Settings, curves
 names = lambda *classes: [f.name for cls in classes for f in dataclasses.fields(cls)]
 TRAIN = [n for n in names(Training) if n not in names(TrainModes)]  # python -m lab train's flags
 EVALUATE = names(evaluate.Config, vectors.Settings)                 # python -m lab evaluate's flags
-TABLE = [*EVALUATE, "print", "print_commands", "gpus", "table_worker", "train_args", *names(EvalPlan)]
+TABLE = [*EVALUATE, "print", "print_commands", "gpus", "table_worker", "train_args", "karpathy_split", "seed_bench",
+         *names(EvalPlan)]
 BENCH = ["random_weights", "attention_tokens", "rounds"]
 
 

@@ -42,9 +42,9 @@ def check_table(p, args, defaults, trained):
     """The checks of --table and --figure (their own flags only with one of them: APPLIES), before any job: --gpus
     names devices this process sees (as CUDA numbers them), each once; no flag that reaches no cell (one a cell
     chooses itself, as --shots: table_runs.unreached), and a note for one handed on to rows the table lacks
-    (--seed-protocol without SEED); no --train-args flag the table sets for each job (--task, --out, --method:
-    table_runs.JOB_FLAGS; trained: train.py's Config of --train-args); an encoder for a RICES row
-    (rices.encoder_missing)."""
+    (--seed-protocol or --seed-bench without SEED, --karpathy-split without COCO or Flickr30k); no --train-args flag
+    the table sets for each job (--task, --out, --method: table_runs.JOB_FLAGS; trained: train.py's Config of
+    --train-args); an encoder for a RICES row (rices.encoder_missing)."""
     if not (args.table or args.figure):
         return
     if args.gpus is not None:  # "": an empty shell variable, not one process
@@ -57,9 +57,10 @@ def check_table(p, args, defaults, trained):
         if not args.plan and not args.table_worker and max(map(int, devices)) >= count:
             p.error(f"--gpus {args.gpus}: this machine has {count} CUDA device(s) visible" +
                     (f" (0 to {count - 1})" if count else "") + "; name those (--plan takes any, to plan for them)")
-    layout = tables.layout(args.table or f"figure-{args.figure}", families.family_of(args.model))
+    layout = tables.layout(args.table or f"figure-{args.figure}", families.family_of(args.model),
+                           seed_bench=args.seed_bench)
     for name in table_runs.unreached(args, defaults, layout):
-        if name not in table_runs.EVAL_FLAGS + ("seed_protocol",):
+        if name not in table_runs.EVAL_FLAGS + ("seed_protocol", "seed_bench", "karpathy_split"):
             p.error(f"--{name.replace('_', '-')} reaches no cell of {layout.name}: its cells choose their own or take "
                     "none (lab/studies/tables.py)")
         print(f"note: --{name.replace('_', '-')} reaches no cell of {layout.name} (none of its rows takes it)",

@@ -19,7 +19,8 @@ VQA_FILES = {  # dataset -> (folder, questions file, annotations file); {} is th
     "ok-vqa": ("ok-vqa", "OpenEnded_mscoco_{}2014_questions.json", "mscoco_{}2014_annotations.json"),
 }
 
-KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("test",)}
+KARPATHY_SPLITS = {"train": ("train", "restval"), "val": ("val",), "test": ("test",)}  # --split -> Karpathy's: val
+# (COCO's 5,000 images, Flickr30k's 1,000) as the paper's protocol runs in MimIC's code; test by --split test
 
 KARPATHY_IDS = {"coco": "cocoid", "flickr30k": "imgid"}  # an item's id: COCO's image id, Flickr30k's Karpathy id
 

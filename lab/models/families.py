@@ -82,6 +82,7 @@ class Family:
     published: Callable               # () -> its published checkpoint's config (lab/models/published_configs.py)
     twin: Callable                    # (seed) -> its tiny twin (model, processor) (lab/models/tiny.py)
     default_shots: int = 8            # the teacher's and n-shot ICL's ICDs a query (data.SHOTS, default_shots)
+    shots_on_every_task: bool = False  # default_shots on MME and SEED too, not their 2 (data.SHOTS_ON_EVERY_TASK)
     image_only: bool = False          # its processor has a video processor: built without it (load_processor)
     required_settings: tuple = ()     # processor_config.json settings its processor cannot do without
     crops: int | None = None          # views an image is split into when splitting is on (Idefics2: 4 crops + whole)
@@ -141,6 +142,8 @@ def register(family):
                          "of its n-shot ICL and teacher (an integer of at least 1)")
     registry[family.name] = family
     data.SHOTS[family.name] = family.default_shots
+    if family.shots_on_every_task:
+        data.SHOTS_ON_EVERY_TASK.add(family.name)
     return family
 
 
@@ -155,7 +158,8 @@ for _family in (  # the paper's four (their default shots as the paper runs them
                synthetic=synthetic_images.idefics2),
         Family("idefics", "HuggingFaceM4/idefics-9b", "IdeficsForVisionText2Text", "IdeficsProcessor", ("idefics",),
                Rows(), "cross-attention", published_configs.idefics, tiny.tiny_idefics, default_shots=32,
-               tower=vision_towers.Tower("vision_model"), synthetic=synthetic_images.idefics),
+               tower=vision_towers.Tower("vision_model"), synthetic=synthetic_images.idefics,
+               shots_on_every_task=True),  # the paper's 2-shot MME and SEED: Idefics2-8B-base's (Table 2's text)
         Family("llava-interleave", "llava-hf/llava-interleave-qwen-7b-hf", "LlavaForConditionalGeneration",
                "LlavaProcessor", ("llava",), Rows(raw=True), "concat", published_configs.llava_interleave,
                tiny.tiny_llava_interleave, tower=vision_towers.Tower(),

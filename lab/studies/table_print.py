@@ -186,12 +186,13 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
                      (params_text(name, records, family, row) + " | " if show_params else "") +
                      " | ".join(cells) + " |")
     used = dict.fromkeys(m for r in records for m in r["marks"])
-    lines += [""] + [f"{SYMBOLS[m]} {MARKS[m]}" for m in used]
+    notes = settings_notes(table)
+    lines += [""] + [f"{SYMBOLS[m]} {MARKS[m]}" for m in used] + [f"Note: {n}" for n in notes]
     stem = os.path.join(out, name if name.startswith("figure") else f"table-{name}")
     markdown = "\n".join(lines) + "\n"
     summary = {"table": table.name, "model": model, "family": family, "paper_backbone": paper,
                "random_weights": random_weights, "rows": list(table.rows), "columns": list(table.columns),
-               "cells": records, "marks": {m: MARKS[m] for m in used}}
+               "cells": records, "marks": {m: MARKS[m] for m in used}, "notes": notes}
     before, lost = written(stem, summary)
     if printing and lost:
         print(markdown + f"note: kept {stem}.md and .json, which show {lost} result(s) these files no longer give "
@@ -208,6 +209,13 @@ def write(model, out, name, table, of_cell, parsers, printing=False):
             draw(table, by_key, figure)
     print(markdown + f"-> {stem}.md, {stem}.json" + (f", {figure}" if table.figure else ""))
     return summary
+
+
+def settings_notes(table):
+    """The footnotes (tables.NOTES) of the table's rows and of its cells' tasks: where it runs other than the paper's
+    words, and why."""
+    keys = {*table.rows, *(c.task for c in table.cells.values())}
+    return [note for key, note in tables.NOTES.items() if key in keys]
 
 
 def written(stem, summary):

@@ -38,7 +38,7 @@ ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_layer": "
 # whose own flags hold the word
 TABLE_FLAGS = ("model", "data_root", "out", "n_eval", "train_args", "seed_protocol", "plan", "processor", "table",
                "figure", "print", "print_commands", "gpus", "table_worker", "accelerator",
-               "plan_json")  # evaluate.py's flags a table reads itself
+               "plan_json", "karpathy_split", "seed_bench")  # evaluate.py's flags a table reads itself
 JOB_FLAGS = ("model", "task", "data_root", "out", "teacher_cache", "proceed", "resume", "overwrite", "method",
              "icd_task", "plan", "processor", "benchmark", "build_toy", "build_tries")  # train.py's, set per job
 
@@ -46,12 +46,14 @@ JOB_FLAGS = ("model", "task", "data_root", "out", "teacher_cache", "proceed", "r
 def unreached(args, defaults, table):
     """The evaluate.py flags given (not their defaults) that reach no cell of `table`: one that is neither the table's
     own (TABLE_FLAGS) nor handed on (EVAL_FLAGS), as --shots, which each cell chooses itself; one of ONLY_WITH whose
-    word no cell's flags hold; --seed-protocol where no cell is a SEED task."""
+    word no cell's flags hold; --seed-protocol and --seed-bench where no cell is a SEED task, --karpathy-split where
+    none is COCO or Flickr30k."""
     words = {w for c in table.cells.values() for w in c.evaluate}
-    choice = any(tasks.spec(c.task).kind == "choice" for c in table.cells.values())
+    kinds = {tasks.spec(c.task).kind for c in table.cells.values()}
     return [name for name in vars(args) if getattr(args, name) != getattr(defaults, name) and (
         name not in TABLE_FLAGS + EVAL_FLAGS or ONLY_WITH.get(name, "") not in ("", *words) or
-        name == "seed_protocol" and not choice)]
+        name in ("seed_protocol", "seed_bench") and "choice" not in kinds or
+        name == "karpathy_split" and "caption" not in kinds)]
 
 
 def job_flags(train_args, fields):
@@ -129,7 +131,9 @@ def table_jobs(args, defaults, train_parse, table):
                     *handed_on(args, defaults, EVAL_FLAGS, ()), *evaluate)
             of_cell[key] = jobs.setdefault((cell.study, argv), tables.Job(cell.study, argv, after))
             continue
-        protocol = ["--seed-protocol", args.seed_protocol] if tasks.spec(cell.task).kind == "choice" else []
+        kind = tasks.spec(cell.task).kind  # SEED's protocol; COCO's and Flickr30k's split where not Karpathy's val
+        protocol = ["--seed-protocol", args.seed_protocol] if kind == "choice" else \
+            [*tables.unless("--split", args.karpathy_split, "val")] if kind == "caption" else []
         argv = (*root, "--task", cell.task, "--out", folder, *eval_size(args.n_eval, cell.task),
                 *handed_on(args, defaults, EVAL_FLAGS, evaluate), *protocol, *evaluate)
         of_cell[key] = jobs.setdefault(argv, tables.Job("evaluate.py", argv, after))
@@ -290,7 +294,8 @@ def run_table(args, argv, mains, parsers, command):
         raise ValueError(f"--table-worker {args.table_worker}: --gpus gives it to the processes it starts (their "
                          "claims folder); run the table with --gpus 0,1,... instead, or without either in one process")
     name = args.table or f"figure-{args.figure}"
-    table = tables.layout(name, families.family_of(args.model), train_parse(shlex.split(args.train_args)).n_train)
+    table = tables.layout(name, families.family_of(args.model), train_parse(shlex.split(args.train_args)).n_train,
+                          args.seed_bench)
     of_cell, jobs = table_jobs(args, eval_parse([]), train_parse, table)
     if args.plan:
         return table_plan.plan_table(args, table, jobs, parsers)
@@ -323,3 +328,5 @@ class Settings:
     print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
     gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
     table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process
+    karpathy_split: Literal["val", "test"] = "val"  # COCO's, Flickr30k's split: Karpathy's val (MimIC's code) or test
+    seed_bench: Literal["2", "1"] = "2"  # the SEED column: SEED-Bench-2 (the paper's 24,000 questions) or SEED-Bench-1

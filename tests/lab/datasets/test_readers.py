@@ -75,12 +75,14 @@ def test_okvqa_target_is_most_frequent_answer_ties_to_first(tmp_path):
 def test_karpathy_readers(tmp_path):
     write_karpathy(tmp_path)
     train, val = tasks.load_task("coco", "train", tmp_path), tasks.load_task("coco", "val", tmp_path)
-    assert [i.id for i in train] == [1000, 1001] and [i.id for i in val] == [1003]
-    assert val[0].question is None and val[0].answers == ("A dog 3.", "Some dog 3.") and val[0].target == "A dog 3."
-    assert val[0].image_path == str(tmp_path / "coco" / "val2014" / "COCO_val2014_000000000003.jpg")
+    assert [i.id for i in train] == [1000, 1001] and [i.id for i in val] == [1002]  # Karpathy's val (MimIC's code)
+    assert val[0].question is None and val[0].answers == ("A dog 2.", "Some dog 2.") and val[0].target == "A dog 2."
+    assert val[0].image_path == str(tmp_path / "coco" / "val2014" / "COCO_val2014_000000000002.jpg")
+    assert [i.id for i in tasks.load_task("coco", "test", tmp_path)] == [1003]  # --split test: Karpathy's test
     flickr = tasks.load_task("flickr30k", "val", tmp_path)
-    assert [i.id for i in flickr] == [3] and flickr[0].target == "A man 3."
-    assert flickr[0].image_path == str(tmp_path / "flickr30k" / "flickr30k-images" / "103.jpg")
+    assert [i.id for i in flickr] == [2] and flickr[0].target == "A man 2."
+    assert flickr[0].image_path == str(tmp_path / "flickr30k" / "flickr30k-images" / "102.jpg")
+    assert [i.id for i in tasks.load_task("flickr30k", "test", tmp_path)] == [3]
 
 
 @pytest.mark.parametrize("task, missing", [
@@ -147,7 +149,7 @@ def test_vqa_annotations_that_cannot_be_scored_are_refused_naming_file_and_entry
         tasks.load_task(dataset, "val", vqa_root(tmp_path, dataset, [QUESTION], annotations))
 
 
-IMAGE = {"filepath": "val2014", "filename": "a.jpg", "imgid": 0, "cocoid": 5, "split": "test",
+IMAGE = {"filepath": "val2014", "filename": "a.jpg", "imgid": 0, "cocoid": 5, "split": "val",
          "sentences": [{"raw": "A red square."}]}
 
 
@@ -175,7 +177,7 @@ def test_caption_images_without_one_id_or_a_filename_are_refused(tmp_path, datas
                                           ("filename", "/etc/passwd")])
 def test_a_karpathy_filepath_or_filename_out_of_the_dataset_is_refused_naming_it(tmp_path, field, value):
     os.makedirs(tmp_path / "coco")
-    entry = {"cocoid": 1, "split": "test", "filepath": "val2014", "filename": "a.jpg", "sentences": [{"raw": "a"}]}
+    entry = {"cocoid": 1, "split": "val", "filepath": "val2014", "filename": "a.jpg", "sentences": [{"raw": "a"}]}
     path = tmp_path / "coco" / "dataset_coco.json"
     path.write_text(json.dumps({"images": [{**entry, field: value}]}))
     with pytest.raises(ValueError, match=rf"coco: entry 0 of {path} .* is malformed: its {field} '{value}' leads out"):

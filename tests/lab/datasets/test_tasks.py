@@ -26,7 +26,8 @@ def test_split_by_image(task, capsys):
     everything = mme_seed.read_mme(benchmarks.ROOT) if task == "mme" else mme_seed.read_seed(benchmarks.ROOT)
     assert sorted(it.id for it in pool + rest) == sorted(it.id for it in everything)
     assert not {it.image_path for it in pool} & {it.image_path for it in rest}  # no image on both sides
-    fraction = tasks.POOL_FRACTION[task]
+    fraction = tasks.pool_fraction(task, everything)
+    assert fraction == tasks.POOL_FRACTION[task]  # too small for the paper's 1,000 queries: its share
     assert [it.id for it in pool] == [it.id for it in tasks.pool_split(everything, fraction)[0]]
     for category in {it.category for it in everything if it.category != "Instance Location"}:
         share = sum(it.category == category for it in pool) / sum(it.category == category for it in everything)
@@ -53,8 +54,36 @@ def test_pool_split_properties(questions, fraction, seed):
     assert tasks.pool_split(items, fraction, seed) == (pool, rest)
 
 
+MME_IMAGES = {"existence": 30, "count": 30, "position": 30, "color": 30, "posters": 147, "celebrity": 170,
+              "scene": 200, "landmark": 200, "artwork": 200, "OCR": 20, "commonsense_reasoning": 70,
+              "numerical_calculation": 20, "text_translation": 20, "code_reasoning": 20}  # the release's: 2 questions
+# on each image
+
+
+def test_a_benchmark_pool_holds_the_papers_training_queries_and_every_other_question_is_evaluated():
+    """MME at its real size (2,374 questions on 1,187 images): the pool holds the images of the paper's 1,000
+    training queries + 32 held out (a share of each subtask's images), and the other 1,340 are evaluated; SEED-Bench-1's
+    size as much, a few questions over (each dimension's share rounded)."""
+    images = [(c, n) for c, count in MME_IMAGES.items() for n in range(count)]
+    items = [Item(2 * i + k, f"/mme/{c}/{n}.jpg", f"q{k}", ("Yes",), "Yes", c) for i, (c, n) in enumerate(images)
+             for k in range(2)]
+    assert len(items) == 2_374
+    fraction = tasks.pool_fraction("mme", items)
+    pool, rest = tasks.pool_split(items, fraction)
+    assert (fraction, len(pool), len(rest)) == (0.435, 1_034, 1_340)
+    seed = [Item(n, f"/seed/{n}.jpg", "q", ("a",) * 4, "A", f"dim{n % 9}") for n in range(14_233)]
+    assert len(tasks.pool_split(seed, tasks.pool_fraction("seed", seed))[0]) in range(1_032, 1_041)
+    small = [Item(n, f"/s/{n}.jpg", "q", ("a",) * 4, "A", f"dim{n // 7}") for n in range(2_996)]  # 428 of 7 images
+    assert tasks.pool_fraction("mme", small) == 0.358  # 0.345 x 7 rounds to 2 (856 questions): raised until 3
+
+
 def test_default_shots():
-    assert [D.default_shots(D.TASKS[t], "idefics") for t in ("mme", "seed", "seed2", "vqav2")] == [2, 2, 2, 32]
+    """The paper's 2-shot MME and SEED are Idefics2-8B-base's (Table 2's text); Idefics-9b runs its 32 ICDs on every
+    task, the other families the task's 2."""
+    asked = ("mme", "seed", "seed2", "vqav2")
+    assert [D.default_shots(D.TASKS[t], "idefics") for t in asked] == [32, 32, 32, 32]
+    assert [D.default_shots(D.TASKS[t], "idefics2") for t in asked] == [2, 2, 2, 8]
+    assert [D.default_shots(D.TASKS[t], "llava-interleave") for t in asked] == [2, 2, 2, 8]
     args = lab_train_args(["--model", "tiny-idefics2", "--task", "mme", "--data-root", benchmarks.ROOT])
     assert tasks.split_pool(args, "idefics2")[3] == 2
 
@@ -107,7 +136,7 @@ def test_stratified_subset_of_single_question_images_is_exact():
 def test_the_benchmarks_are_written_in_the_official_formats_and_read_back(bench):
     root, tasks = benchmarks.ROOT, bench
     assert {k: len(v) for k, v in tasks.items()} == {("vqav2", "train"): 300, ("vqav2", "val"): 100,
-                                                     ("coco", "train"): 300, ("coco", "val"): 100}
+                                                     ("coco", "train"): 300, ("coco", "val"): 80}
     assert os.path.isfile(os.path.join(root, "vqav2", "v2_OpenEnded_mscoco_train2014_questions.json"))
     vqa = tasks["vqav2", "train"]
     assert all(len(i.answers) == 10 and i.target == readers.most_frequent(list(i.answers)) for i in vqa)

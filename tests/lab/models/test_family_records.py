@@ -56,6 +56,7 @@ def copy_family(monkeypatch):
     config model_type), registered into a copy of FAMILIES (and data.SHOTS)."""
     monkeypatch.setattr(families, "FAMILIES", dict(families.FAMILIES))
     monkeypatch.setattr(data, "SHOTS", dict(data.SHOTS))
+    monkeypatch.setattr(data, "SHOTS_ON_EVERY_TASK", set(data.SHOTS_ON_EVERY_TASK))
     return families.register(dataclasses.replace(families.FAMILIES["idefics2"], name="copy-idefics2",
                                                  config_types=("copy_idefics2",)))
 
@@ -167,6 +168,9 @@ def test_a_registered_record_gives_its_default_shots_to_data(copy_family):
     assert data.default_shots(data.TASKS["vqav2"], "five-shot") == 5
     assert data.default_shots(data.TASKS["mme"], "five-shot") == 2  # the task's own first
     assert data.default_shots(data.TASKS["vqav2"], "idefics") == 32
+    families.register(record(name="everywhere", config_types=("everywhere",), default_shots=5,
+                             shots_on_every_task=True))
+    assert data.default_shots(data.TASKS["mme"], "everywhere") == 5  # the family's first (Idefics-9b's record)
 
 
 def test_a_family_without_a_record_has_no_default_shots_and_says_so():

@@ -121,7 +121,9 @@ def test_another_evaluations_server_file_is_kept(root, tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["evaluate", "--task", "ok-vqa", "--split", "test-dev"],
-     "--split test-dev is VQAv2's test server split (--task vqav2) or a folder task's test.jsonl, not ok-vqa's"),
+     "--split test-dev is VQAv2's test server split (--task vqav2), Karpathy's test split (coco, flickr30k) or a "
+     "folder task's test.jsonl, not ok-vqa's"),
+    (["evaluate", "--task", "mme", "--split", "test"], "Karpathy's test split (coco, flickr30k)"),
     (["hyperbolicity", "--task", "vqav2", "--split", "test"], "--split test has no answers"),
 ])
 def test_the_test_splits_are_vqav2_evaluations(flags, message, capsys):

@@ -684,7 +684,7 @@ def test_a_table_takes_the_flags_its_cells_take_and_refuses_the_rest(tmp_path, c
         assert f"--train-args --{flag.split()[0][2:]}" in refused(lab_args, table("1", "--train-args", flag), capsys)
     args = lab_args(table("2", "--seed-protocol", "likelihood"))  # before: refused, SEED cells' own flag
     _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("2", "idefics2"))
-    assert {"likelihood" in j.argv for j in jobs if "seed" in j.argv and j.script == "evaluate.py"} == {True}
+    assert {"likelihood" in j.argv for j in jobs if "seed2" in j.argv and j.script == "evaluate.py"} == {True}
     args = lab_args(table("1", "--vector-layer", "1", "--rices-encoder", "clip"))
     _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("1", "idefics2"))
     for word, flag in (("--vector", "--vector-layer"), ("rices", "--rices-encoder")):  # before: dropped / refused
