@@ -394,6 +394,7 @@ BESIDE = {("1", "HiFICL"): "hificl-1"}  # a row of the Hyper-ICL paper's tables 
 
 HIFICL_RANKS = {"vqav2": 8, "ok-vqa": 16, "coco": 8}  # HiFICL's r per task (RANK_NOTE)
 RANK_NOTE = "HiFICL at its paper's best rank per task: 8 on VQAv2, 16 on OK-VQA; 8 on COCO, for which it names none"
+NOTES["HiFICL"] = f"HiFICL: {RANK_NOTE} (its paper's Section 4.1; lab/studies/tables.py:HIFICL_RANKS)."
 
 HIFICL_ABLATION = {"HiFICL": "hificl", "+ teacher alignment": "hificl-teacher", "K without low-rank": "hificl-full-k",
                    "V without low-rank": "hificl-full-v", "alpha = 1": "hificl-linear"}  # its rows: the methods
