@@ -49,14 +49,13 @@ TASKS = {
     "toy-icl-colour": Task("vqa", 3), "toy-icl-background": Task("vqa", 3),
 }
 SPLITS = ("train", "val")
-SHOTS = {}  # each backbone family's ICDs a query: its record's default_shots (lab/models/families.py:register)
-SHOTS_ON_EVERY_TASK = set()  # the families whose SHOTS hold on MME and SEED too (their record's shots_on_every_task)
+SHOTS, SHOTS_ON_EVERY_TASK = {}, set()  # each family's ICDs a query, and those whose hold on MME and SEED too:
+# their records' default_shots and shots_on_every_task (lab/models/families.py:register)
 
 
 def default_shots(task, family):
-    """ICDs per query of a Task (TASKS' entry): its own (MME, SEED: 2, as the paper runs them on Idefics2-8B-base),
-    unless the family's hold on every task (SHOTS_ON_EVERY_TASK: Idefics-9b's 32), else the backbone family's
-    (SHOTS: Idefics 32, the others 8, as the paper runs them)."""
+    """ICDs per query, as the paper runs them: the Task's own (MME, SEED: 2 on Idefics2-8B-base) unless its family's
+    hold on every task (SHOTS_ON_EVERY_TASK: Idefics-9b), else the family's (SHOTS: Idefics 32, the others 8)."""
     if task.shots is not None and family not in SHOTS_ON_EVERY_TASK:
         return task.shots
     if family not in SHOTS:

@@ -66,9 +66,8 @@ _ANSWER_END = re.compile(r"\n|Question|Short answer|Caption")
 
 
 def postprocess(text):
-    """The answer in a generated continuation (decoded without special tokens), the one place answers are cleaned
-    before scoring: cut at the first newline or at the next prompt piece ("Question", "Short answer", "Caption", as in
-    data.PROMPTS) and stripped. Case, punctuation and articles are left to the metrics' own normalisation."""
+    """The answer in a generated continuation (decoded without special tokens): cut at the first newline or the next
+    prompt piece ("Question", "Short answer", "Caption": data.PROMPTS), stripped; the rest is left to the metrics."""
     return _ANSWER_END.split(text.lstrip(), maxsplit=1)[0].rstrip()
 
 

@@ -125,10 +125,9 @@ def losses(backbone, cfg, student, teacher, model=None, progress=None):
 @torch.no_grad()
 def run_teacher(backbone, batch, output="states"):
     """The frozen teacher, no adapter, on a teacher batch [ICDs; query + target] (data.teacher_batch): per row, its
-    states [L, T_q, d] at the query + target tokens, every decoder layer's own output h'^(l) (Eq 12-16; the student
-    reads the same tokens); output="logits" (LIVE's teacher): its logits at the answer positions, [n_answer, V] in
-    float32; "both": {"states", "logits"} of each row from the one forward (what the loop caches, so that every
-    distilling method of a task reads the teacher's one pass). On the backbone's device."""
+    states [L, T_q, d] at the query + target tokens, every decoder layer's own output h'^(l) (Eq 12-16); "logits"
+    (LIVE's teacher): its logits at the answer positions, [n_answer, V] in float32; "both": {"states", "logits"} of
+    each row from one forward (what the loop caches, for every distilling method of a task). On the device."""
     device = backbone.model.device
     batch = backbones.to_device(batch, device)
     with M.without_adapter(backbone.model), backbones.autocast(device):

@@ -100,7 +100,8 @@ def test_rices_on_a_family_without_its_own_tower_is_refused_before_any_work(tmp_
     refused with --table; a single evaluation or training was refused only after the backbone loaded."""
     table = ["table", "1", *QUIET, "--out", str(tmp_path)]
     qwen = [a.replace("tiny-idefics2", "tiny-qwen2.5-vl") for a in table]
-    assert "RICES row: --icds rices: the backbone's own vision tower is read for" in refused(lab_args, qwen, capsys)
+    assert "RICES row: --icds rices: the backbone's own vision tower is read where its family's record names one" in \
+        refused(lab_args, qwen, capsys)
     assert lab_args([*qwen, "--rices-encoder", "clip"]).rices_encoder == "clip"
     single = ["--model", "tiny-gemma3", "--task", "vqav2", "--icds", "rices", "--shots", "2"]
     assert "not gemma3; give --rices-encoder" in refused(lab_evaluate_args, single, capsys)
