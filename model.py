@@ -1,15 +1,13 @@
 """The plug: an adapter inside a frozen backbone's attention, h^(l) of each decoder layer, L_sup at the target tokens.
 
-A backbone is a frozen Hugging Face vision-language model. The adapters of `adapters.py` act inside the
-*text decoder's self-attention* only (not the vision tower, the perceiver, or Idefics' gated cross-attention).
-They reach it through transformers' attention-function registry: we register one attention function,
-`calibrated_attention`, under the name "icl" (with the stock SDPA mask builder, without which transformers would
-silently pass no padding mask), switch the decoder's config to it, and hang one adapter on each self-attention
-module. The function hands the module's (rotary-embedded) queries, keys and values to the module's adapter; every
-other module falls through to the stock SDPA forward. No transformers forward is copied. A method that sits elsewhere
-(LIVE on the MLPs, LoRA on linear layers) brings its own Plug (lab/methods/).
-
-A backbone is loaded by name in lab/models/ (lab/models/backbones.py:load_backbone).
+A backbone is a frozen Hugging Face vision-language model (loaded by name: lab/models/backbones.py:load_backbone).
+The adapters of `adapters.py` act inside the *text decoder's self-attention* only (not the vision tower, the
+perceiver, or Idefics' gated cross-attention). They reach it through transformers' attention-function registry: one
+attention function, `calibrated_attention`, registered as "icl" (with the stock SDPA mask builder, without which
+transformers would silently pass no padding mask), the decoder's config switched to it, one adapter on each
+self-attention module. The function hands the module's (rotary-embedded) queries, keys and values to its adapter;
+every other module falls through to the stock SDPA forward. No transformers forward is copied. A method that sits
+elsewhere (LIVE on the MLPs, LoRA on linear layers) brings its own Plug (lab/methods/).
 """
 import contextlib
 
