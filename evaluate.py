@@ -26,7 +26,7 @@ import model as M
 from lab.disk import files
 from lab.datasets import predict_args, readers, rices, tasks
 from lab.models import backbones, families
-from lab.run import adapter_files, locks, prefetch, torchrun
+from lab.run import adapter_files, locks, prefetch, shard, torchrun
 from lab.scores import chair, reports, results
 from lab.cli import eval_cli, harness
 from lab.scores.metrics import cider_d, multiple_choice_accuracy, vqa_accuracy
@@ -102,9 +102,9 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     answers and items are refused first (lab/datasets/predict_args.py)."""
     predict_args.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
     kind, new_tokens = tasks.spec(task).kind, new_tokens or tasks.spec(task).max_new_tokens
-    (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
+    rank, tok, answers = torchrun.rank_and_world()[0], backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
-    mine = starts[rank::world]
+    mine = shard.share(starts, backbone.model)
     specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
     rows = prefetch.option_rows if likelihood else prefetch.prompt_rows
     build = functools.partial(rows, backbone.processor, backbone.family, kind)
@@ -247,6 +247,7 @@ def launch(args, load=None, vector=None):
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
         backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
                                                      image_memory=args.image_memory * 1e9)
+        shard.shard_backbone(backbone, args.shard)
         if backbone.images:
             print(backbone.images)
         if vector:

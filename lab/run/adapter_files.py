@@ -18,7 +18,10 @@ from lab.methods import registry
 def fingerprint(backbone):
     """A short hash of the backbone's identity: its family and some of its weights (the first four parameters, the first
     and last decoder self-attention's: the layers the adapters act in) rounded to bf16, so the same checkpoint loaded in
-    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ."""
+    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ. A
+    sharded backbone's is the one taken before sharding (lab/run/shard.py), its weights then being in pieces."""
+    if hasattr(backbone.model, "icl_fingerprint"):
+        return backbone.model.icl_fingerprint
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = M.decoder_self_attentions(backbone.model)
     params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too

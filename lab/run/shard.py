@@ -1,0 +1,94 @@
+"""--shard: the frozen backbone's parameters sharded over torchrun's processes with FSDP2 (torch's fully_shard), so a
+backbone too large for one device runs on several. Each decoder layer and vision layer (every element of the model's
+outermost ModuleLists) is its own FSDP unit, gathered whole only while it runs; the rest (embeddings, heads, norms,
+connector) is the root's unit. The adapter, attached after sharding, is not FSDP's: every process holds it whole and
+its gradients are averaged here (average_gradients), as DistributedDataParallel would, so the adapter, its file,
+last.pt and the teacher cache are an unsharded run's.
+
+Every process must call each sharded module as often as the others (each call gathers its parameters from all of
+them): a process with fewer batches repeats its last one (share), one that lacks a teacher pass runs a stand-in
+(teacher_in_step), and generate() keeps the processes in step past their own answers' end (synced_gpus)."""
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+import data
+from lab.run import adapter_files, torchrun
+
+
+def is_sharded(model):
+    """Whether `model` is sharded by FSDP2 (shard_backbone)."""
+    return isinstance(model, FSDPModule)
+
+
+def shard_backbone(backbone, shard):
+    """With `shard` (--shard), backbone.model's parameters sharded over torchrun's processes in place: each layer of
+    the outermost ModuleLists (decoder and vision layers) a unit of its own, then the root. Once: a backbone that a
+    table's runner loaded for several runs is sharded already. Without torchrun a ValueError naming its launch line."""
+    world = torchrun.rank_and_world()[1]
+    if not shard or is_sharded(backbone.model):
+        return
+    if world == 1:
+        raise ValueError("--shard shares the backbone among torchrun's processes: launch it as `torchrun "
+                         "--nproc_per_node=N train.py ... --shard` (or evaluate.py), N the number of GPUs")
+    backbone.model.icl_fingerprint = adapter_files.fingerprint(backbone)  # read from whole weights, kept
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
+    for layer in layers(backbone.model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(backbone.model, mesh=mesh, reshard_after_forward=True)  # the root too: no whole copy kept
+    backbone.model._is_fsdp_managed_module = True  # transformers' generate() then keeps the processes in step
+
+
+def layers(model):
+    """The elements of the model's outermost ModuleLists that hold parameters (decoder layers, vision layers, a
+    resampler's layers): one FSDP unit each."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(f"{p}.") for p, _ in found):
+            found += [(f"{name}.{i}", m) for i, m in enumerate(module) if any(True for _ in m.parameters())]
+    return [m for _, m in found]
+
+
+def local_bytes(model):
+    """Bytes of `model`'s parameters this process holds: a sharded parameter's local shard, any other whole."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p
+    return sum(local(p).numel() * p.element_size() for p in model.parameters())
+
+
+def share(starts, model):
+    """This process's batches of `starts` (each N-th, as torchrun shares them); with a sharded `model` all processes
+    take as many, one with fewer repeating its last (or, with none, the last of all): a repeated batch's result is
+    the same and is simply written again."""
+    rank, world = torchrun.rank_and_world()
+    mine = list(starts[rank::world])
+    if not is_sharded(model):
+        return mine
+    return mine + [(mine or list(starts))[-1]] * (-(-len(starts) // world) - len(mine))
+
+
+def teacher_in_step(run, prepared):
+    """The prepared micro-batches of a sharded run (training_batches.prepared), each with a teacher batch wherever
+    any process has one to run: a process whose cache holds all of its queries runs its first query's teacher batch
+    as a stand-in, whose states nothing reads (training_batches.stored takes as many as the cache lacked)."""
+    for micro in prepared:
+        if is_sharded(run.backbone.model) and micro["found"] is not None and \
+                torchrun.any_of(micro["teacher"] is not None) and micro["teacher"] is None:
+            b = run.backbone
+            pieces = data.query_pieces(b.processor, b.family, run.kind, micro["queries"][:1])
+            micro["teacher"] = data.teacher_batch(b.processor, b.family, run.kind, pieces, micro["icds"][:1])
+        yield micro
+
+
+def average_gradients(parameters):
+    """The adapter's gradients averaged over the processes (as DistributedDataParallel averages them), in one
+    all-reduce."""
+    for p in parameters:
+        if p.grad is None:  # unused on this process: its share of the sum is zero
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in parameters]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
