@@ -1,9 +1,9 @@
 """--shard: the frozen backbone's parameters sharded over torchrun's processes with FSDP2 (torch's fully_shard), so a
-backbone too large for one device runs on several. Each decoder layer and vision layer (every element of the model's
-outermost ModuleLists) is its own FSDP unit, gathered whole only while it runs; the rest (embeddings, heads, norms,
-connector) is the root's unit. The adapter, attached after sharding, is not FSDP's: every process holds it whole and
-its gradients are averaged here (average_gradients), as DistributedDataParallel would, so the adapter, its file,
-last.pt and the teacher cache are an unsharded run's.
+backbone too large for one device runs on several. Each decoder layer and vision layer is its own FSDP unit, and so is
+each other module that owns parameters (embeddings, heads, norms): gathered whole only while it runs. The adapter,
+attached after sharding, is not FSDP's: every process holds it whole and its gradients are averaged here
+(average_gradients), as DistributedDataParallel would, so the adapter, its file, last.pt and the teacher cache are an
+unsharded run's.
 
 Every process must call each sharded module as often as the others (each call gathers its parameters from all of
 them): a process with fewer batches repeats its last one (share), one that lacks a teacher pass runs a stand-in
@@ -23,9 +23,9 @@ def is_sharded(model):
 
 
 def shard_backbone(backbone, shard):
-    """With `shard` (--shard), backbone.model's parameters sharded over torchrun's processes in place: each layer of
-    the outermost ModuleLists (decoder and vision layers) a unit of its own, then the root. Once: a backbone that a
-    table's runner loaded for several runs is sharded already. Without torchrun a ValueError naming its launch line."""
+    """With `shard` (--shard), backbone.model's parameters sharded over torchrun's processes in place: each of
+    units() an FSDP unit, then the root. Once: a backbone that a table's runner loaded for several runs is sharded
+    already. Without torchrun a ValueError naming its launch line."""
     world = torchrun.rank_and_world()[1]
     if not shard or is_sharded(backbone.model):
         return
@@ -34,20 +34,32 @@ def shard_backbone(backbone, shard):
                          "--nproc_per_node=N train.py ... --shard` (or evaluate.py), N the number of GPUs")
     backbone.model.icl_fingerprint = adapter_files.fingerprint(backbone)  # read from whole weights, kept
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
-    for layer in layers(backbone.model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(backbone.model, mesh=mesh, reshard_after_forward=True)  # the root too: no whole copy kept
+    for unit in units(backbone.model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(backbone.model, mesh=mesh)
+    backbone.model._get_fsdp_state()._lazy_init()  # the root now: generate() calls the vision tower before its forward
     backbone.model._is_fsdp_managed_module = True  # transformers' generate() then keeps the processes in step
 
 
-def layers(model):
-    """The elements of the model's outermost ModuleLists that hold parameters (decoder layers, vision layers, a
-    resampler's layers): one FSDP unit each."""
+def units(model):
+    """The FSDP units of `model`, in the order they are sharded (inner ones first): each element of its outermost
+    ModuleLists (decoder layers, vision layers, a resampler's layers); then each other module that owns parameters
+    itself (embeddings, norms, heads, a connector's pieces: transformers calls some outside the model's forward, as
+    generate() does the vision tower), modules that share a parameter (tied embeddings) as one unit."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(f"{p}.") for p, _ in found):
             found += [(f"{name}.{i}", m) for i, m in enumerate(module) if any(True for _ in m.parameters())]
-    return [m for _, m in found]
+    inside = {id(p) for _, m in found for p in m.parameters()}
+    groups = {}  # a parameter's id -> the modules that own it
+    for module in reversed([m for m in model.modules() if m is not model]):  # the root's own: the root's unit
+        own = [p for p in module.parameters(recurse=False) if id(p) not in inside]
+        if own:
+            group = next((groups[id(p)] for p in own if id(p) in groups), [])
+            group.append(module)
+            groups.update({id(p): group for p in own})
+    owners = list({id(g): g for g in groups.values()}.values())
+    return [m for _, m in found] + [g[0] if len(g) == 1 else g for g in owners]
 
 
 def local_bytes(model):
