@@ -1,0 +1,141 @@
+"""--shard under torchrun (lab/run/shard.py): 2 CPU processes (gloo), the tiny twin's backbone sharded with FSDP2,
+against one unsharded process with the same global batch: the same adapter, teacher cache and predictions, and each
+process holding half of the backbone's parameters. Every run is tiny (helpers.RUN: 8 training queries, micro-batches
+of 4, 2 per process)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import benchmarks
+from helpers import lab_evaluate, lab_train, run_flags, ROOT
+from lab.run import shard
+
+# each process reports the backbone's parameter bytes it holds before and after sharding, and its stand-in teacher
+# passes, a line each in tmp/stand-ins (shard.teacher_in_step alone calls shard.data's teacher_batch); with KILL set,
+# rank 1 dies (kill -9) in its third micro-batch and torchrun stops the other
+RUNNER = """import json, os, signal, sys; sys.path.insert(0, {root!r})
+from types import SimpleNamespace
+import train
+from lab.run import shard
+from lab.cli import modes
+report, shard_backbone, losses, calls = {{}}, shard.shard_backbone, train.losses, []
+def killing(*a):
+    calls.append(1)
+    if os.environ.get("KILL") and os.environ["RANK"] == "1" and len(calls) == 3: os.kill(os.getpid(), signal.SIGKILL)
+    return losses(*a)
+train.losses = killing
+def measured(backbone, on):
+    report["whole"] = shard.local_bytes(backbone.model)
+    shard_backbone(backbone, on)
+    report["local"] = shard.local_bytes(backbone.model)
+shard.shard_backbone = measured
+data = shard.data
+shard.data = SimpleNamespace(query_pieces=data.query_pieces,
+                             teacher_batch=lambda *a: stand_in.write("x\\n") and data.teacher_batch(*a))
+stand_in = open(os.path.join({out!r}, "stand-ins"), "a", buffering=1)
+(modes.train_main if sys.argv[1] == "train" else modes.evaluate_main)(sys.argv[2:])
+open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w").write(json.dumps(report))
+"""
+
+
+def torchrun(tmp, mode, *flags, kill=False):
+    """`python -m lab <mode> <flags> --shard` on 2 processes (RUNNER): (return code, stderr). A run that outlives
+    240 s (processes out of step wait for each other) is killed with all its processes, and fails the test."""
+    script = tmp / "runner.py"
+    script.write_text(RUNNER.format(root=ROOT, out=str(tmp)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL": "1" if kill else ""}
+    with subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), mode, *flags, "--shard"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as job:
+        try:
+            return job.wait(timeout=240), job.stderr.read()
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)
+            raise
+
+
+def sharded(tmp, mode, *flags):
+    """torchrun's run, which must succeed; each process's report."""
+    code, err = torchrun(tmp, mode, *flags)
+    assert code == 0, err[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def same_adapter(a, b):
+    """Within 1e-5 (float32; the gradients are summed in another order, nothing else differs)."""
+    a, b = load_file(a), load_file(b)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
+
+
+def test_two_sharded_processes_train_the_adapter_and_cache_of_one(whole, tmp_path):
+    """Killed (rank 1, kill -9) in its second step, then resumed: the adapter of one process. Half of the one
+    process's teacher cache is there before: the processes whose queries it holds run a stand-in teacher pass while
+    the others compute theirs (else they would wait for each other for ever)."""
+    files = sorted(os.listdir(whole / "teacher"))
+    os.makedirs(tmp_path / "teacher")
+    for name in files[:len(files) // 2]:
+        shutil.copy(whole / "teacher" / name, tmp_path / "teacher" / name)
+    assert torchrun(tmp_path, "train", *run_flags(tmp_path, "run"), kill=True)[0] != 0
+    assert torch.load(tmp_path / "run" / "last.pt", weights_only=False)["progress"]["step"] == 2
+    reports = sharded(tmp_path, "train", *run_flags(tmp_path, "run", "--resume"))
+    same_adapter(tmp_path / "run" / "adapter.safetensors", whole / "run" / "adapter.safetensors")
+    for a, b in zip(*(json.loads((d / "run" / "history.json").read_text()) for d in (tmp_path, whole))):
+        assert a["step"] == b["step"] and a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-6)
+    assert sorted(os.listdir(tmp_path / "teacher")) == files
+    for name in files:
+        for k, v in load_file(whole / "teacher" / name).items():
+            torch.testing.assert_close(load_file(tmp_path / "teacher" / name)[k], v, rtol=0, atol=1e-5)
+    for r in reports:  # each process holds half of the backbone (the adapter, attached after sharding, apart)
+        assert r["local"] == pytest.approx(r["whole"] / 2, rel=0.1)
+    assert (tmp_path / "stand-ins").read_text()  # the stand-in ran (in the killed run's first epoch)
+
+
+def test_two_sharded_processes_write_the_predictions_of_one(whole, tmp_path):
+    """5 items in batches of 2: one process has 2 batches, the other 1, which it repeats to keep in step."""
+    flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "5",
+             "--batch-size", "2", "--checkpoint", str(whole / "run" / "adapter.safetensors")]
+    lab_evaluate([*flags, "--out", str(tmp_path / "one")])
+    sharded(tmp_path, "evaluate", *flags, "--out", str(tmp_path / "two"))
+    names = sorted(os.listdir(tmp_path / "one"))  # the lock, the metrics and the predictions
+    assert sorted(os.listdir(tmp_path / "two")) == names and len(names) == 3
+    for name in names[1:]:
+        assert (tmp_path / "one" / name).read_text() == (tmp_path / "two" / name).read_text(), name
+    answers = [json.loads(line)["prediction"] for line in open(tmp_path / "one" / names[-1])]
+    assert len(answers) == 5 and len(set(answers)) > 1   # answers differ: their order shows
+
+
+def test_qwen2_5_vl_sharded_trains_the_adapter_of_one(tmp_path):
+    """Another family: its vision tower, merger and decoder sharded the same way."""
+    flags = lambda name: ["tiny-qwen2.5-vl" if f == "tiny-idefics2" else f for f in run_flags(tmp_path, name)]
+    lab_train(flags("one"))
+    shutil.rmtree(tmp_path / "teacher")
+    reports = sharded(tmp_path, "train", *flags("two"))
+    same_adapter(tmp_path / "two" / "adapter.safetensors", tmp_path / "one" / "adapter.safetensors")
+    assert all(r["local"] == pytest.approx(r["whole"] / 2, rel=0.1) for r in reports)
+
+
+def test_shard_without_torchrun_names_the_launch_line():
+    backbone = type("B", (), {"model": torch.nn.Linear(2, 2)})()
+    with pytest.raises(ValueError, match=r"torchrun --nproc_per_node=N train.py .* --shard"):
+        shard.shard_backbone(backbone, True)
+    shard.shard_backbone(backbone, False)  # without --shard: nothing to do
+    assert not shard.is_sharded(backbone.model)
+
+
+def test_share_keeps_a_sharded_run_in_step(monkeypatch):
+    """Without sharding each N-th batch; sharded, as many for every process, the last repeated."""
+    monkeypatch.setattr(shard.torchrun, "rank_and_world", lambda: (1, 2))
+    assert shard.share(range(0, 10, 2), torch.nn.Linear(1, 1)) == [2, 6]
+    monkeypatch.setattr(shard, "is_sharded", lambda model: True)
+    assert shard.share(range(0, 10, 2), None) == [2, 6, 6]
+    monkeypatch.setattr(shard.torchrun, "rank_and_world", lambda: (3, 4))
+    assert shard.share(range(0, 4, 2), None) == [2]  # no batch of its own: the last of all
