@@ -60,7 +60,7 @@ def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None
     folder = processor_dir or (name if os.path.isdir(name) else None)
     if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
         from huggingface_hub import snapshot_download
-        hub_id = families.FAMILIES[family].hub_id
+        hub_id = families.hub_id(name)
         try:
             folder = snapshot_download(hub_id, local_files_only=True)
         except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
@@ -75,9 +75,9 @@ def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if processor_dir else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
-    model = published.published_model(family, config=config)  # on the meta device: no weights
-    source = f"published_configs.{families.FAMILIES[family].published.__name__}" if config is None else \
-        f"{name}/config.json"
+    made = families.published_of(name, family)
+    model = published.published_model(family, config=config or made())  # on the meta device: no weights
+    source = f"published_configs.{made.__name__}" if config is None else f"{name}/config.json"
     families.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
