@@ -245,8 +245,8 @@ def launch(args, load=None, vector=None):
         items = tasks.eval_items(args)
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-        backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
-                                                     image_memory=args.image_memory * 1e9)
+        backbone = shard.loading(load, args.model, args.shard)(args.model, image_splitting=args.image_splitting,
+                                                               image_memory=args.image_memory * 1e9)
         shard.shard_backbone(backbone, args.shard)
         if backbone.images:
             print(backbone.images)

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import data
+from lab.models import backbones, published
 from lab.run import adapter_files, torchrun
 
 
@@ -34,7 +35,7 @@ def shard_backbone(backbone, shard):
                          "--nproc_per_node=N train.py ... --shard` (or evaluate.py), N the number of GPUs")
     backbone.model.icl_fingerprint = adapter_files.fingerprint(backbone)  # read from whole weights, kept
     mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
-    for unit in units(backbone.model):
+    for unit, _ in units(backbone.model):
         fully_shard(unit, mesh=mesh)
     fully_shard(backbone.model, mesh=mesh)
     backbone.model._get_fsdp_state()._lazy_init()  # the root now: generate() calls the vision tower before its forward
@@ -42,10 +43,11 @@ def shard_backbone(backbone, shard):
 
 
 def units(model):
-    """The FSDP units of `model`, in the order they are sharded (inner ones first): each element of its outermost
-    ModuleLists (decoder layers, vision layers, a resampler's layers); then each other module that owns parameters
-    itself (embeddings, norms, heads, a connector's pieces: transformers calls some outside the model's forward, as
-    generate() does the vision tower), modules that share a parameter (tied embeddings) as one unit."""
+    """The FSDP units of `model` with the parameters each holds, (module or modules, parameters), in the order they
+    are sharded (inner ones first): each element of its outermost ModuleLists (decoder layers, vision layers, a
+    resampler's layers); then each other module that owns parameters itself (embeddings, norms, heads, a connector's
+    pieces: transformers calls some outside the model's forward, as generate() does the vision tower), modules that
+    share a parameter (tied embeddings) as one unit."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(f"{p}.") for p, _ in found):
@@ -59,7 +61,47 @@ def units(model):
             group.append(module)
             groups.update({id(p): group for p in own})
     owners = list({id(g): g for g in groups.values()}.values())
-    return [m for _, m in found] + [g[0] if len(g) == 1 else g for g in owners]
+    own = lambda group: list({id(p): p for m in group for p in m.parameters(recurse=False)}.values())
+    return [(m, list(m.parameters())) for _, m in found] + [(g[0] if len(g) == 1 else g, own(g)) for g in owners]
+
+
+HEADROOM = 0.9  # the share of a GPU's memory a plan fills: the rest is CUDA's context and the allocator's slack
+
+
+def weight_bytes(model, n, itemsize=2):
+    """Bytes of `model`'s weights one of `n` processes holds under --shard at its peak: its shard of every unit plus
+    two units gathered whole (the one running and the next one), in bf16 (itemsize 2)."""
+    sizes = sorted((sum(p.numel() for p in params) for _, params in units(model)), reverse=True)
+    whole = sum(p.numel() for p in model.parameters())
+    return itemsize * (whole if n == 1 else whole / n + sum(sizes[:2]))
+
+
+def gpus_needed(model, memory, most=64):
+    """The fewest processes (a power of two) whose weight_bytes fit HEADROOM of a GPU of `memory` bytes."""
+    n = 1
+    while n < most and weight_bytes(model, n) > HEADROOM * memory:
+        n *= 2
+    return n
+
+
+def loading(load, name, shard):
+    """What loads --model `name`: `load` (a table's loader), or None: backbones.load_backbone. On CUDA: without
+    --shard, a backbone whose weights alone exceed this GPU is refused before anything loads, naming the torchrun line
+    that shards it; with --shard, backbones.load_backbone loads it onto the CPU in bf16 and shard_backbone moves each
+    process's shard to its GPU, so no GPU holds the whole backbone (each process's CPU memory does, for a while)."""
+    load = load or backbones.load_backbone
+    if not torch.cuda.is_available():
+        return load
+    if shard and load is backbones.load_backbone:
+        return lambda *args, **options: load(*args, **{**options, "device": "cpu", "dtype": torch.bfloat16})
+    model, memory = published.meta_model(name), torch.cuda.get_device_properties(0).total_memory
+    if model is not None and weight_bytes(model, 1) > HEADROOM * memory:
+        n = gpus_needed(model, memory)
+        raise ValueError(f"--model {name}: its weights ({weight_bytes(model, 1) / 1e9:.0f} GB in bf16) do not fit "
+                         f"this GPU ({memory / 1e9:.0f} GB): shard them over {n} or more, `torchrun "
+                         f"--nproc_per_node={n} train.py --model {name} ... --shard` (evaluate.py the same); "
+                         f"`python -m lab plan train --model {name} --plan cuda --shard` sizes N with the activations")
+    return load
 
 
 def local_bytes(model):

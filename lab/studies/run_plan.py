@@ -19,7 +19,7 @@ from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import flops, roofline
+from lab.studies import flops, roofline, shard_plan
 
 
 @dataclass
@@ -181,8 +181,9 @@ def plan(args, queries=None):
     params = sum(p.numel() for p in model.parameters())
     sizes = training and registry.sizes(args.method, args.rank, args.virtual_tokens)  # evaluate.py's: none
     adapter = sum(p.numel() for p in registry.attach(model, args.method, **sizes).parameters()) if training else 0
-    mem = memory(model.config, params, adapter, rows, batch, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
-                 file_dtype, args.image_memory * 1e9)
+    at = lambda params, batch: memory(model.config, params, adapter, rows, batch, dtype,
+                                      tasks.spec(args.task).max_new_tokens, on_cpu, file_dtype, args.image_memory * 1e9)
+    mem = at(params, batch)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
     print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
@@ -206,6 +207,7 @@ def plan(args, queries=None):
               f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")
     print(f"peak memory, evaluation at batch {batch}: ~{size(mem['eval_adapter'])} with the adapter or "
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
+    figures["shard"] = shard_plan.plan(args, at, model, batch, training)  # --shard: a GPU of N's
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
                                     budget=size(args.image_memory * 1e9)))
     figures["times"] = plan_times(args, model, rows, batch, shots if training else args.shots or 0, len(queries),

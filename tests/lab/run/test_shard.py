@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ from helpers import lab_evaluate, lab_train, run_flags, ROOT
 from lab.run import shard
 
 # each process reports the backbone's parameter bytes it holds before and after sharding, and its stand-in teacher
-# passes, a line each in tmp/stand-ins (shard.teacher_in_step alone calls shard.data's teacher_batch); with KILL set,
-# rank 1 dies (kill -9) in its third micro-batch and torchrun stops the other
+# passes, a line each in tmp/stand-ins (the runner swaps the data module that shard.py reads, where teacher_in_step
+# alone builds teacher batches); with KILL set, rank 1 dies (kill -9) in its third micro-batch and torchrun stops the
+# other
 RUNNER = """import json, os, signal, sys; sys.path.insert(0, {root!r})
 from types import SimpleNamespace
 import train
@@ -129,6 +131,21 @@ def test_shard_without_torchrun_names_the_launch_line():
         shard.shard_backbone(backbone, True)
     shard.shard_backbone(backbone, False)  # without --shard: nothing to do
     assert not shard.is_sharded(backbone.model)
+
+
+def test_a_backbone_one_gpu_cannot_hold_is_refused_unsharded_before_loading(monkeypatch):
+    """On CUDA (faked: an H200's memory): qwen2.5-vl-72b's weights alone (147 GB) are refused, naming the launch on
+    2; the 7B loads; --shard loads onto the CPU in bf16 (shard_backbone then moves each shard to its GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141e9))
+    calls = []
+    monkeypatch.setattr(shard.backbones, "load_backbone", lambda *a, **options: calls.append(options))
+    with pytest.raises(ValueError, match=r"qwen2.5-vl-72b: its weights \(147 GB in bf16\) do not fit this GPU "
+                                         r"\(141 GB\): shard them over 2 or more, `torchrun --nproc_per_node=2"):
+        shard.loading(None, "qwen2.5-vl-72b", False)
+    assert shard.loading(None, "qwen2.5-vl", False) is shard.backbones.load_backbone
+    shard.loading(None, "qwen2.5-vl-72b", True)("qwen2.5-vl-72b", device="cuda")
+    assert calls == [{"device": "cpu", "dtype": torch.bfloat16}]
 
 
 def test_share_keeps_a_sharded_run_in_step(monkeypatch):
