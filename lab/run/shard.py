@@ -87,13 +87,14 @@ def gpus_needed(model, memory, most=64):
 def loading(load, name, shard):
     """What loads --model `name`: `load` (a table's loader), or None: backbones.load_backbone. On CUDA: without
     --shard, a backbone whose weights alone exceed this GPU is refused before anything loads, naming the torchrun line
-    that shards it; with --shard, backbones.load_backbone loads it onto the CPU in bf16 and shard_backbone moves each
-    process's shard to its GPU, so no GPU holds the whole backbone (each process's CPU memory does, for a while)."""
+    that shards it; with --shard, backbones.load_backbone loads it onto the CPU (in bf16, a built twin in float32, as
+    on the GPU unsharded) and shard_backbone moves each process's shard to its GPU, so no GPU holds the whole backbone (each process's CPU memory does, for a while)."""
     load = load or backbones.load_backbone
     if not torch.cuda.is_available():
         return load
-    if shard and load is backbones.load_backbone:
-        return lambda *args, **options: load(*args, **{**options, "device": "cpu", "dtype": torch.bfloat16})
+    if shard and load is backbones.load_backbone:  # the dtype an unsharded run has on CUDA: a checkpoint's bf16
+        dtype = torch.float32 if backbones.is_built(name) else torch.bfloat16
+        return lambda *args, **options: load(*args, **{**options, "device": "cpu", "dtype": dtype})
     model, memory = published.meta_model(name), torch.cuda.get_device_properties(0).total_memory
     if model is not None and weight_bytes(model, 1) > HEADROOM * memory:
         n = gpus_needed(model, memory)

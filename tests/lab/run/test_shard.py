@@ -135,7 +135,7 @@ def test_shard_without_torchrun_names_the_launch_line():
 
 def test_a_backbone_one_gpu_cannot_hold_is_refused_unsharded_before_loading(monkeypatch):
     """On CUDA (faked: an H200's memory): qwen2.5-vl-72b's weights alone (147 GB) are refused, naming the launch on
-    2; the 7B loads; --shard loads onto the CPU in bf16 (shard_backbone then moves each shard to its GPU)."""
+    2; the 7B loads; --shard loads onto the CPU in the GPU's dtype (shard_backbone then moves each shard to its GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141e9))
     calls = []
@@ -145,7 +145,8 @@ def test_a_backbone_one_gpu_cannot_hold_is_refused_unsharded_before_loading(monk
         shard.loading(None, "qwen2.5-vl-72b", False)
     assert shard.loading(None, "qwen2.5-vl", False) is shard.backbones.load_backbone
     shard.loading(None, "qwen2.5-vl-72b", True)("qwen2.5-vl-72b", device="cuda")
-    assert calls == [{"device": "cpu", "dtype": torch.bfloat16}]
+    shard.loading(None, "tiny-qwen2.5-vl", True)("tiny-qwen2.5-vl", device="cuda")  # float32, as unsharded
+    assert calls == [{"device": "cpu", "dtype": torch.bfloat16}, {"device": "cpu", "dtype": torch.float32}]
 
 
 def test_share_keeps_a_sharded_run_in_step(monkeypatch):
@@ -156,3 +157,23 @@ def test_share_keeps_a_sharded_run_in_step(monkeypatch):
     assert shard.share(range(0, 10, 2), None) == [2, 6, 6]
     monkeypatch.setattr(shard.torchrun, "rank_and_world", lambda: (3, 4))
     assert shard.share(range(0, 4, 2), None) == [2]  # no batch of its own: the last of all
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_sharded_gpus_train_and_answer_as_one(tmp_path):
+    """The sharded path on CUDA with NCCL (`python -m pytest -m gpu`): 2 GPUs against 1, the tiny twin in float32;
+    the adapter within 1e-4 (GPU kernels sum in their own order), the predictions the same."""
+    lab_train(run_flags(tmp_path, "one"))
+    shutil.rmtree(tmp_path / "teacher")
+    sharded(tmp_path, "train", *run_flags(tmp_path, "two"))
+    a, b = (load_file(tmp_path / name / "adapter.safetensors") for name in ("one", "two"))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
+    flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "5",
+             "--batch-size", "2", "--checkpoint", str(tmp_path / "one" / "adapter.safetensors")]
+    lab_evaluate([*flags, "--out", str(tmp_path / "e1")])
+    sharded(tmp_path, "evaluate", *flags, "--out", str(tmp_path / "e2"))
+    for name in os.listdir(tmp_path / "e1"):
+        if name.endswith(".predictions.jsonl"):
+            assert (tmp_path / "e1" / name).read_text() == (tmp_path / "e2" / name).read_text()
