@@ -79,7 +79,7 @@ def same_adapter(a, b):
 
 
 def test_two_sharded_processes_train_the_adapter_and_cache_of_one(whole, tmp_path):
-    """Killed (rank 1, kill -9) in its second step, then resumed: the adapter of one process. Half of the one
+    """Killed (rank 1, kill -9) in the third step, then resumed: the adapter of one process. Half of the one
     process's teacher cache is there before: the processes whose queries it holds run a stand-in teacher pass while
     the others compute theirs (else they would wait for each other for ever)."""
     files = sorted(os.listdir(whole / "teacher"))
