@@ -201,12 +201,13 @@ def formatted(processor, family):
     return processor
 
 
-def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint", check=None):
+def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint", check=None, shards=None):
     """One of the paper's backbones by name: a family's short name (its hub id, FAMILIES), a hub id or a checkpoint
     folder; bf16 on CUDA (the default device when there is one), float32 on CPU, frozen, the weights read straight
     to the device. image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"
     (image_setting). check(path): run on the checkpoint's folder or hub id before anything loads
-    (lab/models/backbones.py checks its config and eos ids there)."""
+    (lab/models/backbones.py checks its config and eos ids there). shards: under torchrun --shard, the processes the
+    weights are sharded over as they load (FSDP2; lab/run/shard.py), each reading only its shard."""
     family = family_of(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
@@ -214,9 +215,11 @@ def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint",
     if check:
         check(path)
     processor, images = load_processor(path, family, image_splitting)
+    split = {"distributed_config": transformers.DistributedConfig(fsdp_size=shards)} if shards and hasattr(
+        transformers, "DistributedConfig") else {}  # each process reads its shard (older: whole, then lab/run/shard.py)
     model, info = FAMILIES[family].model_cls().from_pretrained(  # never a model folder's own code
         path, dtype=dtype, attn_implementation="sdpa", device_map={"": placed(device)}, output_loading_info=True,
-        trust_remote_code=False)
+        trust_remote_code=False, **split)
     if info["missing_keys"]:  # transformers would initialise them at random
         missing, weights = sorted(info["missing_keys"]), glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
         raise ValueError(f"--model: {weights[0] if len(weights) == 1 else path} lacks the tensor {missing[0]}" +

@@ -28,6 +28,7 @@ def fingerprint(backbone):
     h = hashlib.sha256(backbone.family.encode())
     for p in params:
         h.update(str(tuple(p.shape)).encode())
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p  # sharded (lab/run/shard.py): all of it
         h.update(p.detach().flatten()[:4096].to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 

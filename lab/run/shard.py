@@ -8,6 +8,8 @@ unsharded run's.
 Every process must call each sharded module as often as the others (each call gathers its parameters from all of
 them): a process with fewer batches repeats its last one (share), one that lacks a teacher pass runs a stand-in
 (teacher_in_step), and generate() keeps the processes in step past their own answers' end (synced_gpus)."""
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -27,19 +29,33 @@ def shard_backbone(backbone, shard):
     """With `shard` (--shard), backbone.model's parameters sharded over torchrun's processes in place: each of
     units() an FSDP unit, then the root. Once: a backbone that a table's runner loaded for several runs is sharded
     already. Without torchrun a ValueError naming its launch line."""
-    world = torchrun.rank_and_world()[1]
-    if not shard or is_sharded(backbone.model):
+    world, model = torchrun.rank_and_world()[1], backbone.model
+    if not shard:
         return
     if world == 1:
         raise ValueError("--shard shares the backbone among torchrun's processes: launch it as `torchrun "
                          "--nproc_per_node=N train.py ... --shard` (or evaluate.py), N the number of GPUs")
-    backbone.model.icl_fingerprint = adapter_files.fingerprint(backbone)  # read from whole weights, kept
-    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
-    for unit, _ in units(backbone.model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(backbone.model, mesh=mesh)
-    backbone.model._get_fsdp_state()._lazy_init()  # the root now: generate() calls the vision tower before its forward
-    backbone.model._is_fsdp_managed_module = True  # transformers' generate() then keeps the processes in step
+    if not hasattr(model, "icl_fingerprint"):  # read from the weights whole (gathered where they load sharded), kept
+        model.icl_fingerprint = adapter_files.fingerprint(backbone)
+    if not is_sharded(model):  # a built twin, or a checkpoint this transformers loaded whole
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world,))
+        for unit, _ in units(model):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model._get_fsdp_state()._lazy_init()  # the root now: generate() calls the vision tower before its forward
+    model._is_fsdp_managed_module = True  # transformers' generate() then keeps the processes in step
+    if "generate" not in vars(model):
+        model.generate = functools.partial(root_gathered, model, model.generate)
+
+
+def root_gathered(model, generate, *args, **kwargs):
+    """generate() with the root unit's parameters gathered throughout: transformers runs the vision tower before the
+    model's forward, and where transformers sharded the checkpoint as it loaded, the root unit holds its embeddings."""
+    model.unshard()
+    try:
+        return generate(*args, **kwargs)
+    finally:
+        model.reshard()
 
 
 def units(model):
@@ -85,17 +101,15 @@ def gpus_needed(model, memory, most=64):
 
 
 def loading(load, name, shard):
-    """What loads --model `name`: `load` (a table's loader), or None: backbones.load_backbone. On CUDA: without
-    --shard, a backbone whose weights alone exceed this GPU is refused before anything loads, naming the torchrun line
-    that shards it; with --shard, backbones.load_backbone loads it onto the CPU (in bf16, a built twin in float32, as
-    on the GPU unsharded) and shard_backbone moves each process's shard to its GPU, so no GPU holds the whole backbone (each process's CPU memory does, for a while)."""
+    """What loads --model `name`: `load` (a table's loader), or None: backbones.load_backbone, which with --shard reads
+    only this process's shard of a checkpoint (lab/models/families.py:load_checkpoint: transformers shards it with
+    FSDP2 as it loads; a built twin loads whole and shard_backbone shards it). On CUDA without --shard, a backbone whose
+    weights alone exceed this GPU is refused before anything loads, naming the torchrun line that shards it."""
     load = load or backbones.load_backbone
-    if not torch.cuda.is_available():
-        return load
-    if shard and load is backbones.load_backbone:  # the dtype an unsharded run has on CUDA: a checkpoint's bf16
-        dtype = torch.float32 if backbones.is_built(name) else torch.bfloat16
-        return lambda *args, **options: load(*args, **{**options, "device": "cpu", "dtype": dtype})
-    model, memory = published.meta_model(name), torch.cuda.get_device_properties(0).total_memory
+    if shard and load is backbones.load_backbone:
+        return functools.partial(load, shards=torchrun.rank_and_world()[1])
+    model = None if shard or not torch.cuda.is_available() else published.meta_model(name)
+    memory = model and torch.cuda.get_device_properties(0).total_memory
     if model is not None and weight_bytes(model, 1) > HEADROOM * memory:
         n = gpus_needed(model, memory)
         raise ValueError(f"--model {name}: its weights ({weight_bytes(model, 1) / 1e9:.0f} GB in bf16) do not fit "

@@ -78,27 +78,32 @@ def same_adapter(a, b):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5)
 
 
-def test_two_sharded_processes_train_the_adapter_and_cache_of_one(whole, tmp_path):
-    """Killed (rank 1, kill -9) in the third step, then resumed: the adapter of one process. Half of the one
-    process's teacher cache is there before: the processes whose queries it holds run a stand-in teacher pass while
-    the others compute theirs (else they would wait for each other for ever)."""
-    files = sorted(os.listdir(whole / "teacher"))
-    os.makedirs(tmp_path / "teacher")
+def test_two_sharded_processes_train_the_adapter_and_cache_of_one(twin_folder, tmp_path):
+    """The tiny twin's checkpoint folder, each process reading only its shard of it (transformers shards it as it
+    loads), against one process. Killed (rank 1, kill -9) in the third step, then resumed: the adapter of one process.
+    Half of the one process's teacher cache is there before: the processes whose queries it holds run a stand-in
+    teacher pass while the others compute theirs (else they would wait for each other for ever)."""
+    flags = lambda tmp, *extra: [str(twin_folder) if f == "tiny-idefics2" else f for f in run_flags(tmp, "run", *extra)]
+    one, two = tmp_path / "one", tmp_path / "two"
+    lab_train(flags(one))
+    files = sorted(os.listdir(one / "teacher"))
+    os.makedirs(two / "teacher")
     for name in files[:len(files) // 2]:
-        shutil.copy(whole / "teacher" / name, tmp_path / "teacher" / name)
-    assert torchrun(tmp_path, "train", *run_flags(tmp_path, "run"), kill=True)[0] != 0
-    assert torch.load(tmp_path / "run" / "last.pt", weights_only=False)["progress"]["step"] == 2
-    reports = sharded(tmp_path, "train", *run_flags(tmp_path, "run", "--resume"))
-    same_adapter(tmp_path / "run" / "adapter.safetensors", whole / "run" / "adapter.safetensors")
-    for a, b in zip(*(json.loads((d / "run" / "history.json").read_text()) for d in (tmp_path, whole))):
+        shutil.copy(one / "teacher" / name, two / "teacher" / name)
+    assert torchrun(two, "train", *flags(two), kill=True)[0] != 0
+    assert torch.load(two / "run" / "last.pt", weights_only=False)["progress"]["step"] == 2
+    reports = sharded(two, "train", *flags(two, "--resume"))
+    same_adapter(two / "run" / "adapter.safetensors", one / "run" / "adapter.safetensors")
+    for a, b in zip(*(json.loads((d / "run" / "history.json").read_text()) for d in (two, one))):
         assert a["step"] == b["step"] and a["heldout_loss"] == pytest.approx(b["heldout_loss"], rel=1e-6)
-    assert sorted(os.listdir(tmp_path / "teacher")) == files
+    assert sorted(os.listdir(two / "teacher")) == files
     for name in files:
-        for k, v in load_file(whole / "teacher" / name).items():
-            torch.testing.assert_close(load_file(tmp_path / "teacher" / name)[k], v, rtol=0, atol=1e-5)
-    for r in reports:  # each process holds half of the backbone (the adapter, attached after sharding, apart)
-        assert r["local"] == pytest.approx(r["whole"] / 2, rel=0.1)
-    assert (tmp_path / "stand-ins").read_text()  # the stand-in ran (in the killed run's first epoch)
+        for k, v in load_file(one / "teacher" / name).items():
+            torch.testing.assert_close(load_file(two / "teacher" / name)[k], v, rtol=0, atol=1e-5)
+    whole_bytes = sum(t.nbytes for t in load_file(twin_folder / "model.safetensors").values())
+    for r in reports:  # half of the backbone a process from loading on (the adapter, attached after sharding, apart)
+        assert r["whole"] == r["local"] == pytest.approx(whole_bytes / 2, rel=0.1)
+    assert (two / "stand-ins").read_text()  # the stand-in ran (in the killed run's first epoch)
 
 
 def test_two_sharded_processes_write_the_predictions_of_one(whole, tmp_path):
@@ -135,9 +140,10 @@ def test_shard_without_torchrun_names_the_launch_line():
 
 def test_a_backbone_one_gpu_cannot_hold_is_refused_unsharded_before_loading(monkeypatch):
     """On CUDA (faked: an H200's memory): qwen2.5-vl-72b's weights alone (147 GB) are refused, naming the launch on
-    2; the 7B loads; --shard loads onto the CPU in the GPU's dtype (shard_backbone then moves each shard to its GPU)."""
+    2; the 7B loads; with --shard each process is to read its shard."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141e9))
+    monkeypatch.setattr(shard.torchrun, "rank_and_world", lambda: (0, 2))
     calls = []
     monkeypatch.setattr(shard.backbones, "load_backbone", lambda *a, **options: calls.append(options))
     with pytest.raises(ValueError, match=r"qwen2.5-vl-72b: its weights \(147 GB in bf16\) do not fit this GPU "
@@ -145,8 +151,7 @@ def test_a_backbone_one_gpu_cannot_hold_is_refused_unsharded_before_loading(monk
         shard.loading(None, "qwen2.5-vl-72b", False)
     assert shard.loading(None, "qwen2.5-vl", False) is shard.backbones.load_backbone
     shard.loading(None, "qwen2.5-vl-72b", True)("qwen2.5-vl-72b", device="cuda")
-    shard.loading(None, "tiny-qwen2.5-vl", True)("tiny-qwen2.5-vl", device="cuda")  # float32, as unsharded
-    assert calls == [{"device": "cpu", "dtype": torch.bfloat16}, {"device": "cpu", "dtype": torch.float32}]
+    assert calls == [{"device": "cuda", "shards": 2}]  # each process reads its shard of the 2
 
 
 def test_share_keeps_a_sharded_run_in_step(monkeypatch):
@@ -161,17 +166,19 @@ def test_share_keeps_a_sharded_run_in_step(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_two_sharded_gpus_train_and_answer_as_one(tmp_path):
-    """The sharded path on CUDA with NCCL (`python -m pytest -m gpu`): 2 GPUs against 1, the tiny twin in float32;
-    the adapter within 1e-4 (GPU kernels sum in their own order), the predictions the same."""
-    lab_train(run_flags(tmp_path, "one"))
+def test_two_sharded_gpus_train_and_answer_as_one(twin_folder, tmp_path):
+    """The sharded path on CUDA with NCCL (`python -m pytest -m gpu`): 2 GPUs against 1, the tiny twin's checkpoint
+    folder (each process loading its shard) in bf16; the adapter within 1e-2 (bf16 GPU kernels sum in their own
+    order), the predictions of the built twin the same."""
+    flags = lambda name: [str(twin_folder) if f == "tiny-idefics2" else f for f in run_flags(tmp_path, name)]
+    lab_train(flags("one"))
     shutil.rmtree(tmp_path / "teacher")
-    sharded(tmp_path, "train", *run_flags(tmp_path, "two"))
+    sharded(tmp_path, "train", *flags("two"))
     a, b = (load_file(tmp_path / name / "adapter.safetensors") for name in ("one", "two"))
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-2)
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "5",
-             "--batch-size", "2", "--checkpoint", str(tmp_path / "one" / "adapter.safetensors")]
+             "--batch-size", "2"]
     lab_evaluate([*flags, "--out", str(tmp_path / "e1")])
     sharded(tmp_path, "evaluate", *flags, "--out", str(tmp_path / "e2"))
     for name in os.listdir(tmp_path / "e1"):
