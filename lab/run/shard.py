@@ -3,7 +3,7 @@ backbone too large for one device runs on several. Each decoder layer and vision
 each other module that owns parameters (embeddings, heads, norms): gathered whole only while it runs. The adapter,
 attached after sharding, is not FSDP's: every process holds it whole and its gradients are averaged here
 (average_gradients), as DistributedDataParallel would, so the adapter, its file, last.pt and the teacher cache are an
-unsharded run's.
+unsharded run's. A checkpoint is sharded as it loads, each process reading only its shard (loading).
 
 Every process must call each sharded module as often as the others (each call gathers its parameters from all of
 them): a process with fewer batches repeats its last one (share), one that lacks a teacher pass runs a stand-in
@@ -29,12 +29,9 @@ def shard_backbone(backbone, shard):
     """With `shard` (--shard), backbone.model's parameters sharded over torchrun's processes in place: each of
     units() an FSDP unit, then the root. Once: a backbone that a table's runner loaded for several runs is sharded
     already. Without torchrun a ValueError naming its launch line."""
-    world, model = torchrun.rank_and_world()[1], backbone.model
     if not shard:
         return
-    if world == 1:
-        raise ValueError("--shard shares the backbone among torchrun's processes: launch it as `torchrun "
-                         "--nproc_per_node=N train.py ... --shard` (or evaluate.py), N the number of GPUs")
+    world, model = processes(), backbone.model
     if not hasattr(model, "icl_fingerprint"):  # read from the weights whole (gathered where they load sharded), kept
         model.icl_fingerprint = adapter_files.fingerprint(backbone)
     if not is_sharded(model):  # a built twin, or a checkpoint this transformers loaded whole
@@ -46,6 +43,16 @@ def shard_backbone(backbone, shard):
     model._is_fsdp_managed_module = True  # transformers' generate() then keeps the processes in step
     if "generate" not in vars(model):
         model.generate = functools.partial(root_gathered, model, model.generate)
+
+
+def processes():
+    """torchrun's number of processes, which --shard shares the backbone among; without torchrun a ValueError naming
+    the launch line."""
+    world = torchrun.rank_and_world()[1]
+    if world == 1:
+        raise ValueError("--shard shares the backbone among torchrun's processes: launch it as `torchrun "
+                         "--nproc_per_node=N train.py ... --shard` (or evaluate.py), N the number of GPUs")
+    return world
 
 
 def root_gathered(model, generate, *args, **kwargs):
@@ -107,7 +114,7 @@ def loading(load, name, shard):
     weights alone exceed this GPU is refused before anything loads, naming the torchrun line that shards it."""
     load = load or backbones.load_backbone
     if shard and load is backbones.load_backbone:
-        return functools.partial(load, shards=torchrun.rank_and_world()[1])
+        return functools.partial(load, shards=processes())
     model = None if shard or not torch.cuda.is_available() else published.meta_model(name)
     memory = model and torch.cuda.get_device_properties(0).total_memory
     if model is not None and weight_bytes(model, 1) > HEADROOM * memory:

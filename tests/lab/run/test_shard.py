@@ -131,7 +131,10 @@ def test_qwen2_5_vl_sharded_trains_the_adapter_of_one(tmp_path):
 
 
 def test_shard_without_torchrun_names_the_launch_line():
+    """Refused before anything loads (shard.loading), and by shard_backbone."""
     backbone = type("B", (), {"model": torch.nn.Linear(2, 2)})()
+    with pytest.raises(ValueError, match=r"torchrun --nproc_per_node=N train.py .* --shard"):
+        shard.loading(None, "tiny-idefics2", True)
     with pytest.raises(ValueError, match=r"torchrun --nproc_per_node=N train.py .* --shard"):
         shard.shard_backbone(backbone, True)
     shard.shard_backbone(backbone, False)  # without --shard: nothing to do
