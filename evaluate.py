@@ -247,7 +247,6 @@ def launch(args, load=None, vector=None):
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
         backbone = shard.loading(load, args.model, args.shard)(args.model, image_splitting=args.image_splitting,
                                                                image_memory=args.image_memory * 1e9)
-        shard.shard_backbone(backbone, args.shard)
         if backbone.images:
             print(backbone.images)
         if vector:

@@ -165,7 +165,6 @@ def train(cfg, load=None):
     queries, heldout, pool, shots = tasks.split_pool(cfg, families.family_of(cfg.model))
     backbone = shard.loading(load, cfg.model, cfg.shard)(cfg.model, device=device, image_splitting=cfg.image_splitting,
                                                          image_memory=cfg.image_memory * 1e9)
-    shard.shard_backbone(backbone, cfg.shard)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))

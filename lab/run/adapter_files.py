@@ -19,7 +19,7 @@ def fingerprint(backbone):
     """A short hash of the backbone's identity: its family and some of its weights (the first four parameters, the first
     and last decoder self-attention's: the layers the adapters act in) rounded to bf16, so the same checkpoint loaded in
     float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ. A
-    sharded backbone's is the one taken before sharding (lab/run/shard.py), its weights then being in pieces."""
+    sharded backbone's is read once from its gathered weights and kept (lab/run/shard.py:sharded)."""
     if hasattr(backbone.model, "icl_fingerprint"):
         return backbone.model.icl_fingerprint
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]

@@ -21,16 +21,14 @@ from lab.run import adapter_files, torchrun
 
 
 def is_sharded(model):
-    """Whether `model` is sharded by FSDP2 (shard_backbone)."""
+    """Whether `model` is sharded by FSDP2 (sharded)."""
     return isinstance(model, FSDPModule)
 
 
-def shard_backbone(backbone, shard):
-    """With `shard` (--shard), backbone.model's parameters sharded over torchrun's processes in place: each of
-    units() an FSDP unit, then the root. Once: a backbone that a table's runner loaded for several runs is sharded
-    already. Without torchrun a ValueError naming its launch line."""
-    if not shard:
-        return
+def sharded(backbone):
+    """backbone.model's parameters sharded over torchrun's processes in place (unless they are: a checkpoint sharded
+    as it loaded, or a backbone a table's runner loaded for several runs): each of units() an FSDP unit, then the root;
+    its fingerprint read first; generate() keeping the processes in step. Returns the backbone."""
     world, model = processes(), backbone.model
     if not hasattr(model, "icl_fingerprint"):  # read from the weights whole (gathered where they load sharded), kept
         model.icl_fingerprint = adapter_files.fingerprint(backbone)
@@ -43,6 +41,7 @@ def shard_backbone(backbone, shard):
     model._is_fsdp_managed_module = True  # transformers' generate() then keeps the processes in step
     if "generate" not in vars(model):
         model.generate = functools.partial(root_gathered, model, model.generate)
+    return backbone
 
 
 def processes():
@@ -108,14 +107,16 @@ def gpus_needed(model, memory, most=64):
 
 
 def loading(load, name, shard):
-    """What loads --model `name`: `load` (a table's loader), or None: backbones.load_backbone, which with --shard reads
-    only this process's shard of a checkpoint (lab/models/families.py:load_checkpoint: transformers shards it with
-    FSDP2 as it loads; a built twin loads whole and shard_backbone shards it). On CUDA without --shard, a backbone whose
-    weights alone exceed this GPU is refused before anything loads, naming the torchrun line that shards it."""
+    """What loads --model `name` and, with --shard, shards it (sharded): `load` (a table's loader) or, None,
+    backbones.load_backbone, which with --shard reads only this process's shard of a checkpoint
+    (lab/models/families.py:load_checkpoint: transformers shards it with FSDP2 as it loads; a built twin loads whole).
+    On CUDA without --shard, a backbone whose weights alone exceed this GPU is refused before anything loads, naming
+    the torchrun line that shards it."""
     load = load or backbones.load_backbone
-    if shard and load is backbones.load_backbone:
-        return functools.partial(load, shards=processes())
-    model = None if shard or not torch.cuda.is_available() else published.meta_model(name)
+    if shard:
+        read = functools.partial(load, shards=processes()) if load is backbones.load_backbone else load
+        return lambda *args, **options: sharded(read(*args, **options))
+    model = published.meta_model(name) if torch.cuda.is_available() else None
     memory = model and torch.cuda.get_device_properties(0).total_memory
     if model is not None and weight_bytes(model, 1) > HEADROOM * memory:
         n = gpus_needed(model, memory)

@@ -27,17 +27,18 @@ from types import SimpleNamespace
 import train
 from lab.run import shard
 from lab.cli import modes
-report, shard_backbone, losses, calls = {{}}, shard.shard_backbone, train.losses, []
+report, sharding, losses, calls = {{}}, shard.sharded, train.losses, []
 def killing(*a):
     calls.append(1)
     if os.environ.get("KILL") and os.environ["RANK"] == "1" and len(calls) == 3: os.kill(os.getpid(), signal.SIGKILL)
     return losses(*a)
 train.losses = killing
-def measured(backbone, on):
+def measured(backbone):
     report["whole"] = shard.local_bytes(backbone.model)
-    shard_backbone(backbone, on)
+    sharding(backbone)
     report["local"] = shard.local_bytes(backbone.model)
-shard.shard_backbone = measured
+    return backbone
+shard.sharded = measured
 data = shard.data
 shard.data = SimpleNamespace(query_pieces=data.query_pieces,
                              teacher_batch=lambda *a: stand_in.write("x\\n") and data.teacher_batch(*a))
@@ -131,13 +132,13 @@ def test_qwen2_5_vl_sharded_trains_the_adapter_of_one(tmp_path):
 
 
 def test_shard_without_torchrun_names_the_launch_line():
-    """Refused before anything loads (shard.loading), and by shard_backbone."""
+    """Refused before anything loads (shard.loading), and by shard.sharded; without --shard, the loader as it is."""
     backbone = type("B", (), {"model": torch.nn.Linear(2, 2)})()
     with pytest.raises(ValueError, match=r"torchrun --nproc_per_node=N train.py .* --shard"):
         shard.loading(None, "tiny-idefics2", True)
     with pytest.raises(ValueError, match=r"torchrun --nproc_per_node=N train.py .* --shard"):
-        shard.shard_backbone(backbone, True)
-    shard.shard_backbone(backbone, False)  # without --shard: nothing to do
+        shard.sharded(backbone)
+    assert shard.loading(None, "tiny-idefics2", False) is shard.backbones.load_backbone
     assert not shard.is_sharded(backbone.model)
 
 
@@ -148,12 +149,13 @@ def test_a_backbone_one_gpu_cannot_hold_is_refused_unsharded_before_loading(monk
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141e9))
     monkeypatch.setattr(shard.torchrun, "rank_and_world", lambda: (0, 2))
     calls = []
-    monkeypatch.setattr(shard.backbones, "load_backbone", lambda *a, **options: calls.append(options))
+    monkeypatch.setattr(shard.backbones, "load_backbone", lambda *a, **options: calls.append(options) or "loaded")
+    monkeypatch.setattr(shard, "sharded", lambda backbone: f"{backbone}, sharded")
     with pytest.raises(ValueError, match=r"qwen2.5-vl-72b: its weights \(147 GB in bf16\) do not fit this GPU "
                                          r"\(141 GB\): shard them over 2 or more, `torchrun --nproc_per_node=2"):
         shard.loading(None, "qwen2.5-vl-72b", False)
     assert shard.loading(None, "qwen2.5-vl", False) is shard.backbones.load_backbone
-    shard.loading(None, "qwen2.5-vl-72b", True)("qwen2.5-vl-72b", device="cuda")
+    assert shard.loading(None, "qwen2.5-vl-72b", True)("qwen2.5-vl-72b", device="cuda") == "loaded, sharded"
     assert calls == [{"device": "cuda", "shards": 2}]  # each process reads its shard of the 2
 
 
