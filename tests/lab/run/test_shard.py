@@ -108,9 +108,11 @@ def test_two_sharded_processes_train_the_adapter_and_cache_of_one(twin_folder, t
 
 
 def test_two_sharded_processes_write_the_predictions_of_one(whole, tmp_path):
-    """5 items in batches of 2: one process has 2 batches, the other 1, which it repeats to keep in step."""
+    """5 items in batches of 2: one process has 2 batches, the other 1, which it repeats to keep in step. Each image
+    its own call of the vision tower (--image-memory of a byte): in the last step one process has 1 image, the other
+    2, and the first repeats its call (chunks.in_step)."""
     flags = ["--model", "tiny-idefics2", "--task", "vqav2", "--data-root", benchmarks.ROOT, "--n-eval", "5",
-             "--batch-size", "2", "--checkpoint", str(whole / "run" / "adapter.safetensors")]
+             "--batch-size", "2", "--checkpoint", str(whole / "run" / "adapter.safetensors"), "--image-memory", "1e-9"]
     lab_evaluate([*flags, "--out", str(tmp_path / "one")])
     sharded(tmp_path, "evaluate", *flags, "--out", str(tmp_path / "two"))
     names = sorted(os.listdir(tmp_path / "one"))  # the lock, the metrics and the predictions
