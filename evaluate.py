@@ -24,8 +24,8 @@ import data as D
 import model as M
 from lab.datasets import predict_args, readers, rices, tasks
 from lab.models import backbones, families
-from lab.run import adapter_files, locks, prefetch, torchrun
-from lab.scores import chair, reports, seed_likelihood, results
+from lab.run import adapter_files, locks, prefetch, shard, torchrun
+from lab.scores import chair, reports, results, seed_likelihood
 from lab.cli import eval_cli, harness
 from lab.scores.metrics import cider_d, multiple_choice_accuracy, vqa_accuracy
 from lab.datasets.tasks import load_task  # a task's items by split, for predict() from Python (README)
@@ -98,9 +98,9 @@ def predict(backbone, task, items, icds=None, batch_size=8, likelihood=False, wo
     Arguments that would misalign answers and items are refused first (lab/datasets/predict_args.py)."""
     predict_args.check_predict(task, items, icds, batch_size, likelihood, new_tokens)
     kind, new_tokens = tasks.spec(task).kind, new_tokens or tasks.spec(task).max_new_tokens
-    (rank, world), tok, answers = torchrun.rank_and_world(), backbone.processor.tokenizer, {}
+    rank, tok, answers = torchrun.rank_and_world()[0], backbone.processor.tokenizer, {}
     starts = range(0, len(items), batch_size)
-    mine = starts[rank::world]
+    mine = shard.share(starts, backbone.model)
     specs = [(items[i:i + batch_size], icds[i:i + batch_size] if icds else None) for i in mine]
     rows = prefetch.option_rows if likelihood else prefetch.prompt_rows
     build = functools.partial(rows, backbone.processor, backbone.family, kind)
@@ -188,8 +188,8 @@ def launch(args, load=None, vector=None):
         items = tasks.eval_items(args)
         if items == []:
             raise ValueError(f"{args.task} has no {args.split} items to evaluate")
-        backbone = (load or backbones.load_backbone)(args.model, image_splitting=args.image_splitting,
-                                                     image_memory=args.image_memory * 1e9)
+        backbone = shard.loading(load, args.model, args.shard)(args.model, image_splitting=args.image_splitting,
+                                                               image_memory=args.image_memory * 1e9)
         if backbone.images:
             print(backbone.images)
         if vector:

@@ -27,7 +27,8 @@ import model as M
 from lab.datasets import rices, tasks
 from lab.models import backbones, families
 from lab.methods import registry
-from lab.run import adapter_files, anchor_scale, locks, prefetch, proceed, resume, runs, torchrun, training_batches
+from lab.run import (adapter_files, anchor_scale, locks, prefetch, proceed, resume, runs, shard, torchrun,
+                     training_batches)
 from lab.cli import harness, train_cli
 
 
@@ -156,8 +157,8 @@ def train(cfg, load=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
     queries, heldout, pool, shots = tasks.split_pool(cfg, families.family_of(cfg.model))
-    backbone = (load or backbones.load_backbone)(cfg.model, device=device, image_splitting=cfg.image_splitting,
-                                                 image_memory=cfg.image_memory * 1e9)
+    backbone = shard.loading(load, cfg.model, cfg.shard)(cfg.model, device=device, image_splitting=cfg.image_splitting,
+                                                         image_memory=cfg.image_memory * 1e9)
     if backbone.images:
         print(backbone.images)
     icds = dict(zip((q.id for q in queries), rices.choose_demonstrations(backbone, cfg, queries, pool, shots)))

@@ -21,6 +21,7 @@ class TrainSettings:
     no_teacher_cache: bool = False     # recompute the teacher at every step (no disk)
     save_every: int = 50               # checkpoint every this many steps (and every epoch)
     proceed: bool = False              # start, continue (--resume) or, finished, skip: one command whatever --out holds
+    shard: bool = False                # under torchrun: the backbone sharded over the processes (lab/run/shard.py)
 
 
 @dataclass
@@ -30,3 +31,4 @@ class EvalSettings:
     rices_encoder: Optional[str] = None  # RICES's image encoder, a CLIP hub id or path (None: the backbone's own)
     rices_cache: str = field(default_factory=lambda: os.path.expanduser("~/.cache/hyper-icl/rices"))  # its features
     image_memory: float = chunks.IMAGE_MEMORY / 1e9  # GB the vision tower may hold at once, as train.py's
+    shard: bool = False                  # under torchrun: the backbone sharded over the processes, as train.py's

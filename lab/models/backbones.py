@@ -21,12 +21,13 @@ def stop_ids(backbone):
 
 
 def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkpoint",
-                  image_memory=chunks.IMAGE_MEMORY):
+                  image_memory=chunks.IMAGE_MEMORY, shards=None):
     """Load a backbone by name: a tiny offline twin (random weights), `toy-idefics2` (the shipped reference,
     meta-trained to learn in context), a toy backbone's file (train.py --build-toy), or one of the paper's checkpoints
     (families.load_checkpoint: bf16 on CUDA, float32 on CPU), whose config and eos ids are checked first (it fails
     faster than the weights load). image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off".
-    image_memory: the bytes a call of the vision tower or connector may hold (chunk_images)."""
+    image_memory: the bytes a call of the vision tower or connector may hold (chunk_images). shards: --shard's
+    processes, over which a checkpoint is sharded as it loads (families.load_checkpoint; a built one: ignored)."""
     family = families.family_of(name)  # an unknown name is refused before anything loads
     if is_built(name):
         model, processor = families.FAMILIES[family].built_twin(seed) if name.startswith("tiny-") else \
@@ -36,7 +37,7 @@ def load_backbone(name, device=None, dtype=None, seed=0, image_splitting="checkp
         backbone = families.ready(model.to(device or "cpu", dtype or torch.float32), processor, family, name, images)
     else:
         try:
-            backbone = families.load_checkpoint(name, device, dtype, image_splitting, check=check_files)
+            backbone = families.load_checkpoint(name, device, dtype, image_splitting, check=check_files, shards=shards)
         except SafetensorError as e:  # a hub cache's damaged file (a folder's is named by check_weights first)
             raise ValueError(f"--model {name}: a weights file is truncated or damaged ({str(e)[:120]})") from None
     chunks.chunk_images(backbone.model, image_memory)

@@ -1,6 +1,10 @@
 """Images in chunks (--image-memory): the vision tower and Idefics2's connector run over a batch's images in
 chunks of as many as fit a memory budget, giving the same numbers as one call."""
+import math
+
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 
 # The vision tower and Idefics2's connector (modality projection, an MLP 1152 -> 14336 -> 4096, then the perceiver)
@@ -48,11 +52,24 @@ def chunked(module, *args, **kwargs):
     n, patch = first.shape[0], side(config.vision_config.patch_size)
     patches = first.shape[1] if first.dim() == 3 else first.shape[-2] * first.shape[-1] // patch ** 2
     step = max(1, int(module.icl_chunking["budget"] // image_work(config, patches, first.element_size())))
-    if n <= step:
+    starts, calls = range(0, n, step), in_step(module, math.ceil(n / step))
+    if calls == 1:
         return forward(module, *args, **kwargs)
     part = lambda v, s: v[s:s + step] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v
-    return joined([forward(module, *(part(a, s) for a in args), **{k: part(v, s) for k, v in kwargs.items()})
-                   for s in range(0, n, step)])
+    outs = [forward(module, *(part(a, s) for a in args), **{k: part(v, s) for k, v in kwargs.items()})
+            for s in [*starts, *[starts[-1]] * (calls - len(starts))]]  # stand-ins last: their outputs dropped
+    return joined(outs[:len(starts)]) if len(starts) > 1 else outs[0]
+
+
+def in_step(module, calls):
+    """How many calls of `module` to make for this process's `calls` chunks: the most of any process where the module
+    is sharded over torchrun's processes (lab/run/shard.py: each call gathers its parameters from all of them, so all
+    make as many, one with fewer repeating its last chunk), else `calls`."""
+    if not (dist.is_initialized() and any(isinstance(m, FSDPModule) for m in module.modules())):
+        return calls
+    most = torch.tensor([calls], device=next(module.parameters()).device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most)
 
 
 def side(size):

@@ -195,6 +195,26 @@ for _family in (  # the paper's four (their default shots as the paper runs them
     register(_family)
 
 
+SIZES = {  # a family's larger published checkpoints by short name: (family, hub id, published config). Their tiny
+    #        twin is the family's (tiny-<family>): only the sizes differ, which published_configs.resized states
+    "qwen2.5-vl-32b": ("qwen2.5-vl", "Qwen/Qwen2.5-VL-32B-Instruct", published_configs.qwen2_5_vl_32b),
+    "qwen2.5-vl-72b": ("qwen2.5-vl", "Qwen/Qwen2.5-VL-72B-Instruct", published_configs.qwen2_5_vl_72b),
+    "qwen3-vl-32b": ("qwen3-vl", "Qwen/Qwen3-VL-32B-Instruct", published_configs.qwen3_vl_32b),
+    "internvl3-38b": ("internvl3", "OpenGVLab/InternVL3-38B-hf", published_configs.internvl3_38b),
+    "internvl3-78b": ("internvl3", "OpenGVLab/InternVL3-78B-hf", published_configs.internvl3_78b)}
+
+
+def hub_id(name):
+    """The hub id a short name loads (a family's or one of its SIZES'); any other name is itself a hub id or path."""
+    return FAMILIES[name].hub_id if name in FAMILIES else SIZES[name][1] if name in SIZES else name
+
+
+def published_of(name, family):
+    """What makes the published config of --model `name` of `family` (published_configs): one of SIZES' own, else
+    the family's."""
+    return SIZES[name][2] if name in SIZES else FAMILIES[family].published
+
+
 def available():
     """The families this transformers serves (Family.missing), by name, sorted: what the tests loop over."""
     return sorted(name for name, family in FAMILIES.items() if family.missing() is None)
@@ -208,22 +228,25 @@ def formatted(processor, family):
     return processor
 
 
-def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint", check=None):
+def load_checkpoint(name, device=None, dtype=None, image_splitting="checkpoint", check=None, shards=None):
     """One of the paper's backbones by name: a family's short name (its hub id, FAMILIES), a hub id or a checkpoint
     folder; bf16 on CUDA (the default device when there is one), float32 on CPU, frozen, the weights read straight
     to the device. image_splitting: Idefics2's, as the processor has it ("checkpoint") or "on" / "off"
     (image_setting). check(path): run on the checkpoint's folder or hub id before anything loads
-    (lab/models/backbones.py checks its config and eos ids there)."""
+    (lab/models/backbones.py checks its config and eos ids there). shards: under torchrun --shard, the processes the
+    weights are sharded over as they load (FSDP2; lab/run/shard.py), each reading only its shard."""
     family = family_of(name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    path = FAMILIES[family].hub_id if name == family else name
+    path = hub_id(name)
     if check:
         check(path)
     processor, images = load_processor(path, family, image_splitting)
+    split = {"distributed_config": transformers.DistributedConfig(fsdp_size=shards)} if shards and hasattr(
+        transformers, "DistributedConfig") else {}  # each process reads its shard (older: whole, then lab/run/shard.py)
     model, info = FAMILIES[family].model_cls().from_pretrained(  # never a model folder's own code
         path, dtype=dtype, attn_implementation="sdpa", device_map={"": placed(device)}, output_loading_info=True,
-        trust_remote_code=False)
+        trust_remote_code=False, **split)
     if info["missing_keys"]:  # transformers would initialise them at random
         missing, weights = sorted(info["missing_keys"]), glob.glob(os.path.join(glob.escape(path), "*.safetensors"))
         raise ValueError(f"--model: {weights[0] if len(weights) == 1 else path} lacks the tensor {missing[0]}" +
@@ -244,6 +267,8 @@ def family_of(name):
     short = name.removeprefix("tiny-")
     if short in FAMILIES:
         return short
+    if name in SIZES:
+        return SIZES[name][0]
     config_file = os.path.join(name, "config.json")
     if os.path.isfile(config_file):
         try:
@@ -261,13 +286,13 @@ def family_of(name):
     if os.path.isdir(name):
         raise ValueError(f"--model: the folder {name} has no config.json; give a checkpoint folder (config.json, "
                          "weights, tokenizer and processor files)")
-    hub = {spec.hub_id: family for family, spec in FAMILIES.items()}
+    hub = {spec.hub_id: family for family, spec in FAMILIES.items()} | {h: f for f, h, _ in SIZES.values()}
     if name in hub:
         return hub[name]
     if os.sep in name or name.startswith("."):
         raise ValueError(f"--model: there is no folder {name}, and it is none of the hub ids {sorted(hub)}; give a "
                          "checkpoint folder or one of those")
-    raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, "
+    raise ValueError(f"unknown backbone {name!r}; choose one of {sorted(FAMILIES)}, {sorted(SIZES)}, "
                      f"{sorted('tiny-' + f for f in FAMILIES)}, toy-idefics2, a toy backbone's .safetensors file, or a "
                      "local path of one of those families")
 

@@ -1,7 +1,10 @@
 """Backbones at the published size or grown from a tiny twin, with random weights and no download: parameter counts,
 latency and memory at full size (published_model, from the family record's published config), and twins grown to a
 chosen width (grown_twin, mid_model)."""
+import os
+
 import torch
+from transformers import AutoConfig
 
 from lab.models import families, tiny
 
@@ -45,3 +48,15 @@ def random_backbone(name, size="published"):
     model = mid_model(family)[0].to("cuda" if torch.cuda.is_available() else "cpu") if mid else \
         published_model(family, device="cuda")
     return families.Backbone(model, None, family, f"{family} ({'mid size, ' if mid else ''}random weights)")
+
+
+def meta_model(name):
+    """--model `name` on the meta device (no memory, no weights) from its published config (a short name: a family's
+    or one of families.SIZES') or its folder's config.json; None for any other name (built or a hub id)."""
+    if os.path.isdir(name):
+        return published_model(families.family_of(name), config=AutoConfig.from_pretrained(name,
+                                                                                            trust_remote_code=False))
+    if name in families.FAMILIES or name in families.SIZES:
+        family = families.family_of(name)
+        return published_model(family, config=families.published_of(name, family)())
+    return None

@@ -128,3 +128,56 @@ def smolvlm():
         vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                            image_size=512, patch_size=16), scale_factor=4, image_token_id=49190,
         tie_word_embeddings=True)
+
+
+# ----------------------------------------------------- the larger checkpoints of a family (families.SIZES), by size
+
+def resized(base, text, vision=None):
+    """The config of `base` (one of the functions above) with its text model's fields `text` and its vision tower's
+    fields `vision` replaced: a larger checkpoint of the same architecture."""
+    config = base()
+    decoder = config.get_text_config()
+    decoder.update(text)
+    if getattr(decoder, "layer_types", None):  # derived from the layer count at first: one a layer again
+        decoder.layer_types = decoder.layer_types[:1] * decoder.num_hidden_layers
+    config.vision_config.update(vision or {})
+    return config
+
+
+QWEN2_5_32B = dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                   num_attention_heads=40, num_key_value_heads=8)  # Qwen2.5-32B's text model
+QWEN2_5_72B = dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                   num_attention_heads=64, num_key_value_heads=8)  # Qwen2.5-72B's text model
+INTERNVIT_6B = dict(hidden_size=3200, intermediate_size=12800, num_hidden_layers=45, num_attention_heads=25,
+                    use_qk_norm=True, attention_bias=False, norm_type="rms_norm")  # InternViT-6B-448px-V2.5
+
+
+def qwen2_5_vl_32b():
+    """Qwen/Qwen2.5-VL-32B-Instruct's config.json: Qwen2.5-32B's text model, the 7B's vision tower with its MLP
+    of 3456 (hub config.json)."""
+    return resized(qwen2_5_vl, QWEN2_5_32B, dict(intermediate_size=3456, out_hidden_size=5120))
+
+
+def qwen2_5_vl_72b():
+    """Qwen/Qwen2.5-VL-72B-Instruct's config.json: Qwen2.5-72B's text model, the vision tower of the 32B (hub
+    config.json)."""
+    return resized(qwen2_5_vl, QWEN2_5_72B, dict(intermediate_size=3456, out_hidden_size=8192))
+
+
+def qwen3_vl_32b():
+    """Qwen/Qwen3-VL-32B-Instruct's config.json: 64 layers of 5120, 64 heads of 128, 8 key/value heads, the 8B's
+    vision tower (hub config.json)."""
+    return resized(qwen3_vl, dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                                  num_attention_heads=64, num_key_value_heads=8), dict(out_hidden_size=5120))
+
+
+def internvl3_38b():
+    """OpenGVLab/InternVL3-38B-hf's config.json: InternViT-6B and Qwen2.5-32B (vocabulary 151674) (hub config.json;
+    InternViT-6B-448px's config.json)."""
+    return resized(internvl3, {**QWEN2_5_32B, "vocab_size": 151674}, INTERNVIT_6B)
+
+
+def internvl3_78b():
+    """OpenGVLab/InternVL3-78B-hf's config.json: InternViT-6B and Qwen2.5-72B (vocabulary 151674) (hub config.json;
+    InternViT-6B-448px's config.json)."""
+    return resized(internvl3, {**QWEN2_5_72B, "vocab_size": 151674}, INTERNVIT_6B)

@@ -18,13 +18,17 @@ from lab.methods import registry
 def fingerprint(backbone):
     """A short hash of the backbone's identity: its family and some of its weights (the first four parameters, the first
     and last decoder self-attention's: the layers the adapters act in) rounded to bf16, so the same checkpoint loaded in
-    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ."""
+    float32 or bf16, by name or by path, gives the same fingerprint, and tiny twins of different seeds differ. A
+    sharded backbone's is read once from its gathered weights and kept (lab/run/shard.py:sharded)."""
+    if hasattr(backbone.model, "icl_fingerprint"):
+        return backbone.model.icl_fingerprint
     own = lambda module: [p for n, p in module.named_parameters() if "icl_adapter" not in n and "lora_" not in n]
     attns = M.decoder_self_attentions(backbone.model)
     params = own(backbone.model)[:4] + own(attns[0]) + own(attns[-1])  # any attached adapter left out, LoRA's too
     h = hashlib.sha256(backbone.family.encode())
     for p in params:
         h.update(str(tuple(p.shape)).encode())
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p  # sharded (lab/run/shard.py): all of it
         h.update(p.detach().flatten()[:4096].to(torch.bfloat16).float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 

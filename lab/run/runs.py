@@ -19,7 +19,7 @@ import model as M
 from lab.disk import files
 from lab.models import backbones, families
 from lab.methods import registry
-from lab.run import adapter_files, prefetch, resume, teacher_cache, torchrun, training_batches
+from lab.run import adapter_files, prefetch, resume, shard, teacher_cache, torchrun, training_batches
 
 
 @dataclass
@@ -61,7 +61,7 @@ def start(cfg, backbone, device, data_, optimizer, scheduler):
     data_: (training queries, held-out queries, their ICDs, the task's kind)."""
     queries, heldout, icds, kind = data_
     student_model = (torchrun.data_parallel(backbone.model, cfg.batch_size, len(queries))
-                     if torchrun.rank_and_world()[1] > 1 else None)
+                     if torchrun.rank_and_world()[1] > 1 and not shard.is_sharded(backbone.model) else None)
     os.makedirs(cfg.teacher_cache, exist_ok=True)
     record = adapter_files.run_record(cfg, queries, heldout, icds)
     progress = resume.restore(cfg.out, backbone, optimizer, scheduler, record) if cfg.resume else \
@@ -106,7 +106,7 @@ def remaining_steps(run, epoch):
     steps = [[[run.queries[i] for i in idx[rank::world]] for idx in order[s * accum:(s + 1) * accum]]
              for s in range(run.progress["step"] - epoch * run.steps_per_epoch, run.steps_per_epoch)]
     specs = [(qs, [run.icds[q.id] for q in qs]) for step in steps for qs in step]
-    prepared = training_batches.prepared(run, specs, run.cfg.workers)
+    prepared = shard.teacher_in_step(run, training_batches.prepared(run, specs, run.cfg.workers))
     for step in steps:
         yield itertools.islice(prepared, len(step))  # drawn one by one by the loop: one teacher tensor at a time
 
@@ -131,6 +131,8 @@ def step(run, parts):
                                      "last good checkpoint is untouched. Settings that can cause it: "
                                      f"{diverging(run.cfg)}; try a lower value of one of them (--lr first)")
     run.updating = True
+    if shard.is_sharded(run.backbone.model):  # DistributedDataParallel's part: the adapter's gradients averaged
+        shard.average_gradients(list(M.adapter_modules(run.backbone.model).parameters()))
     yield
     run.progress["step"] += 1
     run.updating = False
@@ -224,9 +226,9 @@ def heldout_loss(run):
     """The supervised loss of the held-out queries, which picks the best epoch. Under torchrun each process scores
     every N-th batch; the batches' values are gathered and summed in order."""
     backbone, cfg, heldout, device = run.backbone, run.cfg, run.heldout, run.device
-    rank, world = torchrun.rank_and_world()
+    world = torchrun.rank_and_world()[1]
     starts, totals = range(0, len(heldout), cfg.batch_size), {}
-    mine = starts[rank::world]
+    mine = shard.share(starts, backbone.model)
     build = functools.partial(prefetch.student_rows, backbone.processor, backbone.family, run.kind)
     for i, batch in zip(mine, prefetch.prepared(build, [heldout[i:i + cfg.batch_size] for i in mine], cfg.workers,
                                             device)):

@@ -19,7 +19,7 @@ from lab.datasets import tasks
 from lab.models import backbones, chunks, families, published
 from lab.methods import registry
 from lab.run import runs, teacher_cache
-from lab.studies import flops, roofline
+from lab.studies import flops, roofline, shard_plan
 
 
 @dataclass
@@ -60,7 +60,7 @@ def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None
     folder = processor_dir or (name if os.path.isdir(name) else None)
     if folder is None:  # the local Hugging Face cache's copy: the plan downloads nothing
         from huggingface_hub import snapshot_download
-        hub_id = families.FAMILIES[family].hub_id
+        hub_id = families.hub_id(name)
         try:
             folder = snapshot_download(hub_id, local_files_only=True)
         except Exception as e:  # LocalEntryNotFoundError and its kin: not cached here
@@ -75,9 +75,9 @@ def plan_backbone(name, family, image_splitting="checkpoint", processor_dir=None
     except (AttributeError, ImportError) as e:  # another family's processor: lacks its settings, needs a video one
         raise ValueError(f"{'--processor' if processor_dir else '--model'} {folder} is not a {family} processor "
                          f"({e})") from None
-    model = published.published_model(family, config=config)  # on the meta device: no weights
-    source = f"published_configs.{families.FAMILIES[family].published.__name__}" if config is None else \
-        f"{name}/config.json"
+    made = families.published_of(name, family)
+    model = published.published_model(family, config=config or made())  # on the meta device: no weights
+    source = f"published_configs.{made.__name__}" if config is None else f"{name}/config.json"
     families.context_limit(processor, model.config)
     file_dtype = getattr(torch, str(getattr(model.config, "dtype", None) or "bfloat16").split(".")[-1])
     return processor, model, images, f"config {source}, processor {folder}, no weights", file_dtype
@@ -181,8 +181,9 @@ def plan(args, queries=None):
     params = sum(p.numel() for p in model.parameters())
     sizes = training and registry.sizes(args.method, args.rank, args.virtual_tokens)  # evaluate.py's: none
     adapter = sum(p.numel() for p in registry.attach(model, args.method, **sizes).parameters()) if training else 0
-    mem = memory(model.config, params, adapter, rows, batch, dtype, tasks.spec(args.task).max_new_tokens, on_cpu,
-                 file_dtype, args.image_memory * 1e9)
+    at = lambda params, batch: memory(model.config, params, adapter, rows, batch, dtype,
+                                      tasks.spec(args.task).max_new_tokens, on_cpu, file_dtype, args.image_memory * 1e9)
+    mem = at(params, batch)
     mean = lambda values: sum(values) / len(values)
     count = lambda n: f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,}"
     print(f"plan: {args.model} on {args.task}, {len(queries)} queries, {shots} shots, batch {batch}, "
@@ -206,6 +207,7 @@ def plan(args, queries=None):
               f"adapter {size(mem['adapter'])}" + (f" + runtime {size(mem['runtime'])}" if on_cpu else "") + ")")
     print(f"peak memory, evaluation at batch {batch}: ~{size(mem['eval_adapter'])} with the adapter or "
           f"zero-shot, ~{size(mem['eval_icl'])} for {shots}-shot ICL")
+    figures["shard"] = shard_plan.plan(args, at, model, batch, training)  # --shard: a GPU of N's
     print(MEMORY_ASSUMPTIONS.format(dtype=str(dtype).split(".")[-1], file=str(file_dtype).split(".")[-1],
                                     budget=size(args.image_memory * 1e9)))
     figures["times"] = plan_times(args, model, rows, batch, shots if training else args.shots or 0, len(queries),

@@ -312,3 +312,16 @@ def test_data_lays_images_out_by_the_processors_layout_alone(monkeypatch):
     items = tasks.load_task("vqav2", "val", benchmarks.ROOT)[:2]
     batch = data.prompt_batch(backbone.processor, "not-a-family", "vqa", items)
     assert calls == [2] and batch["pixel_values"].shape[0] == 2
+
+
+@pytest.mark.parametrize("name, family, billions", [  # the hub's parameter counts of the checkpoints (safetensors)
+    ("qwen2.5-vl-32b", "qwen2.5-vl", 33.5), ("qwen2.5-vl-72b", "qwen2.5-vl", 73.4), ("qwen3-vl-32b", "qwen3-vl", 33.4),
+    ("internvl3-38b", "internvl3", 38.4), ("internvl3-78b", "internvl3", 78.4)])
+def test_the_larger_checkpoints_by_short_name(name, family, billions):
+    """families.SIZES: the family, hub id and published config of each; built on the meta device, the parameters of
+    the published checkpoint."""
+    from lab.models import published
+    assert families.family_of(name) == family and families.family_of(families.hub_id(name)) == family
+    assert f"-{name.split('-')[-1]}-" in families.hub_id(name).lower()  # 72b in Qwen/Qwen2.5-VL-72B-Instruct
+    model = published.meta_model(name)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.003)
