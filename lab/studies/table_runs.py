@@ -362,7 +362,7 @@ class Settings:
     figure: Optional[Literal["2", "3a", "3b", "4"]] = None  # a figure's cells as a table, and its figure (4: a page)
     print: bool = False               # print the table from its result files, beside the paper's; run nothing
     print_commands: bool = False      # print each job as one idempotent shell line, in dependency order; run nothing
-    gpus: Optional[str] = None        # devices, as 0,1,2,3 or 0-3: one process each (--shard: each job on all)
+    gpus: Optional[str] = None        # devices, as 0,1,2,3: one process each, each taking the next job
     table_worker: Optional[str] = None  # --gpus' own: the claims folder of one device's process
     karpathy_split: Literal["val", "test"] = "val"  # COCO's, Flickr30k's split: Karpathy's val (MimIC's code) or test
     seed_bench: Literal["2", "1"] = "2"  # the SEED column: SEED-Bench-2 (the paper's 24,000 questions) or SEED-Bench-1
