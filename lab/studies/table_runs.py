@@ -1,6 +1,7 @@
 """A table's work (evaluate.py --table N, --figure N): each cell's single commands (tables.py) as jobs, each piece of
 work once, in one process that loads the backbone once; resumed by running the same command again; --gpus: one such
-process per device taking the next job; --print-commands: the jobs as shell lines for any launcher.
+process per device taking the next job (with --shard: each job over all of them, one after another); --print-commands:
+the jobs as shell lines for any launcher.
 
 Once each: a job is one train.py or evaluate.py command (or a study of lab on an adapter: Tables 6, 9, 10), and
 cells that need the same command share its job (Table 4's zero-shot is Table 1's, Table 8's adapter is Table 1's run,
@@ -338,11 +339,12 @@ def run_table(args, argv, mains, parsers, command):
         lines = [sharded_line(j, args.gpus) if args.shard else j.line() for j in jobs] + [shlex.join(table_line)]
         print("\n".join(lines))
         return lines
-    if args.gpus and args.shard:
+    run = not args.print  # --print with --gpus (the line --print-commands ends with) runs nothing
+    if run and args.gpus and args.shard:
         on_all_devices(jobs, args.gpus)
-    elif args.gpus and not args.table_worker:
+    elif run and args.gpus and not args.table_worker:
         on_devices(args.gpus, args.out, argv, command)
-    elif not args.print:
+    elif run:
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")

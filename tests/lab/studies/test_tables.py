@@ -650,10 +650,11 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
         lab([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
 
 
-def test_a_sharded_table_prints_each_job_as_its_torchrun_line_over_the_devices(tmp_path, capsys):
+def test_a_sharded_table_prints_each_job_as_its_torchrun_line_over_the_devices(tmp_path, monkeypatch, capsys):
     """--gpus 0-1 --shard --print-commands (no GPU needed to print): a training or evaluation over both devices with
     torchrun and --shard, a study (hyperbolicity) unsharded on the first, then the table's --print line, which
-    parses; --gpus 0-3 is 0,1,2,3; without --shard the lines are refused, as --shard without --gpus."""
+    prints and runs nothing; --gpus 0-3 is 0,1,2,3; without --shard the lines are refused, as --shard without
+    --gpus."""
     flags = ["table", "9", *QUIET, "--out", str(tmp_path), "--gpus", "0-1", "--shard"]
     lines = lab([*flags, "--print-commands"])
     data, out = f"--data-root {benchmarks.ROOT}", tmp_path
@@ -666,7 +667,11 @@ def test_a_sharded_table_prints_each_job_as_its_torchrun_line_over_the_devices(t
     assert lines == [train.format("", ""), train.format("-anchor-euclidean", " --anchor euclidean"),
                      study.format(""), study.format("-anchor-euclidean"),
                      shlex.join(["python", "-m", "lab", *flags, "--print"])]
-    assert capsys.readouterr().out.split("\n")[:-1] == lines and lab_args(flags[:-1] + ["--print"]).print
+    assert capsys.readouterr().out.split("\n")[:-1] == lines
+    monkeypatch.setattr(subprocess, "run", None)  # a job started: a TypeError
+    monkeypatch.setattr(subprocess, "Popen", None)
+    printed = lab(shlex.split(lines[-1])[3:])
+    assert printed["cells"] and all(c["marks"] == ["missing"] for c in printed["cells"])
     assert lab_args([*flags[:-3], "--gpus", "0-3", "--plan", "cuda"]).gpus == "0,1,2,3"
     assert lab_args([*flags[:-3], "--gpus", "0-1,4,6-7", "--plan", "cuda"]).gpus == "0,1,4,6,7"
     assert "--print-commands with --gpus takes --shard" in refused(lab_args, [*flags[:-1], "--print-commands"],
