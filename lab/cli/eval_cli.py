@@ -44,7 +44,7 @@ def parse_args(argv, doc, defaults, shown=None, preset=None, script=False, studi
     argv = list(sys.argv[1:] if argv is None else argv)
     if script:
         flags.refuse_moved(argv, "evaluate.py", [f.name for f in dataclasses.fields(defaults) if f.name not in shown])
-    p = flags.parser(doc, defaults, exclusive=[("print", "print_commands", "gpus")], shown=shown, prog=prog)
+    p = flags.parser(doc, defaults, exclusive=[("print", "print_commands")], shown=shown, prog=prog)
     # `--train-args VALUE` as `--train-args=VALUE`: a value starting with '-' ("--resume") is the flag's, not a flag
     for k in range(len(argv) - 1):
         if argv[k] == "--train-args":

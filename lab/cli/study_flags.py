@@ -40,7 +40,8 @@ def check_studies(p, args, defaults, train_parse):
 
 def check_table(p, args, defaults, trained):
     """The checks of --table and --figure (their own flags only with one of them: APPLIES), before any job: --gpus
-    names devices this process sees (as CUDA numbers them), each once; no flag that reaches no cell (one a cell
+    names devices this process sees (as CUDA numbers them), each once (gpu_numbers; written back as a list), and
+    with --print-commands comes with --shard; --shard comes with --gpus; no flag that reaches no cell (one a cell
     chooses itself, as --shots: table_runs.unreached), and a note for one handed on to rows the table lacks
     (--seed-protocol or --seed-bench without SEED, --karpathy-split without COCO or Flickr30k); no --train-args flag
     the table sets for each job (--task, --out, --method: table_runs.JOB_FLAGS; trained: train.py's Config of
@@ -48,15 +49,17 @@ def check_table(p, args, defaults, trained):
     if not (args.table or args.figure):
         return
     if args.gpus is not None:  # "": an empty shell variable, not one process
-        devices = args.gpus.split(",")
-        if not all(d.isascii() and d.isdigit() for d in devices):  # "²" is a digit to isdigit(), not to int()
-            p.error(f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {args.gpus!r})")
-        if len(set(map(int, devices))) < len(devices):
-            p.error(f"--gpus {args.gpus} names a device twice; one process a device")
+        args.gpus = ",".join(map(str, gpu_numbers(p, args.gpus)))
         count = torch.cuda.device_count()
-        if not args.plan and not args.table_worker and max(map(int, devices)) >= count:
+        if not (args.plan or args.print or args.print_commands or args.table_worker) and \
+                max(map(int, args.gpus.split(","))) >= count:
             p.error(f"--gpus {args.gpus}: this machine has {count} CUDA device(s) visible" +
                     (f" (0 to {count - 1})" if count else "") + "; name those (--plan takes any, to plan for them)")
+        if args.print_commands and not args.shard:
+            p.error("--print-commands with --gpus takes --shard (each job's torchrun line over those devices); "
+                    "without --gpus its lines run on any one device")
+    elif args.shard and not args.print:
+        p.error("--shard in a table takes --gpus, as --gpus 0-3: each job runs over those devices at once")
     layout = tables.layout(args.table or f"figure-{args.figure}", families.family_of(args.model),
                            seed_bench=args.seed_bench)
     for name in table_runs.unreached(args, defaults, layout):
@@ -71,3 +74,20 @@ def check_table(p, args, defaults, trained):
     missing = rices.encoder_missing(families.record_of(args.model), args.rices_encoder)
     if missing and any("rices" in c.evaluate for c in layout.cells.values()):
         p.error(f"{layout.name}'s RICES row: {missing}")
+
+
+def gpu_numbers(p, gpus):
+    """The device numbers of --gpus: numbers and ranges separated by commas (0,1,2,3; 0-3; 0-1,4-5), each once, in
+    the order given; a parser error naming what is wrong."""
+    numbers = []
+    for part in gpus.split(","):
+        ends = part.split("-")
+        if not all(e.isascii() and e.isdigit() for e in ends) or len(ends) > 2:  # "²" is a digit to isdigit() alone
+            p.error(f"--gpus takes device numbers separated by commas, as 0,1,2,3 (got {gpus!r}), or a range, as 0-3")
+        if int(ends[0]) > int(ends[-1]):
+            p.error(f"--gpus {gpus}: the range {part} runs downward; name it from its first device up, as "
+                    f"{ends[-1]}-{ends[0]}")
+        numbers += range(int(ends[0]), int(ends[-1]) + 1)
+    if len(set(numbers)) < len(numbers):
+        p.error(f"--gpus {gpus} names a device twice; one process a device")
+    return numbers

@@ -16,7 +16,7 @@ from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
-from lab.run import runs, teacher_cache
+from lab.run import runs, shard, teacher_cache
 from lab.studies import flops, roofline, run_plan
 
 class Tokens:
@@ -67,6 +67,7 @@ class Work:
         self.f, self.params = flops.flop_model(self.model), sum(p.numel() for p in self.model.parameters())
         self.dtype = run_plan.backbones.autocast_dtype(args.plan)
         self.acc = roofline.accelerator(args.accelerator, args.plan)
+        self.shards = len(args.gpus.split(",")) if args.shard else 1  # --shard: the processes a job's work is over
 
     def once(self, key, make):
         if key not in self.memo:
@@ -103,7 +104,8 @@ class Work:
 
     def memory(self, a, training):
         """Peak accelerator memory of a job: run_plan.memory on a sample of its rows (training, evaluation zero-shot or
-        with the adapter, n-shot ICL), once per task, shots and method."""
+        with the adapter, n-shot ICL), once per task, shots and method; under --shard a GPU's of self.shards, as
+        shard_plan.per_gpu counts it."""
         shots = a.shots or 0
 
         def encoded():  # the sampled rows of the task and shots, encoded once for every method
@@ -116,7 +118,8 @@ class Work:
 
         def make():
             rows, batch = self.once(("rows", a.task, shots, training, a.batch_size), encoded)
-            mem = run_plan.memory(self.model.config, self.params, self.adapter(a) if training else 0, rows, batch,
+            mem = run_plan.memory(self.model.config, shard.weight_bytes(self.model, self.shards, itemsize=1),
+                                  self.adapter(a) if training else 0, rows, math.ceil(batch / self.shards),
                               self.dtype, tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype,
                               self.args.image_memory * 1e9)
             return mem["train"] if training else mem["eval_icl" if shots else "eval_adapter"]
@@ -255,11 +258,16 @@ def plan_table(args, table, jobs, parsers):
     gpus = len(args.gpus.split(",")) if args.gpus else 1
     loads, gpu_hours = min(gpus, len(jobs)), sum(hours.values(), roofline.ZERO)
     longest = max(chain.values(), default=roofline.ZERO, key=lambda t: t.expected)
+    if args.shard:  # each job over all the GPUs, one after another: a load per job, no chain longer than the sum
+        loads, longest = len(jobs), roofline.ZERO
+        print(f"--shard: each cell's job runs over {gpus} GPUs at once, one job after another; the peaks above are a "
+              f"GPU's of {gpus}")
     wall = roofline.Time(max(gpu_hours.bound / gpus, longest.bound), max(gpu_hours.expected / gpus, longest.expected))
     total |= {"jobs": len(jobs), "backbone_loads": loads, "gpu_hours": gpu_hours.expected, "wall_hours":
               wall.expected, "bound_hours": gpu_hours.bound, "gpus": gpus, "runs": records,
               "phases": {k: t * (1 / 3600) for k, t in phases.items()}}
-    print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process); teacher "
+    print(f"total: {len(jobs)} jobs, backbone loaded {loads} time(s) (once per process{', sharded' * args.shard});"
+          " teacher "
           f"{total['teacher_passes']:,} passes ({total['teacher_tokens']:,} tokens); {total['steps']:,} training "
           f"steps, {total['heldout_forwards']:,} held-out forwards; {total['items']:,} evaluation items, "
           f"{total['prompt_tokens']:,} prompt tokens, <= {total['generated_at_most']:,} generated")

@@ -1,6 +1,7 @@
 """A table's work (evaluate.py --table N, --figure N): each cell's single commands (tables.py) as jobs, each piece of
 work once, in one process that loads the backbone once; resumed by running the same command again; --gpus: one such
-process per device taking the next job; --print-commands: the jobs as shell lines for any launcher.
+process per device taking the next job (with --shard: each job over all of them, one after another); --print-commands:
+the jobs as shell lines for any launcher.
 
 Once each: a job is one train.py or evaluate.py command (or a study of lab on an adapter: Tables 6, 9, 10), and
 cells that need the same command share its job (Table 4's zero-shot is Table 1's, Table 8's adapter is Table 1's run,
@@ -37,7 +38,7 @@ ONLY_WITH = {"rices_encoder": "rices", "rices_cache": "rices", "vector_layer": "
              "vector_heldout": "--vector", "fv_heads": "fv", "fv_trials": "fv"}  # flags handed on only to the cells
 # whose own flags hold the word
 TABLE_FLAGS = ("model", "data_root", "out", "n_eval", "train_args", "seed_protocol", "plan", "processor", "table",
-               "figure", "print", "print_commands", "gpus", "table_worker", "accelerator",
+               "figure", "print", "print_commands", "gpus", "table_worker", "accelerator", "shard",
                "plan_json", "karpathy_split", "seed_bench")  # evaluate.py's flags a table reads itself
 JOB_FLAGS = ("model", "task", "data_root", "out", "teacher_cache", "proceed", "resume", "overwrite", "method",
              "icd_task", "plan", "processor", "benchmark", "build_toy", "build_tries")  # train.py's, set per job
@@ -271,6 +272,40 @@ def on_devices(gpus, out, argv, command):
                          "again to continue")
 
 
+SHARDED = ("train.py", "evaluate.py")  # the jobs --shard runs over every device; a study runs on the first alone
+
+
+def sharded_launch(job, gpus):
+    """The job under --gpus with --shard: (CUDA_VISIBLE_DEVICES, its words): a training or evaluation over all the
+    devices at once (torchrun, one process a device, --shard), a study unsharded in one process on the first."""
+    visible = [visible_device(int(d)) for d in gpus.split(",")]
+    if job.script not in SHARDED:
+        return visible[0], shlex.split(job.line())
+    return ",".join(visible), ["torchrun", "--standalone", f"--nproc_per_node={len(visible)}",
+                               *shlex.split(job.line())[1:], "--shard"]
+
+
+def sharded_line(job, gpus):
+    """sharded_launch as one shell line: CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun ... --shard."""
+    visible, words = sharded_launch(job, gpus)
+    return f"CUDA_VISIBLE_DEVICES={visible} {shlex.join(words)}"
+
+
+def on_all_devices(jobs, gpus):
+    """--gpus with --shard: each job in turn (dependency order) over all the devices (sharded_launch), in a process of
+    its own, this Python's torchrun and python; a failed job stops the table, named (each finished job is skipped by
+    its own command, so the same table command continues)."""
+    for k, job in enumerate(jobs):
+        visible, words = sharded_launch(job, gpus)
+        print(f"[{k + 1}/{len(jobs)}] {sharded_line(job, gpus)}", flush=True)
+        launcher = ["-m", "torch.distributed.run"] if words[0] == "torchrun" else []
+        done = subprocess.run([sys.executable, *launcher, *words[1:]], env={**os.environ,
+                                                                             "CUDA_VISIBLE_DEVICES": visible})
+        if done.returncode != 0:
+            raise ValueError(f"job {k + 1} of {len(jobs)} failed (exit {done.returncode}; its output is above): "
+                             f"{sharded_line(job, gpus)}; run the same command again to continue")
+
+
 def worker_claims(out, pid):
     """The claims folder of the --gpus run started by process `pid`: <out>/claims/<host>-<pid>."""
     return os.path.join(out, "claims", f"{files.this_host()}-{pid}")
@@ -301,12 +336,15 @@ def run_table(args, argv, mains, parsers, command):
         return table_plan.plan_table(args, table, jobs, parsers)
     if args.print_commands:
         table_line = [*command, *(a for a in argv if a != "--print-commands"), "--print"]
-        lines = [j.line() for j in jobs] + [shlex.join(table_line)]
+        lines = [sharded_line(j, args.gpus) if args.shard else j.line() for j in jobs] + [shlex.join(table_line)]
         print("\n".join(lines))
         return lines
-    if args.gpus and not args.table_worker:
+    run = not args.print  # --print with --gpus (the line --print-commands ends with) runs nothing
+    if run and args.gpus and args.shard:
+        on_all_devices(jobs, args.gpus)
+    elif run and args.gpus and not args.table_worker:
         on_devices(args.gpus, args.out, argv, command)
-    elif not args.print:
+    elif run:
         shared = run_jobs(jobs, mains, args.table_worker, args.seed)
         print(f"{table.name}: {shared.jobs} of its {len(jobs)} jobs run in this process, the backbone loaded "
               f"{shared.loads} time(s)")

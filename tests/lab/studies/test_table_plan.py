@@ -9,8 +9,9 @@ import data as D
 import evaluate
 from lab.datasets import tasks
 from lab.models import backbones
+from lab.run import shard
 from lab.studies import flops, table_plan
-from helpers import lab
+from helpers import lab, lab_args
 
 
 @pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
@@ -80,3 +81,26 @@ def test_the_time_model_counts_flattened_patches_and_merged_connectors(name):
         backbone.model(**batch, logits_to_keep=1)
     assert flops.forward_flops(f, tokens, 3, 1, counter.patches) == \
         pytest.approx(forward.get_total_flops(), rel=0.05)
+
+
+def test_a_sharded_table_plans_each_job_over_its_gpus(tmp_path, monkeypatch, capsys):
+    """--shard --gpus 0-3: each job's peak is a GPU's of four (shard.weight_bytes' shard, a quarter of the batch: the
+    unsharded plan's peak is larger), every job loads the backbone and runs over all four, so the wall time is the
+    GPU-hours over four."""
+    processor = tmp_path / "processor"
+    backbones.load_backbone("tiny-idefics2").processor.save_pretrained(processor)
+    flags = ["table", "7", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda", "--data-root",
+             benchmarks.ROOT, "--n-eval", "8", "--train-args", "--n-train 8 --n-heldout 1", "--gpus", "0-3"]
+    peaks = lambda out: [line.split("peak ~")[1].split(";")[0] for line in out.splitlines() if "peak ~" in line]
+    whole = lab(flags)
+    one = peaks(capsys.readouterr().out)
+    planned = lab([*flags, "--shard"])
+    out = capsys.readouterr().out
+    assert "--shard: each cell's job runs over 4 GPUs at once" in out and planned["gpus"] == 4
+    assert planned["backbone_loads"] == planned["jobs"] == whole["jobs"] > whole["backbone_loads"] == 4
+    assert planned["wall_hours"] == pytest.approx(planned["gpu_hours"] / 4) and planned["gpu_hours"] == \
+        whole["gpu_hours"]
+    sized = lambda text: float(text.split()[0]) * {"MB": 1e6, "GB": 1e9}[text.split()[1]]
+    model = table_plan.Work(lab_args([*flags, "--shard"]), "idefics2").model  # the meta-device model, no weights
+    held = shard.weight_bytes(model, 4)  # a GPU's shard in bf16, two units gathered whole
+    assert len(peaks(out)) == len(one) and all(held < sized(s) < sized(w) for s, w in zip(peaks(out), one))

@@ -650,6 +650,90 @@ def test_gpus_names_each_device_of_this_machine_once_counted_as_a_scheduler_list
         lab([*table, "--print", "--table-worker", str(tmp_path / "mine")])  # before: nothing printed
 
 
+def test_a_sharded_table_prints_each_job_as_its_torchrun_line_over_the_devices(tmp_path, monkeypatch, capsys):
+    """--gpus 0-1 --shard --print-commands (no GPU needed to print): a training or evaluation over both devices with
+    torchrun and --shard, a study (hyperbolicity) unsharded on the first, then the table's --print line, which
+    prints and runs nothing; --gpus 0-3 is 0,1,2,3; without --shard the lines are refused, as --shard without
+    --gpus."""
+    flags = ["table", "9", *QUIET, "--out", str(tmp_path), "--gpus", "0-1", "--shard"]
+    lines = lab([*flags, "--print-commands"])
+    data, out = f"--data-root {benchmarks.ROOT}", tmp_path
+    train = (f"CUDA_VISIBLE_DEVICES=0,1 torchrun --standalone --nproc_per_node=2 -m lab train --model tiny-idefics2 "
+             f"{data} --task vqav2 --out {out}/train/vqav2/hyper-icl{{}} --teacher-cache {out}/teacher/vqav2 "
+             "--proceed --threads 1{} --shard")
+    study = (f"CUDA_VISIBLE_DEVICES=0 python -m lab hyperbolicity --model tiny-idefics2 {data} --task vqav2 --out "
+             f"{out}/train/vqav2/hyper-icl{{0}} --n-eval 1000 --eval-draw seeded --threads 1 --checkpoint "
+             f"{out}/train/vqav2/hyper-icl{{0}}/adapter.safetensors")
+    assert lines == [train.format("", ""), train.format("-anchor-euclidean", " --anchor euclidean"),
+                     study.format(""), study.format("-anchor-euclidean"),
+                     shlex.join(["python", "-m", "lab", *flags, "--print"])]
+    assert capsys.readouterr().out.split("\n")[:-1] == lines
+    monkeypatch.setattr(subprocess, "run", None)  # a job started: a TypeError
+    monkeypatch.setattr(subprocess, "Popen", None)
+    printed = lab(shlex.split(lines[-1])[3:])
+    assert printed["cells"] and all(c["marks"] == ["missing"] for c in printed["cells"])
+    assert lab_args([*flags[:-3], "--gpus", "0-3", "--plan", "cuda"]).gpus == "0,1,2,3"
+    assert lab_args([*flags[:-3], "--gpus", "0-1,4,6-7", "--plan", "cuda"]).gpus == "0,1,4,6,7"
+    assert "--print-commands with --gpus takes --shard" in refused(lab_args, [*flags[:-1], "--print-commands"],
+                                                                   capsys)
+    assert "--shard in a table takes --gpus, as --gpus 0-3" in refused(lab_args, [*flags[:-3], "--shard"], capsys)
+
+
+@pytest.mark.parametrize("gpus, said", [("3-1", "--gpus 3-1: the range 3-1 runs downward; name it from its first "
+                                                 "device up, as 1-3"),
+                                        ("0-", "--gpus takes device numbers separated by commas, as 0,1,2,3 (got "
+                                               "'0-'), or a range, as 0-3"),
+                                        ("0-2-4", "(got '0-2-4'), or a range, as 0-3"),
+                                        ("0-2,1", "--gpus 0-2,1 names a device twice")])
+def test_a_bad_range_of_gpus_is_named(gpus, said, tmp_path, capsys):
+    flags = ["table", "9", *QUIET, "--out", str(tmp_path), "--gpus", gpus, "--shard", "--print-commands"]
+    assert said in refused(lab_args, flags, capsys)
+
+
+def test_a_sharded_table_runs_each_job_over_every_device_in_turn_and_stops_at_a_failed_one(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """on_all_devices, its commands recorded instead of run: each job in dependency order, trainings and evaluations
+    under this Python's torchrun over the devices a scheduler's CUDA_VISIBLE_DEVICES names, a study on the first
+    alone; a failed job stops the table, its line named, the jobs after it not started."""
+    args = lab_args(["table", "9", *QUIET, "--out", str(tmp_path), "--gpus", "0-1", "--shard", "--print-commands"])
+    _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("9", "idefics2"))
+    started, codes = [], iter([0, 0, 0, 0, 0, 3])
+
+    def run(argv, env):  # the job's process, recorded
+        started.append((env["CUDA_VISIBLE_DEVICES"], argv))
+        return subprocess.CompletedProcess(argv, next(codes))
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a scheduler's share of the machine
+    table_runs.on_all_devices(jobs, args.gpus)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "lab"]
+    assert started == [("4,5", [*torchrun, "train", *jobs[0].argv, "--shard"]),
+                       ("4,5", [*torchrun, "train", *jobs[1].argv, "--shard"]),
+                       ("4", [sys.executable, "-m", "lab", "hyperbolicity", *jobs[2].argv]),
+                       ("4", [sys.executable, "-m", "lab", "hyperbolicity", *jobs[3].argv])]
+    assert [j.script for j in jobs] == ["train.py", "train.py", "hyperbolicity", "hyperbolicity"]
+    assert "[4/4] CUDA_VISIBLE_DEVICES=4 python -m lab hyperbolicity" in capsys.readouterr().out
+    started.clear()
+    with pytest.raises(ValueError, match=r"^job 2 of 4 failed \(exit 3; its output is above\): "
+                                         r"CUDA_VISIBLE_DEVICES=4,5 torchrun .* --anchor euclidean --shard; run the "
+                                         r"same command again to continue$"):
+        table_runs.on_all_devices(jobs, args.gpus)
+    assert len(started) == 2
+
+
+def test_a_sharded_tables_training_runs_for_real_under_torchrun_and_is_skipped_when_done(tmp_path, capfd):
+    """Table 9's first training by on_all_devices for real: 2 CPU processes (gloo; CUDA_VISIBLE_DEVICES names no
+    device here and is harmless), the adapter written; the same job again skips it by its own --proceed."""
+    args = lab_args(["table", "9", *QUIET, "--out", str(tmp_path), "--gpus", "0-1", "--shard", "--print-commands",
+                     "--train-args", "--n-train 4 --n-heldout 2 --batch-size 2 --epochs 1 --shots 1"])
+    _, jobs = table_runs.table_jobs(args, lab_evaluate_args([]), lab_train_args, tables.layout("9", "idefics2", 4))
+    table_runs.on_all_devices(jobs[:1], args.gpus)
+    adapter = tmp_path / "train" / "vqav2" / "hyper-icl" / "adapter.safetensors"
+    assert adapter.stat().st_size and "done: 2 steps" in capfd.readouterr().out
+    written = adapter.read_bytes()
+    table_runs.on_all_devices(jobs[:1], args.gpus)
+    assert capfd.readouterr().out.count("a finished run of these settings") == 2 and adapter.read_bytes() == written
+
+
 def test_print_shows_a_cell_only_from_a_result_of_its_own_job(tmp_path, capsys):
     """Table 7's zero-shot VQAv2 evaluated once; --print of another backbone, another --data-root, and after the
     metrics were damaged or the predictions they score removed: no number (before: another backbone's or data's
