@@ -82,14 +82,15 @@ def same_adapter(a, b):
 def test_two_sharded_processes_train_the_adapter_and_cache_of_one(twin_folder, tmp_path):
     """The tiny twin's checkpoint folder, each process reading only its shard of it (transformers shards it as it
     loads), against one process. Killed (rank 1, kill -9) in the third step, then resumed: the adapter of one process.
-    Half of the one process's teacher cache is there before: the processes whose queries it holds run a stand-in
-    teacher pass while the others compute theirs (else they would wait for each other for ever)."""
+    All of the one process's teacher cache but one query's is there before: in the micro-batch of that query, the
+    process whose queries the cache holds runs a stand-in teacher pass while the other computes its own (else they
+    would wait for each other for ever), whichever run (killed or resumed) reaches it."""
     flags = lambda tmp, *extra: [str(twin_folder) if f == "tiny-idefics2" else f for f in run_flags(tmp, "run", *extra)]
     one, two = tmp_path / "one", tmp_path / "two"
     lab_train(flags(one))
     files = sorted(os.listdir(one / "teacher"))
     os.makedirs(two / "teacher")
-    for name in files[:len(files) // 2]:
+    for name in files[:-1]:  # one query's states missing: a stand-in is certain, whatever order the names sort in
         shutil.copy(one / "teacher" / name, two / "teacher" / name)
     assert torchrun(two, "train", *flags(two), kill=True)[0] != 0
     assert torch.load(two / "run" / "last.pt", weights_only=False)["progress"]["step"] == 2
@@ -104,7 +105,7 @@ def test_two_sharded_processes_train_the_adapter_and_cache_of_one(twin_folder, t
     whole_bytes = sum(t.nbytes for t in load_file(twin_folder / "model.safetensors").values())
     for r in reports:  # half of the backbone a process from loading on (the adapter, attached after sharding, apart)
         assert r["whole"] == r["local"] == pytest.approx(whole_bytes / 2, rel=0.1)
-    assert (two / "stand-ins").read_text()  # the stand-in ran (in the killed run's first epoch)
+    assert (two / "stand-ins").read_text()  # the stand-in ran (in the killed or the resumed run's first epoch)
 
 
 def test_two_sharded_processes_write_the_predictions_of_one(whole, tmp_path):
