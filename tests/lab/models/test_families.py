@@ -3,6 +3,7 @@ the published processor settings, tiny random weights at the real vocabularies, 
 real checkpoint is. On them: the rows' token ids, the memory of the forwards (no vocabulary-wide logits),
 LLaVA-OneVision's multi-image encoding, the stop ids, train.py and evaluate.py end to end on every task kind; and
 every malformed or missing config, generation config, processor file or tensor named."""
+import collections
 import dataclasses
 import json
 import os
@@ -24,6 +25,7 @@ from lab.datasets import tasks
 from lab.models import backbones, families, image_layouts, tiny
 from lab.models.backbones import load_backbone, stop_ids
 from lab.scores import seed_likelihood
+from lab.studies import table_runs
 from twins import TWINS, write_twin
 
 
@@ -54,6 +56,19 @@ SPECIAL["llava-onevision"] = SPECIAL["llava-interleave"]
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("twins")
     return {name: write_twin(name, root / name) for name in TWINS}
+
+
+@pytest.fixture(scope="module")
+def loads():
+    """A twin's backbone loaded once for the train.py and evaluate.py calls of this module (table_runs.Shared: what a
+    table's runner hands them, each call the backbone a fresh load gives, without the adapter of the one before):
+    its real-vocabulary tokenizer takes a second or two to read."""
+    shared = collections.defaultdict(table_runs.Shared)
+
+    def load(name, script):
+        shared[name].clean()
+        return shared[name].training if script == "train" else shared[name].evaluation
+    return load
 
 
 @pytest.fixture(scope="module")
@@ -257,20 +272,21 @@ METHOD_OF = {"idefics2": "hificl", "idefics2-split": "live", "llava-interleave":
 
 
 @pytest.mark.parametrize("name", TWINS)
-def test_train_and_evaluate_end_to_end_at_8_shots(folders, tmp_path, name):
+def test_train_and_evaluate_end_to_end_at_8_shots(folders, loads, tmp_path, name):
     for method in ("hyper-icl", METHOD_OF[name]):
         out = str(tmp_path / method)
         train.main(["--model", folders[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--method", method,
                     "--out", out, "--shots", "8", "--n-train", "2", "--n-heldout", "1", "--batch-size", "2",
-                    "--epochs", "1"])
+                    "--epochs", "1"], loads(name, "train"))
         with open(os.path.join(out, "history.json")) as f:
             assert len(json.load(f)) == 1
         m = E.main(["--model", folders[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--checkpoint",
-                    f"{out}/adapter.safetensors", "--n-eval", "2", "--out", str(tmp_path / "eval")])
+                    f"{out}/adapter.safetensors", "--n-eval", "2", "--out", str(tmp_path / "eval")],
+                   loads(name, "eval"))
         assert m["setting"] == method and m["n"] == 2
     for shots in ("0", "8"):
         m = E.main(["--model", folders[name], "--task", "vqav2", "--data-root", benchmarks.ROOT, "--shots", shots,
-                    "--n-eval", "2", "--out", str(tmp_path / "eval")])
+                    "--n-eval", "2", "--out", str(tmp_path / "eval")], loads(name, "eval"))
         assert m["setting"] == f"{shots}-shot" and 0 <= m["vqa_accuracy"] <= 100
 
 
@@ -280,10 +296,10 @@ KINDS = [("coco", []), ("mme", []), ("seed", ["--seed-protocol", "generate"]),
 
 @pytest.mark.parametrize("task, flags", KINDS)
 @pytest.mark.parametrize("shots", ["0", "8"])
-def test_every_task_kind_evaluates_on_a_twin(folders, tmp_path, task, flags, shots):
+def test_every_task_kind_evaluates_on_a_twin(folders, loads, tmp_path, task, flags, shots):
     name = TWINS[KINDS.index((task, flags)) % len(TWINS)]
     m = E.main(["--model", folders[name], "--task", task, "--data-root", benchmarks.ROOT, "--shots", shots, "--n-eval",
-                "2", "--out", str(tmp_path), *flags])
+                "2", "--out", str(tmp_path), *flags], loads(name, "eval"))
     assert m["setting"] == f"{shots}-shot" and m["n"] >= 2
 
 
