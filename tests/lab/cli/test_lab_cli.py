@@ -231,11 +231,13 @@ def test_gpus_workers_run_the_table_under_lab(tmp_path, monkeypatch, capsys):
 
 
 def test_lab_runs_from_another_folder_and_the_scripts_import_no_study():
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    done = subprocess.run([sys.executable, "-m", "lab", "build-toy", "--help"], cwd=os.path.dirname(ROOT),
-                          capture_output=True, text=True, env=env)
-    assert done.returncode == 0 and done.stdout.startswith("usage: python -m lab build-toy")
-    code = ("import sys, train, evaluate; print(sorted(m for m in sys.modules if m.startswith('lab.studies') or "
-            "m in ('lab.cli.modes', 'lab.cli.commands', 'lab.cli.study_flags')))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout == "[]\n", done.stderr[-2000:]
+    """One fresh interpreter, in the project's parent folder: train and evaluate imported reach no study and not lab's
+    command line; then `python -m lab build-toy --help` (runpy, as -m runs it) prints its usage."""
+    code = ("import runpy, sys, train, evaluate; print(sorted(m for m in sys.modules if m.startswith('lab.studies') "
+            "or m in ('lab.cli.modes', 'lab.cli.commands', 'lab.cli.study_flags'))); "
+            "sys.argv = ['lab', 'build-toy', '--help']; runpy.run_module('lab', run_name='__main__', alter_sys=True)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(ROOT), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    imported, usage = done.stdout.split("\n", 1)
+    assert done.returncode == 0 and imported == "[]", done.stderr[-2000:]
+    assert usage.startswith("usage: python -m lab build-toy")
