@@ -720,7 +720,7 @@ def test_a_sharded_table_runs_each_job_over_every_device_in_turn_and_stops_at_a_
     assert len(started) == 2
 
 
-def test_a_sharded_tables_training_runs_for_real_under_torchrun_and_is_skipped_when_done(tmp_path, capfd):
+def test_a_sharded_tables_training_runs_for_real_under_torchrun_and_proceeds(tmp_path, capfd):
     """Table 9's first training by on_all_devices for real: 2 CPU processes (gloo; CUDA_VISIBLE_DEVICES names no
     device here and is harmless), the adapter written; its line carries --proceed, which skips a finished run when
     the same command runs it again (as every table job's: test_a_table_does_each_piece_of_work_once...)."""
