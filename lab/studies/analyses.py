@@ -30,7 +30,7 @@ class Settings:
 def analysis_batches(backbone, args, items):
     """(teacher, student) prompt batches per --batch-size items: [ICDs; query] and [query], as model inputs, with
     each row's number of query tokens (the last positions of both rows, since both are left-padded)."""
-    shots = args.shots or data.default_shots(tasks.spec(args.task), backbone.family)
+    shots = args.shots or tasks.default_shots(args.task, backbone.family)
     support = tasks.load_task(args.task, "train", args.data_root)
     kind, device = tasks.spec(args.task).kind, backbone.model.device
     groups = [items[i:i + args.batch_size] for i in range(0, len(items), args.batch_size)]

@@ -176,7 +176,7 @@ def curve(args, train_main, run_teacher, scored, paper_lam):
     settings = curve_settings(args)
     results.check_replaceable(os.path.join(args.out, "curve.json"), settings)  # before hours of training
     items, backbone = tasks.eval_items(args), backbones.load_backbone(args.model)
-    kind, shots = tasks.spec(args.task).kind, data.default_shots(tasks.spec(args.task), backbone.family)
+    kind, shots = tasks.spec(args.task).kind, tasks.default_shots(args.task, backbone.family)
     # the teacher: the backbone's answer logits with `shots` random ICDs from the training split (seed 0), per item
     icds = data.demonstrations([it.id for it in items], tasks.load_task(args.task, "train", args.data_root), shots, 0)
     pieces, teacher = data.query_pieces(backbone.processor, backbone.family, kind, items), []

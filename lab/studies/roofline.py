@@ -15,7 +15,7 @@ import torch
 from lab.disk import files
 from lab.studies import flops
 
-Accelerator = namedtuple("Accelerator", "name flops bandwidth compute overhead fitted")
+Accelerator = namedtuple("Accelerator", "name flops bandwidth compute overhead fitted memory")
 
 BANDWIDTH_SHARE = 0.8  # streamed reads of GBs of weights reach ~80% of the data sheet's bandwidth (docs/efficiency.md)
 
@@ -27,12 +27,13 @@ CARRIED = "not fitted: the H200's c and o carried over (no published measurement
 
 OVERHEAD = 0.631e-3  # o, seconds a layer run: STAVE's fit
 
-ACCELERATORS = {  # the data sheets' dense bf16 peak FLOP/s and memory bandwidth (bytes/s): docs/efficiency.md
-    "h200": Accelerator("an H200 SXM", 989e12, 4.8e12, 0.035, OVERHEAD, STAVE),
-    "h100": Accelerator("an H100 SXM", 989e12, 3.35e12, 0.263, OVERHEAD, TABLE6),
-    "h100-pcie": Accelerator("an H100 PCIe", 756e12, 2.0e12, 0.035, OVERHEAD, CARRIED),
-    "a100": Accelerator("an A100 SXM 80GB", 312e12, 2.039e12, 0.035, OVERHEAD, CARRIED),
-    "l40s": Accelerator("an L40S", 362e12, 0.864e12, 0.035, OVERHEAD, CARRIED),
+ACCELERATORS = {  # the data sheets' dense bf16 peak FLOP/s, memory bandwidth (bytes/s) and memory (bytes, the plan
+    # past one GPU's: lab/studies/shard_plan.py): docs/efficiency.md
+    "h200": Accelerator("an H200 SXM", 989e12, 4.8e12, 0.035, OVERHEAD, STAVE, 141e9),
+    "h100": Accelerator("an H100 SXM", 989e12, 3.35e12, 0.263, OVERHEAD, TABLE6, 80e9),
+    "h100-pcie": Accelerator("an H100 PCIe", 756e12, 2.0e12, 0.035, OVERHEAD, CARRIED, 80e9),
+    "a100": Accelerator("an A100 SXM 80GB", 312e12, 2.039e12, 0.035, OVERHEAD, CARRIED, 80e9),
+    "l40s": Accelerator("an L40S", 362e12, 0.864e12, 0.035, OVERHEAD, CARRIED, 48e9),
 }
 
 

@@ -169,7 +169,7 @@ def plan(args, queries=None):
     if training:
         queries, _, pool, shots = tasks.split_pool(args, family)
     else:
-        shots = args.shots if args.shots else data.default_shots(tasks.spec(args.task), family)
+        shots = args.shots if args.shots else tasks.default_shots(args.task, family)
         pool = tasks.icd_support(args)
     processor, model, images, source, file_dtype = plan_backbone(args.model, family, args.image_splitting,
                                                                  args.processor)

@@ -9,8 +9,8 @@ import math
 
 from lab.disk.files import size
 from lab.run import shard
+from lab.studies import roofline
 
-GPU_MEMORY = {"h200": 141e9, "h100": 80e9, "h100-pcie": 80e9, "a100": 80e9, "l40s": 48e9}  # the data sheets' bytes
 
 COUNTS = (1, 2, 4, 8)  # the GPUs a plan considers: one node's
 
@@ -36,7 +36,7 @@ def plan(args, memory, model, batch, training):
     (run_plan.memory's peak within shard.HEADROOM of a GPU) and its torchrun line; return {"gpus": {n: {phase:
     bytes}}, "fewest": n or None, "line": the line or None}. Printed only with --shard or where one GPU is too small
     (train.py and evaluate.py refuse such a backbone unsharded before loading it: shard.loading)."""
-    capacity = GPU_MEMORY.get(args.accelerator)
+    capacity = getattr(roofline.ACCELERATORS.get(args.accelerator), "memory", None)  # the data sheet's bytes
     phase, script = ("train", "train.py") if training else ("eval_icl", "evaluate.py")
     gpus = {n: per_gpu(memory, model, n, batch) for n in COUNTS}
     if capacity is None or (not args.shard and gpus[1][phase] <= shard.HEADROOM * capacity):

@@ -112,7 +112,7 @@ class Work:
             queries, support = (self.split(a)[0], self.split(a)[2]) if training else self.items(a)
             sample = queries[:run_plan.PLAN_SAMPLE]
             icds = data.demonstrations([q.id for q in sample], support, shots or
-                                       data.default_shots(tasks.spec(a.task), self.family), a.seed)
+                                       tasks.default_shots(a.task, self.family), a.seed)
             batch = min(a.batch_size, len(sample))
             return run_plan.plan_rows(self.processor, self.family, tasks.spec(a.task).kind, sample, icds, batch), batch
 
@@ -165,7 +165,7 @@ def eval_work(a, w):
     queries = {b: roofline.query_times(w.acc, f, b, prompt, images, tokens.patches, new)
                for b in sorted({1, a.batch_size})}
     if a.vector:
-        shots = data.default_shots(tasks.spec(a.task), w.family)
+        shots = tasks.default_shots(a.task, w.family)
         icl = tokens.row(items[0], data.demonstrations([items[0].id], support, shots, 0)[0], True)
         forwards = a.vector_sets + (a.fv_trials * (f["layers"] * f["heads"] + 1) if a.vector == "fv" else 0)
         count += forwards * flops.forward_flops(f, icl, shots + 1, 1, tokens.patches) + a.vector_heldout * \
@@ -187,7 +187,7 @@ def study_work(a, w, study):
     attention), at --batch-size; the benchmark's one query per setting (zero-shot, the adapter, --bench-shots ICL),
     each counted once and timed 2 x --rounds times to its first token (its decoding steps left out)."""
     (items, support), tokens, f = w.items(a), w.tokens(a.task), w.f
-    shots = a.shots or data.default_shots(tasks.spec(a.task), w.family)
+    shots = a.shots or tasks.default_shots(a.task, w.family)
     if study == "benchmark":
         ids, batch = [items[0].id], 1
         rows = [(tokens.row(items[0], [], False), 1, 2 * (1 + 2 * a.rounds))] + [

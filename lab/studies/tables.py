@@ -8,7 +8,6 @@ import hashlib
 import shlex
 from dataclasses import dataclass, field, replace
 
-import data
 from lab.datasets import tasks
 
 
@@ -199,11 +198,6 @@ KAPPAS, LAMBDAS = ("0.01", "0.1", "1"), ("0.25", "0.5", "1")  # Figure 3b (the p
 ANALYSIS_ITEMS = 1000  # queries Tables 9 and 10 analyse (Appendix C: 1,000 VQAv2 samples; Table 10's subsets: as many)
 
 
-def shots_of(task, family):
-    """The ICDs of the paper's n-shot ICL and teacher for a task on a family (data.default_shots)."""
-    return data.default_shots(tasks.spec(task), family)
-
-
 def unless(flag, value, default):
     """(flag, value), or () where value is the default: a run of default settings is named and shared as one."""
     return () if str(value) == str(default) else (flag, str(value))
@@ -224,14 +218,16 @@ def layout(name, family, n_train=1000, seed_bench="2"):
 
 
 def icl(task, family, source=None):
-    """The n-shot ICL cell of a task (ICDs from `source`'s training split: Table 8)."""
-    return Cell(task, ("--shots", str(shots_of(source or task, family))) + (("--icd-task", source) if source else ()))
+    """The n-shot ICL cell of a task, at the paper's shots for it (tasks.default_shots; ICDs from `source`'s training
+    split: Table 8)."""
+    shots = ("--shots", str(tasks.default_shots(source or task, family)))
+    return Cell(task, shots + (("--icd-task", source) if source else ()))
 
 
 def table_1(family, n_train):
-    n = shots_of("vqav2", family)
+    n = tasks.default_shots("vqav2", family)
     rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), f"{n}-shot ICL": lambda t: icl(t, family),
-            "RICES": lambda t: Cell(t, ("--shots", str(shots_of(t, family)), "--icds", "rices")),
+            "RICES": lambda t: Cell(t, ("--shots", str(tasks.default_shots(t, family)), "--icds", "rices")),
             "FV": lambda t: Cell(t, ("--vector", "fv")), "TV": lambda t: Cell(t, ("--vector", "tv")),
             **{m: (lambda t, m=m: Cell(t, train=trained(m, t))) for m in TRAINED}}
     return Table("Table 1", "Results of VQAv2, OK-VQA, and COCO", tuple(rows), T1,
@@ -248,7 +244,7 @@ def table_2(family, n_train):
 def table_3(family, n_train):
     cells = {}
     for task in T1[:2]:
-        default = shots_of(task, family)
+        default = tasks.default_shots(task, family)
         for n in T3:
             cells[f"{TASK_NAMES[task]} ICL", n] = Cell(task, ("--shots", n))
             cells[f"{TASK_NAMES[task]} Hyper-ICL", n] = Cell(task, train=unless("--shots", n, default))
@@ -264,7 +260,7 @@ def table_4(family, n_train):
 
 
 def table_7(family, n_train):
-    rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), f"{shots_of('vqav2', family)}-shot ICL":
+    rows = {"Zero-shot": lambda t: Cell(t, ("--shots", "0")), f"{tasks.default_shots('vqav2', family)}-shot ICL":
             lambda t: icl(t, family), "MimIC": lambda t: Cell(t, train=TRAINED["MimIC"]),
             "Hyper-ICL": lambda t: Cell(t, train=())}
     return Table("Table 7", "Results evaluated on additional MLLMs", tuple(rows), T1[:2],
@@ -296,7 +292,7 @@ def table_figure_2(family, n_train):
             cells |= {(f"{TASK_NAMES[task]} {m}", str(n)): Cell(task, train=TRAINED[m] + unless("--n-train", n,
                                                                                                   n_train))
                       for m in FIGURE_METHODS}
-            cells[f"{TASK_NAMES[task]} {shots_of(task, family)}-shot ICL", str(n)] = icl(task, family)
+            cells[f"{TASK_NAMES[task]} {tasks.default_shots(task, family)}-shot ICL", str(n)] = icl(task, family)
     return Table("Figure 2", "Accuracy against training queries (ICL: the same at every size)",
                  tuple(dict.fromkeys(r for r, _ in cells)), tuple(map(str, sizes)), cells, figure="lines")
 
@@ -316,7 +312,8 @@ def table_figure_3b(family, n_train):
 
 def table_5(family, n_train):
     """CHAIR on COCO: each column's cell is Table 1's COCO evaluation, its predictions counted by CHAIR."""
-    methods = {"Z-Shot": Cell("coco", ("--shots", "0")), f"{shots_of('coco', family)}-ICL": icl("coco", family),
+    n = tasks.default_shots("coco", family)
+    methods = {"Z-Shot": Cell("coco", ("--shots", "0")), f"{n}-ICL": icl("coco", family),
                "TV": Cell("coco", ("--vector", "tv")), "FV": Cell("coco", ("--vector", "fv")),
                **{m: Cell("coco", train=TRAINED[m]) for m in FIGURE_METHODS}}
     metrics = {"CHAIRs": "chair_s", "CHAIRi": "chair_i", "Recall": "recall"}
@@ -355,7 +352,7 @@ def table_10(family, n_train):
 
 def table_figure_4(family, n_train):
     """Figure 4's queries: Table 1's VQA cells of n-shot ICL and the adapters, their answers shown side by side."""
-    rows = {f"{shots_of('vqav2', family)}-shot ICL": lambda t: icl(t, family),
+    rows = {f"{tasks.default_shots('vqav2', family)}-shot ICL": lambda t: icl(t, family),
             **{m: (lambda t, f=TRAINED[m]: Cell(t, train=f)) for m in FIGURE_METHODS}}
     return Table("Figure 4", "VQA answers of n-shot ICL and the adapters (the gallery: figure-4.html)", tuple(rows),
                  T1[:2], {(r, t): make(t) for r, make in rows.items() for t in T1[:2]}, figure="gallery")
@@ -435,7 +432,7 @@ def table_robustness(family, n_train):
     column is the adapter alone (Table 1's cell), its n-shot column the same adapter after n demonstrations."""
     cells = {}
     for t in T1:
-        n = shots_of(t, family)
+        n = tasks.default_shots(t, family)
         for m in ROBUST:
             cells[m, f"{TASK_NAMES[t]} 0-shot"] = Cell(t, train=trained(m, t))
             cells[m, f"{TASK_NAMES[t]} {n}-shot"] = Cell(t, ("--shots", str(n)), trained(m, t))

@@ -174,7 +174,7 @@ def compute_vector(backbone, args, shots):
 def load_vector(backbone, args):
     """The TV or FV for --vector, computed once (compute_vector) and saved, else read back. Returns the steering
     (layer, vector, add) evaluate() applies and the facts the metrics file records."""
-    shots, fv = args.shots or data.default_shots(tasks.spec(args.task), backbone.family), args.vector == "fv"
+    shots, fv = args.shots or tasks.default_shots(args.task, backbone.family), args.vector == "fv"
     layers, heads, _ = M.attention_shape(backbone.model)
     if args.vector_layer is not None and not 0 <= args.vector_layer < layers:
         raise ValueError(f"--vector-layer {args.vector_layer} is out of range: {backbone.name} has decoder layers "

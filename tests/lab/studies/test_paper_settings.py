@@ -17,7 +17,7 @@ def test_table_2_runs_mme_and_seed_2_shot_on_idefics2_and_32_shot_on_idefics_9b(
         layout = tables.layout("2", family)
         for task in ("mme", "seed"):
             assert layout.cells["ICL", task].evaluate == ("--shots", shots)
-            assert tables.shots_of(task, family) == int(shots) and layout.cells["Hyper-ICL", task].train == ()
+            assert tasks.default_shots(task, family) == int(shots) and layout.cells["Hyper-ICL", task].train == ()
         assert layout.cells["ICL", "flickr30k"].evaluate == ("--shots", "32" if family == "idefics" else "8")
 
 
