@@ -2,6 +2,7 @@
 one-line pointer from a flag the scripts gave to `python -m lab` to its new command."""
 import argparse
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -185,8 +186,10 @@ def field_help(cls):
     return {k: v for base in reversed(bases) for k, v in field_help(base).items()} | own_help(cls)
 
 
+@functools.cache
 def own_help(cls):
-    """field_help of the fields `cls` itself writes."""
+    """field_help of the fields `cls` itself writes, read from its source once a process (a table parses its jobs'
+    flags hundreds of times)."""
     lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
     tokens = list(tokenize.generate_tokens(iter(line + "\n" for line in lines).__next__))
     names = {a.start[0]: a.string for a, b in zip(tokens, tokens[1:])
