@@ -470,11 +470,12 @@ def test_a_second_process_on_a_claimed_folder_stops_at_once_naming_it_and_the_ho
         second = [[sys.executable, "-m", "lab", "train", *run_flags(tmp_path, "run", "--lr", "1e-3", "--seed", "1")],
                   [sys.executable, "evaluate.py", "--model", "tiny-idefics2", "--task", "vqav2", "--data-root",
                    benchmarks.ROOT, "--shots", "0", "--out", str(out)]]
-        for argv in second:
-            cli = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-            assert cli.returncode == 1 and "Traceback" not in cli.stderr, cli.stderr[-2000:]
-            assert cli.stderr.strip().splitlines()[-1] == f"error: {out} is in use by another run (pid " \
-                                                          f"{first.pid}); wait for it to finish or choose another --out"
+        for cli in [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    for argv in second]:  # both at once
+            err = cli.communicate()[1]
+            assert cli.returncode == 1 and "Traceback" not in err, err[-2000:]
+            assert err.strip().splitlines()[-1] == f"error: {out} is in use by another run (pid {first.pid}); wait " \
+                                                   "for it to finish or choose another --out"
         assert not (out / "last.pt").exists()                              # the second run wrote nothing there
     finally:
         first.kill()
