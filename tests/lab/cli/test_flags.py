@@ -50,6 +50,14 @@ def test_the_flags_are_the_configs_fields_with_their_values_and_comments(script,
     assert [f.name for f in fields if not helps.get(f.name)] == []
 
 
+def test_a_configs_source_is_read_once_a_process_however_often_its_flags_are_parsed(monkeypatch):
+    """A table parses its jobs' flags hundreds of times: the comments that are the flags' help are read once."""
+    lab_train_args([]), lab_evaluate_args([])
+    monkeypatch.setattr(flags.inspect, "getsource", lambda obj: pytest.fail(f"{obj} read again"))
+    for _ in range(3):
+        lab_train_args([]), lab_evaluate_args([])
+
+
 @pytest.mark.parametrize("flag, value", [
     ("--lr", "1e300"), ("--lr", "inf"), ("--kappa", "inf"), ("--lam", "inf"), ("--weight-decay", "inf"),
     ("--temperature", "inf"), ("--clip", "inf"), ("--temperature", "1e39"), ("--kappa", "1e-300"),
