@@ -16,8 +16,8 @@ from lab.disk.files import size
 from lab.datasets import tasks
 from lab.models import families
 from lab.methods import registry
-from lab.run import runs, shard, teacher_cache
-from lab.studies import flops, roofline, run_plan
+from lab.run import runs, teacher_cache
+from lab.studies import flops, roofline, run_plan, shard_plan
 
 class Tokens:
     """Tokens of rows without loading their images: a piece's text by the tokenizer (its image placeholder one
@@ -64,7 +64,7 @@ class Work:
         self.args, self.family, self.memo = args, family, {}
         self.processor, self.model, self.images, self.source, _ = run_plan.plan_backbone(
             args.model, family, args.image_splitting, args.processor)
-        self.f, self.params = flops.flop_model(self.model), sum(p.numel() for p in self.model.parameters())
+        self.f = flops.flop_model(self.model)
         self.dtype = run_plan.backbones.autocast_dtype(args.plan)
         self.acc = roofline.accelerator(args.accelerator, args.plan)
         self.shards = len(args.gpus.split(",")) if args.shard else 1  # --shard: the processes a job's work is over
@@ -104,8 +104,8 @@ class Work:
 
     def memory(self, a, training):
         """Peak accelerator memory of a job: run_plan.memory on a sample of its rows (training, evaluation zero-shot or
-        with the adapter, n-shot ICL), once per task, shots and method; under --shard a GPU's of self.shards, as
-        shard_plan.per_gpu counts it."""
+        with the adapter, n-shot ICL), once per task, shots and method: a GPU's of self.shards (shard_plan.per_gpu;
+        one GPU without --shard)."""
         shots = a.shots or 0
 
         def encoded():  # the sampled rows of the task and shots, encoded once for every method
@@ -118,10 +118,10 @@ class Work:
 
         def make():
             rows, batch = self.once(("rows", a.task, shots, training, a.batch_size), encoded)
-            mem = run_plan.memory(self.model.config, shard.weight_bytes(self.model, self.shards, itemsize=1),
-                                  self.adapter(a) if training else 0, rows, math.ceil(batch / self.shards),
-                              self.dtype, tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype,
-                              self.args.image_memory * 1e9)
+            at = lambda params, batch: run_plan.memory(
+                self.model.config, params, self.adapter(a) if training else 0, rows, batch, self.dtype,
+                tasks.spec(a.task).max_new_tokens, self.args.plan == "cpu", self.dtype, self.args.image_memory * 1e9)
+            mem = shard_plan.per_gpu(at, self.model, self.shards, batch)
             return mem["train"] if training else mem["eval_icl" if shots else "eval_adapter"]
         return self.once(("memory", a.task, shots, getattr(a, "method", None) if training else bool(shots)), make)
 
