@@ -1,9 +1,10 @@
 """What the tests share beside conftest.py's fixtures: the repository's root; the flags of the tiny runs, one set
 (TINY, BENCH, EVAL, TRAIN, TRAIN_NO_CACHE, RUN and run_flags, SMALL and small_run, QUIET; with_flag, and refused for a
 parser's one-line error); python -m lab in this process (lab, lab_args; lab_train, lab_evaluate and their
-parsers); small inputs written by hand (VQAv2's files, a task of one's own on coloured photos);
-prompts for the tiny twins, randomised adapters and the cached-decoding check; a micro-batch and the teacher's states
-as the loop makes them; DataLoader workers killed mid-run; float64 references for the baselines' attention."""
+parsers); small inputs written by hand (VQAv2's files, a task of one's own on coloured photos); plans kept from
+loading weights (no_weights); prompts for the tiny twins, randomised adapters and the cached-decoding check; a
+micro-batch and the teacher's states as the loop makes them; DataLoader workers killed mid-run; float64 references for
+the baselines' attention."""
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from PIL import Image
 
 import benchmarks
@@ -25,11 +27,11 @@ import train
 from lab.cli import commands, modes
 from lab.datasets import tasks
 from lab.methods import registry
+from lab.models import backbones
 from lab.run import training_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: where train.py runs from
 
-PAPER = ["idefics", "idefics2", "llava-interleave", "llava-onevision"]  # the paper's backbones (tests/paper's)
 TINY = ["--model", "tiny-idefics2"]                                         # the tiny Idefics2 twin
 BENCH = [*TINY, "--task", "vqav2", "--data-root", benchmarks.ROOT]          # on the VQAv2 of tools/benchmarks.py
 EVAL = [*BENCH, "--n-eval", "2", "--shots", "0"]                            # a two-item zero-shot evaluation
@@ -80,7 +82,17 @@ def refused(parse, argv, capsys):
         parse(argv)
     return capsys.readouterr().err.strip().splitlines()[-1]
 
-PAPER = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the paper's four: their processors' own calls
+
+PAPER = ("idefics2", "idefics", "llava-interleave", "llava-onevision")  # the paper's four backbones (tests/paper's):
+# their processors' own calls
+
+
+def no_weights(monkeypatch):
+    """Make every way of loading weights fail, so a test proves a plan reads none."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plan loaded weights")
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
+    monkeypatch.setattr(backbones, "load_backbone", refuse)
 
 
 def images(texts):

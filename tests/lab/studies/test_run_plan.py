@@ -6,7 +6,6 @@ import os
 from collections import namedtuple
 
 import pytest
-import transformers
 
 import benchmarks
 import data
@@ -17,7 +16,7 @@ from lab.models import backbones
 from lab.run import teacher_cache
 from lab.studies import run_plan
 from twins import write_twin
-from helpers import lab, lab_args, lab_train, lab_train_args
+from helpers import lab, lab_args, lab_train, lab_train_args, no_weights
 
 
 Free = namedtuple("Free", "total used free")
@@ -28,14 +27,6 @@ def twins(tmp_path_factory):
     """One folder per real-processor twin, written once for the module."""
     root = tmp_path_factory.mktemp("twins")
     return {name: write_twin(name, root / name) for name in ("idefics2", "idefics2-split", "llava-onevision")}
-
-
-def no_weights(monkeypatch):
-    """Make every way of loading weights fail, so a test proves the plan reads none."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the plan loaded weights")
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(backbones, "load_backbone", refuse)
 
 
 def recorded_rows(monkeypatch):

@@ -1,12 +1,11 @@
 """The plan past one GPU (lab/studies/shard_plan.py): qwen2.5-vl-72b's memory a GPU under --shard on 1, 2, 4 and 8
 H200s, the fewest that hold it and its torchrun line, from its published config with no weights read."""
 import pytest
-import transformers
 
 import benchmarks
 import twins
-from helpers import lab
-from lab.models import backbones, published
+from helpers import lab, no_weights
+from lab.models import published
 from lab.run import shard
 
 
@@ -14,13 +13,6 @@ from lab.run import shard
 def processor(tmp_path_factory):
     """The Qwen2.5-VL twin's folder, for its processor (the plan reaches no hub)."""
     return twins.write_twin("qwen2.5-vl", tmp_path_factory.mktemp("twin") / "qwen2.5-vl")
-
-
-def no_weights(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the plan loaded weights")
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(backbones, "load_backbone", refuse)
 
 
 def test_weights_a_gpu_holds_are_its_shard_and_two_whole_units():

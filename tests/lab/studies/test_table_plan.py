@@ -11,7 +11,7 @@ from lab.datasets import tasks
 from lab.models import backbones
 from lab.run import shard
 from lab.studies import flops, table_plan
-from helpers import lab, lab_args
+from helpers import lab, lab_args, no_weights
 
 
 @pytest.mark.parametrize("name", ["tiny-idefics2", "tiny-idefics"])
@@ -37,14 +37,9 @@ def test_the_time_model_is_the_flop_counters_count(name):
 
 
 def test_the_plan_at_the_published_size_reads_no_weights_and_gives_gpu_hours(tmp_path, monkeypatch, capsys):
-    import transformers
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the plan loaded weights")
     processor = tmp_path / "processor"
     backbones.load_backbone("tiny-idefics2").processor.save_pretrained(processor)  # a processor; the model's size
-    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(refuse))
-    monkeypatch.setattr(backbones, "load_backbone", refuse)
+    no_weights(monkeypatch)
     planned = lab(["table", "1", "--model", "idefics2", "--processor", str(processor), "--plan", "cuda",
                             "--data-root", benchmarks.ROOT, "--n-eval", "2", "--gpus", "0,1,2,3",
                             "--train-args", "--n-train 2 --n-heldout 1", "--plan-json", str(tmp_path / "plan.json")])
