@@ -29,6 +29,8 @@ def process_group():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     try:
         yield
+        dist.barrier()  # all done with each other before any tears the group down (on CPU with gloo, a process that
+        # did so while its peer still ran was seen to abort: SIGABRT); not after a failure, which torchrun stops
     finally:
         dist.destroy_process_group()
 
